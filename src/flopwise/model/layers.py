@@ -1,0 +1,187 @@
+"""Building blocks of a Llama-family decoder: RMSNorm, RoPE, SwiGLU MLP, attention.
+
+Shapes in comments use B = batch, T = sequence length, D = d_model, H = query heads,
+KV = key/value heads, hd = head dimension, F = SwiGLU hidden width.
+
+Nothing here knows about losses, optimisers or distributed training: the model is
+a pure function from token ids to logits, so that wrappers (compile, checkpointing,
+DDP/FSDP) can be applied from the outside in a fixed order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from flopwise.config import ModelConfig
+
+# --------------------------------------------------------------------------- RMSNorm
+
+_HAS_FUSED_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, no bias, no mean subtraction (Llama, Qwen3).
+
+    The normalisation runs in float32 and is cast back before the weight multiply,
+    exactly as Hugging Face's ``LlamaRMSNorm``/``Qwen3RMSNorm`` do, so that bf16 runs
+    match the reference implementation and float32 parity is exact.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # no-op in float32
+        if _HAS_FUSED_RMS_NORM:
+            y = F.rms_norm(xf, (xf.shape[-1],), eps=self.eps)
+        else:  # pragma: no cover - torch < 2.4
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+# --------------------------------------------------------------------------- RoPE
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables for rotary embeddings, float32, each (max_seq_len, head_dim).
+
+    Rotate-half convention (Hugging Face Llama/Qwen): the frequencies are laid out as
+    ``cat(freqs, freqs)`` and the pair for frequency i is (x[i], x[i + hd/2]), so HF
+    checkpoints load without permuting the q/k projection rows (Meta's original
+    checkpoints interleave pairs instead; HF's conversion script already permuted them).
+    Always computed in float32: bf16 angles lose precision at long positions.
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))  # (hd/2,)
+    pos = torch.arange(max_seq_len, device=device, dtype=torch.float32)  # (T_max,)
+    freqs = torch.outer(pos, inv_freq)  # (T_max, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T_max, hd)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) on the two halves of the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, T, n, hd) by position; cos/sin are (T, hd) slices of the tables."""
+    # Cast the tables to the activation dtype, as HF does, so bf16 stays bf16.
+    cos = cos[None, :, None, :].to(x.dtype)  # (1, T, 1, hd)
+    sin = sin[None, :, None, :].to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+# --------------------------------------------------------------------------- attention kernel
+
+def _probe_sdpa_gqa() -> bool:
+    """Whether ``scaled_dot_product_attention`` takes ``enable_gqa`` (torch >= 2.5).
+
+    The function is a builtin without an inspectable signature, so it is probed with
+    tiny tensors -- once, at import: probing lazily would run the probe inside the
+    caller's first forward pass, where FLOP counters, profilers or torch.compile see it.
+    """
+    q = torch.zeros(1, 2, 1, 2)
+    kv = torch.zeros(1, 1, 1, 2)
+    try:
+        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
+
+_SDPA_HAS_GQA = _probe_sdpa_gqa()
+
+
+def sdpa_supports_gqa() -> bool:
+    return _SDPA_HAS_GQA
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, use_gqa: bool | None = None) -> torch.Tensor:
+    """Causal softmax attention with grouped KV heads.
+
+    q: (B, H, T, hd); k, v: (B, KV, T, hd) with H % KV == 0. Returns (B, H, T, hd).
+    ``use_gqa=None`` uses SDPA's native grouped-query support when available (no copy of
+    K/V); otherwise each KV head is repeated H/KV times, which is what GQA means:
+    query head h reads KV head h // (H/KV).
+    """
+    n_rep = q.shape[1] // k.shape[1]
+    if use_gqa is None:
+        use_gqa = sdpa_supports_gqa()
+    if n_rep == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if use_gqa:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    k = k.repeat_interleave(n_rep, dim=1)  # (B, H, T, hd)
+    v = v.repeat_interleave(n_rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE and optional per-head QK-norm (Qwen3).
+
+    One fused ``wqkv`` projection (one GEMM instead of three); its rows are
+    [q (H*hd) | k (KV*hd) | v (KV*hd)], which is how ``hf.py`` splits and joins them.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.resolved_head_dim  # may differ from d_model // n_heads (Qwen3)
+        q_dim = self.n_heads * self.head_dim
+        kv_dim = self.n_kv_heads * self.head_dim
+        self.wqkv = nn.Linear(cfg.d_model, q_dim + 2 * kv_dim, bias=False)
+        self.wo = nn.Linear(q_dim, cfg.d_model, bias=False)
+        if cfg.qk_norm:
+            # One weight of size hd shared by all heads, as in Qwen3.
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+        self.use_gqa: bool | None = None  # None = native SDPA GQA when available
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.wqkv(x)  # (B, T, (H + 2*KV) * hd)
+        q, k, v = qkv.split([H * hd, KV * hd, KV * hd], dim=-1)
+        q = q.view(B, T, H, hd)  # (B, T, H, hd)
+        k = k.view(B, T, KV, hd)  # (B, T, KV, hd)
+        v = v.view(B, T, KV, hd)  # (B, T, KV, hd)
+        if self.q_norm is not None:
+            # Qwen3 normalises each head's q and k BEFORE the rotation: it bounds the
+            # attention logits, which keeps bf16/large-lr training stable.
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        # SDPA wants heads before time.
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|KV, T, hd)
+        y = causal_attention(q, k, v, use_gqa=self.use_gqa)  # (B, H, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, H * hd)  # (B, T, H*hd)
+        return self.wo(y)  # (B, T, D)
+
+
+# --------------------------------------------------------------------------- MLP
+
+class SwiGLU(nn.Module):
+    """out = w_down(silu(gate) * up), with gate and up from one fused projection."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ffn_hidden = cfg.ffn_hidden
+        # Rows are [gate (F) | up (F)]: one GEMM instead of two.
+        self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # each (B, T, F)
+        return self.w_down(F.silu(gate) * up)  # (B, T, D)

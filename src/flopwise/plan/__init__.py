@@ -1,0 +1,1 @@
+"""Reasoning before running: parameters, FLOPs, memory, time and cost from the config."""

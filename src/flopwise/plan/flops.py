@@ -1,0 +1,97 @@
+"""Parameters and training FLOPs per token, analytically from a ``ModelConfig``.
+
+This module is the single source of truth: the planner, the MFU printed during
+training, preflight and the report all call it. It needs no torch.
+
+Conventions
+-----------
+``N_matmul`` ("matmul" in :func:`param_counts`) counts every weight that takes part in
+a matrix multiply: per layer the fused q/k/v and output projections and the three
+SwiGLU matrices, plus the LM head -- counted once, also when it is tied to the
+embedding (the tied matrix is then used in one matmul and one gather; only the
+matmul costs FLOPs). The embedding lookup (a gather) and the RMSNorm weights are
+excluded.
+
+``flops_per_token(cfg, T) = 6 * N_matmul + 12 * n_layers * d_attn * T`` with
+``d_attn = n_heads * head_dim`` -- PaLM (Chowdhery et al. 2022) appendix B, also used by
+nanoGPT, torchtitan and llm-foundry:
+
+* 6 N_matmul: each weight does one multiply-add (2 FLOPs) per token in the forward
+  pass and two in the backward pass (gradient w.r.t. the input and w.r.t. the weight).
+* 12 L d_attn T: per layer and token, the forward pass computes ``q @ k^T`` and
+  ``att @ v`` against all T positions, 2 * 2 * d_attn * T FLOPs, and the backward pass
+  twice that. The causal mask is ignored (as in PaLM): the term counts the full T x T
+  score matrix, which is also what dense attention kernels' FLOP counters report.
+  For GQA the cost follows the *query* heads: every query head still attends over
+  all T keys.
+
+Elementwise work (norms, RoPE, SiLU, softmax, residual adds, the loss) is not counted.
+
+``flops_per_token_6n(cfg) = 6 * total parameters`` is the blog-calculator convention
+(embedding included, attention ignored); it is reported next to the above for
+comparison, never instead of it. With activation checkpointing, hardware FLOPs add
+one more forward pass: see :func:`hardware_flops_per_token`.
+"""
+
+from __future__ import annotations
+
+from flopwise.config import ModelConfig
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    """Exact parameter counts of ``flopwise.model.Transformer(cfg)``.
+
+    Keys: ``total`` (what the module holds; a tied head counted once), ``embedding``,
+    ``lm_head`` (0 when tied), ``non_embedding`` (total - embedding - lm_head),
+    ``matmul`` (N_matmul, see the module docstring), and the breakdown ``attention``,
+    ``mlp``, ``norm`` (all layers together; ``norm`` includes QK-norm and the final norm).
+    """
+    D, L, V, F = cfg.d_model, cfg.n_layers, cfg.vocab_size, cfg.ffn_hidden
+    H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+    attn = D * (H + 2 * KV) * hd + (H * hd) * D  # wqkv + wo
+    mlp = D * 2 * F + F * D  # w_gate_up + w_down
+    norm = 2 * D + (2 * hd if cfg.qk_norm else 0)  # attn_norm, mlp_norm (+ q_norm, k_norm)
+    embedding = V * D
+    lm_head = 0 if cfg.tie_embeddings else V * D
+    norms = L * norm + D  # + final norm
+    total = embedding + lm_head + L * (attn + mlp) + norms
+    return {
+        "total": total,
+        "embedding": embedding,
+        "lm_head": lm_head,
+        "non_embedding": total - embedding - lm_head,
+        "matmul": L * (attn + mlp) + V * D,  # head once, tied or not
+        "attention": L * attn,
+        "mlp": L * mlp,
+        "norm": norms,
+    }
+
+
+def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Training (fwd+bwd) FLOPs of the attention score/value matmuls: 12 * L * d_attn * T."""
+    return 12 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs per token (forward + backward), PaLM convention:
+    ``6 * N_matmul + 12 * n_layers * (n_heads * head_dim) * seq_len``. Model FLOPs: no recompute."""
+    return 6 * param_counts(cfg)["matmul"] + attention_flops_per_token(cfg, seq_len)
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Forward-only FLOPs per token (evaluation, generation without KV cache):
+    ``2 * N_matmul + 4 * n_layers * d_attn * seq_len`` -- a third of :func:`flops_per_token`."""
+    return 2 * param_counts(cfg)["matmul"] + 4 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len
+
+
+def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, activation_checkpointing: bool = False) -> int:
+    """FLOPs the hardware executes per token: model FLOPs plus one recomputed forward
+    pass when every block is checkpointed (the numerator of HFU)."""
+    extra = forward_flops_per_token(cfg, seq_len) if activation_checkpointing else 0
+    return flops_per_token(cfg, seq_len) + extra
+
+
+def flops_per_token_6n(cfg: ModelConfig) -> int:
+    """``6 * total parameters`` (embedding included, attention ignored): the convention of
+    simple calculators, reported as ``mfu_6n`` for comparison."""
+    return 6 * param_counts(cfg)["total"]
