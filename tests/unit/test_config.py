@@ -1,0 +1,126 @@
+"""Config: presets, layering, coercion, unknown keys, validation errors reported together."""
+
+import pytest
+import yaml
+
+from flopwise.config import ConfigError, build_config, load_run_config, parse_override, preset_names
+
+
+def test_every_issue_preset_is_shipped():
+    assert {"tiny", "smollm-135m", "smollm-360m", "llama3.2-1b", "qwen3-1.8b"} <= set(preset_names())
+
+
+def test_default_is_tiny_and_runs_a_bounded_number_of_steps():
+    cfg = build_config()
+    assert cfg.preset == "tiny"
+    assert cfg.total_steps() == cfg.train.max_steps > 0
+
+
+def test_overrides_are_coerced_to_field_types():
+    cfg = build_config(overrides=[
+        "model.n_layers=3", "optim.lr=1e-3", "train.max_tokens=1e6", "model.qk_norm=true",
+        "model.head_dim=32", "optim.fused=false", "data.path=/some/dir", "train.max_steps=2_000",
+    ])
+    assert cfg.model.n_layers == 3 and isinstance(cfg.model.n_layers, int)
+    assert cfg.optim.lr == pytest.approx(1e-3) and isinstance(cfg.optim.lr, float)
+    assert cfg.train.max_tokens == 1_000_000 and isinstance(cfg.train.max_tokens, int)
+    assert cfg.model.qk_norm is True
+    assert cfg.model.head_dim == 32
+    assert cfg.optim.fused == "false"
+    assert cfg.data.path == "/some/dir"
+    assert cfg.train.max_steps == 2000
+
+
+def test_optional_field_accepts_none():
+    cfg = build_config(overrides=["model.head_dim=32", ])
+    assert cfg.model.head_dim == 32
+    cfg = build_config(overrides=["model.head_dim=null"])
+    assert cfg.model.head_dim is None
+
+
+def test_layering_preset_then_file_then_overrides(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text(yaml.safe_dump({"model": {"n_layers": 6, "d_model": 256}, "optim": {"lr": 5e-4}}))
+    cfg = build_config(preset="tiny", config_file=f, overrides=["model.n_layers=4", "optim.lr=1e-3"])
+    assert cfg.model.d_model == 256  # from the file
+    assert cfg.model.n_layers == 4  # override beats file
+    assert cfg.optim.lr == pytest.approx(1e-3)
+    assert cfg.model.vocab_size == 8192  # from the preset
+
+
+def test_config_file_can_name_its_preset(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("preset: smollm-135m\ntrain:\n  micro_batch_size: 4\n")
+    cfg = build_config(config_file=f)
+    assert cfg.preset == "smollm-135m" and cfg.model.d_model == 576 and cfg.train.micro_batch_size == 4
+
+
+def test_unknown_keys_get_did_you_mean():
+    with pytest.raises(ConfigError) as err:
+        build_config(overrides=["model.n_layer=3", "optimm.lr=1", "train.micro_batch=4"])
+    text = str(err.value)
+    assert "unknown key model.n_layer (did you mean 'n_layers'?)" in text
+    assert "unknown section 'optimm' (did you mean 'optim'?)" in text
+    assert "did you mean 'micro_batch_size'?" in text
+    assert len(err.value.problems) == 3
+
+
+def test_unknown_key_in_file_names_the_file(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("model:\n  d_modle: 64\n")
+    with pytest.raises(ConfigError) as err:
+        build_config(config_file=f)
+    assert str(f) in str(err.value) and "d_modle" in str(err.value) and "d_model" in str(err.value)
+
+
+def test_all_validation_errors_are_reported_together():
+    with pytest.raises(ConfigError) as err:
+        build_config(overrides=[
+            "train.global_batch_size=30", "train.micro_batch_size=8",   # not divisible
+            "train.seq_len=4096",                                      # > max_seq_len 512
+            "model.n_heads=4", "model.n_kv_heads=3",                   # GQA groups
+            "optim.lr=abc",                                            # bad type
+        ])
+    problems = err.value.problems
+    joined = "\n".join(problems)
+    assert "global_batch_size (30) must be divisible by train.micro_batch_size (8)" in joined
+    assert "train.seq_len (4096) exceeds model.max_seq_len (512)" in joined
+    assert "model.n_heads (4) must be divisible by model.n_kv_heads (3)" in joined
+    assert "optim.lr: expected a number, got 'abc'" in joined
+    assert len(problems) == 4
+
+
+def test_bad_values_named():
+    with pytest.raises(ConfigError) as err:
+        build_config(overrides=["train.max_steps=0", "train.max_tokens=0", "model.qk_norm=maybe",
+                                "train.precision=fp8", "model.arch=gpt5"])
+    joined = "\n".join(err.value.problems)
+    assert "set train.max_steps or train.max_tokens" in joined
+    assert "model.qk_norm: expected true/false, got 'maybe'" in joined
+    assert "train.precision 'fp8'" in joined
+    assert "model.arch 'gpt5'" in joined
+
+
+def test_malformed_override_and_unknown_preset():
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        parse_override("lr=1e-3")
+    with pytest.raises(ConfigError, match="unknown preset 'smollm-36m' \\(did you mean 'smollm-360m'\\?\\)"):
+        build_config(preset="smollm-36m")
+    with pytest.raises(ConfigError, match="does not exist"):
+        build_config(config_file="/nonexistent/run.yaml")
+
+
+def test_total_steps_first_limit_wins():
+    cfg = build_config(overrides=["train.max_steps=100", "train.max_tokens=40960"])  # 4096 tokens/step
+    assert cfg.tokens_per_step == 32 * 128
+    assert cfg.total_steps() == 10
+    cfg = build_config(overrides=["train.max_steps=0", "train.max_tokens=40961"])
+    assert cfg.total_steps() == 11  # rounds up: the token budget is met, not cut short
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = build_config(preset="qwen3-1.8b", overrides=["train.micro_batch_size=2"])
+    path = tmp_path / "config.yaml"
+    path.write_text(cfg.to_yaml())
+    again = load_run_config(path)
+    assert again == cfg
