@@ -1,0 +1,1 @@
+"""Measuring a run: throughput, MFU, memory, and where metrics go."""

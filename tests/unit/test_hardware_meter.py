@@ -1,0 +1,70 @@
+"""Hardware peak table and the throughput/MFU meter."""
+
+import pytest
+
+from flopwise.measure.meter import ThroughputMeter, memory_stats
+from flopwise.plan import hardware
+
+
+@pytest.mark.parametrize("device_name, table_name, bf16", [
+    ("NVIDIA H100 80GB HBM3", "H100 SXM", 989.4),
+    ("NVIDIA H100 PCIe", "H100 PCIe", 756.5),
+    ("NVIDIA H100 NVL", "H100 NVL", 835.0),
+    ("NVIDIA H200", "H200", 989.4),
+    ("NVIDIA A100-SXM4-80GB", "A100", 312.0),
+    ("NVIDIA A100 80GB PCIe", "A100", 312.0),
+    ("NVIDIA GeForce RTX 4090", "RTX 4090", 165.2),
+    ("NVIDIA GeForce RTX 3090", "RTX 3090", 71.0),
+    ("NVIDIA RTX A6000", "RTX A6000", 154.8),
+    ("NVIDIA RTX 6000 Ada Generation", "RTX 6000 Ada", 364.2),
+    ("NVIDIA L40S", "L40S", 362.05),
+    ("NVIDIA B200", "B200", 2250.0),
+])
+def test_device_names_map_to_dense_peaks(device_name, table_name, bf16):
+    spec = hardware.lookup(device_name)
+    assert spec is not None and spec.name == table_name
+    assert hardware.peak_tflops(device_name, "bf16") == bf16
+
+
+def test_table_holds_dense_not_sparse_numbers():
+    # The H100 SXM datasheet's 1,979 TFLOP/s bf16 is with 2:4 sparsity; dense is half.
+    assert hardware.peak_tflops("NVIDIA H100 80GB HBM3", "bf16") < 1000
+    for spec in hardware.DEVICES:
+        if spec.bf16 is not None and spec.tf32 is not None:
+            assert spec.tf32 <= spec.bf16
+
+
+def test_unknown_device_and_dtype_give_none():
+    assert hardware.lookup("Some Future Accelerator 9000") is None
+    assert hardware.peak_tflops("Some Future Accelerator 9000", "bf16") is None
+    assert hardware.peak_tflops("Tesla V100-SXM2-32GB", "bf16") is None  # no bf16 on Volta
+    assert hardware.find("h100 sxm").name == "H100 SXM"
+
+
+def test_meter_mfu_is_none_without_a_peak_and_excludes_warmup(monkeypatch):
+    clock = iter([0.0, 10.0, 11.0, 13.0])
+    monkeypatch.setattr("flopwise.measure.meter.time.perf_counter", lambda: next(clock))
+    m = ThroughputMeter(flops_per_token=100.0, peak_flops=None, warmup_steps=2)  # clock 0.0
+    for _ in range(2):
+        m.step(1000)
+    w = m.window()  # 10 s for 2 warm-up steps (slow: compile), excluded from the average
+    assert w["tok_per_s"] == pytest.approx(200.0) and w["mfu"] is None
+    m.pause()  # clock 11.0
+    for _ in range(4):
+        m.step(1000)
+    w = m.window()  # clock 13.0: 4000 tokens in 2 s
+    assert w["tok_per_s"] == pytest.approx(2000.0)
+    assert w["step_time_s"] == pytest.approx(0.5)
+    s = m.summary()
+    assert s["tok_per_s"] == pytest.approx(2000.0) and s["steady_time_s"] == pytest.approx(2.0)
+
+
+def test_meter_mfu_against_peak():
+    m = ThroughputMeter(flops_per_token=6e9, peak_flops=1e15)
+    assert m.mfu(50_000) == pytest.approx(0.3)
+
+
+def test_cpu_memory_reports_rss():
+    import torch
+    mem = memory_stats(torch.device("cpu"))
+    assert mem["mem_rss_gb"] > 0 and mem["mem_rss_peak_gb"] >= mem["mem_rss_gb"] * 0.5
