@@ -1,0 +1,76 @@
+"""Byte-level BPE tokenizers, trained and loaded with Hugging Face ``tokenizers``.
+
+Byte-level (GPT-2 style): text is split by the GPT-2 regex into words, each word is
+mapped to its UTF-8 bytes, and BPE merges are learned over those bytes.  The initial
+alphabet holds all 256 bytes, so any text encodes and ``decode(encode(s)) == s``.
+One special token, ``<|endoftext|>``, separates documents (it is the EOS id).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOS_TOKEN = "<|endoftext|>"
+MIN_VOCAB_SIZE = 257  # 256 byte tokens + EOS
+
+
+def new_byte_level_bpe() -> Tokenizer:
+    """An untrained byte-level BPE tokenizer (pre-tokenizer and decoder set)."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE tokenizer of at most ``vocab_size`` tokens on ``texts``.
+
+    Deterministic for the same input (the BPE trainer breaks count ties by pair order).
+    The result may be smaller than ``vocab_size`` when the text has too few distinct
+    pairs; use ``tok.get_vocab_size()`` for the real size.
+    """
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(
+            f"vocab_size must be >= {MIN_VOCAB_SIZE} (256 byte tokens + {EOS_TOKEN}), got {vocab_size}"
+        )
+    tok = new_byte_level_bpe()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
+    """Load a ``tokenizer.json``. Raises FileNotFoundError / ValueError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: tokenizer file does not exist")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+        raise ValueError(f"{path}: cannot load tokenizer: {e}") from None
+
+
+def eos_id(tok: Tokenizer) -> int:
+    """Id of ``<|endoftext|>``; ValueError if the tokenizer lacks it."""
+    i = tok.token_to_id(EOS_TOKEN)
+    if i is None:
+        raise ValueError(f"tokenizer has no {EOS_TOKEN} token (needed as the end-of-document id)")
+    return int(i)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
