@@ -1,0 +1,1 @@
+"""Training: the loop, the step, the optimizer and schedule, checkpoints."""
