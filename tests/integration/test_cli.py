@@ -42,3 +42,10 @@ def test_presets_listing_and_print_config():
     assert proc.returncode == 0 and "smollm-360m" in proc.stdout and "361.8M" in proc.stdout
     proc = run_cli("train", "--preset", "smollm-360m", "--print-config", "train.micro_batch_size=4")
     assert proc.returncode == 0 and "d_model: 960" in proc.stdout and "micro_batch_size: 4" in proc.stdout
+
+
+def test_split_too_small_for_the_window_is_named(tiny_overrides, tmp_path):
+    proc = run_cli("train", *tiny_overrides, "train.seq_len=100000", "model.max_seq_len=100000")
+    assert proc.returncode == 2, proc.stderr
+    assert "too small for seq_len=100000" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .datadir import DataDir
+from .datadir import DataDir, DataDirError
 
 
 def _usable(counts: list[int], seq_len: int) -> np.ndarray:
@@ -32,7 +32,7 @@ def _check_enough(datadir: DataDir, split: str, seq_len: int, usable: np.ndarray
         raise ValueError(f"seq_len must be > 0, got {seq_len}")
     if usable.sum() == 0:
         counts = datadir.shard_token_counts(split)
-        raise ValueError(
+        raise DataDirError(
             f"split {split!r} of {datadir.path} is too small for seq_len={seq_len}: a window needs "
             f"{seq_len + 1} tokens within one shard, but its {len(counts)} shard(s) hold "
             f"{sum(counts)} tokens (largest {max(counts)}); use a shorter train.seq_len or more data"

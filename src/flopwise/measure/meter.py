@@ -76,7 +76,7 @@ class ThroughputMeter:
         self._window_steps += 1
         self._window_tokens += tokens
 
-    def window(self, sync: bool = True) -> dict[str, float | None]:
+    def window(self) -> dict[str, float | None]:
         """Close the current window (the caller has synchronised) and return its rates."""
         now = time.perf_counter()
         dt = max(now - self._window_start, 1e-9)
