@@ -54,6 +54,19 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm on per-head queries and keys (Qwen3)
     tie_embeddings: bool = True
     init_std: float = 0.02
+    # Mixture of experts (0 experts = a dense SwiGLU MLP). Counted by the planner now;
+    # the trainer's MoE layer comes with the model-zoo work.
+    n_experts: int = 0
+    moe_top_k: int = 0  # experts active per token
+    moe_ffn_hidden: int = 0  # each expert's SwiGLU hidden width (0 = ffn_hidden)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    @property
+    def expert_ffn_hidden(self) -> int:
+        return self.moe_ffn_hidden or self.ffn_hidden
 
     @property
     def resolved_head_dim(self) -> int:
@@ -365,6 +378,12 @@ def validate(cfg: RunConfig) -> list[str]:
             )
     elif m.head_dim <= 0:
         p.append(f"model.head_dim must be > 0, got {m.head_dim}")
+    if m.n_experts < 0 or m.moe_ffn_hidden < 0:
+        p.append("model.n_experts and model.moe_ffn_hidden must be >= 0")
+    elif m.n_experts > 0 and not 1 <= m.moe_top_k <= m.n_experts:
+        p.append(f"model.moe_top_k must be in [1, model.n_experts={m.n_experts}], got {m.moe_top_k}")
+    elif m.n_experts == 0 and m.moe_top_k:
+        p.append(f"model.moe_top_k={m.moe_top_k} needs model.n_experts > 0")
     hd = m.resolved_head_dim if m.n_heads > 0 else 0
     if hd > 0 and hd % 2:
         p.append(f"head dimension {hd} must be even for rotary embeddings (model.head_dim / d_model / n_heads)")

@@ -41,6 +41,8 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        if cfg.is_moe:  # counted by the planner; the layer itself is not built yet
+            raise ValueError(f"model.n_experts={cfg.n_experts}: mixture-of-experts layers are not implemented yet")
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))

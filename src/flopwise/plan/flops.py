@@ -43,13 +43,21 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
 
     Keys: ``total`` (what the module holds; a tied head counted once), ``embedding``,
     ``lm_head`` (0 when tied), ``non_embedding`` (total - embedding - lm_head),
-    ``matmul`` (N_matmul, see the module docstring), and the breakdown ``attention``,
-    ``mlp``, ``norm`` (all layers together; ``norm`` includes QK-norm and the final norm).
+    ``matmul`` (N_matmul, see the module docstring: for a mixture of experts only the
+    router and the ``moe_top_k`` experts a token passes through), ``active`` (parameters
+    a token touches: total less the experts it skips), and the breakdown ``attention``,
+    ``mlp`` (all experts), ``mlp_active``, ``router``, ``norm`` (all layers together;
+    ``norm`` includes QK-norm and the final norm).
     """
-    D, L, V, F = cfg.d_model, cfg.n_layers, cfg.vocab_size, cfg.ffn_hidden
+    D, L, V = cfg.d_model, cfg.n_layers, cfg.vocab_size
     H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
     attn = D * (H + 2 * KV) * hd + (H * hd) * D  # wqkv + wo
-    mlp = D * 2 * F + F * D  # w_gate_up + w_down
+    swiglu = 3 * D * cfg.expert_ffn_hidden  # w_gate_up (D x 2F) + w_down (F x D)
+    if cfg.is_moe:
+        router = D * cfg.n_experts
+        mlp, mlp_active = router + cfg.n_experts * swiglu, router + cfg.moe_top_k * swiglu
+    else:
+        router, mlp, mlp_active = 0, swiglu, swiglu
     norm = 2 * D + (2 * hd if cfg.qk_norm else 0)  # attn_norm, mlp_norm (+ q_norm, k_norm)
     embedding = V * D
     lm_head = 0 if cfg.tie_embeddings else V * D
@@ -57,12 +65,15 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     total = embedding + lm_head + L * (attn + mlp) + norms
     return {
         "total": total,
+        "active": total - L * (mlp - mlp_active),
         "embedding": embedding,
         "lm_head": lm_head,
         "non_embedding": total - embedding - lm_head,
-        "matmul": L * (attn + mlp) + V * D,  # head once, tied or not
+        "matmul": L * (attn + mlp_active) + V * D,  # head once, tied or not
         "attention": L * attn,
         "mlp": L * mlp,
+        "mlp_active": L * mlp_active,
+        "router": L * router,
         "norm": norms,
     }
 
@@ -92,6 +103,7 @@ def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, activation_checkpoi
 
 
 def flops_per_token_6n(cfg: ModelConfig) -> int:
-    """``6 * total parameters`` (embedding included, attention ignored): the convention of
-    simple calculators, reported as ``mfu_6n`` for comparison."""
-    return 6 * param_counts(cfg)["total"]
+    """``6 * parameters`` (embedding included, attention ignored): the convention of
+    simple calculators, reported as ``mfu_6n`` for comparison. For a mixture of experts
+    the parameters a token touches (``active``), as in the 6N of MoE papers."""
+    return 6 * param_counts(cfg)["active"]
