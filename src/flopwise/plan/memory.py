@@ -1,0 +1,439 @@
+"""Bytes per GPU of one training step, analytically from a ``ModelConfig``: "does micro-batch
+64 x seq 512 fit in 80 GB, and with which settings?"
+
+Pure Python (no torch import), so ``flopwise plan`` stays fast. Every number is in bytes;
+:meth:`MemoryEstimate.gb` converts to GiB (1024**3 bytes) for printing and JSON.
+
+What is counted (per GPU, at the peak of a training step)
+---------------------------------------------------------
+``total = params + grads + optimizer + master + buffers + weight_copies + fsdp_buffers
+          + activations + logits + transient + overhead``
+
+* **States** (:func:`state_bytes`; exact, checked tensor by tensor in the tests):
+
+  ============  ======  ======  ==================  ==========  =========
+  precision     params  grads   AdamW (m, v)        master      per param
+  ============  ======  ======  ==================  ==========  =========
+  ``fp32``      4       4       4 + 4               --          16
+  ``bf16-amp``  4       4       4 + 4               --          16 (+2 autocast copies)
+  ``bf16``      2       2       4 + 4 (fp32)        4 (fp32)    16  (``master_weights=True``)
+  ``bf16``      2       2       2 + 2 (bf16)        --          8   (``master_weights=False``)
+  ============  ======  ======  ==================  ==========  =========
+
+  ``bf16-amp`` is what ``flopwise train`` does on CUDA: fp32 parameters, gradients and
+  AdamW state, bf16 autocast for the matmuls. ``bf16`` without master weights is what
+  ``torch.optim.AdamW`` really allocates for bf16 parameters: ``exp_avg``/``exp_avg_sq``
+  are ``zeros_like(param)``, i.e. bf16 (``optimizer_dtype="fp32"`` models an optimizer
+  that keeps them in fp32 anyway). AdamW's per-tensor ``step`` counters (0-d float32
+  tensors, 4 bytes per parameter *tensor*: ~0.5 KiB for a 32-layer model; a 512-byte
+  allocator block each on CUDA) are counted by :func:`estimate`, which knows the number
+  of tensors, and by :func:`state_bytes` only when ``n_tensors`` is given.
+
+* **Autocast weight copies** (``weight_copies``, ``bf16-amp`` only): autocast casts each
+  fp32 weight to bf16 once per forward (its cast cache) and ``linear`` saves that bf16
+  copy for backward, so 2 bytes per matmul weight (the LM head included, also when tied:
+  the tied embedding is cast for the head matmul; the embedding *lookup* stays fp32)
+  stay alive until backward. For SmolLM-360M that is 0.67 GiB.
+
+* **Activations**: what autograd saves in the forward pass of *our* model
+  (:mod:`flopwise.model`), derived tensor by tensor in :func:`layer_activation_terms`
+  and measured in ``tests/unit/test_memory.py`` with ``saved_tensors_hooks``
+  (exact to the byte on torch 2.13 CPU, fp32, pure bf16 and bf16 autocast, sdpa and
+  math; the tests allow 2%). With ``activation_checkpointing="full"`` each
+  block keeps only its input and, at the peak, one block is recomputed in backward:
+  ``L * input + one block's activations``.
+
+* **Logits and loss** (``logits``): the (B, T, V) logits in the compute dtype (held by
+  ``train/step.py`` until its backward ends), the float32 log-softmax that
+  ``cross_entropy`` saves (``loss_sum`` upcasts with ``logits.float()``; the fp32 copy
+  itself is not saved) and the int64 targets.
+
+* **Transient** (``transient``): temporaries on top of everything saved, at the worst
+  moment of backward (:func:`_transient`): usually the loss backward, where
+  ``nll_loss`` backward's (B*T, V) float32 gradient and ``log_softmax`` backward's
+  (B*T, V) float32 result coexist with the saved log-softmax (``8 * B*T*V`` bytes);
+  for ``eager`` at long sequences it can be the last block's backward (two (B, H, T, T)
+  float32 gradients). With checkpointing, the recomputed block and the loss
+  temporaries are not added together.
+
+* **Buffers** (``buffers``): the float32 RoPE tables, 2 x max_seq_len x hd x 4 bytes.
+
+  Measured on CPU with ``MemTracker`` (every storage alive, forward + loss + backward +
+  AdamW), ``total`` matches the real peak within 0.1% without checkpointing and
+  overestimates it by 0-3% with it (tests allow 2% and 12%).
+
+* **Assumptions that make this an upper bound**: gradients are counted as resident
+  during the forward pass. That is exact with gradient accumulation (the gradients of
+  earlier micro-batches exist) or ``zero_grad(set_to_none=False)``; with a single
+  micro-batch and ``set_to_none=True`` the true peak is lower by up to ``grads``.
+  With checkpointing the recomputed block's autocast weight copies are counted next to
+  the loss temporaries (0-3% high in the tests). CUDA allocator rounding (512-byte
+  blocks) is ignored.
+
+* **Not counted** (``overhead_gb`` adds it if wanted): the CUDA context and library
+  workspaces (~0.3-0.6 GiB, outside PyTorch's allocator), NCCL buffers, allocator
+  fragmentation (``max_memory_reserved - max_memory_allocated``). The ``headroom``
+  fraction of :func:`max_micro_batch` (default 0.9) is meant to cover them.
+
+Strategies
+----------
+* ``single``/``ddp``: everything replicated. DDP is assumed to use
+  ``gradient_as_bucket_view=True`` (gradients are views into the all-reduce buckets);
+  with ``ddp_bucket_view=False`` DDP's buckets hold a second copy of the gradients.
+* ``zero1``: AdamW state and the fp32 master copy divided by ``n_gpus``.
+* ``fsdp`` (FSDP2, one unit per block plus the root): parameters, gradients, optimizer
+  state and master copy divided by ``n_gpus`` (rounded up), plus ``fsdp_buffers``: the
+  all-gathered, unsharded parameters of two blocks in the compute dtype (the current
+  one and the prefetched next), the root's unsharded embedding/final norm/head (the root
+  is not resharded after forward) and the unsharded gradients of one block and of the
+  root before their reduce-scatter (in the compute dtype). With ``bf16-amp`` a
+  ``MixedPrecisionPolicy(param_dtype=bf16)`` is assumed: the gathered weights are
+  already bf16 (no autocast copies) and the residual stream is bf16 as with ``bf16``.
+
+Activations in detail (per token, per block, sdpa)
+--------------------------------------------------
+With ``c`` = compute-dtype bytes (2 for bf16, 4 for fp32), ``r`` = residual-stream bytes
+(4 for fp32 and bf16-amp -- the embedding output is fp32 and ``x + bf16`` promotes to
+fp32 -- 2 for pure bf16), ``q = H*hd``, ``kv = KV*hd``, ``F`` = SwiGLU width::
+
+    2 norms      2 * (4*D + 4 + r*D + c*D)   fp32 input of rms_norm, fp32 rstd, normalised
+                                             y (saved by the weight multiply), the linear's
+                                             input (a bf16 cast copy under autocast)
+    qkv          c * (q + 2*kv)              the fused projection output (v is a view of it)
+    rope'd q, k  c * (q + kv)                saved by SDPA
+    SDPA out     c * q                       also wo's input (flash kernels lay it out as
+                                             (B, T, H, hd): the reshape is a view)
+    logsumexp    4 * H                       float32
+    QK-norm      (H+KV) * (4 + c*hd [+ 4*hd if c != 4])   rstd, normalised y, fp32 copy
+    SwiGLU       c * 4F                      gate|up (2F, saved by silu; up is a view),
+                                             silu(gate) (F), the product (F, w_down's input)
+
+``eager`` is SDPA's MATH backend (the materialised-scores fallback): it saves the scaled
+q, the (GQA-expanded) k and v, each ``4 * q`` (math upcasts bf16 to fp32), the softmax
+output ``4 * H * T`` per token (the (B, H, T, T) float32 probabilities -- the pre-softmax
+scores are not saved, only transient) and wo's input, a ``c * q`` copy; qkv, the
+rope'd q/k and the logsumexp are not saved then. Plus per layer, independent of B, the
+bf16 copies of the RoPE tables (4 x T x hd) when RoPE runs in bf16. Outside the blocks:
+the int64 token ids (8 per token), the final norm (as above), and ``logits``.
+
+Mixture of experts (analytical only: the trainer's MoE layer does not exist yet):
+per token the router logits (E, compute dtype) and fp32 probabilities (E), the top-k
+indices (int64) and weights (fp32), and for each of the top_k experts its gathered
+input (c*D) and SwiGLU activations (c * 4 * F_expert).
+
+CPU vs CUDA: the tests measure on CPU (float32, and bf16 autocast). CUDA's flash /
+memory-efficient / cuDNN kernels save the same q, k, v, out and a float32 logsumexp
+(memory-efficient attention pads it to a multiple of 32 positions); the
+``benchmarks/memory_model.py`` script checks the total against
+``torch.cuda.max_memory_allocated``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flopwise.config import ModelConfig
+from flopwise.plan.flops import param_counts
+
+GIB = 1024**3
+
+PRECISIONS = ("bf16-amp", "bf16", "fp32")
+ATTENTIONS = ("sdpa", "eager")
+CHECKPOINTING = ("none", "full")
+STRATEGIES = ("single", "ddp", "zero1", "fsdp")
+
+
+@dataclass
+class MemorySettings:
+    precision: str = "bf16-amp"  # bf16-amp | bf16 | fp32 (see the module docstring's table)
+    master_weights: bool = True  # "bf16" only: an fp32 master copy (and fp32 AdamW state)
+    attention: str = "sdpa"  # sdpa (flash/efficient: O(T) saved per head) | eager (SDPA math: (T x T) probs)
+    activation_checkpointing: str = "none"  # none | full (each block's input; one block recomputed)
+    strategy: str = "single"  # single | ddp | zero1 | fsdp
+    n_gpus: int = 1
+    optimizer_dtype: str = "auto"  # AdamW m/v: auto (fp32, or the param dtype for bf16 w/o master) | fp32 | bf16
+    ddp_bucket_view: bool = True  # DDP gradient_as_bucket_view=True; False: buckets copy the grads
+    overhead_gb: float = 0.0  # fixed GiB outside the allocator (CUDA context ~0.5); headroom covers it by default
+
+    def validate(self) -> None:
+        problems = []
+        for name, value, choices in (("precision", self.precision, PRECISIONS),
+                                     ("attention", self.attention, ATTENTIONS),
+                                     ("activation_checkpointing", self.activation_checkpointing, CHECKPOINTING),
+                                     ("strategy", self.strategy, STRATEGIES),
+                                     ("optimizer_dtype", self.optimizer_dtype, ("auto", "fp32", "bf16"))):
+            if value not in choices:
+                problems.append(f"memory {name} {value!r}: choose {', '.join(choices)}")
+        if self.n_gpus < 1:
+            problems.append(f"memory n_gpus must be >= 1, got {self.n_gpus}")
+        if self.overhead_gb < 0:
+            problems.append(f"memory overhead_gb must be >= 0, got {self.overhead_gb}")
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per GPU at the peak of one training step (see the module docstring)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    master: int
+    activations: int  # saved for backward inside embedding + blocks + final norm (+ one recomputed block)
+    logits: int  # (B,T,V) logits in compute dtype + fp32 log-softmax + int64 targets
+    total: int
+    weight_copies: int = 0  # bf16 autocast copies of the matmul weights (bf16-amp)
+    buffers: int = 0  # the model's RoPE tables (float32 cos and sin, max_seq_len x hd each)
+    fsdp_buffers: int = 0  # unsharded params of 2 blocks + root, unsharded grads of 1 block + root
+    transient: int = 0  # loss-backward or block-backward temporaries at the peak
+    overhead: int = 0  # MemorySettings.overhead_gb
+    per_layer: int = 0  # activation bytes saved by one block (no checkpointing)
+    per_layer_terms: dict[str, int] = field(default_factory=dict)  # that, tensor by tensor
+    notes: list[str] = field(default_factory=list)
+
+    TERMS = ("params", "grads", "optimizer", "master", "buffers", "weight_copies", "fsdp_buffers", "activations",
+             "logits", "transient", "overhead", "total", "per_layer")
+
+    @property
+    def states(self) -> int:
+        return self.params + self.grads + self.optimizer + self.master
+
+    @property
+    def allocated(self) -> int:
+        """What PyTorch's allocator should report at the peak: ``total`` less ``overhead``."""
+        return self.total - self.overhead
+
+    def gb(self) -> dict[str, float]:
+        """Each term in GiB (1024**3 bytes), keyed like the fields."""
+        return {k: getattr(self, k) / GIB for k in self.TERMS}
+
+
+# --------------------------------------------------------------------------- dtypes
+
+def _dtypes(s: MemorySettings) -> dict[str, int]:
+    """Bytes per element of each kind of tensor under ``s``."""
+    if s.precision == "fp32":
+        d = dict(param=4, grad=4, opt=4, master=0, compute=4, residual=4)
+    elif s.precision == "bf16-amp":
+        d = dict(param=4, grad=4, opt=4, master=0, compute=2, residual=4)
+        if s.strategy == "fsdp":  # MixedPrecisionPolicy(param_dtype=bf16): bf16 embedding -> bf16 stream
+            d["residual"] = 2
+    else:  # bf16 parameters
+        d = dict(param=2, grad=2, opt=4 if s.master_weights else 2, master=4 if s.master_weights else 0,
+                 compute=2, residual=2)
+    if s.optimizer_dtype != "auto":
+        d["opt"] = 4 if s.optimizer_dtype == "fp32" else 2
+    return d
+
+
+def _shard(n: int, k: int) -> int:
+    return -(-n // k)
+
+
+# --------------------------------------------------------------------------- states
+
+def state_bytes(n_params: int, settings: MemorySettings, n_tensors: int = 0) -> dict[str, int]:
+    """Parameter, gradient, AdamW and master-copy bytes per GPU for ``n_params`` parameters.
+
+    Keys: ``params``, ``grads``, ``optimizer`` (exp_avg + exp_avg_sq, plus 4 bytes of
+    ``step`` per tensor when ``n_tensors`` is given), ``master``. Sharding: ``zero1``
+    divides optimizer and master by ``n_gpus``; ``fsdp`` divides all four (rounded up);
+    ``ddp`` with ``ddp_bucket_view=False`` doubles the gradients (bucket copies).
+    """
+    settings.validate()
+    d = _dtypes(settings)
+    n = int(n_params)
+    params, grads = n * d["param"], n * d["grad"]
+    optimizer, master = 2 * n * d["opt"], n * d["master"]
+    steps = 4 * n_tensors  # AdamW's 0-d float32 `step` per parameter tensor (not sharded)
+    k = settings.n_gpus
+    if settings.strategy == "zero1":
+        optimizer, master = _shard(optimizer, k), _shard(master, k)
+    elif settings.strategy == "fsdp":
+        params, grads, optimizer, master = (_shard(x, k) for x in (params, grads, optimizer, master))
+    elif settings.strategy == "ddp" and not settings.ddp_bucket_view:
+        grads *= 2
+    return {"params": params, "grads": grads, "optimizer": optimizer + steps, "master": master}
+
+
+def n_param_tensors(cfg: ModelConfig) -> int:
+    """Parameter tensors of ``Transformer(cfg)`` (one AdamW ``step`` counter each)."""
+    per_layer = 6 + (2 if cfg.qk_norm else 0)  # attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down (+ q/k norm)
+    if cfg.is_moe:  # router + 2 matrices per expert instead of the dense pair (layer not built yet)
+        per_layer += 1 + 2 * cfg.n_experts - 2
+    return 1 + cfg.n_layers * per_layer + 1 + (0 if cfg.tie_embeddings else 1)  # tok_emb, final norm, head
+
+
+# --------------------------------------------------------------------------- activations
+
+def layer_activation_terms(cfg: ModelConfig, micro_batch: int, seq_len: int,
+                           settings: MemorySettings) -> dict[str, int]:
+    """Bytes autograd saves in one block's forward, tensor by tensor (no checkpointing)."""
+    d = _dtypes(settings)
+    c, r = d["compute"], d["residual"]
+    B, T, D = micro_batch, seq_len, cfg.d_model
+    H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+    q, kv = H * hd, KV * hd
+    N = B * T  # tokens
+    # Each RMSNorm: rms_norm saves its float32 input (x itself when fp32, else x.float())
+    # and the float32 rstd (B, T, 1); `weight * y` saves y (residual dtype); the next
+    # linear saves its input (its own bf16 cast under autocast, else the norm's output).
+    norm = N * (4 * D + 4 + r * D + c * D)
+    t: dict[str, int] = {"attn_norm": norm}
+    if settings.attention == "sdpa":
+        t["qkv"] = N * c * (q + 2 * kv)  # (B, T, (H+2KV)*hd): v, a view of it, is saved by SDPA
+        t["q_k_rotated"] = N * c * (q + kv)  # RoPE outputs (B, H|KV, T, hd) saved by SDPA
+        t["attn_out"] = N * c * q  # SDPA output (B, H, T, hd), also wo's input (a view)
+        t["logsumexp"] = N * 4 * H  # SDPA's float32 (B, H, T)
+    else:  # SDPA MATH backend: bf16 inputs upcast to fp32 (allow_fp16_bf16_reduction_math_sdp off)
+        t["q_k_v_math"] = N * 4 * 3 * q  # scaled q, k, v expanded to H heads, fp32 (B*H, T, hd)
+        t["probs"] = B * H * T * T * 4  # softmax output (B, H, T, T) float32
+        t["attn_out"] = N * c * q  # wo's input: transpose(1, 2).reshape copy (B, T, H*hd)
+        if cfg.qk_norm and c == 4:  # fp32 rms_norm saves q, k as views of qkv: the whole buffer
+            t["qkv"] = N * c * (q + 2 * kv)
+    if cfg.qk_norm:
+        # per head: rstd (fp32), normalised y (compute dtype), and when q/k are bf16
+        # the float32 copy rms_norm saves (in fp32 that copy is qkv itself).
+        t["qk_norm"] = N * (H + KV) * (4 + c * hd + (4 * hd if c != 4 else 0))
+    rope_in_bf16 = c != 4 and not (cfg.qk_norm and r == 4)  # amp + QK-norm: q, k are fp32 at RoPE
+    if rope_in_bf16:
+        t["rope_tables"] = 4 * T * hd * c  # cos/sin .to(bf16) for q and k, saved by the multiplies
+    t["mlp_norm"] = norm
+    if cfg.is_moe:
+        E, k, Fe = cfg.n_experts, cfg.moe_top_k, cfg.expert_ffn_hidden
+        t["router"] = N * (E * c + E * 4 + k * 8 + k * 4)  # logits, fp32 probs, top-k ids and weights
+        t["experts"] = N * k * (c * D + c * 4 * Fe)  # each token's gathered input and SwiGLU per expert
+    else:
+        F = cfg.ffn_hidden
+        t["swiglu"] = N * c * 4 * F  # gate|up (2F), silu(gate) (F), silu*up (F)
+    return t
+
+
+def _logits_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: MemorySettings) -> int:
+    c = _dtypes(settings)["compute"]
+    N, V = micro_batch * seq_len, cfg.vocab_size
+    # logits (B, T, V) in compute dtype, held by the caller through backward;
+    # float32 log-softmax saved by cross_entropy; int64 targets; the 0-d total_weight.
+    return N * V * c + N * V * 4 + N * 8 + 4
+
+
+def _transient(cfg: ModelConfig, B: int, T: int, settings: MemorySettings, terms: dict[str, int],
+               final_norm: int) -> tuple[int, int, int]:
+    """Temporaries on top of the saved tensors at the worst moment of backward.
+
+    Returns ``(transient, loss_tmp, block_tmp)``. The loss backward allocates the
+    (B*T, V) float32 gradient of ``nll_loss`` and then that of ``log_softmax`` while the
+    saved log-softmax still exists: ``8 * B*T*V``. By the time the last block's backward
+    runs, the log-softmax and the final norm's tensors are freed; that block then needs
+    at most its largest gradient buffer -- SwiGLU's (B, T, 2F) gate|up gradient -- or for
+    ``eager`` the float32 gradients of the (B, H, T, T) probabilities and scores, while
+    its MLP half is already freed. For language models the loss usually dominates
+    (measured on CPU with ``MemTracker`` in the tests).
+    """
+    c = _dtypes(settings)["compute"]
+    N, V = B * T, cfg.vocab_size
+    loss_tmp = 8 * N * V
+    if settings.attention == "eager":
+        block_tmp = 2 * B * cfg.n_heads * T * T * 4 - terms["mlp_norm"] - terms.get("swiglu", 0) \
+            - terms.get("experts", 0)
+    else:
+        width = 2 * cfg.moe_top_k * cfg.expert_ffn_hidden if cfg.is_moe else 2 * cfg.ffn_hidden
+        block_tmp = N * c * width
+    freed = 4 * N * V + final_norm  # log-softmax and the final norm's saved tensors
+    if settings.activation_checkpointing == "full":
+        # The recomputed block (counted in `activations`) exists only during its own
+        # backward, after the loss temporaries are gone: the worst moment is either.
+        per_layer = sum(terms.values())
+        block_tmp = max(per_layer + block_tmp - freed, 0)
+        return (max(loss_tmp, block_tmp) - per_layer if B else 0), loss_tmp, block_tmp
+    block_tmp = max(block_tmp - freed, 0)
+    return (max(loss_tmp, block_tmp) if B else 0), loss_tmp, block_tmp
+
+
+def estimate(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: MemorySettings) -> MemoryEstimate:
+    """Bytes per GPU at the peak of a training step with ``micro_batch`` sequences of ``seq_len``."""
+    settings.validate()
+    if micro_batch < 0 or seq_len < 1:
+        raise ValueError(f"micro_batch must be >= 0 and seq_len >= 1, got {micro_batch}, {seq_len}")
+    d = _dtypes(settings)
+    c, r = d["compute"], d["residual"]
+    counts = param_counts(cfg)
+    L, D, V = cfg.n_layers, cfg.d_model, cfg.vocab_size
+    B, T = micro_batch, seq_len
+    N = B * T
+    notes: list[str] = []
+
+    st = state_bytes(counts["total"], settings, n_tensors=n_param_tensors(cfg))
+    notes.append(f"states: {counts['total']:,} params; {settings.precision}: param {d['param']} B, grad "
+                 f"{d['grad']} B, AdamW m+v 2x{d['opt']} B, master {d['master']} B per param"
+                 f"{', sharded ' + settings.strategy + ' over ' + str(settings.n_gpus) if settings.n_gpus > 1 else ''}")
+
+    # autocast's bf16 copies of every matmul weight (all experts: any may be used by a batch)
+    block_params = (counts["attention"] + counts["mlp"] + counts["norm"] - D) // L if L else 0
+    matmul_all = counts["attention"] + counts["mlp"] + V * D  # head once (tied: the cast embedding)
+    weight_copies = 0
+    if settings.precision == "bf16-amp" and settings.strategy != "fsdp":
+        weight_copies = 2 * matmul_all
+        if settings.activation_checkpointing == "full" and L:
+            # checkpointed blocks save nothing: the cast cache dies with the autocast
+            # context; only the head's copy is saved, plus one block's in its recompute
+            weight_copies = 2 * (V * D + (counts["attention"] + counts["mlp"]) // L)
+        notes.append("weight_copies: bf16 autocast casts of the matmul weights, saved by linear for backward")
+
+    fsdp_buffers = 0
+    if settings.strategy == "fsdp" and settings.n_gpus > 1:
+        gather = 4 if settings.precision == "fp32" else 2
+        root = counts["embedding"] + counts["lm_head"] + D
+        fsdp_buffers = (2 * block_params + root) * gather + (block_params + root) * gather
+        notes.append("fsdp_buffers: unsharded params of 2 blocks (current + prefetch) and the root "
+                     "(embedding/head/norm), unsharded grads of 1 block and the root before reduce-scatter")
+
+    terms = layer_activation_terms(cfg, B, T, settings)
+    per_layer = sum(terms.values())
+    ids = N * 8  # int64 token ids saved by the embedding
+    final_norm = N * (4 * D + 4 + r * D + c * D)
+    if settings.activation_checkpointing == "full":
+        # each block keeps only its input (B, T, D); at the peak one block is recomputed
+        activations = ids + L * N * D * r + final_norm + (per_layer if L else 0)
+        notes.append("activations: checkpointing keeps each block's input; one block's activations "
+                     "are recomputed during its backward (counted at the peak)")
+    else:
+        activations = ids + L * per_layer + final_norm
+    logits = _logits_bytes(cfg, B, T, settings)
+    transient, loss_tmp, block_tmp = _transient(cfg, B, T, settings, terms, final_norm)
+    notes.append("logits: (B,T,V) logits in compute dtype + fp32 log-softmax saved by cross_entropy; "
+                 f"transient: max(loss backward {loss_tmp:,} B, one block's backward {block_tmp:,} B)")
+    buffers = 2 * cfg.max_seq_len * cfg.resolved_head_dim * 4  # RoPE cos/sin tables, float32
+    overhead = int(settings.overhead_gb * GIB)
+    total = (sum(st.values()) + buffers + weight_copies + fsdp_buffers + activations + logits + transient + overhead)
+    return MemoryEstimate(
+        params=st["params"], grads=st["grads"], optimizer=st["optimizer"], master=st["master"],
+        activations=activations, logits=logits, total=total, weight_copies=weight_copies,
+        fsdp_buffers=fsdp_buffers, buffers=buffers, transient=transient, overhead=overhead, per_layer=per_layer,
+        per_layer_terms=terms, notes=notes,
+    )
+
+
+def max_micro_batch(cfg: ModelConfig, seq_len: int, memory_bytes: int, settings: MemorySettings,
+                    headroom: float = 0.9, limit: int = 4096) -> int:
+    """Largest micro-batch (<= ``limit``) whose ``total`` is at most ``headroom * memory_bytes``;
+    0 when not even 1 fits. Binary search: the total grows monotonically with the micro-batch."""
+    budget = headroom * memory_bytes
+
+    def fits(b: int) -> bool:
+        return estimate(cfg, b, seq_len, settings).total <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, max(1, int(limit))
+    if fits(hi):
+        return hi
+    while hi - lo > 1:  # invariant: fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+__all__ = ["GIB", "MemoryEstimate", "MemorySettings", "estimate", "layer_activation_terms", "max_micro_batch",
+           "n_param_tensors", "state_bytes"]
