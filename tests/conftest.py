@@ -1,6 +1,23 @@
-"""Shared fixtures: a small prepared slice of the embedded corpus, made once per session."""
+"""Shared fixtures: a small prepared slice of the embedded corpus, made once per session,
+and the command line as a user runs it."""
+
+import os
+import subprocess
+import sys
 
 import pytest
+
+
+def _run_cli(*args, cwd=None):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "flopwise", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=600)
+
+
+@pytest.fixture
+def cli():
+    """``cli("train", ...)`` runs ``python -m flopwise`` and returns the CompletedProcess."""
+    return _run_cli
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,48 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.set_defaults(func=cmd_train)
 
+    p = sub.add_parser(
+        "plan",
+        help="FLOPs, memory, time, cost, Chinchilla sizing and scaling, before any GPU time is spent",
+        description="Plan a run: parameters, FLOPs, memory per GPU, time, cost, Chinchilla, batch, scaling.",
+    )
+    g = p.add_argument_group("model (one of)")
+    g.add_argument("--model", help=f"a preset ({', '.join(preset_names())})")
+    g.add_argument("--config", help="a run config YAML (its seq_len, batch and token budget are used too)")
+    g.add_argument("--params", type=count, default=0, help="a raw parameter count, e.g. 8e9 or 8B (6N FLOPs only)")
+    g = p.add_argument_group("hardware")
+    g.add_argument("--gpu", help="a GPU from the table (--list-gpus), e.g. a100, h100, 'rtx 4090'")
+    g.add_argument("--peak-tflops", type=float, default=0.0, help="dense peak TFLOP/s of one GPU (overrides --gpu)")
+    g.add_argument("--memory-gb", type=float, default=0.0, help="memory of one GPU in GiB (overrides --gpu)")
+    g.add_argument("--dtype", default="bf16", help="which peak: bf16 (default), fp16, fp8, tf32, fp32")
+    g.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
+    g.add_argument("--gpus-per-node", type=int, default=8)
+    g.add_argument("--mfu", type=float, default=0.40, help="assumed MFU, 0-1 (default 0.40)")
+    g.add_argument("--list-gpus", action="store_true", help="print the hardware table and exit")
+    g = p.add_argument_group("budget (one of)")
+    g.add_argument("--tokens", type=count, default=0, help="training tokens, e.g. 6e9 or 6B")
+    g.add_argument("--hours", type=float, default=0.0, help="wall-clock hours available")
+    g.add_argument("--chinchilla", action="store_true", help="20 tokens per parameter")
+    p.add_argument("--price-per-gpu-hour", type=float, default=0.0, help="$ per GPU-hour for the cost")
+    p.add_argument("--flops-formula", default=None,
+                   help="palm (6·N_matmul + attention; the default with a model) or 6n (the default with --params)")
+    g = p.add_argument_group("memory and batch")
+    g.add_argument("--seq-len", type=int, default=0, help="sequence length (default: the preset's or 2048)")
+    g.add_argument("--micro-batch", type=int, default=0, help="micro-batch per GPU (default: largest that fits)")
+    g.add_argument("--grad-accum", type=int, default=0, help="accumulation steps (default: to reach the target)")
+    g.add_argument("--target-batch-tokens", type=count, default=524_288, help="tokens per step to aim for")
+    g.add_argument("--headroom", type=float, default=0.9, help="fraction of GPU memory to plan for (default 0.9)")
+    g.add_argument("--precision", default="bf16-amp", help="bf16-amp (default), bf16 (pure bf16 params), fp32")
+    g.add_argument("--no-master-weights", action="store_true", help="pure bf16 without an fp32 master copy")
+    g.add_argument("--attention", default="sdpa", help="sdpa (flash/efficient, default) or eager (S×S scores)")
+    g.add_argument("--checkpointing", default="none", help="activation checkpointing: none or full")
+    g.add_argument("--strategy", default="", help="single, ddp, zero1, fsdp (default: single, ddp with --gpus>1)")
+    g = p.add_argument_group("scaling")
+    g.add_argument("--interconnect", default="", help="link within a node (default: the GPU's usual one)")
+    g.add_argument("--network", default="ib-ndr", help="link between nodes (default ib-ndr)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_plan)
+
     p = sub.add_parser("presets", help="list the shipped presets")
     p.set_defaults(func=cmd_presets)
     return parser
@@ -44,6 +86,74 @@ def cmd_train(args: argparse.Namespace) -> int:
     from flopwise.train.trainer import train  # imports torch: keep --help fast
 
     train(cfg, log=lambda s: print(s, flush=True))
+    return 0
+
+
+def count(text: str) -> int:
+    """An integer count written as 6e9, 6_000_000_000, 6B, 360M, 1.5T or 250K."""
+    t = text.strip().replace("_", "").replace(",", "")
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(t[-1:].lower(), 1)
+    if scale != 1:
+        t = t[:-1]
+    try:
+        value = float(t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 6e9, 6B, 360M)") from None
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    return int(value)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from flopwise.plan import hardware
+    from flopwise.plan.budget import PlanError, PlanInputs, build_plan
+    from flopwise.plan.memory import MemorySettings
+    from flopwise.plan.render import format_gpu_table, format_plan
+
+    if args.list_gpus:
+        print(format_gpu_table())
+        return 0
+    if args.model and args.config:
+        raise PlanError("--model and --config both name the model: give one")
+    model, name, seq_len, micro, accum, tokens = None, "", 2048, 0, 0, 0
+    if args.model or args.config:
+        cfg = build_config(preset=args.model, config_file=args.config)
+        model, name, seq_len = cfg.model, args.model or f"{args.config} ({cfg.preset})", cfg.train.seq_len
+        if args.config:
+            micro, accum = cfg.train.micro_batch_size, cfg.grad_accum_steps(max(args.gpus, 1)) or 1
+            tokens = cfg.total_steps() * cfg.tokens_per_step
+    gpu = None
+    if args.gpu:
+        gpu = hardware.find(args.gpu)
+        if gpu is None:
+            import difflib
+
+            names = [d.name for d in hardware.DEVICES]
+            close = difflib.get_close_matches(args.gpu.upper(), [n.upper() for n in names], n=1, cutoff=0.5)
+            hint = f" (did you mean {names[[n.upper() for n in names].index(close[0])]!r}?)" if close else ""
+            raise PlanError(f"--gpu {args.gpu!r} is not in the hardware table{hint}; see --list-gpus, "
+                            "or give --peak-tflops and --memory-gb")
+    strategy = args.strategy or ("ddp" if args.gpus > 1 else "single")
+    budget_given = args.tokens or args.hours or args.chinchilla
+    inp = PlanInputs(
+        model=model, model_name=name, params=args.params, gpu=gpu, peak_tflops=args.peak_tflops,
+        dtype=args.dtype, memory_gb=args.memory_gb, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+        mfu=args.mfu, tokens=args.tokens or (0 if budget_given else tokens), hours=args.hours,
+        chinchilla=args.chinchilla, price_per_gpu_hour=args.price_per_gpu_hour,
+        flops_formula=args.flops_formula or ("palm" if model is not None else "6n"),
+        seq_len=args.seq_len or seq_len, micro_batch=args.micro_batch or micro,
+        grad_accum=args.grad_accum or accum, target_batch_tokens=args.target_batch_tokens,
+        headroom=args.headroom,
+        memory=MemorySettings(
+            precision=args.precision, master_weights=not args.no_master_weights, attention=args.attention,
+            activation_checkpointing=args.checkpointing, strategy=strategy, n_gpus=args.gpus,
+        ),
+        interconnect=args.interconnect, network=args.network,
+    )
+    plan = build_plan(inp)
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     return 0
 
 
@@ -66,10 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"flopwise {args.command}: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:  # data errors (DataDirError, ShardError) name the file and the problem
+    except ValueError as e:  # data and plan errors name the file, field or flag and the problem
         from flopwise.data import DataDirError, ShardError
+        from flopwise.plan.budget import PlanError
 
-        if not isinstance(e, (DataDirError, ShardError)):
+        if not isinstance(e, (DataDirError, ShardError, PlanError)):
             raise
         print(f"flopwise {args.command}: {e}", file=sys.stderr)
         return 2

@@ -1,18 +1,7 @@
 """The console script, as a user runs it."""
 
-import os
-import subprocess
-import sys
-
-
-def run_cli(*args, cwd=None):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "flopwise", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=600)
-
-
-def test_train_from_the_command_line(tiny_overrides, tmp_path):
-    proc = run_cli("train", *tiny_overrides, "train.max_steps=10")
+def test_train_from_the_command_line(cli, tiny_overrides, tmp_path):
+    proc = cli("train", *tiny_overrides, "train.max_steps=10")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "flopwise train · preset tiny" in out
@@ -20,9 +9,9 @@ def test_train_from_the_command_line(tiny_overrides, tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "step-0000010" / "model.pt").is_file()
 
 
-def test_bad_input_fails_fast_with_every_problem_and_writes_nothing(tmp_path):
+def test_bad_input_fails_fast_with_every_problem_and_writes_nothing(cli, tmp_path):
     run_dir = tmp_path / "never"
-    proc = run_cli("train", "model.n_layer=2", "train.global_batch_size=33", f"train.run_dir={run_dir}")
+    proc = cli("train", "model.n_layer=2", "train.global_batch_size=33", f"train.run_dir={run_dir}")
     assert proc.returncode == 2
     assert "unknown key model.n_layer (did you mean 'n_layers'?)" in proc.stderr
     assert "train.global_batch_size (33) must be divisible by train.micro_batch_size (16)" in proc.stderr
@@ -30,22 +19,22 @@ def test_bad_input_fails_fast_with_every_problem_and_writes_nothing(tmp_path):
     assert not run_dir.exists()
 
 
-def test_missing_data_directory_is_named(tmp_path):
+def test_missing_data_directory_is_named(cli, tmp_path):
     missing = tmp_path / "nodata"
-    proc = run_cli("train", f"data.path={missing}", f"train.run_dir={tmp_path / 'run'}")
+    proc = cli("train", f"data.path={missing}", f"train.run_dir={tmp_path / 'run'}")
     assert proc.returncode == 2
     assert str(missing) in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_presets_listing_and_print_config():
-    proc = run_cli("presets")
+def test_presets_listing_and_print_config(cli):
+    proc = cli("presets")
     assert proc.returncode == 0 and "smollm-360m" in proc.stdout and "361.8M" in proc.stdout
-    proc = run_cli("train", "--preset", "smollm-360m", "--print-config", "train.micro_batch_size=4")
+    proc = cli("train", "--preset", "smollm-360m", "--print-config", "train.micro_batch_size=4")
     assert proc.returncode == 0 and "d_model: 960" in proc.stdout and "micro_batch_size: 4" in proc.stdout
 
 
-def test_split_too_small_for_the_window_is_named(tiny_overrides, tmp_path):
-    proc = run_cli("train", *tiny_overrides, "train.seq_len=100000", "model.max_seq_len=100000")
+def test_split_too_small_for_the_window_is_named(cli, tiny_overrides, tmp_path):
+    proc = cli("train", *tiny_overrides, "train.seq_len=100000", "model.max_seq_len=100000")
     assert proc.returncode == 2, proc.stderr
     assert "too small for seq_len=100000" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()

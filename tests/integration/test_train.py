@@ -42,6 +42,10 @@ def test_30_step_run_learns_and_writes_its_run_directory(tiny_overrides):
     assert latest_checkpoint(run) == run / "checkpoints" / "step-0000030"
     assert (run / "samples.txt").read_text().startswith("--- prompt 'def '")
     assert json.loads((run / "run.json").read_text())["result"]["steps"] == 30
+    plan = json.loads((run / "plan.json").read_text())  # the plan, for plan-vs-actual later
+    assert plan["tokens"] == result.tokens and plan["hours"] is None  # CPU: no peak, no time estimate
+    assert plan["params"] == sum(p.numel() for p in build_model(cfg.model, device="meta").parameters())
+    assert plan["batch"]["micro_batch"] == 8 and plan["batch"]["grad_accum"] == 2 and plan["memory_gb"] > 0
 
     # What the user sees: the summary, progress lines with every field, validation, the end.
     assert "params" in out and "FLOPs" in out and "tokens planned" in out and "precision float32" in out

@@ -32,6 +32,7 @@ from flopwise.measure.meter import ThroughputMeter, format_memory, memory_stats
 from flopwise.measure.sinks import JsonlSink, format_mfu, human
 from flopwise.model import build_model
 from flopwise.plan import hardware
+from flopwise.plan.budget import plan_for_run
 from flopwise.plan.flops import flops_per_token, param_counts
 from flopwise.train.checkpoint import save_checkpoint
 from flopwise.train.optim import build_optimizer, lr_at, set_lr
@@ -163,6 +164,9 @@ def train(cfg: RunConfig, log: Log = print) -> TrainResult:
     device = resolve_device(cfg.train.device)
     precision, amp_dtype = resolve_precision(cfg.train.precision, device)
     autocast = autocast_factory(device, amp_dtype)
+    if cfg.model.is_moe:
+        raise ConfigError([f"model.n_experts={cfg.model.n_experts}: the trainer has no mixture-of-experts layer "
+                           "yet (`flopwise plan` sizes MoE models); set model.n_experts=0"])
     run_dir = prepare_run_dir(cfg)
     data = open_data(cfg, log)
 
@@ -186,6 +190,9 @@ def train(cfg: RunConfig, log: Log = print) -> TrainResult:
     config_yaml = cfg.to_yaml()
     (run_dir / "config.yaml").write_text(config_yaml)
     record = run_record(cfg, device, precision)
+    plan = plan_for_run(cfg, torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                        precision, t.peak_tflops)
+    (run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
     (run_dir / "run.json").write_text(json.dumps(record, indent=2))
     sink = JsonlSink(run_dir / "metrics.jsonl")
 
@@ -200,6 +207,10 @@ def train(cfg: RunConfig, log: Log = print) -> TrainResult:
         f" · {human(fpt * total_steps * step_tokens)}FLOP total")
     log(f"  batch      global {t.global_batch_size} × seq {t.seq_len} = {step_tokens:,} tokens/step"
         f" · micro-batch {t.micro_batch_size} × accumulation {accum}")
+    predicted = (f"{plan['hours'] * 60:.1f} min at {100 * plan['mfu']:.0f}% MFU" if plan["hours"] is not None
+                 else "time n/a (no peak)")
+    log(f"  plan       memory ≈ {plan['memory_gb']:.2f} GiB (model of params, grads, AdamW, activations)"
+        f" · {predicted} · plan.json")
     log(f"  optimizer  AdamW lr {o.lr:g} (warmup {o.warmup_steps}, {o.schedule}"
         f"{f' to {o.lr * o.min_lr_ratio:g}' if o.schedule == 'cosine' else ''}) · weight decay {o.weight_decay:g}"
         f" · clip {o.grad_clip:g}")

@@ -1,0 +1,389 @@
+"""Time, cost, Chinchilla sizing, batch geometry and multi-GPU scaling: the numbers of
+``flopwise plan``, each with the inputs of its formula.
+
+All quantities come from three single sources: :mod:`flopwise.plan.flops` (parameters,
+FLOPs per token), :mod:`flopwise.plan.hardware` (dense peaks, memory, links) and
+:mod:`flopwise.plan.memory` (bytes per GPU). This module only combines them.
+
+Formulas
+--------
+- total FLOPs          = FLOPs/token x tokens
+  (FLOPs/token: ``palm`` = 6 N_matmul + 12 L d_attn T, the default; ``6n`` = 6 x params,
+  what simple "training time calculators" use -- with ``--flops-formula 6n`` their
+  result is reproduced exactly)
+- effective FLOP/s     = dense peak per GPU x GPUs x MFU
+- wall time            = total FLOPs / effective FLOP/s;  GPU-hours = hours x GPUs
+- tokens affordable    = hours x 3600 x effective FLOP/s / FLOPs per token
+- Chinchilla tokens    = 20 x parameters (Hoffmann et al. 2022; total parameters, or
+  active parameters for a mixture of experts)
+- ring all-reduce time = 2 (n-1)/n x gradient bytes / link bandwidth, once per optimizer
+  step (DDP syncs only on the last micro-batch of an accumulation), assumed not
+  overlapped with compute: a conservative bound on scaling efficiency.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from flopwise.config import ModelConfig
+from flopwise.plan import hardware, memory
+from flopwise.plan.flops import flops_per_token, flops_per_token_6n, param_counts
+from flopwise.plan.memory import MemorySettings, estimate, max_micro_batch, state_bytes
+
+if TYPE_CHECKING:
+    from flopwise.config import RunConfig
+
+CHINCHILLA_TOKENS_PER_PARAM = 20.0
+GIB = 1024**3
+
+
+class PlanError(ValueError):
+    """Bad planner input; the message names the flag."""
+
+
+@dataclass
+class PlanInputs:
+    """What ``flopwise plan`` is asked. Either ``model`` or ``params`` describes the model."""
+
+    model: ModelConfig | None = None
+    model_name: str = ""
+    params: int = 0  # raw size (``--params 8e9``) when there is no model config
+    gpu: hardware.DeviceSpec | None = None
+    peak_tflops: float = 0.0  # per GPU; overrides the table
+    dtype: str = "bf16"  # which peak of the table: bf16 | fp16 | fp8 | tf32 | fp32
+    memory_gb: float = 0.0  # per GPU; overrides the table (GiB)
+    gpus: int = 1
+    gpus_per_node: int = 8
+    mfu: float = 0.40
+    tokens: int = 0
+    hours: float = 0.0
+    chinchilla: bool = False
+    price_per_gpu_hour: float = 0.0
+    flops_formula: str = "palm"  # palm | 6n
+    seq_len: int = 2048
+    micro_batch: int = 0  # 0 = recommend
+    grad_accum: int = 0  # 0 = recommend
+    target_batch_tokens: int = 524_288  # tokens per optimizer step to aim for when recommending
+    headroom: float = 0.9  # use at most this fraction of GPU memory
+    memory: MemorySettings = field(default_factory=MemorySettings)
+    interconnect: str = ""  # within a node; "" = the GPU's usual link
+    network: str = "ib-ndr"  # between nodes
+
+    def validate(self) -> None:
+        """Raise :class:`PlanError` listing every bad flag."""
+        p: list[str] = []
+        if self.model is None and self.params <= 0:
+            p.append("give a model (--model / --config) or a size (--params N)")
+        if self.model is not None and self.params > 0:
+            p.append("--params and --model/--config both describe the model: give one")
+        if not 0 < self.mfu <= 1:
+            p.append(f"--mfu must be in (0, 1], got {self.mfu:g}")
+        if self.gpus < 1:
+            p.append(f"--gpus must be >= 1, got {self.gpus}")
+        if self.gpus_per_node < 1:
+            p.append(f"--gpus-per-node must be >= 1, got {self.gpus_per_node}")
+        given = [name for name, on in (("--tokens", self.tokens != 0), ("--hours", self.hours != 0),
+                                       ("--chinchilla", self.chinchilla)) if on]
+        if len(given) > 1:
+            p.append(f"{' and '.join(given)} were both given: choose one of --tokens, --hours, --chinchilla")
+        if self.tokens < 0:
+            p.append(f"--tokens must be > 0, got {self.tokens}")
+        if self.hours < 0:
+            p.append(f"--hours must be > 0, got {self.hours:g}")
+        if self.price_per_gpu_hour < 0:
+            p.append(f"--price-per-gpu-hour must be >= 0, got {self.price_per_gpu_hour:g}")
+        if self.peak_tflops < 0:
+            p.append(f"--peak-tflops must be > 0, got {self.peak_tflops:g}")
+        if self.memory_gb < 0:
+            p.append(f"--memory-gb must be > 0, got {self.memory_gb:g}")
+        if self.flops_formula not in ("palm", "6n"):
+            p.append(f"--flops-formula must be palm or 6n, got {self.flops_formula!r}")
+        if self.flops_formula == "palm" and self.model is None and self.params > 0:
+            p.append("--flops-formula palm needs the model's shape (--model/--config); with --params use 6n")
+        if self.dtype not in hardware.DTYPES:
+            p.append(f"--dtype must be one of {', '.join(hardware.DTYPES)}, got {self.dtype!r}")
+        for flag, value in (("--seq-len", self.seq_len), ("--micro-batch", self.micro_batch),
+                            ("--grad-accum", self.grad_accum), ("--target-batch-tokens", self.target_batch_tokens)):
+            if value < 0 or (flag in ("--seq-len", "--target-batch-tokens") and value == 0):
+                p.append(f"{flag} must be > 0, got {value}")
+        if not 0 < self.headroom <= 1:
+            p.append(f"--headroom must be in (0, 1], got {self.headroom:g}")
+        for flag, link in (("--interconnect", self.interconnect), ("--network", self.network)):
+            if link and link not in hardware.LINKS:
+                p.append(f"{flag} {link!r} is not known; choose one of {', '.join(hardware.LINKS)}")
+        if self.model is not None and self.seq_len > self.model.max_seq_len:
+            p.append(f"--seq-len {self.seq_len} exceeds the model's max_seq_len {self.model.max_seq_len}")
+        if self.gpu is not None and self.peak_tflops == 0 and getattr(self.gpu, self.dtype, None) is None:
+            p.append(f"the {self.gpu.name} has no dense {self.dtype} peak in the table; choose another --dtype "
+                     "or give --peak-tflops")
+        mem = self.memory
+        for flag, value, choices in (("--precision", mem.precision, memory.PRECISIONS),
+                                     ("--attention", mem.attention, memory.ATTENTIONS),
+                                     ("--checkpointing", mem.activation_checkpointing, memory.CHECKPOINTING),
+                                     ("--strategy", mem.strategy, memory.STRATEGIES)):
+            if value not in choices:
+                p.append(f"{flag} {value!r}: choose {', '.join(choices)}")
+        if p:
+            raise PlanError("; ".join(p))
+
+    # ---------------------------------------------------------------- derived inputs
+    @property
+    def peak_flops(self) -> float | None:
+        """Dense peak FLOP/s of one GPU, or None when unknown."""
+        if self.peak_tflops > 0:
+            return self.peak_tflops * 1e12
+        if self.gpu is not None:
+            value = getattr(self.gpu, self.dtype)
+            return None if value is None else value * 1e12
+        return None
+
+    @property
+    def gpu_memory_bytes(self) -> int | None:
+        if self.memory_gb > 0:
+            return int(self.memory_gb * GIB)
+        return self.gpu.memory_bytes if self.gpu is not None else None
+
+
+def chinchilla_verdict(tokens: float, params: float, total_flops: float) -> str:
+    """One line on where ``tokens`` stands against Chinchilla's 20 tokens per parameter."""
+    optimal = CHINCHILLA_TOKENS_PER_PARAM * params
+    ratio = tokens / optimal
+    # For a compute budget C = 6 N D with D = 20 N, the compute-optimal size is sqrt(C / 120).
+    n_opt = math.sqrt(total_flops / (6 * CHINCHILLA_TOKENS_PER_PARAM)) if total_flops > 0 else 0.0
+    if ratio < 0.5:
+        return (f"under-trained: {ratio:.2f}x Chinchilla; this compute would be spent best on a ~{_h(n_opt)}-parameter "
+                f"model trained on {_h(CHINCHILLA_TOKENS_PER_PARAM * n_opt)} tokens")
+    if ratio <= 2.0:
+        return f"close to Chinchilla-optimal ({ratio:.2f}x the 20 tokens per parameter)"
+    return (f"{ratio:.1f}x beyond Chinchilla-optimal: more loss per FLOP than a larger model would reach, "
+            "but a smaller, cheaper model to serve (SmolLM-style over-training)")
+
+
+def _h(n: float) -> str:
+    for threshold, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= threshold:
+            return f"{n / threshold:.3g}{suffix}"
+    return f"{n:.3g}"
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (n.bit_length() - 1) if n > 0 else 0
+
+
+def recommend_batch(inp: PlanInputs, max_micro: int | None) -> dict[str, Any]:
+    """Micro-batch, accumulation and global batch near ``target_batch_tokens`` per step.
+
+    The micro-batch is the given one, or the largest power of two that fits (the memory
+    model's ``max_micro_batch``) without exceeding the target by itself; accumulation
+    then fills the step up to the target.
+    """
+    per_gpu_target = max(1, round(inp.target_batch_tokens / inp.seq_len / inp.gpus))
+    if inp.micro_batch:
+        micro, source = inp.micro_batch, "given"
+    elif max_micro:
+        micro, source = _pow2_floor(min(max_micro, per_gpu_target)), "largest power of two that fits"
+    else:
+        micro, source = 1, "memory unknown or nothing fits: 1"
+    accum = inp.grad_accum or max(1, round(per_gpu_target / micro))
+    global_batch = micro * accum * inp.gpus
+    return {
+        "seq_len": inp.seq_len,
+        "micro_batch": micro,
+        "micro_batch_source": source,
+        "grad_accum": accum,
+        "global_batch": global_batch,
+        "tokens_per_step": global_batch * inp.seq_len,
+        "target_tokens_per_step": inp.target_batch_tokens,
+    }
+
+
+def allreduce_seconds(grad_bytes: float, n: int, link_gb_per_s: float) -> float:
+    """Ring all-reduce: each GPU sends and receives 2 (n-1)/n of the buffer."""
+    return 0.0 if n <= 1 else 2 * (n - 1) / n * grad_bytes / (link_gb_per_s * 1e9)
+
+
+def scaling(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: int, micro_batches_per_step: int,
+            gpus: int) -> dict[str, Any]:
+    """Communication cost and scaling efficiency of one configuration at ``gpus`` GPUs."""
+    peak = inp.peak_flops
+    link_name = inp.interconnect or hardware.default_link(inp.gpu)
+    if gpus > inp.gpus_per_node:  # the ring crosses nodes: the slowest hop sets the pace
+        link_name = min((link_name, inp.network), key=lambda n: hardware.LINKS[n].gb_per_s)
+    link = hardware.LINKS[link_name]
+    settings = inp.memory
+    grad_bytes = n_params * (2 if settings.precision == "bf16" else 4)  # gradients in parameter dtype
+    if settings.strategy == "fsdp":
+        # Per micro-batch: all-gather params for forward and backward, reduce-scatter grads:
+        # 3 x (n-1)/n x bytes of bf16 parameters -- accumulation does not amortise it.
+        comm_bytes = 3 * (gpus - 1) / gpus * n_params * 2 * micro_batches_per_step if gpus > 1 else 0.0
+        comm_s = comm_bytes / (link.gb_per_s * 1e9)
+    else:
+        comm_bytes = 2 * (gpus - 1) / gpus * grad_bytes if gpus > 1 else 0.0
+        comm_s = allreduce_seconds(grad_bytes, gpus, link.gb_per_s)
+    compute_s = tokens_per_step * fpt / (gpus * peak * inp.mfu) if peak else None
+    out: dict[str, Any] = {
+        "gpus": gpus,
+        "link": link.name,
+        "link_gb_per_s": link.gb_per_s,
+        "grad_bytes": grad_bytes,
+        "comm_bytes_per_gpu": comm_bytes,
+        "comm_s": comm_s,
+        "compute_s": compute_s,
+        "comm_share": None,
+        "efficiency": None,
+    }
+    if compute_s:
+        out["comm_share"] = comm_s / (compute_s + comm_s)
+        out["efficiency"] = compute_s / (compute_s + comm_s)
+    return out
+
+
+def build_plan(inp: PlanInputs) -> dict[str, Any]:
+    """Every quantity of the plan as a JSON-able dict (see :mod:`flopwise.plan.budget`)."""
+    inp.validate()
+    m = inp.model
+    plan: dict[str, Any] = {"model": inp.model_name or ("custom" if m else f"{_h(inp.params)} parameters")}
+
+    # -- parameters and FLOPs/token
+    if m is not None:
+        counts = param_counts(m)
+        n_params, n_flops_params = counts["total"], counts["active"]
+        plan["params"] = n_params
+        plan["params_breakdown"] = counts
+        fpt_palm = flops_per_token(m, inp.seq_len)
+        fpt_6n = flops_per_token_6n(m)
+    else:
+        n_params = n_flops_params = inp.params
+        plan["params"] = n_params
+        plan["params_breakdown"] = None
+        fpt_palm = None
+        fpt_6n = 6 * inp.params
+    fpt = fpt_6n if inp.flops_formula == "6n" else fpt_palm
+    plan.update(flops_formula=inp.flops_formula, flops_per_token=fpt, flops_per_token_palm=fpt_palm,
+                flops_per_token_6n=fpt_6n, seq_len=inp.seq_len)
+
+    # -- hardware
+    peak = inp.peak_flops
+    plan["gpu"] = {
+        "name": inp.gpu.name if inp.gpu else None,
+        "dtype": inp.dtype,
+        "peak_tflops": peak / 1e12 if peak else None,
+        "peak_source": "--peak-tflops" if inp.peak_tflops > 0 else ("hardware table" if peak else None),
+        "memory_gb": inp.gpu_memory_bytes / GIB if inp.gpu_memory_bytes else None,
+    }
+    plan["gpus"] = inp.gpus
+    plan["mfu"] = inp.mfu
+    effective = peak * inp.gpus * inp.mfu if peak else None
+    plan["effective_flops"] = effective
+
+    # -- tokens, time, cost
+    chinchilla_tokens = CHINCHILLA_TOKENS_PER_PARAM * n_flops_params
+    tokens: float | None = None
+    if inp.tokens:
+        tokens = float(inp.tokens)
+    elif inp.chinchilla:
+        tokens = chinchilla_tokens
+    elif inp.hours and effective:
+        tokens = inp.hours * 3600 * effective / fpt
+    hours = None
+    if tokens is not None and effective:
+        hours = tokens * fpt / effective / 3600
+    elif inp.hours:
+        hours = inp.hours
+    total_flops = tokens * fpt if tokens is not None else None
+    plan.update(
+        tokens=tokens,
+        total_flops=total_flops,
+        hours=hours,
+        gpu_hours=hours * inp.gpus if hours is not None else None,
+        price_per_gpu_hour=inp.price_per_gpu_hour or None,
+        cost=hours * inp.gpus * inp.price_per_gpu_hour if hours is not None and inp.price_per_gpu_hour else None,
+        chinchilla_tokens=chinchilla_tokens,
+        tokens_per_param=tokens / n_flops_params if tokens is not None else None,
+        chinchilla_ratio=tokens / chinchilla_tokens if tokens is not None else None,
+        verdict=chinchilla_verdict(tokens, n_flops_params, total_flops) if tokens is not None else None,
+    )
+
+    # -- memory (per GPU)
+    mem_bytes = inp.gpu_memory_bytes
+    if m is not None:
+        max_micro = (max_micro_batch(m, inp.seq_len, mem_bytes, inp.memory, headroom=inp.headroom)
+                     if mem_bytes else None)
+        batch = recommend_batch(inp, max_micro)
+        est = estimate(m, batch["micro_batch"], inp.seq_len, inp.memory)
+        mem_total = est.total
+        plan["memory"] = {"settings": _settings_dict(inp.memory), **est.gb()}
+        variants = {}
+        for label, change in (("sdpa", {"attention": "sdpa"}), ("eager", {"attention": "eager"}),
+                              ("sdpa+checkpointing", {"attention": "sdpa", "activation_checkpointing": "full"})):
+            v = estimate(m, batch["micro_batch"], inp.seq_len, replace(inp.memory, **change))
+            variants[label] = {
+                "total_gb": v.total / GIB,
+                "max_micro_batch": (max_micro_batch(m, inp.seq_len, mem_bytes, replace(inp.memory, **change),
+                                                    headroom=inp.headroom) if mem_bytes else None),
+            }
+        plan["memory_variants"] = variants
+        plan["max_micro_batch"] = max_micro
+    else:
+        states = state_bytes(n_params, inp.memory)
+        mem_total = sum(states.values())
+        plan["memory"] = {"settings": _settings_dict(inp.memory), **{k: v / GIB for k, v in states.items()},
+                          "activations": None, "total": mem_total / GIB}
+        plan["memory_variants"] = None
+        plan["max_micro_batch"] = None
+        batch = recommend_batch(inp, None)
+    plan["memory_gb"] = mem_total / GIB
+    plan["headroom"] = inp.headroom
+    plan["fits"] = (mem_total <= inp.headroom * mem_bytes) if mem_bytes else None
+    plan["batch"] = batch
+    if tokens is not None:
+        plan["batch"]["steps"] = math.ceil(tokens / batch["tokens_per_step"])
+
+    # -- scaling across GPUs
+    counts_to = sorted({1, 2, 4, 8, inp.gpus} | ({16} if inp.gpus > 8 else set()))
+    rows = [scaling(inp, fpt, batch["tokens_per_step"], n_params, max(1, batch["grad_accum"] * inp.gpus // n), n)
+            for n in counts_to]
+    mine = next(r for r in rows if r["gpus"] == inp.gpus)
+    plan["scaling"] = {
+        "strategy": inp.memory.strategy,
+        "assumption": "communication not overlapped with compute (a lower bound on efficiency)",
+        "at_gpus": mine,
+        "hours_with_comm": (hours / mine["efficiency"] if hours is not None and mine["efficiency"] else None),
+        "table": rows,
+    }
+    return plan
+
+
+def _settings_dict(s: MemorySettings) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return asdict(s)
+
+
+NOMINAL_MFU = 0.40
+
+
+def plan_for_run(cfg: "RunConfig", device_name: str | None, precision: str, peak_tflops: float = 0.0,
+                 mfu: float = NOMINAL_MFU) -> dict[str, Any]:
+    """The plan of a training run as configured, written by ``flopwise train`` as ``plan.json``.
+
+    ``device_name`` is the CUDA device's name (None on CPU, where no peak is known);
+    ``precision`` is the trainer's resolved one (``bf16`` autocast or ``float32``), which
+    picks the peak (bf16, or TF32/FP32) and the memory model's precision.
+    """
+    spec = hardware.lookup(device_name) if device_name else None
+    dtype = "bf16" if precision == "bf16" else "fp32"
+    if spec is not None and getattr(spec, dtype) is None:
+        spec = None  # e.g. bf16 on a V100: no peak to plan against
+    inp = PlanInputs(
+        model=cfg.model, model_name=cfg.preset, gpu=spec, peak_tflops=peak_tflops, dtype=dtype,
+        gpus=1, mfu=mfu,
+        tokens=cfg.total_steps() * cfg.tokens_per_step, seq_len=cfg.train.seq_len,
+        micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.grad_accum_steps(),
+        memory=MemorySettings(precision="bf16-amp" if precision == "bf16" else "fp32"),
+    )
+    plan = build_plan(inp)
+    plan["device"] = device_name or "cpu"
+    return plan

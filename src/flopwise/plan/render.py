@@ -1,0 +1,187 @@
+"""The plan as a readable table: each number next to the inputs of its formula."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flopwise.plan import hardware
+
+
+def _n(x: float | None, unit: str = "", digits: int = 3) -> str:
+    if x is None:
+        return "n/a"
+    for threshold, suffix in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if abs(x) >= threshold:
+            return f"{x / threshold:.{digits}g} {suffix}{unit}"
+    return f"{x:.{digits}g} {unit}".rstrip()
+
+
+def _count(x: float | None) -> str:
+    """Parameters and tokens: 361.8M, 7.2B."""
+    if x is None:
+        return "n/a"
+    for threshold, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(x) >= threshold:
+            return f"{x / threshold:.4g}{suffix}"
+    return f"{x:.0f}"
+
+
+def _hours(h: float | None) -> str:
+    if h is None:
+        return "n/a"
+    if h < 1:
+        return f"{h * 60:.1f} min"
+    if h < 48:
+        return f"{h:.1f} h"
+    return f"{h:.0f} h ({h / 24:.1f} days)"
+
+
+def _gb(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f} GiB"
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    out: list[str] = []
+
+    def section(title: str) -> None:
+        out.append("")
+        out.append(title)
+
+    def row(label: str, value: str, how: str = "") -> None:
+        out.append(f"  {label:<26} {value:<18} {how}".rstrip())
+
+    out.append(f"flopwise plan · {plan['model']}")
+
+    section("Parameters")
+    b = plan["params_breakdown"]
+    total = plan["params"]
+    if b:
+        def share(k: str) -> str:
+            return f"{100 * b[k] / total:.1f}% of total"
+        row("embedding", _count(b["embedding"]), share("embedding"))
+        row("attention", _count(b["attention"]), share("attention"))
+        mlp_how = share("mlp")
+        if b["router"]:
+            mlp_how += f"; active per token {_count(b['mlp_active'])} (router {_count(b['router'])})"
+        row("MLP" + (" (all experts)" if b["router"] else ""), _count(b["mlp"]), mlp_how)
+        row("norms", _count(b["norm"]), share("norm"))
+        row("LM head", _count(b["lm_head"]) if b["lm_head"] else "tied", share("lm_head") if b["lm_head"] else
+            "shares the embedding matrix")
+        row("total", f"{total:,}", f"active {b['active']:,}" if b["active"] != total else "")
+        row("N_matmul", _count(b["matmul"]), "weights in matmuls, head once (embedding lookup and norms excluded)")
+    else:
+        row("total", f"{total:,}", "given with --params")
+
+    section("FLOPs")
+    T = plan["seq_len"]
+    if plan["flops_per_token_palm"] is not None:
+        row("per token (PaLM)", _n(plan["flops_per_token_palm"]), f"6·N_matmul + 12·L·d_attn·T at T={T}")
+    row("per token (6N)", _n(plan["flops_per_token_6n"]), "6 × parameters" + (" (active)" if b and b["router"] else ""))
+    row("formula used", plan["flops_formula"], "")
+    if plan["tokens"] is not None:
+        row("tokens", _count(plan["tokens"]), "")
+        row("total", _n(plan["total_flops"], "FLOP"), "FLOPs/token × tokens")
+
+    section("Time and cost")
+    g = plan["gpu"]
+    peak = g["peak_tflops"]
+    row("GPU", f"{g['name'] or 'unspecified'} × {plan['gpus']}",
+        f"dense {g['dtype']} peak {peak:g} TFLOP/s ({g['peak_source']})" if peak else "no peak: give --gpu or --peak-tflops")
+    row("MFU", f"{100 * plan['mfu']:.1f}%", "assumed model FLOPs utilisation")
+    if plan["effective_flops"]:
+        row("effective", _n(plan["effective_flops"], "FLOP/s"), f"{peak:g}T × {plan['gpus']} GPUs × {plan['mfu']:g}")
+    if plan["hours"] is not None:
+        row("wall time", _hours(plan["hours"]), "total FLOPs ÷ effective FLOP/s")
+        row("GPU-hours", f"{plan['gpu_hours']:,.1f}", f"{_hours(plan['hours'])} × {plan['gpus']}")
+        if plan["cost"] is not None:
+            row("cost", f"${plan['cost']:,.2f}", f"GPU-hours × ${plan['price_per_gpu_hour']:g}/GPU-hour")
+        sc = plan["scaling"]
+        if plan["gpus"] > 1 and sc["hours_with_comm"]:
+            row("with communication", _hours(sc["hours_with_comm"]),
+                f"÷ scaling efficiency {100 * sc['at_gpus']['efficiency']:.1f}% (see Scaling)")
+    elif plan["tokens"] is None:
+        out.append("  (no --tokens, --hours or --chinchilla: no time estimate)")
+
+    section("Chinchilla")
+    row("optimal tokens", _count(plan["chinchilla_tokens"]), "20 × parameters" + (" (active)" if b and b["router"] else ""))
+    if plan["tokens"] is not None:
+        row("planned", f"{_count(plan['tokens'])} ({plan['tokens_per_param']:.1f}/param)",
+            f"{plan['chinchilla_ratio']:.2f}× Chinchilla")
+        out.append(f"  verdict: {plan['verdict']}")
+
+    section("Memory per GPU")
+    mem = plan["memory"]
+    s = mem["settings"]
+    batch = plan["batch"]
+    out.append(f"  settings: precision {s['precision']}"
+               + (f" ({'fp32 master weights' if s['master_weights'] else 'no master weights'})"
+                  if s["precision"] == "bf16" else "")
+               + f" · attention {s['attention']} · checkpointing {s['activation_checkpointing']}"
+               + f" · {s['strategy']} on {s['n_gpus']} GPU(s)")
+    row("parameters", _gb(mem["params"]), "")
+    row("gradients", _gb(mem["grads"]), "")
+    row("optimizer (AdamW)", _gb(mem["optimizer"]), "exp_avg + exp_avg_sq, fp32")
+    if mem.get("master"):
+        row("master weights", _gb(mem["master"]), "fp32 copy")
+    if mem.get("activations") is not None:
+        row("activations", _gb(mem["activations"]), f"saved for backward, micro-batch {batch['micro_batch']} × seq {T}")
+        row("logits + loss", _gb(mem.get("logits")), "LM-head output and float32 log-softmax")
+    for key, label, how in (("weight_copies", "autocast weight copies", "bf16 copies of the matmul weights"),
+                            ("transient", "backward transients", "peak temporaries of the loss/attention backward"),
+                            ("fsdp_buffers", "FSDP gather buffers", "unsharded params/grads in flight"),
+                            ("buffers", "buffers", "RoPE tables"),
+                            ("overhead", "overhead", "CUDA context etc. (--headroom covers it by default)")):
+        if mem.get(key) and mem[key] >= 0.005:  # hide terms that round to 0.00 GiB
+            row(label, _gb(mem[key]), how)
+    mem_gb = g["memory_gb"]
+    verdict = ""
+    if plan["fits"] is not None:
+        verdict = (f"fits under {100 * plan['headroom']:.0f}% of {mem_gb:.0f} GiB" if plan["fits"]
+                   else f"does NOT fit under {100 * plan['headroom']:.0f}% of {mem_gb:.0f} GiB")
+    row("total", _gb(plan["memory_gb"]), verdict)
+    if plan["max_micro_batch"] is not None:
+        row("largest micro-batch", str(plan["max_micro_batch"]), f"at seq {T} under the headroom")
+    if plan["memory_variants"]:
+        for label, v in plan["memory_variants"].items():
+            mm = v["max_micro_batch"]
+            row(f"  with {label}", _gb(v["total_gb"]), f"largest micro-batch {mm}" if mm is not None else "")
+
+    section("Batch")
+    row("micro-batch", str(batch["micro_batch"]), batch["micro_batch_source"])
+    row("accumulation", str(batch["grad_accum"]), "")
+    row("global batch", f"{batch['global_batch']} seq", f"micro × accumulation × {plan['gpus']} GPU(s)")
+    row("tokens per step", f"{batch['tokens_per_step']:,}", f"target {batch['target_tokens_per_step']:,}")
+    if "steps" in batch:
+        row("optimizer steps", f"{batch['steps']:,}", "")
+
+    strategy = plan["scaling"]["strategy"]
+    section(f"Scaling ({'ddp' if strategy == 'single' else strategy} at n GPUs, same global batch; "
+            f"{plan['scaling']['assumption']})")
+    out.append(f"  {'GPUs':>5} {'link':<9} {'comm/step':>10} {'compute/step':>13} {'comm share':>11} {'efficiency':>11}")
+    for r in plan["scaling"]["table"]:
+        comp = "n/a" if r["compute_s"] is None else f"{1000 * r['compute_s']:.1f} ms"
+        share = "n/a" if r["comm_share"] is None else f"{100 * r['comm_share']:.1f}%"
+        eff = "n/a" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}%"
+        out.append(f"  {r['gpus']:>5} {r['link']:<9} {1000 * r['comm_s']:>7.1f} ms {comp:>13} {share:>11} {eff:>11}")
+    at = plan["scaling"]["at_gpus"]
+    if strategy == "fsdp":
+        out.append("  fsdp: per micro-batch, all-gather (forward, backward) + reduce-scatter: 3 (n-1)/n × bf16 "
+                   "parameter bytes ÷ link GB/s; accumulation does not amortise it")
+    else:
+        out.append(f"  all-reduce: 2(n-1)/n × {_n(at['grad_bytes'], 'B')} gradients ÷ link GB/s, once per optimizer step")
+    return "\n".join(out)
+
+
+def format_gpu_table() -> str:
+    lines = [f"{'GPU':<24} {'bf16':>8} {'fp16':>8} {'fp8':>8} {'tf32':>8} {'fp32':>7} {'memory':>8} {'TB/s':>6}",
+             "  (dense TFLOP/s: sparse datasheet figures halved)"]
+    for d in hardware.DEVICES:
+        def f(v):
+            return "-" if v is None else f"{v:g}"
+        lines.append(f"{d.name:<24} {f(d.bf16):>8} {f(d.fp16):>8} {f(d.fp8):>8} {f(d.tf32):>8} {f(d.fp32):>7}"
+                     f" {d.memory_gb:>5g} GB {d.bandwidth_tbs:>6g}")
+    lines.append("")
+    lines.append("Links (--interconnect within a node, --network between nodes), GB/s per GPU one way:")
+    for link in hardware.LINKS.values():
+        lines.append(f"  {link.name:<9} {link.gb_per_s:>6g}  {link.description}")
+    return "\n".join(lines)

@@ -1,0 +1,146 @@
+"""flopwise plan's arithmetic, against hand-computed examples."""
+
+import json
+import math
+
+import pytest
+
+from flopwise.config import build_config
+from flopwise.plan import hardware
+from flopwise.plan.budget import PlanError, PlanInputs, allreduce_seconds, build_plan, chinchilla_verdict
+from flopwise.plan.memory import MemorySettings
+
+A100 = hardware.find("a100")
+H100 = hardware.find("h100 sxm")
+SMOLLM_360M = build_config(preset="smollm-360m").model
+# By hand: N_matmul = 361,821,120 total - 62,400 norm weights = 361,758,720 (tied head once);
+# attention 12 * 32 layers * 960 * 2048 = 754,974,720.
+SMOLLM_360M_FPT = 6 * 361_758_720 + 754_974_720  # 2,925,527,040 FLOPs per token at seq 2048
+
+
+def test_time_and_cost_smollm_360m_6b_tokens_one_a100():
+    plan = build_plan(PlanInputs(model=SMOLLM_360M, gpu=A100, mfu=0.40, tokens=6_000_000_000,
+                                 price_per_gpu_hour=2.0, seq_len=2048))
+    assert plan["flops_per_token"] == SMOLLM_360M_FPT == 2_925_527_040
+    assert plan["total_flops"] == pytest.approx(6e9 * SMOLLM_360M_FPT)
+    assert plan["effective_flops"] == pytest.approx(312e12 * 0.40)
+    hours = 6e9 * SMOLLM_360M_FPT / (312e12 * 0.40) / 3600
+    assert hours == pytest.approx(39.07, abs=0.01)
+    assert plan["hours"] == pytest.approx(hours)
+    assert plan["gpu_hours"] == pytest.approx(hours)
+    assert plan["cost"] == pytest.approx(2.0 * hours)
+
+
+def test_hours_give_affordable_tokens_and_a_chinchilla_verdict():
+    plan = build_plan(PlanInputs(model=SMOLLM_360M, gpu=A100, mfu=0.40, hours=30, seq_len=2048))
+    tokens = 30 * 3600 * 312e12 * 0.40 / SMOLLM_360M_FPT
+    assert plan["tokens"] == pytest.approx(tokens)  # ~4.61B
+    assert plan["chinchilla_tokens"] == 20 * 361_821_120
+    assert plan["chinchilla_ratio"] == pytest.approx(tokens / (20 * 361_821_120))  # ~0.64
+    assert plan["verdict"].startswith("close to Chinchilla-optimal")
+    assert plan["hours"] == pytest.approx(30)
+
+
+def test_the_6n_calculator_is_reproduced_exactly():
+    # The simple calculator: 6 x params x tokens / (peak x GPUs x MFU).
+    plan = build_plan(PlanInputs(params=8_000_000_000, gpu=H100, gpus=8, mfu=0.40, tokens=10**12,
+                                 flops_formula="6n"))
+    seconds = 6 * 8e9 * 1e12 / (989.4e12 * 8 * 0.40)
+    assert plan["hours"] == pytest.approx(seconds / 3600, rel=1e-12)  # 4,211 hours
+    assert plan["gpu_hours"] == pytest.approx(8 * seconds / 3600, rel=1e-12)
+    # ... and with a model, 6n uses all parameters (embedding included):
+    plan = build_plan(PlanInputs(model=SMOLLM_360M, gpu=A100, tokens=10**9, flops_formula="6n"))
+    assert plan["flops_per_token"] == 6 * 361_821_120
+
+
+def test_chinchilla_option_and_verdicts():
+    plan = build_plan(PlanInputs(model=SMOLLM_360M, gpu=A100, chinchilla=True))
+    assert plan["tokens"] == 20 * 361_821_120 and plan["chinchilla_ratio"] == pytest.approx(1.0)
+    assert chinchilla_verdict(1e9, 1e9, 6e18).startswith("under-trained")
+    # compute-optimal size for C = 6e18: sqrt(6e18 / 120) = 2.24e8
+    assert "~224M-parameter" in chinchilla_verdict(1e9, 1e9, 6e18)
+    assert "beyond Chinchilla" in chinchilla_verdict(1e12, 1e9, 6e21)
+
+
+def test_ring_allreduce_arithmetic():
+    assert allreduce_seconds(1e9, 1, 100) == 0.0
+    assert allreduce_seconds(1e9, 2, 100) == pytest.approx(2 * 0.5 * 1e9 / 100e9)
+    assert allreduce_seconds(1e9, 8, 100) == pytest.approx(2 * 7 / 8 * 1e9 / 100e9)
+
+
+def test_scaling_gradient_bytes_links_and_efficiency():
+    plan = build_plan(PlanInputs(model=SMOLLM_360M, gpu=A100, gpus=8, mfu=0.4, tokens=6e9, seq_len=2048,
+                                 micro_batch=8, grad_accum=4, memory=MemorySettings(strategy="ddp", n_gpus=8)))
+    at = plan["scaling"]["at_gpus"]
+    grad_bytes = 361_821_120 * 4  # fp32 gradients under bf16 autocast
+    assert at["grad_bytes"] == grad_bytes and at["link"] == "nvlink3"  # A100 SXM default
+    assert at["comm_s"] == pytest.approx(2 * 7 / 8 * grad_bytes / 300e9)
+    tokens_per_step = 8 * 4 * 8 * 2048
+    compute = tokens_per_step * SMOLLM_360M_FPT / (8 * 312e12 * 0.4)
+    assert at["compute_s"] == pytest.approx(compute)
+    assert at["efficiency"] == pytest.approx(compute / (compute + at["comm_s"]))
+    assert plan["scaling"]["hours_with_comm"] == pytest.approx(plan["hours"] / at["efficiency"])
+    # Over PCIe the same run scales worse; across nodes the slower network sets the pace.
+    pcie = build_plan(PlanInputs(model=SMOLLM_360M, gpu=A100, gpus=8, tokens=6e9, micro_batch=8, grad_accum=4,
+                                 interconnect="pcie4", memory=MemorySettings(strategy="ddp", n_gpus=8)))
+    assert pcie["scaling"]["at_gpus"]["efficiency"] < at["efficiency"]
+    two_nodes = build_plan(PlanInputs(model=SMOLLM_360M, gpu=A100, gpus=16, tokens=6e9, micro_batch=8,
+                                      grad_accum=2, network="ib-hdr", memory=MemorySettings(strategy="ddp", n_gpus=16)))
+    assert two_nodes["scaling"]["at_gpus"]["link"] == "ib-hdr"
+    # More accumulation amortises the same all-reduce over more compute.
+    more_accum = build_plan(PlanInputs(model=SMOLLM_360M, gpu=A100, gpus=8, tokens=6e9, micro_batch=8,
+                                       grad_accum=16, memory=MemorySettings(strategy="ddp", n_gpus=8)))
+    assert more_accum["scaling"]["at_gpus"]["efficiency"] > at["efficiency"]
+
+
+def test_batch_recommendation_is_consistent_with_memory():
+    plan = build_plan(PlanInputs(model=SMOLLM_360M, gpu=A100, seq_len=2048, target_batch_tokens=524_288))
+    b = plan["batch"]
+    assert b["micro_batch"] <= plan["max_micro_batch"]
+    assert b["micro_batch"] & (b["micro_batch"] - 1) == 0  # a power of two
+    assert b["global_batch"] == b["micro_batch"] * b["grad_accum"]
+    assert 250_000 <= b["tokens_per_step"] <= 1_000_000
+    assert plan["fits"] is True
+
+
+def test_memory_question_fits_or_not():
+    plan = build_plan(PlanInputs(model=SMOLLM_360M, gpu=A100, seq_len=512, micro_batch=64))
+    assert plan["fits"] == (plan["memory_gb"] <= 0.9 * 80)
+    assert set(plan["memory_variants"]) == {"sdpa", "eager", "sdpa+checkpointing"}
+    v = plan["memory_variants"]
+    assert v["eager"]["total_gb"] > v["sdpa"]["total_gb"] > v["sdpa+checkpointing"]["total_gb"]
+    huge = build_plan(PlanInputs(model=SMOLLM_360M, memory_gb=8, seq_len=4096 * 0 + 2048, micro_batch=512,
+                                 target_batch_tokens=2048 * 512))
+    assert huge["fits"] is False
+
+
+def test_json_has_the_documented_keys_and_serialises():
+    plan = build_plan(PlanInputs(model=SMOLLM_360M, gpu=A100, tokens=6e9, price_per_gpu_hour=1.5))
+    for key in ("params", "flops_per_token", "total_flops", "tokens", "chinchilla_tokens", "hours", "gpu_hours",
+                "cost", "memory_gb", "memory", "fits", "batch", "scaling", "params_breakdown"):
+        assert key in plan, key
+    for key in ("params", "grads", "optimizer", "activations", "total"):
+        assert key in plan["memory"], key
+    assert json.loads(json.dumps(plan))["params"] == 361_821_120
+    assert all(not isinstance(v, float) or math.isfinite(v) for v in plan.values())
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    ({"hours": -3}, "--hours"),
+    ({"mfu": 1.5}, "--mfu"),
+    ({"mfu": 0}, "--mfu"),
+    ({"tokens": 10**9, "hours": 5}, "--tokens and --hours were both given"),
+    ({"gpus": 0}, "--gpus"),
+    ({"interconnect": "nvlink9"}, "--interconnect 'nvlink9'"),
+    ({"seq_len": 100_000}, "--seq-len 100000 exceeds"),
+])
+def test_bad_input_names_the_flag(kwargs, flag):
+    with pytest.raises(PlanError, match=flag):
+        build_plan(PlanInputs(model=SMOLLM_360M, gpu=A100, **kwargs))
+
+
+def test_raw_params_need_6n_and_one_model_description():
+    with pytest.raises(PlanError, match="--flops-formula palm needs the model's shape"):
+        build_plan(PlanInputs(params=10**9, flops_formula="palm"))
+    with pytest.raises(PlanError, match="give one"):
+        build_plan(PlanInputs(model=SMOLLM_360M, params=10**9))
