@@ -10,7 +10,8 @@ from flopwise.plan import hardware
 def _n(x: float | None, unit: str = "", digits: int = 3) -> str:
     if x is None:
         return "n/a"
-    for threshold, suffix in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
+    for threshold, suffix in ((1e24, "Y"), (1e21, "Z"), (1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"),
+                              (1e6, "M"), (1e3, "K")):
         if abs(x) >= threshold:
             return f"{x / threshold:.{digits}g} {suffix}{unit}"
     return f"{x:.{digits}g} {unit}".rstrip()
