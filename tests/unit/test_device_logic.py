@@ -29,7 +29,7 @@ def test_peak_comes_from_table_user_or_nowhere(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     peak, note = trainer.device_peak(torch.device("cuda"), "bf16", 0.0)
     assert peak == pytest.approx(989.4e12) and "H100 SXM" in note
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(trainer, "tf32_matmuls_allowed", lambda: False)
     peak, note = trainer.device_peak(torch.device("cuda"), "float32", 0.0)
     assert peak == pytest.approx(66.9e12) and "fp32" in note
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Mystery GPU")

@@ -85,6 +85,15 @@ def autocast_factory(device: torch.device, dtype: torch.dtype | None):
     return lambda: torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def tf32_matmuls_allowed() -> bool:
+    """Whether float32 CUDA matmuls run on TF32 tensor cores (newer torch: ``fp32_precision``)."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if isinstance(precision, str) and precision in ("tf32", "ieee"):
+        return precision == "tf32"
+    return bool(getattr(matmul, "allow_tf32", False))
+
+
 def device_peak(device: torch.device, precision: str, user_tflops: float) -> tuple[float | None, str]:
     """Dense peak FLOP/s of one device and a note on where it came from."""
     if user_tflops > 0:
@@ -92,7 +101,7 @@ def device_peak(device: torch.device, precision: str, user_tflops: float) -> tup
     if device.type != "cuda":
         return None, "no peak for CPUs (set train.peak_tflops for MFU)"
     name = torch.cuda.get_device_name(device)
-    key = precision if precision == "bf16" else ("tf32" if torch.backends.cuda.matmul.allow_tf32 else "fp32")
+    key = precision if precision == "bf16" else ("tf32" if tf32_matmuls_allowed() else "fp32")
     peak = hardware.peak_tflops(name, key)
     if peak is None:
         return None, f"{name!r} not in the hardware table (set train.peak_tflops for MFU)"
