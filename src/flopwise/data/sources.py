@@ -1,0 +1,640 @@
+"""Text sources for ``flopwise prepare SOURCE``: where documents come from.
+
+:func:`open_source` turns the SOURCE argument into a :class:`Source`, whose
+:meth:`Source.documents` yields one string per document, streamed (bounded memory: no
+file or dataset is ever loaded whole), in a deterministic order, and can be called
+again for a fresh pass (``prepare`` reads the start of a source more than once).
+
+SOURCE is one of:
+
+- ``builtin``: the Python standard library's ``.py`` files (the embedded corpus of
+  :mod:`flopwise.data.builtin`), one document per file, sorted by relative path.
+- a file or a folder. Folders are walked recursively (symlinked folders followed
+  once), files sorted by relative path (``/`` separators), hidden files and folders
+  (names starting with ``.``) skipped, files with other extensions skipped (and
+  counted in the description). Recognised files:
+
+  - ``.txt``: the whole file is one document, except that a file over
+    ``TXT_DOC_CHARS`` (1M characters) is split into several: a document ends at the
+    first blank line after 1M characters, or, with no blank line before
+    ``TXT_MAX_DOC_CHARS`` (4M), at the last line break before it (or hard at 4M
+    characters when there is none). A multi-GB text dump thus becomes ~1 MB documents
+    instead of one document that would have to sit in memory whole. The blank lines
+    at a split point are dropped; everything else is kept byte for byte.
+  - ``.jsonl`` / ``.ndjson``: JSON Lines, one object per line; the document is the
+    record's ``text_field``. Blank lines are skipped.
+  - ``.json``: either JSON Lines, or one top-level array of objects (told apart by
+    the first non-blank character, ``[``). Arrays are parsed element by element with
+    an incremental decoder, so a large array file is streamed too.
+  - ``.parquet``: the ``text_field`` column, read in record batches of that column
+    only (``pyarrow``).
+  - ``.txt``, ``.jsonl``, ``.ndjson`` and ``.json`` may be compressed: ``.gz``
+    (gzip, concatenated members allowed) or ``.zst`` / ``.zstd`` (``zstandard``,
+    streaming, multi-frame allowed), e.g. ``data.jsonl.gz``, ``part-0.txt.zst``.
+
+  Text is decoded as UTF-8 with ``errors="replace"``: bytes that are not UTF-8 become
+  U+FFFD instead of stopping the run (a leading UTF-8 byte-order mark is dropped).
+- ``hf:NAME[:CONFIG]``: a Hugging Face dataset, loaded with
+  ``datasets.load_dataset(NAME, CONFIG, split=, streaming=True, revision=,
+  data_files=)`` and, with ``shuffle_buffer > 0``, shuffled with
+  ``.shuffle(seed=, buffer_size=)`` (same seed, same order). Hub datasets
+  (``hf:HuggingFaceFW/fineweb-edu:sample-10BT``, ``hf:cerebras/SlimPajama-627B``,
+  ``hf:roneneldan/TinyStories``) and datasets' own builders on local files
+  (``hf:json``, ``hf:parquet``, ``hf:text`` with ``data_files``) go through the same
+  code; the latter need no network. The identity of a hub dataset cannot see upstream
+  changes unless ``revision`` pins a commit.
+
+Every document that is the empty string is skipped (it carries no text).
+
+Errors: bad input raises :class:`SourceError` when the source is *opened*, before any
+expensive work: every file is listed and checked (its first record parsed, a parquet
+file's schema read, a compressed file's first block decompressed), a dataset's first
+example is read. A bad record found later while streaming raises too. Messages name
+the file and line (JSON: 1-based line of the record; parquet: 1-based row), the field
+and the value at fault.
+"""
+
+from __future__ import annotations
+
+import difflib
+import gzip
+import hashlib
+import importlib
+import io
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import builtin
+
+SOURCES_VERSION = 1  # bump when the documents a given input yields change
+TXT_DOC_CHARS = 1_000_000  # a .txt document ends at the first blank line after this many characters
+TXT_MAX_DOC_CHARS = 4_000_000  # ... and at a line break (or hard) before this many
+READ_CHARS = 1 << 20  # characters per read of text and JSON-array files
+PARQUET_BATCH_ROWS = 1024
+INSTALL_HINT = "pip install 'flopwise[data]'"
+
+_TEXT_FORMATS = {".txt": "txt", ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json"}
+_COMPRESSIONS = {".gz": "gz", ".zst": "zst", ".zstd": "zst"}
+ACCEPTED = ".txt, .jsonl, .ndjson, .json, .parquet (text formats also as .gz, .zst or .zstd)"
+
+
+class SourceError(ValueError):
+    """Bad ``flopwise prepare`` SOURCE: the message names the file (and line or row), the
+    field and the value at fault."""
+
+
+@dataclass
+class Source:
+    """An opened, checked source. ``documents()`` starts a fresh pass on every call."""
+
+    kind: str  # "builtin" | "files" | "hf"
+    description: str  # for people and meta.json
+    identity: dict  # JSON-able identity of the inputs (part of the data fingerprint)
+    _documents: Callable[[], Iterator[str]] = field(repr=False, compare=False)
+
+    def documents(self) -> Iterator[str]:
+        """One string per document, in a deterministic order, streamed."""
+        return self._documents()
+
+
+def open_source(
+    spec: str,
+    *,
+    text_field: str = "text",
+    split: str = "train",
+    shuffle_buffer: int = 0,
+    seed: int = 0,
+    data_files: list[str] | None = None,
+    revision: str | None = None,
+) -> Source:
+    """Open and check SOURCE (see the module docstring); raises :class:`SourceError`."""
+    if not isinstance(spec, str) or not spec:
+        raise SourceError("SOURCE is empty: give 'builtin', hf:NAME[:CONFIG] or a file or folder")
+    if not text_field:
+        raise SourceError("text_field (--text-field) is empty")
+    if shuffle_buffer < 0:
+        raise SourceError(f"shuffle_buffer (--shuffle-buffer) must be >= 0, got {shuffle_buffer}")
+    if spec == "builtin":
+        return _open_builtin()
+    if spec.startswith("hf:"):
+        return _open_hf(spec, text_field, split, shuffle_buffer, seed, data_files, revision)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise SourceError(
+            f"SOURCE {spec!r} is not builtin, an hf: dataset or an existing file/folder"
+            + (" (it is a broken symbolic link)" if path.is_symlink() else "")
+        )
+    return _open_files(spec, path, text_field)
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _require(module: str, package: str, why: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise SourceError(f"{why} needs the '{package}' package: {INSTALL_HINT} (or pip install {package})") from None
+
+
+def _human_bytes(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _json_type(v: Any) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "a boolean"
+    if isinstance(v, (int, float)):
+        return "a number"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, list):
+        return "an array"
+    if isinstance(v, dict):
+        return "an object"
+    return type(v).__name__
+
+
+def _short(v: Any, limit: int = 60) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _fields_hint(fields: list[str], want: str) -> str:
+    shown = ", ".join(fields[:20]) + (f", ... ({len(fields)} in all)" if len(fields) > 20 else "")
+    hint = f"(fields: {shown or 'none'})"
+    close = difflib.get_close_matches(want, fields, n=1)
+    if close:
+        hint += f"; did you mean --text-field {close[0]}?"
+    elif fields:
+        hint += "; choose one with --text-field"
+    return hint
+
+
+def _record_text(rec: Any, text_field: str, where: str, what: str = "record") -> str:
+    """The text of one record (a dict from JSON or a dataset example), or a SourceError."""
+    if not isinstance(rec, dict):
+        raise SourceError(
+            f"{where}: {what} is {_json_type(rec)} ({_short(rec)}), not an object with field {text_field!r}"
+        )
+    if text_field not in rec:
+        hint = _fields_hint([str(k) for k in rec], text_field)
+        raise SourceError(f"{where}: {what} has no field {text_field!r} {hint}")
+    v = rec[text_field]
+    if not isinstance(v, str):
+        raise SourceError(f"{where}: field {text_field!r} is {_json_type(v)} ({_short(v)}), not a string")
+    return v
+
+
+# --------------------------------------------------------------------------- builtin
+
+def _open_builtin() -> Source:
+    files = builtin.list_stdlib_files()
+    if not files:
+        raise SourceError(f"builtin: no .py files found under {builtin.stdlib_root()}")
+    version = sys.version.split()[0]
+    h = hashlib.blake2b(digest_size=16)
+    for f in files:
+        h.update(f"{f.rel}\0{f.size}\n".encode())
+    nbytes = sum(f.size for f in files)
+    identity = {
+        "kind": "builtin",
+        "recipe": SOURCES_VERSION,
+        "python": version,
+        "implementation": sys.implementation.name,
+        "files": len(files),
+        "bytes": nbytes,
+        "files_digest": h.hexdigest(),  # every (relative path, size)
+    }
+
+    def documents() -> Iterator[str]:
+        for f in files:
+            text = builtin._read_text(f)
+            if text:
+                yield text
+
+    return Source("builtin", f"builtin:python-stdlib-{version} ({len(files)} files, {_human_bytes(nbytes)})",
+                  identity, documents)
+
+
+# --------------------------------------------------------------------------- local files
+
+@dataclass(frozen=True)
+class _File:
+    rel: str  # relative to the SOURCE folder, "/" separators (the file name for a single file)
+    path: Path
+    size: int
+    mtime_ns: int
+    fmt: str  # "txt" | "jsonl" | "json" | "parquet"
+    comp: str  # "" | "gz" | "zst"
+
+
+def _classify(name: str) -> tuple[str, str] | None:
+    """(format, compression) from a file name, or None when not recognised."""
+    low = name.lower()
+    comp = ""
+    for ext, c in _COMPRESSIONS.items():
+        if low.endswith(ext):
+            comp, low = c, low[: -len(ext)]
+            break
+    if low.endswith(".parquet"):
+        return ("parquet", "") if not comp else None
+    for ext, fmt in _TEXT_FORMATS.items():
+        if low.endswith(ext):
+            return fmt, comp
+    return None
+
+
+def _stat_file(path: Path, rel: str, kind: tuple[str, str]) -> _File:
+    try:
+        st = path.stat()
+    except OSError as e:
+        raise SourceError(f"{path}: cannot read: {e.strerror or e}") from None
+    return _File(rel, path, st.st_size, st.st_mtime_ns, kind[0], kind[1])
+
+
+def _list_folder(root: Path) -> tuple[list[_File], int]:
+    """Recognised files under ``root`` (sorted by relative path) and the count of skipped ones."""
+    files: list[_File] = []
+    skipped = 0
+    seen_dirs: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen_dirs:  # a symlink loop or a folder linked twice
+            dirnames[:] = []
+            continue
+        seen_dirs.add(real)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in filenames:
+            if name.startswith("."):
+                continue
+            p = Path(dirpath) / name
+            kind = _classify(name)
+            if kind is None or not p.is_file():
+                skipped += 1
+                continue
+            files.append(_stat_file(p, p.relative_to(root).as_posix(), kind))
+    files.sort(key=lambda f: f.rel)
+    return files, skipped
+
+
+def _open_files(spec: str, path: Path, text_field: str) -> Source:
+    if path.is_dir():
+        files, skipped = _list_folder(path)
+        if not files:
+            what = "is empty" if not skipped else f"has no recognised file ({skipped} other file(s))"
+            raise SourceError(f"SOURCE folder {path} {what}; accepted extensions: {ACCEPTED}")
+    else:
+        kind = _classify(path.name)
+        if kind is None:
+            raise SourceError(f"SOURCE file {path}: unrecognised extension; accepted: {ACCEPTED}")
+        files, skipped = [_stat_file(path, path.name, kind)], 0
+
+    for f in files:  # before any expensive work: every file opens and its first record is good
+        check = _file_documents(f, text_field, check_only=True)
+        next(check, None)
+        check.close()
+
+    nbytes = sum(f.size for f in files)
+    desc = f"files:{path.resolve()} ({len(files)} file{'s' if len(files) != 1 else ''}, {_human_bytes(nbytes)}"
+    desc += f"; {skipped} other file(s) skipped)" if skipped else ")"
+    identity = {
+        "kind": "files",
+        "recipe": SOURCES_VERSION,
+        "text_field": text_field,
+        "txt_doc_chars": [TXT_DOC_CHARS, TXT_MAX_DOC_CHARS],
+        "files": [[f.rel, f.size, f.mtime_ns] for f in files],
+    }
+
+    def documents() -> Iterator[str]:
+        for f in files:
+            yield from _file_documents(f, text_field)
+
+    return Source("files", desc, identity, documents)
+
+
+@contextmanager
+def _open_binary(f: _File) -> Iterator[io.RawIOBase]:
+    with ExitStack() as stack:
+        fh = stack.enter_context(open(f.path, "rb"))
+        if f.comp == "gz":
+            yield stack.enter_context(gzip.GzipFile(fileobj=fh, mode="rb"))
+        elif f.comp == "zst":
+            zstd = _require("zstandard", "zstandard", f"{f.path}: reading .zst files")
+            yield stack.enter_context(zstd.ZstdDecompressor().stream_reader(fh, read_across_frames=True, closefd=False))
+        else:
+            yield fh
+
+
+@contextmanager
+def _open_text(f: _File, newline: str) -> Iterator[io.TextIOWrapper]:
+    with _open_binary(f) as raw:
+        text = io.TextIOWrapper(raw, encoding="utf-8-sig", errors="replace", newline=newline)
+        try:
+            yield text
+        finally:
+            text.detach()  # the binary stream is closed by _open_binary
+
+
+def _read_errors(f: _File) -> tuple[type[BaseException], ...]:
+    errors: tuple[type[BaseException], ...] = (OSError, EOFError)
+    if f.comp == "zst":
+        errors += (_require("zstandard", "zstandard", f"{f.path}: reading .zst files").ZstdError,)
+    return errors
+
+
+def _file_documents(f: _File, text_field: str, check_only: bool = False) -> Iterator[str]:
+    """Documents of one file; decompression and I/O errors become SourceErrors naming it.
+    ``check_only``: the caller stops after the first item (txt: the first block is read;
+    parquet: only the schema)."""
+    if f.fmt == "parquet":
+        yield from _parquet_documents(f, text_field, check_only)
+        return
+    errors = _read_errors(f)
+    try:
+        if f.fmt == "txt":
+            yield from _txt_documents(f, check_only)
+        elif f.fmt == "jsonl":
+            yield from _jsonl_documents(f, text_field)
+        elif _json_is_array(f):
+            yield from _json_array_documents(f, text_field)
+        else:
+            hint = " (a .json file must hold JSON Lines or one top-level array)"
+            yield from _jsonl_documents(f, text_field, hint=hint)
+    except SourceError:
+        raise
+    except errors as e:
+        what = {"gz": "gzip", "zst": "zstd"}.get(f.comp)
+        how = f"cannot decompress ({what})" if what and not isinstance(e, PermissionError) else "cannot read"
+        raise SourceError(f"{f.path}: {how}: {getattr(e, 'strerror', None) or e}") from e
+
+
+# .txt --------------------------------------------------------------------------
+
+_BLANK_LINES = re.compile(r"\n(?:[^\S\n]*\n)+")
+
+
+def _txt_documents(f: _File, check_only: bool = False) -> Iterator[str]:
+    with _open_text(f, newline="") as t:
+        if check_only:  # open, decompress and decode the first block (cheap on a large folder)
+            yield t.read(65536)
+            return
+        yield from (d for d in split_text(iter(lambda: t.read(READ_CHARS), ""), TXT_DOC_CHARS, TXT_MAX_DOC_CHARS) if d)
+
+
+def split_text(chunks: Iterator[str], soft: int = TXT_DOC_CHARS, hard: int = TXT_MAX_DOC_CHARS) -> Iterator[str]:
+    """Join text chunks into documents: all of it when it has at most ``soft`` characters;
+    else cut at the first blank line(s) after ``soft`` characters (the blank lines are
+    dropped), or at the last line break before ``hard``, or hard at ``hard``."""
+    buf = ""
+    for chunk in chunks:
+        buf += chunk
+        while len(buf) > soft:
+            m = _BLANK_LINES.search(buf, soft - 1, hard)
+            if m and m.end() < len(buf):  # (a run of blank lines ending the buffer may go on)
+                yield buf[: m.start() + 1]
+                buf = buf[m.end():]
+            elif len(buf) >= hard:
+                cut = buf.rfind("\n", soft, hard)
+                cut = cut + 1 if cut >= 0 else hard
+                yield buf[:cut]
+                buf = buf[cut:]
+            else:
+                break
+    if buf:
+        yield buf
+
+
+# .jsonl / .json ------------------------------------------------------------------
+
+def _jsonl_documents(f: _File, text_field: str, hint: str = "") -> Iterator[str]:
+    decoder = json.JSONDecoder(strict=False)
+    with _open_text(f, newline="\n") as t:
+        for lineno, line in enumerate(t, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = decoder.decode(line)
+            except json.JSONDecodeError as e:
+                raise SourceError(f"{f.path}:{lineno}: invalid JSON: {e.msg} (column {e.colno}){hint}") from None
+            text = _record_text(rec, text_field, f"{f.path}:{lineno}")
+            if text:
+                yield text
+
+
+def _json_is_array(f: _File) -> bool:
+    with _open_text(f, newline="") as t:
+        while True:
+            chunk = t.read(65536)
+            if not chunk:
+                return False
+            s = chunk.lstrip()
+            if s:
+                return s[0] == "["
+
+
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def _json_array_documents(f: _File, text_field: str) -> Iterator[str]:
+    for lineno, rec in iter_json_array(f, text_field):
+        text = _record_text(rec, text_field, f"{f.path}:{lineno}", what="element")
+        if text:
+            yield text
+
+
+def iter_json_array(f: _File, text_field: str = "text") -> Iterator[tuple[int, Any]]:
+    """(line, element) for each element of a file holding one top-level JSON array,
+    decoded incrementally: memory holds one element and one read, not the file."""
+    decoder = json.JSONDecoder(strict=False)
+    name = f.path
+    with _open_text(f, newline="") as t:
+        buf, i, eof = "", 0, False
+        line, counted = 1, 0  # line number of buf[counted]
+
+        def line_at(pos: int) -> int:
+            nonlocal line, counted
+            line += buf.count("\n", counted, pos)
+            counted = pos
+            return line
+
+        def fill(n: int = READ_CHARS) -> bool:
+            nonlocal buf, i, counted, eof
+            chunk = t.read(n)
+            if not chunk:
+                eof = True
+                return False
+            line_at(i)
+            buf, counted, i = buf[i:] + chunk, 0, 0
+            return True
+
+        def skip_ws() -> bool:
+            """Advance past whitespace; False at the end of the file."""
+            nonlocal i
+            while True:
+                i = _WS.match(buf, i).end()
+                if i < len(buf):
+                    return True
+                if not fill():
+                    return False
+
+        def fail(pos: int, msg: str) -> SourceError:
+            return SourceError(f"{name}:{line + buf.count(chr(10), counted, pos)}: invalid JSON array: {msg}")
+
+        if not skip_ws() or buf[i] != "[":
+            raise fail(i, "expected '[' at the start")
+        i += 1
+        if not skip_ws():
+            raise fail(i, "unterminated array (no closing ']')")
+        if buf[i] == "]":
+            i += 1
+        else:
+            while True:
+                while True:
+                    try:
+                        obj, end = decoder.raw_decode(buf, i)
+                    except json.JSONDecodeError as e:
+                        # near the end of what was read it may just be cut off: read more (doubling)
+                        maybe_cut = e.pos >= len(buf) - 32 or e.msg.startswith("Unterminated string")
+                        if not eof and maybe_cut and fill(max(READ_CHARS, len(buf) - i)):
+                            continue
+                        raise fail(e.pos, f"{e.msg}") from None
+                    if end == len(buf) and not eof and fill():  # a number may go on in the next read
+                        continue
+                    break
+                yield line_at(i), obj
+                i = end
+                if not skip_ws():
+                    raise fail(i, "unterminated array (no closing ']')")
+                c = buf[i]
+                if c == "]":
+                    i += 1
+                    break
+                if c != ",":
+                    raise fail(i, f"expected ',' or ']' after an element, found {c!r}")
+                i += 1
+                if not skip_ws():
+                    raise fail(i, "unterminated array (no closing ']')")
+        if skip_ws():
+            raise fail(i, f"extra data after the top-level array: {buf[i:i + 20]!r}")
+
+
+# .parquet ------------------------------------------------------------------------
+
+def _parquet_documents(f: _File, text_field: str, check_only: bool = False) -> Iterator[str]:
+    _require("pyarrow", "pyarrow", f"{f.path}: reading .parquet files")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(f.path)
+        schema = pf.schema_arrow
+    except (OSError, pa.ArrowException) as e:
+        raise SourceError(f"{f.path}: not a readable parquet file: {e}") from None
+    if text_field not in schema.names:
+        raise SourceError(f"{f.path}: no column {text_field!r} {_fields_hint(schema.names, text_field)}")
+    typ = schema.field(text_field).type
+    if pa.types.is_dictionary(typ):
+        typ = typ.value_type
+    string_types = [pa.types.is_string, pa.types.is_large_string, getattr(pa.types, "is_string_view", None)]
+    if not any(is_t(typ) for is_t in string_types if is_t is not None):
+        raise SourceError(f"{f.path}: column {text_field!r} has type {typ}, not a string")
+    if check_only:
+        return
+    row = 0
+    try:
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_field]):
+            for v in batch.column(0).to_pylist():
+                row += 1
+                if v is None:
+                    raise SourceError(f"{f.path}: row {row}: field {text_field!r} is null, not a string")
+                if v:
+                    yield v
+    except (OSError, pa.ArrowException) as e:
+        raise SourceError(f"{f.path}: cannot read after row {row}: {e}") from None
+
+
+# --------------------------------------------------------------------------- Hugging Face
+
+def _open_hf(spec: str, text_field: str, split: str, shuffle_buffer: int, seed: int,
+             data_files: list[str] | None, revision: str | None) -> Source:
+    name, _, config = spec[3:].partition(":")
+    if not name:
+        raise SourceError(f"SOURCE {spec!r}: expected hf:NAME[:CONFIG], e.g. hf:HuggingFaceFW/fineweb-edu:sample-10BT")
+    datasets = _require("datasets", "datasets", f"SOURCE {spec!r} (a Hugging Face dataset)")
+    data_files = list(data_files) if data_files else None
+    where = f"{spec} split={split}"
+    try:
+        ds = datasets.load_dataset(name, config or None, split=split, streaming=True,
+                                   revision=revision, data_files=data_files)
+    except Exception as e:  # unknown name/config/split, no network, missing data files ...
+        raise SourceError(f"{where}: cannot load the dataset: {type(e).__name__}: {e}") from e
+
+    features = getattr(ds, "features", None)
+    if features is not None and text_field not in features:
+        raise SourceError(f"{where}: examples have no field {text_field!r} {_fields_hint(list(features), text_field)}")
+    try:  # the first example, unshuffled (cheap: no buffer to fill)
+        first = next(iter(ds), None)
+    except Exception as e:
+        raise SourceError(f"{where}: cannot read the first example: {type(e).__name__}: {e}") from e
+    if first is None:
+        raise SourceError(f"{where}: the split has no examples")
+    _record_text(first, text_field, f"{where} example 0", what="example")
+
+    if shuffle_buffer > 0:
+        ds = ds.shuffle(seed=seed, buffer_size=shuffle_buffer)
+
+    desc = f"hf:{name}" + (f":{config}" if config else "") + f" split={split}"
+    if revision:
+        desc += f" revision={revision}"
+    if data_files:
+        desc += f" data_files={len(data_files)}"
+    if shuffle_buffer > 0:
+        desc += f" shuffle_buffer={shuffle_buffer} seed={seed}"
+    identity: dict[str, Any] = {
+        "kind": "hf",
+        "recipe": SOURCES_VERSION,
+        "name": name,
+        "config": config or None,
+        "split": split,
+        "revision": revision,
+        "text_field": text_field,
+        "data_files": [_data_file_identity(p) for p in data_files] if data_files else None,
+        "shuffle_buffer": shuffle_buffer,
+        "seed": seed if shuffle_buffer > 0 else None,
+    }
+
+    def documents() -> Iterator[str]:
+        n = 0
+        try:
+            for n, ex in enumerate(ds):
+                text = _record_text(ex, text_field, f"{where} example {n}", what="example")
+                if text:
+                    yield text
+        except SourceError:
+            raise
+        except Exception as e:  # network drop, bad data file
+            raise SourceError(f"{where}: reading after example {n}: {type(e).__name__}: {e}") from e
+
+    return Source("hf", desc, identity, documents)
+
+
+def _data_file_identity(p: str) -> Any:
+    """A local data file's path with its size and mtime (so editing it changes the
+    identity); any other entry (a URL, a glob, an hf:// path) as given."""
+    try:
+        st = os.stat(os.path.expanduser(p))
+    except (OSError, ValueError):
+        return p
+    return [p, st.st_size, st.st_mtime_ns]
