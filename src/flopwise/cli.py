@@ -32,6 +32,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(
+        "prepare",
+        help="text -> tokenizer -> validated token shards (a data directory for data.path)",
+        description="Tokenize a source into a data directory: tokenizer.json, SPLIT-NNNNN.bin shards, meta.json.",
+    )
+    p.add_argument("source", nargs="?", help="a file or folder (.txt, .jsonl, .json, .parquet, optionally .gz/.zst), "
+                   "'builtin' (Python's stdlib source) or hf:NAME[:CONFIG] (a Hugging Face dataset, streamed)")
+    p.add_argument("--out", help="the data directory to write")
+    p.add_argument("--verify", metavar="DIR", help="check every shard of DIR (checksums, id range) and exit")
+    g = p.add_argument_group("tokenizer (one of)")
+    g.add_argument("--tokenizer", default="", help="a tokenizer.json to load (e.g. SmolLM's, Llama-3's, Qwen's)")
+    g.add_argument("--vocab-size", type=count, default=0, help="train a byte-level BPE of this size on the source")
+    g.add_argument("--tokenizer-sample-mb", type=float, default=100.0, help="text to train the BPE on (default 100)")
+    g = p.add_argument_group("budget (tokens; 0 = the whole source)")
+    g.add_argument("--train-tokens", type=count, default=0)
+    g.add_argument("--val-tokens", type=count, default=0, help="default: --val-fraction of the train tokens")
+    g.add_argument("--test-tokens", type=count, default=0)
+    g.add_argument("--val-fraction", type=float, default=0.005)
+    g = p.add_argument_group("source options")
+    g.add_argument("--text-field", default="text", help="field of .jsonl/.json/.parquet/hf records (default text)")
+    g.add_argument("--hf-split", default="train", help="split of a Hugging Face dataset (default train)")
+    g.add_argument("--data-files", nargs="*", default=[], help="hf: data files (e.g. hf:json --data-files a.jsonl)")
+    g.add_argument("--shuffle-buffer", type=count, default=0, help="hf: streaming shuffle buffer (default off)")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("performance and output")
+    g.add_argument("--workers", type=int, default=0, help="tokenizer processes (default: from cores and memory)")
+    g.add_argument("--shard-tokens", type=count, default=100_000_000, help="tokens per shard (default 100M)")
+    g.add_argument("--overwrite", action="store_true", help="replace --out if it holds other data")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser(
         "plan",
         help="FLOPs, memory, time, cost, Chinchilla sizing and scaling, before any GPU time is spent",
         description="Plan a run: parameters, FLOPs, memory per GPU, time, cost, Chinchilla, batch, scaling.",
@@ -102,6 +132,27 @@ def count(text: str) -> int:
     if value != int(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
     return int(value)
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from flopwise.data.prepare import PrepareError, PrepareOptions, prepare, verify
+
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    if args.verify:
+        verify(args.verify, log=log)
+        return 0
+    if not args.source:
+        raise PrepareError("give a SOURCE (a file or folder, builtin, or hf:NAME[:CONFIG]) or --verify DIR")
+    opts = PrepareOptions(
+        source=args.source, out=args.out or "", tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+        train_tokens=args.train_tokens, val_tokens=args.val_tokens, test_tokens=args.test_tokens,
+        val_fraction=args.val_fraction, workers=args.workers, text_field=args.text_field, hf_split=args.hf_split,
+        shuffle_buffer=args.shuffle_buffer, seed=args.seed, tokenizer_sample_mb=args.tokenizer_sample_mb,
+        shard_tokens=args.shard_tokens, overwrite=args.overwrite, data_files=args.data_files,
+    )
+    out = prepare(opts, log=log)
+    print(f"train on it with: flopwise train data.path={out}")
+    return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -177,10 +228,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flopwise {args.command}: {e}", file=sys.stderr)
         return 2
     except ValueError as e:  # data and plan errors name the file, field or flag and the problem
-        from flopwise.data import DataDirError, ShardError
+        from flopwise.data.datadir import DataDirError
+        from flopwise.data.prepare import PrepareError
+        from flopwise.data.shards import ShardError
+        from flopwise.data.sources import SourceError
         from flopwise.plan.budget import PlanError
 
-        if not isinstance(e, (DataDirError, ShardError, PlanError)):
+        if not isinstance(e, (DataDirError, ShardError, PlanError, PrepareError, SourceError)):
             raise
         print(f"flopwise {args.command}: {e}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from .builtin import prepare_builtin
 from .datadir import DataDir, DataDirError, open_data_dir, resolve_data_dir
 from .loader import RandomWindowLoader, fixed_windows
 from .shards import ShardError, ShardWriter, read_header, read_shard, shard_name, write_shard
+from .sources import Source, SourceError, open_source
 from .tokenizer import EOS_TOKEN, eos_id, load_tokenizer, train_bpe
 
 __all__ = [

@@ -187,33 +187,18 @@ def _batches(files: list[SourceFile]) -> Iterator[list[str]]:
 
 def _write_split(tok, files: list[SourceFile], split: str, out: Path, vocab_size: int, eos: int) -> dict:
     """Tokenize ``files`` (EOS after each) into ``split-NNNNN.bin`` shards under ``out``."""
-    shards: list[str] = []
-    total = 0
-    writer: ShardWriter | None = None
+    from .prepare import SplitWriter, encode_documents
+
+    writer = SplitWriter(out, split, vocab_size, MAX_SHARD_TOKENS)
     try:
         for batch in _batches(files):
-            for enc in tok.encode_batch_fast(batch, add_special_tokens=False):
-                ids = enc.ids
-                ids.append(eos)
-                pos = 0
-                while pos < len(ids):  # a document may straddle two shards
-                    if writer is None:
-                        shards.append(shard_name(split, len(shards)))
-                        writer = ShardWriter(out / shards[-1], vocab_size)
-                    take = min(len(ids) - pos, MAX_SHARD_TOKENS - writer.n_tokens)
-                    writer.write(ids[pos : pos + take])
-                    pos += take
-                    total += take
-                    if writer.n_tokens >= MAX_SHARD_TOKENS:
-                        writer.close()
-                        writer = None
-        if writer is not None:
-            writer.close()
-            writer = None
-    finally:
-        if writer is not None:
-            writer.abort()
-    return {"shards": shards, "tokens": total, "documents": len(files)}
+            ids, lengths = encode_documents(tok, batch, None, eos, dtype_for_vocab(vocab_size))
+            writer.write(ids)
+            writer.documents += len(lengths)
+        return writer.close()
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def _clean_stale(cache_dir: Path) -> None:

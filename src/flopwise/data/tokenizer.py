@@ -74,3 +74,29 @@ def file_sha256(path: str | os.PathLike) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+# End-of-text and begin-of-text tokens of common tokenizers, most specific first:
+# GPT-2/SmolLM/Qwen "<|endoftext|>", Llama 3 "<|end_of_text|>"/"<|begin_of_text|>",
+# Llama 2/Mistral "</s>"/"<s>", Gemma "<eos>"/"<bos>".
+EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
+BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>")
+
+
+def special_ids(tok: Tokenizer) -> dict:
+    """``{"eos_id", "bos_id", "eos_candidates"}`` of a tokenizer; ids are None when absent.
+
+    EOS ends every document; BOS, where the tokenizer defines a distinct one, starts it.
+    """
+    # Only *special* added tokens count: a learned merge may spell "<s>" as ordinary text.
+    specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+
+    def first(candidates):
+        for token in candidates:
+            if token in specials:
+                return int(specials[token])
+        return None
+
+    eos = first(EOS_CANDIDATES)
+    bos = first(BOS_CANDIDATES)
+    return {"eos_id": eos, "bos_id": bos if bos != eos else None, "eos_candidates": EOS_CANDIDATES}

@@ -1,0 +1,196 @@
+"""flopwise prepare: routing, budgets, framing, determinism, atomicity, tokenizers."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from flopwise.data.datadir import DataDir
+from flopwise.data.prepare import PrepareError, PrepareOptions, Router, SplitWriter, encode_documents, prepare
+from flopwise.data.shards import read_shard
+from flopwise.data.tokenizer import train_bpe
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma".split()
+
+
+def write_corpus(folder, n_docs=120, seed=0):
+    """A .jsonl corpus of documents of varying length, deterministic."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "part-0.jsonl", "w") as f:
+        for i in range(n_docs):
+            words = rng.choice(WORDS, size=int(rng.integers(5, 80)))
+            f.write(json.dumps({"id": i, "text": f"doc {i}: " + " ".join(words)}) + "\n")
+    return folder
+
+
+def opts(tmp_path, **kw):
+    base = dict(source=str(tmp_path / "corpus"), out=str(tmp_path / "data"), vocab_size=300, workers=1,
+                tokenizer_sample_mb=1.0)
+    base.update(kw)
+    return PrepareOptions(**base)
+
+
+def quiet(_line):
+    pass
+
+
+# ---------------------------------------------------------------- routing
+
+def test_router_meets_exact_budgets_and_keeps_shares_along_the_stream():
+    r = Router({"val": 100, "test": 0, "train": 1000}, {"val": 100.0, "test": 0.0, "train": 1000.0})
+    assert r.route(30) == ("val", 30)  # the first document always goes to validation
+    seen = []
+    while (routed := r.route(30)) is not None:
+        seen.append(routed)
+    assert r.tokens == {"val": 100, "test": 0, "train": 1000}
+    assert r.cut_documents == 2  # one document cut in each split to land exactly on the budget
+    # Validation is spread along the stream, not taken from its start only.
+    val_positions = [i for i, (s, _) in enumerate(seen) if s == "val"]
+    assert val_positions[0] < 15 and val_positions[-1] > 20
+
+
+def test_router_unbounded_train_never_done():
+    r = Router({"val": None, "test": 0, "train": None}, {"val": 0.01, "test": 0.0, "train": 0.99})
+    splits = [r.route(10)[0] for _ in range(1000)]
+    assert splits[0] == "val" and 5 <= splits.count("val") <= 15 and not r.done()
+
+
+def test_bos_and_eos_frame_every_document():
+    tok = train_bpe(["hello world " * 20], 270)
+    ids, lengths = encode_documents(tok, ["hello", "world hello"], bos=5, eos=0, dtype=np.dtype(np.uint16))
+    assert lengths.sum() == len(ids)
+    first = ids[: lengths[0]]
+    assert first[0] == 5 and first[-1] == 0 and ids[-1] == 0 and ids[lengths[0]] == 5
+    ids2, lengths2 = encode_documents(tok, ["hello"], bos=None, eos=0, dtype=np.dtype(np.uint16))
+    assert ids2[-1] == 0 and lengths2[0] == lengths[0] - 1
+
+
+# ---------------------------------------------------------------- end to end
+
+def test_prepare_exact_budgets_and_meta(tmp_path):
+    write_corpus(tmp_path / "corpus", n_docs=300)
+    out = prepare(opts(tmp_path, train_tokens=3000, val_tokens=400, test_tokens=200), log=quiet)
+    dd = DataDir(out, verify=True)
+    assert dd.num_tokens("train") == 3000 and dd.num_tokens("val") == 400 and dd.num_tokens("test") == 200
+    meta = dd.meta
+    assert meta["vocab_size"] <= 300 and meta["dtype"] == "uint16" and meta["eos_id"] == 0
+    assert meta["recipe"]["tokens_per_document"]["median"] > 0
+    assert meta["source"].startswith("files:") and len(meta["fingerprint"]) == 64
+    assert all(info["documents"] > 0 for info in meta["splits"].values())
+    assert not list(tmp_path.glob(".data.partial*"))
+
+
+def test_whole_source_with_default_validation_share(tmp_path):
+    write_corpus(tmp_path / "corpus", n_docs=150)
+    out = prepare(opts(tmp_path, val_fraction=0.05), log=quiet)
+    meta = json.loads((out / "meta.json").read_text())
+    total_docs = sum(s["documents"] for s in meta["splits"].values())
+    assert total_docs == 150  # every document used once
+    share = meta["splits"]["val"]["tokens"] / (meta["splits"]["val"]["tokens"] + meta["splits"]["train"]["tokens"])
+    assert 0.02 < share < 0.1
+
+
+def test_output_does_not_depend_on_worker_count(tmp_path):
+    write_corpus(tmp_path / "corpus", n_docs=200)
+    a = prepare(opts(tmp_path, out=str(tmp_path / "a"), workers=1, batch_docs=16), log=quiet)
+    b = prepare(opts(tmp_path, out=str(tmp_path / "b"), workers=2, batch_docs=16), log=quiet)
+    for name in ("train-00000.bin", "val-00000.bin", "tokenizer.json"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert json.loads((a / "meta.json").read_text())["fingerprint"] == json.loads((b / "meta.json").read_text())["fingerprint"]
+
+
+def test_shards_roll_over_at_shard_tokens(tmp_path):
+    write_corpus(tmp_path / "corpus", n_docs=200)
+    out = prepare(opts(tmp_path, train_tokens=2500, shard_tokens=1000), log=quiet)
+    dd = DataDir(out, verify=True)
+    assert [p.name for p in dd.shard_paths("train")] == ["train-00000.bin", "train-00001.bin", "train-00002.bin"]
+    assert dd.shard_token_counts("train") == [1000, 1000, 500]
+
+
+def test_rerun_is_a_no_op_and_other_inputs_need_overwrite(tmp_path):
+    write_corpus(tmp_path / "corpus")
+    out = prepare(opts(tmp_path, train_tokens=1000), log=quiet)
+    mtime = os.stat(out / "train-00000.bin").st_mtime_ns
+    lines = []
+    prepare(opts(tmp_path, train_tokens=1000, workers=2), log=lines.append)  # workers do not change the output
+    assert any("nothing to do" in line for line in lines)
+    assert os.stat(out / "train-00000.bin").st_mtime_ns == mtime
+    with pytest.raises(PrepareError, match="--overwrite"):
+        prepare(opts(tmp_path, train_tokens=2000), log=quiet)
+    assert DataDir(out).num_tokens("train") == 1000  # untouched
+    prepare(opts(tmp_path, train_tokens=2000, overwrite=True), log=quiet)
+    assert DataDir(out).num_tokens("train") == 2000
+
+
+def test_interrupted_prepare_leaves_nothing_that_looks_prepared(tmp_path, monkeypatch):
+    write_corpus(tmp_path / "corpus", n_docs=200)
+    calls = {"n": 0}
+    real_write = SplitWriter.write
+
+    def failing_write(self, ids):
+        calls["n"] += 1
+        if calls["n"] == 20:
+            raise KeyboardInterrupt  # Ctrl-C in the middle of writing
+        return real_write(self, ids)
+
+    monkeypatch.setattr(SplitWriter, "write", failing_write)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(opts(tmp_path), log=quiet)
+    assert not (tmp_path / "data").exists()
+    assert not list(tmp_path.glob(".data.*"))
+    monkeypatch.setattr(SplitWriter, "write", real_write)
+    out = prepare(opts(tmp_path), log=quiet)  # a rerun starts over cleanly
+    DataDir(out, verify=True)
+
+
+def test_interrupted_replacement_keeps_the_old_data(tmp_path, monkeypatch):
+    write_corpus(tmp_path / "corpus", n_docs=200)
+    out = prepare(opts(tmp_path, train_tokens=1000), log=quiet)
+    before = (out / "train-00000.bin").read_bytes()
+    monkeypatch.setattr(SplitWriter, "write", lambda self, ids: (_ for _ in ()).throw(RuntimeError("disk full")))
+    with pytest.raises(RuntimeError, match="disk full"):
+        prepare(opts(tmp_path, train_tokens=2000, overwrite=True), log=quiet)
+    assert (out / "train-00000.bin").read_bytes() == before
+    DataDir(out, verify=True)
+
+
+def test_loaded_tokenizer_with_bos_and_a_large_vocabulary_uses_uint32(tmp_path):
+    from tokenizers import AddedToken
+
+    write_corpus(tmp_path / "corpus", n_docs=60)
+    tok = train_bpe([" ".join(WORDS)] * 50, 300)
+    tok.add_special_tokens([AddedToken("<|begin_of_text|>", special=True)])
+    tok.add_tokens([f"extra{i}" for i in range(70_000)])  # pushes ids past 65,535
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    out = prepare(opts(tmp_path, vocab_size=0, tokenizer=str(path), train_tokens=500), log=quiet)
+    dd = DataDir(out, verify=True)
+    assert dd.meta["dtype"] == "uint32" and dd.vocab_size > 65_536
+    bos = dd.meta["bos_id"]
+    train = read_shard(dd.shard_paths("train")[0])
+    assert bos is not None and train[0] == bos and read_shard(dd.shard_paths("val")[0])[0] == bos
+    eos_positions = np.flatnonzero(np.asarray(train) == dd.eos_id)
+    assert len(eos_positions) and all(train[p + 1] == bos for p in eos_positions if p + 1 < len(train))
+
+
+def test_bad_input_is_named_before_any_work(tmp_path):
+    write_corpus(tmp_path / "corpus")
+    with pytest.raises(PrepareError, match="exactly one of --tokenizer"):
+        prepare(opts(tmp_path, vocab_size=0), log=quiet)
+    with pytest.raises(PrepareError, match="--tokenizer '.*nope.json': file does not exist"):
+        prepare(opts(tmp_path, vocab_size=0, tokenizer=str(tmp_path / "nope.json")), log=quiet)
+    with pytest.raises(PrepareError, match="--vocab-size must be >= 257"):
+        prepare(opts(tmp_path, vocab_size=100), log=quiet)
+    with pytest.raises(PrepareError, match="--val-fraction"):
+        prepare(opts(tmp_path, val_fraction=1.5), log=quiet)
+    assert not (tmp_path / "data").exists()
+
+
+def test_source_exhausted_before_budget_warns(tmp_path):
+    write_corpus(tmp_path / "corpus", n_docs=20)
+    lines = []
+    out = prepare(opts(tmp_path, train_tokens=10**7), log=lines.append)
+    assert any("ran out before the budget" in line for line in lines)
+    assert DataDir(out).num_tokens("train") < 10**7
