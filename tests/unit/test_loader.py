@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flopwise.data.datadir import DataDir, DataDirError
-from flopwise.data.loader import RandomWindowLoader, fixed_windows
+from flopwise.data.loader import EpochLoader, RandomWindowLoader, document_ids, fixed_windows, make_loader
 from flopwise.data.shards import HEADER_SIZE, shard_name, write_shard
 from flopwise.data.tokenizer import EOS_TOKEN, eos_id, file_sha256, load_tokenizer, train_bpe
 
@@ -24,12 +24,17 @@ def tokenizer_file(tmp_path_factory):
     return p
 
 
-def make_datadir(root, tokenizer_file, splits: dict[str, list[np.ndarray]]):
-    """A data directory with the given token arrays as shards."""
+def make_datadir(root, tokenizer_file, splits: dict[str, list[np.ndarray]], vocab: int | None = None,
+                 extra_meta: dict | None = None):
+    """A data directory with the given token arrays as shards.
+
+    ``vocab`` overrides the tokenizer's vocabulary size in meta.json and the shard headers
+    (the loaders never load the tokenizer), so tests can use unique token ids as labels.
+    """
     root.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(tokenizer_file)
     (root / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
-    vocab = tok.get_vocab_size()
+    vocab = vocab or tok.get_vocab_size()
     meta_splits = {}
     for split, arrays in splits.items():
         names = []
@@ -48,6 +53,7 @@ def make_datadir(root, tokenizer_file, splits: dict[str, list[np.ndarray]]):
         "splits": meta_splits,
         "fingerprint": "x",
         "created": "now",
+        **(extra_meta or {}),
     }
     (root / "meta.json").write_text(json.dumps(meta))
     return root
@@ -250,3 +256,285 @@ def test_cuda_batches(dd):
     x, y = RandomWindowLoader(dd, "train", 16, 4, seed=0, device="cuda").next_batch()
     xc, yc = RandomWindowLoader(dd, "train", 16, 4, seed=0).next_batch()
     assert x.is_cuda and torch.equal(x.cpu(), xc) and torch.equal(y.cpu(), yc)
+    for mode in ("random", "epoch"):  # prefetch: side-stream copies, event waits
+        ref = make_loader(mode, dd, "train", 16, 4, seed=0, doc_boundaries=True)
+        gpu = make_loader(mode, dd, "train", 16, 4, seed=0, device="cuda", doc_boundaries=True, prefetch=True)
+        for _ in range(5):
+            for a, b in zip(gpu.next_batch(), ref.next_batch()):
+                assert a.is_cuda and torch.equal(a.cpu(), b)
+        assert gpu.state_dict() == ref.state_dict()
+        gpu.close()
+
+
+# ----------------------------------------------------------------- golden random windows
+
+
+def test_random_windows_golden(tmp_path, tokenizer_file):
+    """The trainer's batches for mode "random" on rank 0 of 1 must not change: pinned values."""
+    dd = DataDir(make_datadir(tmp_path / "g", tokenizer_file,
+                              {"train": [np.arange(1000) % 251, (np.arange(400) * 7) % 251]}))
+    for loader in (RandomWindowLoader(dd, "train", 6, 3, seed=1234),
+                   RandomWindowLoader(dd, "train", 6, 3, seed=1234, rank=0, world_size=4),
+                   make_loader("random", dd, "train", 6, 3, seed=1234, prefetch=True)):
+        x, y = loader.next_batch()
+        assert x.tolist() == [[36, 43, 50, 57, 64, 71], [9, 10, 11, 12, 13, 14], [127, 134, 141, 148, 155, 162]]
+        assert y[:, -1].tolist() == [78, 15, 169]
+        x, y = loader.next_batch()
+        assert x.tolist() == [[66, 67, 68, 69, 70, 71], [35, 36, 37, 38, 39, 40], [205, 206, 207, 208, 209, 210]]
+
+
+def test_random_ranks_independent_and_state_per_rank(dd):
+    r0 = batches(RandomWindowLoader(dd, "train", 16, 4, seed=5, rank=0, world_size=2), 3)
+    r1 = batches(RandomWindowLoader(dd, "train", 16, 4, seed=5, rank=1, world_size=2), 3)
+    assert not any(torch.equal(a[0], b[0]) for a, b in zip(r0, r1))
+    a = RandomWindowLoader(dd, "train", 16, 4, seed=5, rank=1, world_size=2)
+    batches(a, 2)
+    state = json.loads(json.dumps(a.state_dict()))
+    b = RandomWindowLoader(dd, "train", 16, 4, seed=5, rank=1, world_size=2)
+    b.load_state_dict(state)
+    for (xa, _), (xb, _) in zip(batches(a, 3), batches(b, 3)):
+        assert torch.equal(xa, xb)
+    with pytest.raises(ValueError, match=r"rank 1 of 2.*rank 0 of 2"):
+        RandomWindowLoader(dd, "train", 16, 4, seed=5, rank=0, world_size=2).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"rank 1 of 2.*rank 1 of 3"):
+        RandomWindowLoader(dd, "train", 16, 4, seed=5, rank=1, world_size=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="rank"):
+        RandomWindowLoader(dd, "train", 16, 4, seed=5, rank=2, world_size=2)
+
+
+# ----------------------------------------------------------------- epoch loader
+
+VOCAB = 1 << 16
+
+
+@pytest.fixture
+def labelled(tmp_path, tokenizer_file):
+    """Shards whose tokens are unique ids (1..), so a row tells where it came from.
+
+    seq_len 16: 62 + 20 + 1 + 0 = 83 samples; remainders 7 + 12 + 0 + 5 = 24 tokens.
+    """
+    sizes = [1000, 333, 17, 5]
+    starts = np.cumsum([1] + sizes[:-1]) + 100 * np.arange(4)  # ids jump between shards
+    shards = [np.arange(s, s + n) for s, n in zip(starts, sizes)]
+    return DataDir(make_datadir(tmp_path / "lab", tokenizer_file, {"train": shards, "val": shards[:1]},
+                                vocab=VOCAB)), shards
+
+
+def rank_loaders(dd, world, batch, **kw):
+    return [EpochLoader(dd, "train", 16, batch, seed=3, rank=r, world_size=world, **kw) for r in range(world)]
+
+
+def sample_key(x):
+    """(first token of each row): unique per sample, since token ids are unique."""
+    return x[:, 0].tolist()
+
+
+def test_epoch_exactly_once_two_ranks(labelled):
+    dd, shards = labelled
+    loaders = rank_loaders(dd, 2, 4)
+    L = loaders[0]
+    assert L.num_samples == 83 and L.batches_per_epoch == 10 and L.dropped_samples_per_epoch == 3
+    assert L.remainder_tokens == 24
+    assert L.target_tokens_per_epoch == 80 * 16
+    assert L.dropped_tokens_per_epoch == 1355 - 80 * 16
+    valid_starts = {int(s[0]) + 16 * j for s in shards for j in range((len(s) - 1) // 16)}
+    assert len(valid_starts) == 83
+    seen_epochs = []
+    for epoch in range(3):
+        assert all(ld.epoch == epoch and ld.global_sample_position == 0 for ld in loaders)
+        seen, targets = [], []
+        for _ in range(L.batches_per_epoch):
+            per_rank = [ld.next_batch() for ld in loaders]
+            keys = [sample_key(x) for x, _ in per_rank]
+            assert not set(keys[0]) & set(keys[1])  # ranks are disjoint
+            for x, y in per_rank:
+                assert x.shape == y.shape == (4, 16)
+                rows = torch.cat([x, y[:, -1:]], dim=1)
+                assert torch.equal(rows[:, 1:] - rows[:, :-1], torch.ones(4, 16, dtype=torch.int64))  # contiguous,
+                seen += sample_key(x)  # so within one shard (ids jump between shards: see valid_starts)
+                targets += y.flatten().tolist()
+        assert len(seen) == len(set(seen)) == 80  # every used sample once
+        assert set(seen) <= valid_starts
+        assert len(targets) == len(set(targets))  # every target token at most once
+        assert len(valid_starts - set(seen)) == 3
+        seen_epochs.append(seen)
+    assert seen_epochs[0] != seen_epochs[1]  # a new permutation each epoch
+    assert loaders[0].epoch == 3 and loaders[0].state_dict() == loaders[1].state_dict()
+
+
+def test_epoch_every_token_once_when_batches_divide(tmp_path, tokenizer_file):
+    """No drop: the union over ranks of one epoch's targets is every token but each shard's first."""
+    shards = [np.arange(1, 1 + 16 * 10 + 1), np.arange(500, 500 + 16 * 6 + 1)]  # 10 + 6 samples, no remainder
+    dd = DataDir(make_datadir(tmp_path / "div", tokenizer_file, {"train": shards}, vocab=VOCAB))
+    loaders = rank_loaders(dd, 2, 2)
+    assert loaders[0].dropped_samples_per_epoch == 0 and loaders[0].remainder_tokens == 0
+    assert loaders[0].dropped_tokens_per_epoch == 2  # each shard's first token is only an input
+    targets = []
+    for _ in range(loaders[0].batches_per_epoch):
+        for ld in loaders:
+            targets += ld.next_batch()[1].flatten().tolist()
+    assert sorted(targets) == sorted(np.concatenate([s[1:] for s in shards]).tolist())
+
+
+def test_epoch_unshuffled_order_and_drop(labelled):
+    dd, shards = labelled
+    L = EpochLoader(dd, "train", 16, 8, seed=0, shuffle=False)
+    firsts = []
+    for _ in range(L.batches_per_epoch):
+        firsts += sample_key(L.next_batch()[0])
+    expected = sorted({int(s[0]) + 16 * j for s in shards for j in range((len(s) - 1) // 16)})
+    assert firsts == expected[:80]  # storage order; the last 3 samples are dropped
+    assert sample_key(L.next_batch()[0]) == expected[:8]  # next epoch starts over
+
+
+def test_epoch_too_small(labelled):
+    dd, _ = labelled
+    with pytest.raises(DataDirError, match=r"83 packed samples.*16 x 6 rank\(s\) = 96"):
+        EpochLoader(dd, "train", 16, 16, seed=0, rank=0, world_size=6)
+    with pytest.raises(DataDirError, match=r"0 packed samples"):
+        EpochLoader(dd, "val", 1000, 1, seed=0)
+
+
+def snapshot(loader):
+    return json.loads(json.dumps(loader.state_dict()))
+
+
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_epoch_resume_mid_epoch_mid_accumulation(labelled, prefetch):
+    """accum = 3 micro-batches per step; stop after 4 micro-batches (inside step 2 and epoch 0),
+    resume, and run across the epoch boundary (10 batches per epoch): identical batches."""
+    dd, _ = labelled
+    a = EpochLoader(dd, "train", 16, 8, seed=9, prefetch=prefetch)
+    batches(a, 4)
+    state = snapshot(a)
+    assert state["epoch"] == 0 and state["global_sample_position"] == 32 and state["batches"] == 4
+    rest = batches(a, 12)
+    assert a.epoch == 1
+    b = EpochLoader(dd, "train", 16, 8, seed=9, prefetch=prefetch)
+    batches(b, 1)  # whatever it did before is replaced
+    b.load_state_dict(state)
+    assert b.batches == 4
+    for (xa, ya), (xb, yb) in zip(rest, batches(b, 12)):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    assert b.state_dict() == a.state_dict()
+
+
+def test_epoch_resume_at_epoch_boundary(labelled):
+    dd, _ = labelled
+    a = EpochLoader(dd, "train", 16, 8, seed=9)
+    batches(a, 10)  # exactly one epoch
+    state = snapshot(a)
+    assert state["epoch"] == 1 and state["global_sample_position"] == 0
+    b = EpochLoader(dd, "train", 16, 8, seed=9)
+    b.load_state_dict(state)
+    for (xa, _), (xb, _) in zip(batches(a, 3), batches(b, 3)):
+        assert torch.equal(xa, xb)
+
+
+def test_epoch_resume_on_other_world_size(labelled):
+    """The position is global: 2 ranks x 4 <-> 1 rank x 8 resume exactly."""
+    dd, _ = labelled
+    two = rank_loaders(dd, 2, 4)
+    for _ in range(7):
+        for ld in two:
+            ld.next_batch()
+    state = snapshot(two[1])
+    assert state == snapshot(two[0])
+    one = EpochLoader(dd, "train", 16, 8, seed=3)
+    one.load_state_dict(state)
+    for _ in range(6):  # across the epoch boundary
+        x1, y1 = one.next_batch()
+        parts = [ld.next_batch() for ld in two]
+        assert torch.equal(x1, torch.cat([p[0] for p in parts])) and torch.equal(y1, torch.cat([p[1] for p in parts]))
+    back = rank_loaders(dd, 2, 4)
+    for ld in back:
+        ld.load_state_dict(snapshot(one))
+    x1 = one.next_batch()[0]
+    assert torch.equal(x1, torch.cat([ld.next_batch()[0] for ld in back]))
+
+
+def test_epoch_resume_refusals(labelled):
+    dd, _ = labelled
+    a = rank_loaders(dd, 2, 4)[0]
+    batches(a, 2)
+    state = snapshot(a)
+    with pytest.raises(ValueError, match=r"2 rank\(s\) x batch_size 4 = 8 .* 2 rank\(s\) x batch_size 8 = 16"):
+        EpochLoader(dd, "train", 16, 8, seed=3, rank=0, world_size=2).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"seq_len 16 in the state, 8 here"):
+        EpochLoader(dd, "train", 8, 8, seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"seed 3 in the state, 4 here"):
+        EpochLoader(dd, "train", 16, 8, seed=4).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"shuffle"):
+        EpochLoader(dd, "train", 16, 8, seed=3, shuffle=False).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"mode 'epoch'.*mode 'random'"):
+        RandomWindowLoader(dd, "train", 16, 8, seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"mode 'random'.*mode 'epoch'"):
+        EpochLoader(dd, "train", 16, 8, seed=3).load_state_dict(RandomWindowLoader(dd, "train", 16, 8, 3).state_dict())
+    changed = dict(state, shard_tokens=[1000, 333, 17, 6])
+    with pytest.raises(ValueError, match=r"data changed.*\[1000, 333, 17, 6\].*\[1000, 333, 17, 5\]"):
+        EpochLoader(dd, "train", 16, 8, seed=3).load_state_dict(changed)
+
+
+# ----------------------------------------------------------------- document boundaries
+
+
+def test_document_ids_rule():
+    E, S = 0, 1  # EOS, BOS
+    x = torch.tensor([[5, 6, E, 7, 8, E, 9, 9],   # EOS: the next token starts a document
+                      [E, S, 5, E, S, 6, 7, S],   # EOS BOS is one boundary; a lone BOS starts one
+                      [S, 5, 6, 7, 8, 9, 5, E]])  # BOS at 0 and EOS at the end start nothing
+    assert document_ids(x, E, S).tolist() == [[0, 0, 0, 1, 1, 1, 2, 2],
+                                              [0, 1, 1, 1, 2, 2, 2, 3],
+                                              [0, 0, 0, 0, 0, 0, 0, 0]]
+    assert document_ids(x, E).tolist()[1] == [0, 1, 1, 1, 2, 2, 2, 2]  # without BOS only EOS counts
+
+
+@pytest.mark.parametrize("mode", ["random", "epoch"])
+@pytest.mark.parametrize("bos", [None, 1])
+def test_doc_boundaries_in_batches(tmp_path, tokenizer_file, mode, bos):
+    rng = np.random.default_rng(0)
+    toks = rng.integers(2, 50, size=3000)
+    toks[rng.random(3000) < 0.1] = 0  # EOS
+    toks[rng.random(3000) < 0.05] = 1  # BOS (or an ordinary token when meta has no bos_id)
+    dd = DataDir(make_datadir(tmp_path / "docs", tokenizer_file, {"train": [toks]},
+                              extra_meta={"eos_id": 0, "bos_id": bos}))
+    loader = make_loader(mode, dd, "train", 32, 4, seed=1, doc_boundaries=True)
+    plain = make_loader(mode, dd, "train", 32, 4, seed=1)
+    for _ in range(5):
+        x, y, docs = loader.next_batch()
+        x0, y0 = plain.next_batch()
+        assert torch.equal(x, x0) and torch.equal(y, y0)  # the option changes nothing else
+        assert docs.dtype == torch.int64 and docs.shape == x.shape
+        for row, d in zip(x.tolist(), docs.tolist()):
+            want, cur = [], 0
+            for t, tok in enumerate(row):
+                if t > 0 and (row[t - 1] == 0 or (bos is not None and tok == bos)):
+                    cur += 1
+                want.append(cur)
+            assert d == want
+        assert (docs.max(dim=1).values > 0).any()
+
+
+# ----------------------------------------------------------------- factory and prefetch
+
+
+def test_make_loader(dd):
+    assert isinstance(make_loader("random", dd, "train", 16, 2, seed=0), RandomWindowLoader)
+    e = make_loader("epoch", dd, "train", 16, 2, seed=0, rank=1, world_size=2, doc_boundaries=True)
+    assert isinstance(e, EpochLoader) and e.rank == 1 and e.world_size == 2 and len(e.next_batch()) == 3
+    with pytest.raises(ValueError, match=r"unknown loader mode 'sequential'.*'random' or 'epoch'"):
+        make_loader("sequential", dd, "train", 16, 2, seed=0)
+
+
+@pytest.mark.parametrize("mode", ["random", "epoch"])
+def test_prefetch_same_batches_and_state(dd, mode):
+    a = make_loader(mode, dd, "train", 16, 4, seed=2)
+    b = make_loader(mode, dd, "train", 16, 4, seed=2, prefetch=True)
+    for k in range(6):
+        (xa, ya), (xb, yb) = a.next_batch(), b.next_batch()
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+        assert a.state_dict() == b.state_dict()  # the prefetched batch is not counted
+    b.close()
+    assert a.state_dict() == b.state_dict()
+    assert torch.equal(a.next_batch()[0], b.next_batch()[0])  # usable after close
+    b.close()
