@@ -82,6 +82,9 @@ class DataConfig:
     cache_dir: str = "~/.cache/flopwise"
     builtin_vocab_size: int = 8192  # BPE vocabulary trained for the embedded corpus
     builtin_max_mb: float = 0.0  # cap on the embedded corpus' source text (0 = all of it)
+    # random: seeded random windows (fast start, sampled with replacement);
+    # epoch: a shuffled pass over packed sequences, every token a target once per epoch.
+    loader: str = "random"
 
 
 @dataclass
@@ -428,6 +431,8 @@ def validate(cfg: RunConfig) -> list[str]:
     positive("eval", "temperature", e.temperature, allow_zero=True)
     positive("eval", "top_k", e.top_k, allow_zero=True)
 
+    if d.loader not in ("random", "epoch"):
+        p.append(f"data.loader {d.loader!r}: choose random or epoch")
     positive("data", "builtin_vocab_size", d.builtin_vocab_size)
     positive("data", "builtin_max_mb", d.builtin_max_mb, allow_zero=True)
     if not d.path and d.builtin_vocab_size > m.vocab_size > 0:

@@ -119,3 +119,12 @@ def test_checkpoint_round_trip(tmp_path):
     for k in s1["state"]:
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(s1["state"][k][key], s2["state"][k][key])
+
+
+def test_epoch_loader_trains_and_checkpoints_its_position(tiny_overrides):
+    cfg = build_config(overrides=tiny_overrides + ["train.max_steps=6", "data.loader=epoch", "eval.sample_tokens=0"])
+    lines = []
+    result = train(cfg, log=lines.append)
+    assert any("loader epoch (" in line and "epochs)" in line for line in lines)
+    state = json.loads((latest_checkpoint(result.run_dir) / "state.json").read_text())
+    assert state["loader"]["mode"] == "epoch" and state["loader"]["global_sample_position"] == 6 * 16

@@ -6,29 +6,24 @@ Text becomes a *data directory* (``tokenizer.json``, ``meta.json``,
 a fixed validation subset.
 """
 
-from .builtin import prepare_builtin
-from .datadir import DataDir, DataDirError, open_data_dir, resolve_data_dir
-from .loader import RandomWindowLoader, fixed_windows
-from .shards import ShardError, ShardWriter, read_header, read_shard, shard_name, write_shard
-from .sources import Source, SourceError, open_source
-from .tokenizer import EOS_TOKEN, eos_id, load_tokenizer, train_bpe
+# Names are imported on first use (PEP 562): tokenizer worker processes import
+# flopwise.data.prepare and must not pay for torch, which only the loader needs.
+_EXPORTS = {
+    "prepare_builtin": ".builtin",
+    "DataDir": ".datadir", "DataDirError": ".datadir", "open_data_dir": ".datadir", "resolve_data_dir": ".datadir",
+    "RandomWindowLoader": ".loader", "EpochLoader": ".loader", "make_loader": ".loader",
+    "document_ids": ".loader", "fixed_windows": ".loader",
+    "ShardError": ".shards", "ShardWriter": ".shards", "read_header": ".shards", "read_shard": ".shards",
+    "shard_name": ".shards", "write_shard": ".shards",
+    "Source": ".sources", "SourceError": ".sources", "open_source": ".sources",
+    "EOS_TOKEN": ".tokenizer", "eos_id": ".tokenizer", "load_tokenizer": ".tokenizer", "train_bpe": ".tokenizer",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = [
-    "DataDir",
-    "DataDirError",
-    "EOS_TOKEN",
-    "RandomWindowLoader",
-    "ShardError",
-    "ShardWriter",
-    "eos_id",
-    "fixed_windows",
-    "load_tokenizer",
-    "open_data_dir",
-    "prepare_builtin",
-    "read_header",
-    "read_shard",
-    "resolve_data_dir",
-    "shard_name",
-    "train_bpe",
-    "write_shard",
-]
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -77,7 +77,7 @@ class PrepareOptions:
     seed: int = 0
     tokenizer_sample_mb: float = 100.0
     shard_tokens: int = 100_000_000
-    batch_chars: int = 4_000_000  # characters per encode batch (bounds memory per worker)
+    batch_chars: int = 1_000_000  # characters per encode batch (bounds memory per worker)
     batch_docs: int = 1024
     overwrite: bool = False
     data_files: list[str] = field(default_factory=list)  # hf: local data files (hf:json etc.)

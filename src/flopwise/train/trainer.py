@@ -25,7 +25,7 @@ import torch
 from flopwise import __version__
 from flopwise.config import ConfigError, RunConfig
 from flopwise.data.datadir import DataDir, open_data_dir
-from flopwise.data.loader import RandomWindowLoader, fixed_windows
+from flopwise.data.loader import fixed_windows, make_loader
 from flopwise.evaluate.generate import generate
 from flopwise.evaluate.loss import evaluate_loss, perplexity
 from flopwise.measure.meter import ThroughputMeter, format_memory, memory_stats
@@ -189,7 +189,8 @@ def train(cfg: RunConfig, log: Log = print) -> TrainResult:
     uniform = math.log(data.vocab_size)
 
     # The data checks (each split long enough for a window) come before any allocation.
-    train_loader = RandomWindowLoader(data, "train", t.seq_len, t.micro_batch_size, seed=t.seed, device=device)
+    train_loader = make_loader(cfg.data.loader, data, "train", t.seq_len, t.micro_batch_size, seed=t.seed,
+                               device=device)
     val_windows = fixed_windows(data, "val", t.seq_len, e.batches * t.micro_batch_size)
     torch.manual_seed(t.seed)
     model = build_model(m, device=device, seed=t.seed)
@@ -207,8 +208,11 @@ def train(cfg: RunConfig, log: Log = print) -> TrainResult:
 
     log(f"flopwise train · preset {cfg.preset} · run dir {run_dir}")
     log(f"  device     {device_label(device)} · precision {precision} · peak {peak_note}")
+    epochs = ""
+    if cfg.data.loader == "epoch":
+        epochs = f" ({total_steps * step_tokens / train_loader.target_tokens_per_epoch:.2f} epochs)"
     log(f"  data       {data.path} · vocab {data.vocab_size:,} · train {human(data.num_tokens('train'))} tokens"
-        f" · val {human(data.num_tokens('val'))} tokens")
+        f" · val {human(data.num_tokens('val'))} tokens · loader {cfg.data.loader}{epochs}")
     log(f"  model      {m.arch} · {m.n_layers} layers · d_model {m.d_model} · heads {m.n_heads} q / {m.n_kv_heads} kv"
         f" · ffn {m.ffn_hidden} · params {human(counts['total'])} ({human(counts['non_embedding'])} non-embedding)")
     log(f"  FLOPs      {human(fpt)}/token (6·N_matmul + attention at seq {t.seq_len})"
