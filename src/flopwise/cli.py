@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer-sample-mb", type=float, default=100.0, help="text to train the BPE on (default 100)")
     g = p.add_argument_group("budget (tokens; 0 = the whole source)")
     g.add_argument("--train-tokens", type=count, default=0)
-    g.add_argument("--val-tokens", type=count, default=0, help="default: --val-fraction of the train tokens")
+    g.add_argument("--val-tokens", type=count, default=0,
+                   help="default: --val-fraction of the train tokens (or of the source, without --train-tokens)")
     g.add_argument("--test-tokens", type=count, default=0)
     g.add_argument("--val-fraction", type=float, default=0.005)
     g = p.add_argument_group("source options")

@@ -57,6 +57,18 @@ def test_router_unbounded_train_never_done():
     assert splits[0] == "val" and 5 <= splits.count("val") <= 15 and not r.done()
 
 
+def test_router_fills_explicit_budgets_first_when_train_is_unbounded():
+    o = PrepareOptions(source="x", out="y", vocab_size=300, val_tokens=50, test_tokens=20)
+    r = Router(o.targets(), o.weights(), o.fill_first())
+    splits = [r.route(10) for _ in range(20)]
+    # val and test share the head of the stream in proportion to their budgets, then train takes the rest.
+    assert [s for s, _ in splits[:7]].count("val") == 5 and [s for s, _ in splits[:7]].count("test") == 2
+    assert all(s == "train" for s, _ in splits[7:]) and r.tokens["val"] == 50 and r.tokens["test"] == 20
+    # Without explicit budgets validation is a share spread along the stream, nothing first.
+    assert PrepareOptions(source="x", out="y", vocab_size=300).fill_first() == frozenset()
+    assert PrepareOptions(source="x", out="y", vocab_size=300, train_tokens=100, val_tokens=5).fill_first() == frozenset()
+
+
 def test_bos_and_eos_frame_every_document():
     tok = train_bpe(["hello world " * 20], 270)
     ids, lengths = encode_documents(tok, ["hello", "world hello"], bos=5, eos=0, dtype=np.dtype(np.uint16))
@@ -90,6 +102,16 @@ def test_whole_source_with_default_validation_share(tmp_path):
     assert total_docs == 150  # every document used once
     share = meta["splits"]["val"]["tokens"] / (meta["splits"]["val"]["tokens"] + meta["splits"]["train"]["tokens"])
     assert 0.02 < share < 0.1
+
+
+def test_whole_source_meets_an_explicit_validation_budget(tmp_path):
+    write_corpus(tmp_path / "corpus", n_docs=150)
+    lines = []
+    out = prepare(opts(tmp_path, val_tokens=600, test_tokens=300), log=lines.append)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["splits"]["val"]["tokens"] == 600 and meta["splits"]["test"]["tokens"] == 300
+    assert sum(s["documents"] for s in meta["splits"].values()) == 150  # the rest went to train
+    assert not any("WARNING" in line for line in lines)
 
 
 def test_output_does_not_depend_on_worker_count(tmp_path):

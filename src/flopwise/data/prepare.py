@@ -15,10 +15,13 @@ Pipeline (bounded memory whatever the corpus size)::
   goes to the split furthest behind its share of the budget, so every split samples the
   whole stream evenly rather than its beginning, and the first document always goes to
   validation. Without a train budget the whole source is used and validation gets
-  ``--val-fraction`` of the tokens (capped by ``--val-tokens`` when given). Before
-  streaming, tokens per document are estimated from a sample (mean and median) to tell
-  how many documents the budget needs.
-- **Workers**: processes (spawned; each loads the tokenizer once) encode batches of
+  ``--val-fraction`` of the tokens, spread along the stream; an explicit ``--val-tokens``
+  or ``--test-tokens`` is then taken from the head of the stream, the only way to meet it
+  without knowing the source's size in advance. Tokens per
+  document (mean and median) are estimated from the first encoded batch, the sample that
+  tells how many documents the budget needs; streaming stops as soon as it is met, so the
+  source is never tokenized beyond the budget (plus the batches in flight).
+- **Workers**: processes (forked where possible; each loads the tokenizer once) encode batches of
   documents; results are consumed in submission order, so the output is deterministic
   and independent of the worker count. At most ``2 x workers`` batches are in flight.
   The default worker count is the usable cores, lowered so that the per-worker memory
@@ -35,7 +38,6 @@ import hashlib
 import json
 import os
 import shutil
-import statistics
 import sys
 import time
 from collections import deque
@@ -77,7 +79,7 @@ class PrepareOptions:
     seed: int = 0
     tokenizer_sample_mb: float = 100.0
     shard_tokens: int = 100_000_000
-    batch_chars: int = 1_000_000  # characters per encode batch (bounds memory per worker)
+    batch_chars: int = 2_000_000  # characters per encode batch (bounds memory per worker)
     batch_docs: int = 1024
     overwrite: bool = False
     data_files: list[str] = field(default_factory=list)  # hf: local data files (hf:json etc.)
@@ -118,16 +120,25 @@ class PrepareOptions:
     def weights(self) -> dict[str, float]:
         """Share of the stream each split should receive while routing.
 
-        With a train budget the shares are the budgets. Without one, validation (and test,
-        when a test budget is given) get ``val_fraction`` each and train the rest, until a
-        capped split is full.
+        With a train budget the shares are the budgets. Without one, validation gets
+        ``val_fraction`` and train the rest; a split with an explicit budget (``--val-tokens``,
+        ``--test-tokens``) is instead filled first (see ``fill_first``), its budget its share.
         """
         t = self.targets()
         if self.train_tokens:
             return {k: float(v or 0) for k, v in t.items()}
-        share = self.val_fraction or 0.005
-        test = share if self.test_tokens else 0.0
-        return {"val": share, "test": test, "train": 1.0 - share - test}
+        share = 0.0 if self.val_tokens else self.val_fraction
+        return {"val": float(self.val_tokens) or share, "test": float(self.test_tokens), "train": 1.0 - share}
+
+    def fill_first(self) -> frozenset[str]:
+        """Splits filled from the head of the stream before the others get a document.
+
+        The source's size is unknown while streaming, so with an unbounded train split an
+        explicit validation or test budget can only be met for sure by filling it first.
+        """
+        if self.train_tokens:
+            return frozenset()
+        return frozenset(s for s, n in (("val", self.val_tokens), ("test", self.test_tokens)) if n)
 
 
 # --------------------------------------------------------------------------- tokenizer
@@ -177,19 +188,19 @@ def _worker_init(tokenizer_json: str, bos: int | None, eos: int, dtype: str) -> 
 def encode_documents(tok, texts: list[str], bos: int | None, eos: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """Encode ``texts``; return (all ids with BOS/EOS framing each document, per-document lengths)."""
     encode = getattr(tok, "encode_batch_fast", None) or tok.encode_batch  # no offsets: faster
-    encs = encode(texts, add_special_tokens=False)
-    extra = 1 + (bos is not None)
-    lengths = np.fromiter((len(e.ids) + extra for e in encs), dtype=np.int64, count=len(encs))
+    # Each ``Encoding.ids`` access builds a new Python list: read it once per document.
+    ids = [e.ids for e in encode(texts, add_special_tokens=False)]
+    n = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    lengths = n + 1 + (bos is not None)
     out = np.empty(int(lengths.sum()), dtype=dtype)
     pos = 0
-    for e, n in zip(encs, lengths.tolist()):
+    for doc, k in zip(ids, n.tolist()):
         if bos is not None:
             out[pos] = bos
-            out[pos + 1 : pos + n - 1] = e.ids
-        else:
-            out[pos : pos + n - 1] = e.ids
-        out[pos + n - 1] = eos
-        pos += n
+            pos += 1
+        out[pos : pos + k] = doc
+        out[pos + k] = eos
+        pos += k + 1
     return out, lengths
 
 
@@ -258,7 +269,13 @@ def encoded_stream(documents: Iterable[str], tok, bos: int | None, eos: int, dty
         return
     import multiprocessing as mp
 
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_worker_init,
+    # fork where the platform has it: workers start in milliseconds and need not re-import
+    # the caller's __main__ (spawn cannot even do that for `python -`). The tokenizers
+    # library marks a fork after its thread pool was used and turns parallelism off in
+    # the child, which is what we want: one core per worker (the initializer says so
+    # explicitly, which also keeps its warning quiet).
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context(method), initializer=_worker_init,
                                initargs=(tok.to_str(), bos, eos, dtype.name))
     pending: deque[tuple[Future, int]] = deque()
     try:
@@ -321,9 +338,11 @@ class SplitWriter:
 class Router:
     """Sends each document to the split furthest behind its share; cuts at exact budgets."""
 
-    def __init__(self, targets: dict[str, int | None], weights: dict[str, float]):
+    def __init__(self, targets: dict[str, int | None], weights: dict[str, float],
+                 fill_first: frozenset[str] = frozenset()):
         self.targets = targets
         self.weights = weights
+        self.fill_first = fill_first
         self.tokens = {s: 0 for s in SPLITS}
         self.cut_documents = 0
 
@@ -340,6 +359,7 @@ class Router:
         candidates = self.open_splits()
         if not candidates:
             return None
+        candidates = [s for s in candidates if s in self.fill_first] or candidates
         split = min(candidates, key=lambda s: (self.tokens[s] / self.weights[s], SPLITS.index(s)))
         keep = n_tokens
         if self.targets[split] is not None:
@@ -352,14 +372,9 @@ class Router:
 
 # --------------------------------------------------------------------------- estimate
 
-def estimate_tokens_per_document(tok, documents: Iterable[str], bos: int | None, eos: int,
-                                 n: int = 256) -> dict[str, float] | None:
-    sample = [t for _, t in zip(range(n), documents)]
-    if not sample:
-        return None
-    lengths = encode_documents(tok, sample, bos, eos, np.dtype(np.uint32))[1].tolist()
-    return {"documents": len(lengths), "mean": float(statistics.fmean(lengths)),
-            "median": float(statistics.median(lengths))}
+def summarize_document_lengths(lengths: np.ndarray) -> dict[str, float]:
+    """Tokens per document (mean and median) of a sample: the first encoded batch."""
+    return {"documents": int(len(lengths)), "mean": float(lengths.mean()), "median": float(np.median(lengths))}
 
 
 # --------------------------------------------------------------------------- progress
@@ -464,24 +479,25 @@ def prepare(opts: PrepareOptions, log: Log = print) -> Path:
         dtype = dtype_for_vocab(vocab)
         tok.save(str(partial / "tokenizer.json"))
 
-        per_doc = estimate_tokens_per_document(tok, source.documents(), bos, eos)
         targets, weights = opts.targets(), opts.weights()
         budget = sum(v for v in targets.values() if v) if opts.train_tokens else None
-        if per_doc:
-            need = f" · the budget needs ~{budget / per_doc['mean']:,.0f} documents" if budget else ""
-            log(f"prepare: ~{per_doc['mean']:,.0f} tokens per document (median {per_doc['median']:,.0f}, "
-                f"from {per_doc['documents']} documents){need}")
         workers, why = choose_workers(opts.workers, opts.batch_chars, len(tok.to_str()))
         log(f"prepare: {source.description} -> {out} · {workers} worker(s) ({why}) · "
             f"budgets " + ", ".join(f"{s} {'all' if targets[s] is None else f'{targets[s]:,}'}"
                                      for s in ("train", "val", "test") if weights.get(s, 0) > 0))
 
         writers = {s: SplitWriter(partial, s, vocab, opts.shard_tokens) for s in SPLITS if weights.get(s, 0) > 0}
-        router = Router(targets, weights)
+        router = Router(targets, weights, opts.fill_first())
         progress = Progress(budget, log)
         stream = encoded_stream(source.documents(), tok, bos, eos, dtype, workers, opts.batch_docs, opts.batch_chars)
         try:
+            per_doc = None
             for ids, lengths, _ in stream:
+                if per_doc is None:  # the first batch is the sample: no text is encoded twice
+                    per_doc = summarize_document_lengths(lengths)
+                    need = f" · the budget needs ~{budget / per_doc['mean']:,.0f} documents" if budget else ""
+                    log(f"prepare: ~{per_doc['mean']:,.0f} tokens per document (median {per_doc['median']:,.0f}, "
+                        f"from the first {per_doc['documents']:,} documents){need}")
                 pos = 0
                 written = 0
                 for n in lengths.tolist():
@@ -576,6 +592,6 @@ def verify(path: str | os.PathLike, log: Log = print) -> None:
     for split in dd.splits:
         n = dd.num_tokens(split)
         docs = dd.num_documents(split)
-        log(f"  {split:<5} {n:>14,} tokens · {docs if docs is not None else '?':>10} documents · "
+        log(f"  {split:<5} {n:>14,} tokens · {'?' if docs is None else f'{docs:,}':>10} documents · "
             f"{len(dd.shard_paths(split))} shard(s) · checksums and id range OK")
     log(f"verify: {dd.path} OK (vocab {dd.vocab_size:,}, {dd.meta.get('dtype')}) in {time.perf_counter() - t:.1f}s")
