@@ -69,6 +69,17 @@ def test_router_fills_explicit_budgets_first_when_train_is_unbounded():
     assert PrepareOptions(source="x", out="y", vocab_size=300, train_tokens=100, val_tokens=5).fill_first() == frozenset()
 
 
+def test_router_shares_out_a_long_document_in_pieces():
+    r = Router({"val": None, "test": 0, "train": None}, {"val": 0.01, "test": 0.0, "train": 0.99}, piece_tokens=100)
+    pieces = r.route_document(10_050)  # one document: a book in a single .txt file
+    assert pieces[0] == ("val", 0, 100) and [o for _, o, _ in pieces] == list(range(0, 10_050, 100))
+    assert sum(k for _, _, k in pieces) == 10_050 and r.tokens["val"] <= 150  # ~1%, not all of it
+    assert r.route_document(80) == [("train", 0, 80)]  # short documents stay whole
+    # A budget met in the middle of a document: the remaining pieces are not routed.
+    b = Router({"val": 150, "test": 0, "train": 200}, {"val": 150.0, "test": 0.0, "train": 200.0}, piece_tokens=100)
+    assert sum(k for _, _, k in b.route_document(1_000)) == 350 and b.done() and b.route_document(10) == []
+
+
 def test_bos_and_eos_frame_every_document():
     tok = train_bpe(["hello world " * 20], 270)
     ids, lengths = encode_documents(tok, ["hello", "world hello"], bos=5, eos=0, dtype=np.dtype(np.uint16))
@@ -112,6 +123,17 @@ def test_whole_source_meets_an_explicit_validation_budget(tmp_path):
     assert meta["splits"]["val"]["tokens"] == 600 and meta["splits"]["test"]["tokens"] == 300
     assert sum(s["documents"] for s in meta["splits"].values()) == 150  # the rest went to train
     assert not any("WARNING" in line for line in lines)
+
+
+def test_a_single_long_text_file_is_shared_between_splits(tmp_path):
+    rng = np.random.default_rng(0)
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "book.txt").write_text(" ".join(rng.choice(WORDS, size=40_000)))  # one document
+    out = prepare(opts(tmp_path, val_fraction=0.01), log=quiet)
+    meta = json.loads((out / "meta.json").read_text())
+    val, train = meta["splits"]["val"]["tokens"], meta["splits"]["train"]["tokens"]
+    assert 0 < val <= 4096 and train > 10 * val
+    assert meta["splits"]["val"]["documents"] == meta["splits"]["train"]["documents"] == 1
 
 
 def test_output_does_not_depend_on_worker_count(tmp_path):

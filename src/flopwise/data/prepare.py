@@ -14,7 +14,9 @@ Pipeline (bounded memory whatever the corpus size)::
   (the last document of a split is cut). Documents are routed as the stream goes: each
   goes to the split furthest behind its share of the budget, so every split samples the
   whole stream evenly rather than its beginning, and the first document always goes to
-  validation. Without a train budget the whole source is used and validation gets
+  validation. A document over ``ROUTE_PIECE_TOKENS`` (4,096) is routed in pieces of that
+  size, so a source of a few long documents (a book in one ``.txt``) is shared out too;
+  the pieces of one long document may then land in different splits. Without a train budget the whole source is used and validation gets
   ``--val-fraction`` of the tokens, spread along the stream; an explicit ``--val-tokens``
   or ``--test-tokens`` is then taken from the head of the stream, the only way to meet it
   without knowing the source's size in advance. Tokens per
@@ -54,7 +56,8 @@ from .shards import FORMAT_VERSION, ShardWriter, _fsync_dir, dtype_for_vocab, sh
 from .tokenizer import file_sha256, load_tokenizer, special_ids, train_bpe
 
 Log = Callable[[str], None]
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: documents longer than ROUTE_PIECE_TOKENS are routed in pieces
+ROUTE_PIECE_TOKENS = 4096
 SPLITS = ("val", "test", "train")  # routing priority on ties: validation first
 
 
@@ -336,13 +339,19 @@ class SplitWriter:
 
 
 class Router:
-    """Sends each document to the split furthest behind its share; cuts at exact budgets."""
+    """Sends each document to the split furthest behind its share; cuts at exact budgets.
+
+    A document longer than ``piece_tokens`` is routed in pieces of that size, so that a
+    source of a few long documents (one book in a ``.txt`` file) is still shared out
+    by the splits' shares instead of landing whole in validation, its first split.
+    """
 
     def __init__(self, targets: dict[str, int | None], weights: dict[str, float],
-                 fill_first: frozenset[str] = frozenset()):
+                 fill_first: frozenset[str] = frozenset(), piece_tokens: int = ROUTE_PIECE_TOKENS):
         self.targets = targets
         self.weights = weights
         self.fill_first = fill_first
+        self.piece_tokens = piece_tokens
         self.tokens = {s: 0 for s in SPLITS}
         self.cut_documents = 0
 
@@ -368,6 +377,19 @@ class Router:
                 self.cut_documents += 1
         self.tokens[split] += keep
         return split, keep
+
+    def route_document(self, n_tokens: int) -> list[tuple[str, int, int]]:
+        """(split, offset, tokens to keep) per piece of a document; empty when all splits are full."""
+        if n_tokens <= self.piece_tokens:  # nearly every document: one piece
+            routed = self.route(n_tokens)
+            return [] if routed is None else [(routed[0], 0, routed[1])]
+        pieces = []
+        for offset in range(0, n_tokens, self.piece_tokens):
+            routed = self.route(min(self.piece_tokens, n_tokens - offset))
+            if routed is None:
+                break
+            pieces.append((routed[0], offset, routed[1]))
+        return pieces
 
 
 # --------------------------------------------------------------------------- estimate
@@ -501,13 +523,14 @@ def prepare(opts: PrepareOptions, log: Log = print) -> Path:
                 pos = 0
                 written = 0
                 for n in lengths.tolist():
-                    routed = router.route(n)
-                    if routed is None:
+                    pieces = router.route_document(n)
+                    if not pieces:
                         break
-                    split, keep = routed
-                    writers[split].write(ids[pos : pos + keep])
-                    writers[split].documents += 1
-                    written += keep
+                    for split, offset, keep in pieces:
+                        writers[split].write(ids[pos + offset : pos + offset + keep])
+                        written += keep
+                    for split in {p[0] for p in pieces}:
+                        writers[split].documents += 1
                     pos += n
                 progress.update(len(lengths), written)
                 if opts.train_tokens and router.done():
