@@ -63,6 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser(
+        "export",
+        help="write a run or checkpoint as a Hugging Face model directory",
+        description="Export a run directory (its latest checkpoint) or a checkpoint directory as a model "
+                    "transformers loads with AutoModelForCausalLM.from_pretrained(OUT): config.json, "
+                    "model.safetensors, generation_config.json, tokenizer.json.",
+    )
+    p.add_argument("source", help="a run directory or a checkpoints/step-NNNNNNN directory")
+    p.add_argument("out", help="the directory to write")
+    p.add_argument("--format", default="hf", choices=["hf"], help="output format (hf: Hugging Face transformers)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser(
         "plan",
         help="FLOPs, memory, time, cost, Chinchilla sizing and scaling, before any GPU time is spent",
         description="Plan a run: parameters, FLOPs, memory per GPU, time, cost, Chinchilla, batch, scaling.",
@@ -156,6 +169,13 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from flopwise.model.io import export_hf
+
+    export_hf(args.source, args.out, overwrite=args.overwrite, log=lambda line: print(line, flush=True))
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
@@ -235,7 +255,14 @@ def main(argv: list[str] | None = None) -> int:
         from flopwise.data.sources import SourceError
         from flopwise.plan.budget import PlanError
 
-        if not isinstance(e, (DataDirError, ShardError, PlanError, PrepareError, SourceError)):
+        known: tuple[type, ...] = (DataDirError, ShardError, PlanError, PrepareError, SourceError)
+        if args.command in ("export", "train"):  # these import torch anyway
+            from flopwise.model.attention import AttentionBackendError
+            from flopwise.model.hf import HFMappingError
+            from flopwise.model.io import ModelSourceError
+
+            known += (AttentionBackendError, HFMappingError, ModelSourceError)
+        if not isinstance(e, known):
             raise
         print(f"flopwise {args.command}: {e}", file=sys.stderr)
         return 2

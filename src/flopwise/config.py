@@ -36,29 +36,96 @@ class ConfigError(ValueError):
         super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
 
 
+ARCHS = ("llama", "qwen3", "qwen3_moe", "gpt2", "custom")
+NORMS = ("rmsnorm", "layernorm")
+MLPS = ("swiglu", "gelu", "relu2")
+POS_EMBS = ("rope", "learned", "none")
+ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "flex", "eager")
+
+# What each Hugging Face family fixes (``arch``); ``custom`` fixes nothing and has no
+# Hugging Face equivalent. Any combination trains; ``flopwise export`` checks these
+# (:func:`hf_mismatches`) so that a model is never exported as something it is not.
+ARCH_REQUIRES: dict[str, dict[str, Any]] = {
+    "llama": dict(norm="rmsnorm", mlp="swiglu", pos_emb="rope", qk_norm=False, n_experts=0),
+    "qwen3": dict(norm="rmsnorm", mlp="swiglu", pos_emb="rope", qk_norm=True, mlp_bias=False, n_experts=0),
+    "qwen3_moe": dict(norm="rmsnorm", mlp="swiglu", pos_emb="rope", qk_norm=True, mlp_bias=False),
+    "gpt2": dict(norm="layernorm", norm_bias=True, mlp="gelu", pos_emb="learned", qk_norm=False,
+                 attn_bias=True, mlp_bias=True, n_experts=0),
+    "custom": {},
+}
+
+
+def hf_mismatches(m: "ModelConfig") -> list[str]:
+    """Why ``m`` is not a model of the Hugging Face family ``m.arch`` names (empty: it is)."""
+    if m.arch == "custom":
+        return ["model.arch=custom has no Hugging Face equivalent"]
+    if m.arch not in ARCH_REQUIRES:
+        return [f"model.arch {m.arch!r} is not a known family"]
+
+    def show(v: Any) -> str:
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    out = []
+    for name, want in ARCH_REQUIRES[m.arch].items():
+        have = getattr(m, name)
+        if name == "n_experts":
+            if have:
+                out.append(f"model.arch={m.arch} is dense but model.n_experts={have}")
+        elif have != want:
+            out.append(f"model.arch={m.arch} needs model.{name}={show(want)}, got {show(have)}")
+    if m.arch == "qwen3_moe" and not m.n_experts:
+        out.append("model.arch=qwen3_moe needs model.n_experts > 0")
+    if m.arch == "gpt2":
+        if m.n_kv_heads != m.n_heads:
+            out.append(f"model.arch=gpt2 has no grouped-query attention: model.n_kv_heads must equal "
+                       f"model.n_heads ({m.n_heads}), got {m.n_kv_heads}")
+        if m.resolved_head_dim * m.n_heads != m.d_model:
+            out.append(f"model.arch=gpt2 needs head_dim x n_heads = d_model, got {m.resolved_head_dim} x {m.n_heads}")
+    return out
+
+
 @dataclass
 class ModelConfig:
-    """A decoder-only Llama-family transformer."""
+    """A decoder-only transformer: Llama, Qwen3, Qwen3-MoE and GPT-2 families, or a custom mix.
 
-    arch: str = "llama"  # llama | qwen3 (qwen3 = llama + QK-norm); more families in later releases
+    ``arch`` names the Hugging Face family the components must match (see ARCH_REQUIRES)
+    or ``custom`` for any combination (trainable, not exportable to transformers).
+    """
+
+    arch: str = "llama"  # llama | qwen3 | qwen3_moe | gpt2 | custom
     vocab_size: int = 8192
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
-    n_kv_heads: int = 2  # grouped-query attention: n_heads % n_kv_heads == 0
+    n_kv_heads: int = 2  # grouped-query attention: n_heads % n_kv_heads == 0 (1 = MQA, n_heads = MHA)
     head_dim: int | None = None  # default d_model // n_heads
-    ffn_hidden: int = 384  # SwiGLU hidden width
-    max_seq_len: int = 1024  # RoPE table length; train.seq_len must not exceed it
+    ffn_hidden: int = 384  # MLP hidden width (SwiGLU: of the gate and of the up projection)
+    max_seq_len: int = 1024  # RoPE table / learned position table length; train.seq_len must not exceed it
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    norm: str = "rmsnorm"  # rmsnorm | layernorm
+    norm_bias: bool = False  # LayerNorm with a bias (GPT-2); RMSNorm has none
+    mlp: str = "swiglu"  # swiglu (fused gate+up) | gelu (tanh approximation, GPT-2) | relu2 (squared ReLU)
+    pos_emb: str = "rope"  # rope | learned (absolute, GPT-2) | none
+    attn_bias: bool = False  # biases on the q/k/v and output projections
+    mlp_bias: bool = False  # biases on the MLP projections
     qk_norm: bool = False  # RMSNorm on per-head queries and keys (Qwen3)
     tie_embeddings: bool = True
     init_std: float = 0.02
-    # Mixture of experts (0 experts = a dense SwiGLU MLP). Counted by the planner now;
-    # the trainer's MoE layer comes with the model-zoo work.
+    # Attention kernel: auto picks the best available for the device and dtype and says why.
+    attention: str = "auto"  # auto | flash | sdpa | flex | eager
+    attention_strict: bool = False  # fail instead of falling back when the requested backend is unavailable
+    doc_mask: bool = False  # attend only within each document (the loader's EOS/BOS boundaries)
+    # Mixture of experts (0 experts = a dense MLP): SwiGLU experts, top-k routing.
     n_experts: int = 0
     moe_top_k: int = 0  # experts active per token
     moe_ffn_hidden: int = 0  # each expert's SwiGLU hidden width (0 = ffn_hidden)
+    moe_norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1 (Qwen3-MoE)
+    moe_aux_loss_coef: float = 0.01  # load-balancing auxiliary loss weight
+    moe_z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE); 0 = off
+    # A Hugging Face config.json (or its directory): the architecture fields above are taken
+    # from it, and the weights from the safetensors beside it when there are any.
+    hf_config: str = ""
 
     @property
     def is_moe(self) -> bool:
@@ -71,6 +138,11 @@ class ModelConfig:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of D x F in one dense MLP: 3 for SwiGLU (gate, up, down), else 2."""
+        return 3 if self.mlp == "swiglu" else 2
 
 
 @dataclass
@@ -333,10 +405,45 @@ def build_config(
             continue
         _set(cfg, section, key, value, f"override {text!r}", problems)
 
+    if cfg.model.hf_config and not problems:
+        apply_hf_config(cfg.model, problems)
     problems.extend(validate(cfg))
     if problems:
         raise ConfigError(problems)
     return cfg
+
+
+# Fields a Hugging Face config.json decides (``model.hf_config``); the rest stay the run's.
+HF_ARCHITECTURE_FIELDS = (
+    "arch", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "max_seq_len",
+    "rope_theta", "norm_eps", "norm", "norm_bias", "mlp", "pos_emb", "attn_bias", "mlp_bias", "qk_norm",
+    "tie_embeddings", "n_experts", "moe_top_k", "moe_ffn_hidden", "moe_norm_topk_prob",
+)
+
+
+def apply_hf_config(m: ModelConfig, problems: list[str]) -> None:
+    """Overwrite ``m``'s architecture with the Hugging Face config at ``m.hf_config``."""
+    import json
+
+    path = Path(m.hf_config).expanduser()
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        problems.append(f"model.hf_config {m.hf_config!r}: {file} does not exist")
+        return
+    except ValueError as e:
+        problems.append(f"model.hf_config {m.hf_config!r}: {file} is not valid JSON: {e}")
+        return
+    from flopwise.model.hf import config_from_hf  # imports torch: only when asked for
+
+    try:
+        hf = config_from_hf(data)
+    except (ValueError, TypeError) as e:
+        problems.append(f"model.hf_config {m.hf_config!r}: {e}")
+        return
+    for name in HF_ARCHITECTURE_FIELDS:
+        setattr(m, name, getattr(hf, name))
 
 
 def load_run_config(path: str | Path) -> RunConfig:
@@ -364,8 +471,17 @@ def validate(cfg: RunConfig) -> list[str]:
             p.append(f"{section}.{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
         return ok
 
-    if m.arch not in ("llama", "qwen3"):
-        p.append(f"model.arch {m.arch!r} is not supported; choose llama or qwen3")
+    for name, choices in (("arch", ARCHS), ("norm", NORMS), ("mlp", MLPS), ("pos_emb", POS_EMBS),
+                          ("attention", ATTENTION_BACKENDS)):
+        if getattr(m, name) not in choices:
+            value = getattr(m, name)
+            p.append(f"model.{name} {value!r}{_did_you_mean(str(value), list(choices))}: choose {', '.join(choices)}")
+    if m.is_moe and m.mlp != "swiglu":
+        p.append(f"model.n_experts > 0: experts are SwiGLU, model.mlp must be swiglu, got {m.mlp}")
+    if m.norm_bias and m.norm != "layernorm":
+        p.append("model.norm_bias=true needs model.norm=layernorm (RMSNorm has no bias)")
+    positive("model", "moe_aux_loss_coef", m.moe_aux_loss_coef, allow_zero=True)
+    positive("model", "moe_z_loss_coef", m.moe_z_loss_coef, allow_zero=True)
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
         positive("model", name, getattr(m, name))
     positive("model", "rope_theta", m.rope_theta)
@@ -388,7 +504,7 @@ def validate(cfg: RunConfig) -> list[str]:
     elif m.n_experts == 0 and m.moe_top_k:
         p.append(f"model.moe_top_k={m.moe_top_k} needs model.n_experts > 0")
     hd = m.resolved_head_dim if m.n_heads > 0 else 0
-    if hd > 0 and hd % 2:
+    if m.pos_emb == "rope" and hd > 0 and hd % 2:
         p.append(f"head dimension {hd} must be even for rotary embeddings (model.head_dim / d_model / n_heads)")
 
     for name in ("seq_len", "micro_batch_size", "global_batch_size", "log_every"):

@@ -128,3 +128,37 @@ def test_epoch_loader_trains_and_checkpoints_its_position(tiny_overrides):
     assert any("loader epoch (" in line and "epochs)" in line for line in lines)
     state = json.loads((latest_checkpoint(result.run_dir) / "state.json").read_text())
     assert state["loader"]["mode"] == "epoch" and state["loader"]["global_sample_position"] == 6 * 16
+
+
+ARCHITECTURES = {
+    "gpt2": ["model.arch=gpt2", "model.norm=layernorm", "model.norm_bias=true", "model.mlp=gelu",
+             "model.pos_emb=learned", "model.attn_bias=true", "model.mlp_bias=true", "model.n_kv_heads=4"],
+    "qwen3-moe-docmask": ["model.arch=qwen3_moe", "model.qk_norm=true", "model.n_experts=4", "model.moe_top_k=2",
+                          "model.moe_ffn_hidden=64", "model.moe_z_loss_coef=0.001", "model.doc_mask=true"],
+    "custom-relu2-eager": ["model.arch=custom", "model.mlp=relu2", "model.pos_emb=none", "model.attention=eager"],
+}
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_other_architectures_train_and_export(name, tiny_overrides, tmp_path):
+    cfg = build_config(overrides=tiny_overrides + ARCHITECTURES[name] + ["train.max_steps=12", "optim.lr=1e-2",
+                                                                         "eval.every=0"])
+    lines = []
+    result = train(cfg, log=lines.append)
+    out = "\n".join(lines)
+    assert result.val_loss_end < result.val_loss_start - 0.5, out
+    assert ("  attention  eager (reference" in out) if "eager" in name else ("  attention  auto -> sdpa" in out)
+    assert (result.run_dir / "tokenizer.json").is_file()
+    if cfg.model.arch == "custom":
+        return
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from flopwise.model.io import export_hf, load_model
+
+    export_hf(result.run_dir, tmp_path / "hf", log=lambda s: None)
+    ours, _ = load_model(result.run_dir)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    idx = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, ours(idx), rtol=1e-4, atol=1e-4)

@@ -1,4 +1,4 @@
-"""Parity with Hugging Face transformers (Llama, Qwen3) on the same weights, CPU float32.
+"""Parity with Hugging Face transformers (Llama, Qwen3, Qwen3-MoE, GPT-2) on the same weights, CPU float32.
 
 Both directions: our model exported to HF, and a random HF model imported into ours.
 Every weight (norms included) is randomised first, so a swapped or misnamed tensor
@@ -29,11 +29,21 @@ def tiny(**kw) -> ModelConfig:
     return ModelConfig(**base)
 
 
+GPT2 = dict(arch="gpt2", norm="layernorm", norm_bias=True, mlp="gelu", pos_emb="learned", attn_bias=True,
+            mlp_bias=True, n_kv_heads=4, rope_theta=10000.0, norm_eps=1e-5)
+MOE = dict(arch="qwen3_moe", qk_norm=True, n_experts=4, moe_top_k=2, moe_ffn_hidden=48, tie_embeddings=False)
+
 CONFIGS = {
     "llama-tied": tiny(),
     "llama-untied": tiny(tie_embeddings=False),
+    "llama-biases-mqa": tiny(attn_bias=True, mlp_bias=True, n_kv_heads=1),
     "qwen3-hd24-untied": tiny(arch="qwen3", qk_norm=True, head_dim=24, tie_embeddings=False),
     "qwen3-hd24-tied": tiny(arch="qwen3", qk_norm=True, head_dim=24),
+    "qwen3-attn-bias": tiny(arch="qwen3", qk_norm=True, attn_bias=True),
+    "gpt2-tied": tiny(**GPT2),
+    "gpt2-untied": tiny(**{**GPT2, "tie_embeddings": False}),
+    "qwen3-moe": tiny(**MOE),
+    "qwen3-moe-no-renorm-tied": tiny(**{**MOE, "moe_norm_topk_prob": False, "tie_embeddings": True, "n_experts": 6}),
 }
 
 
@@ -41,7 +51,7 @@ CONFIGS = {
 def randomize(module: torch.nn.Module, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     for name, p in module.named_parameters():
-        if name.endswith("norm.weight") or "layernorm" in name:
+        if name.endswith("norm.weight") or "layernorm" in name or name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight")):
             p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
         else:
             p.copy_(0.08 * torch.randn(p.shape, generator=g))
@@ -69,7 +79,7 @@ def test_export_to_hf(name, attn):
     assert not unexpected
     assert set(missing) <= {"lm_head.weight"} and (not missing or cfg.tie_embeddings)
     if cfg.tie_embeddings:  # HF's tie survived the load: one tensor for both
-        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+        assert hf.lm_head.weight.data_ptr() == hf.get_input_embeddings().weight.data_ptr()
     idx = tokens(cfg)
     with torch.no_grad():
         torch.testing.assert_close(hf(idx).logits, ours(idx), rtol=1e-5, atol=1e-5)
@@ -120,3 +130,28 @@ def test_hf_config_fields():
     assert hc.tie_word_embeddings is False and hc.attention_bias is False
     assert type(hf_config(CONFIGS["llama-tied"])).__name__ == "LlamaConfig"
     assert hf_config(CONFIGS["llama-tied"]).mlp_bias is False
+
+
+def test_gpt2_and_moe_config_fields():
+    hc = hf_config(CONFIGS["gpt2-tied"])
+    assert type(hc).__name__ == "GPT2Config" and (hc.n_embd, hc.n_inner, hc.n_head, hc.n_positions) == (64, 96, 4, 64)
+    assert hc.activation_function == "gelu_new"
+    mc = hf_config(CONFIGS["qwen3-moe"])
+    assert type(mc).__name__ == "Qwen3MoeConfig"
+    assert (mc.num_experts, mc.num_experts_per_tok, mc.moe_intermediate_size, mc.decoder_sparse_step) == (4, 2, 48, 1)
+
+
+@pytest.mark.parametrize("cfg,why", [
+    (tiny(arch="llama", qk_norm=True), "model.arch=llama needs model.qk_norm=false"),
+    (tiny(arch="custom"), "custom has no Hugging Face equivalent"),
+    (tiny(arch="llama", mlp="relu2"), "needs model.mlp=swiglu, got relu2"),
+    (tiny(**{**GPT2, "n_kv_heads": 2}), "no grouped-query attention"),
+    (tiny(arch="llama", n_experts=4, moe_top_k=2), "is dense but model.n_experts=4"),
+])
+def test_models_without_an_hf_equivalent_are_refused(cfg, why):
+    from flopwise.model.hf import HFMappingError
+
+    with pytest.raises(HFMappingError, match=why):
+        hf_config(cfg)
+    with pytest.raises(HFMappingError, match=why):
+        to_hf_state_dict(build_model(cfg))

@@ -31,11 +31,17 @@ CONFIGS = [
     tiny(arch="qwen3", qk_norm=True),
     tiny(arch="qwen3", qk_norm=True, head_dim=24, tie_embeddings=False),
     tiny(n_heads=6, n_kv_heads=1, d_model=96, n_layers=3, ffn_hidden=200, vocab_size=300),
+    tiny(arch="gpt2", norm="layernorm", norm_bias=True, mlp="gelu", pos_emb="learned", attn_bias=True,
+         mlp_bias=True, n_kv_heads=4),
+    tiny(arch="custom", norm="layernorm", mlp="relu2", pos_emb="none", mlp_bias=True, tie_embeddings=False),
+    tiny(arch="llama", attn_bias=True, mlp_bias=True),
+    tiny(arch="qwen3_moe", qk_norm=True, n_experts=4, moe_top_k=2, moe_ffn_hidden=40),
 ]
 
 
 def _id(c: ModelConfig) -> str:
-    return f"{c.arch}-tie{int(c.tie_embeddings)}-hd{c.resolved_head_dim}-kv{c.n_kv_heads}"
+    return (f"{c.arch}-{c.norm}-{c.mlp}-{c.pos_emb}-bias{int(c.attn_bias)}{int(c.mlp_bias)}-tie{int(c.tie_embeddings)}"
+            f"-hd{c.resolved_head_dim}-kv{c.n_kv_heads}-e{c.n_experts}")
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_id)
@@ -45,14 +51,20 @@ def test_param_counts_match_module(cfg):
     assert pc["total"] == sum(p.numel() for p in model.parameters())
     assert pc["embedding"] == model.tok_emb.weight.numel()
     assert pc["lm_head"] == (0 if cfg.tie_embeddings else model.lm_head.weight.numel())
-    assert pc["non_embedding"] == pc["total"] - pc["embedding"] - pc["lm_head"]
-    # N_matmul: every >=2-D weight except the embedding gather, plus the head exactly once.
-    matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and n != "tok_emb.weight")
+    assert pc["position"] == (model.pos_emb.weight.numel() if model.pos_emb is not None else 0)
+    assert pc["non_embedding"] == pc["total"] - pc["embedding"] - pc["position"] - pc["lm_head"]
+    # N_matmul: every 2-D weight except the embedding and position gathers, plus the head
+    # exactly once; of the experts' 3-D tensors the top_k a token passes through.
+    matmul = sum(p.numel() for n, p in model.named_parameters()
+                 if p.dim() == 2 and n not in ("tok_emb.weight", "pos_emb.weight"))
     matmul += model.head_weight.numel() if cfg.tie_embeddings else 0
+    matmul += sum(p.numel() * cfg.moe_top_k // cfg.n_experts for p in model.parameters() if p.dim() == 3)
     assert pc["matmul"] == matmul
-    norms = sum(p.numel() for n, p in model.named_parameters() if n.endswith("norm.weight"))
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm." in n)
     assert pc["norm"] == norms
-    assert pc["attention"] + pc["mlp"] + pc["norm"] + pc["embedding"] + pc["lm_head"] == pc["total"]
+    assert pc["bias"] == sum(p.numel() for n, p in model.named_parameters() if n.endswith(".bias") and "norm" not in n)
+    assert (pc["attention"] + pc["mlp"] + pc["norm"] + pc["embedding"] + pc["position"] + pc["lm_head"]
+            == pc["total"])
 
 
 # Published totals (the models' config.json on the Hub, parameters summed once).
@@ -71,6 +83,13 @@ PUBLISHED = {
     # the vocabulary were 151,559); transformers' Qwen3ForCausalLM agrees with the
     # number above (see the next test), so that is the one asserted.
     "qwen3-1.8b": 1_829_195_776,
+    "gpt2-124m": 124_439_808,  # openai-community/gpt2, position table included
+    "smollm-1.7b": 1_711_376_384,
+    # Shapes named in the model-zoo issue; totals worked from those shapes (see the preset
+    # files) and checked against transformers' own models in the next test.
+    "gpt2-1.3b": 1_265_313_024,
+    "llama2-1.3b": 1_294_159_104,
+    "qwen3-moe-500m-a330m": 560_790_720,
 }
 
 
@@ -127,7 +146,8 @@ def _counted_train_step(model, cfg, B, T, backend):
     return counter.get_total_flops(), counter.get_flop_counts()["Global"]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS[1:4] + [CONFIGS[0]], ids=["untied", "qwen3", "qwen3-hd24-untied", "tied"])
+@pytest.mark.parametrize("cfg", CONFIGS[1:4] + [CONFIGS[0]] + CONFIGS[5:8],
+                         ids=["untied", "qwen3", "qwen3-hd24-untied", "tied", "gpt2", "relu2-nopos", "llama-bias"])
 @pytest.mark.parametrize("T", [16, 48])
 def test_flops_per_token_matches_flop_counter(cfg, T):
     """Forward + backward of one (B, T) batch, counted by torch, divided by B*T.

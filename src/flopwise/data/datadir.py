@@ -124,6 +124,12 @@ class DataDir:
         return int(self.meta["eos_id"])
 
     @property
+    def bos_id(self) -> int | None:
+        """The id framing the start of every document, when the tokenizer defines one."""
+        bos = self.meta.get("bos_id")
+        return None if bos is None else int(bos)
+
+    @property
     def splits(self) -> list[str]:
         return list(self._paths)
 

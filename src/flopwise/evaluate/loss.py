@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 
+from flopwise.data.loader import document_ids
 from flopwise.train.step import loss_sum
 
 
@@ -18,16 +19,25 @@ def evaluate_loss(
     batch_size: int,
     device: torch.device,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    doc_eos: int | None = None,
+    doc_bos: int | None = None,
 ) -> float:
-    """Mean token loss over ``windows`` (N, seq_len + 1), evaluated ``batch_size`` at a time."""
+    """Mean token loss over ``windows`` (N, seq_len + 1), evaluated ``batch_size`` at a time.
+
+    A model trained with ``doc_mask`` is evaluated with the same per-document attention
+    when ``doc_eos`` (and ``doc_bos``, if the tokenizer has one) say where documents end."""
     was_training = model.training
     model.eval()
     total, count = torch.zeros((), device=device), 0
+    cfg = getattr(model, "cfg", None)
     for i in range(0, windows.size(0), batch_size):
         w = windows[i : i + batch_size].to(device, non_blocking=True)
         x, y = w[:, :-1], w[:, 1:]
         with autocast():
-            logits = model(x)
+            if doc_eos is not None and cfg is not None and cfg.doc_mask:  # as in training
+                logits = model(x, document_ids(x, doc_eos, doc_bos))
+            else:
+                logits = model(x)
         total += loss_sum(logits, y)
         count += y.numel()
     model.train(was_training)

@@ -1,5 +1,5 @@
-"""The Llama-family decoder: :class:`Transformer` and its one constructor :func:`build_model`."""
+"""The decoder: :class:`Transformer`, its one constructor :func:`build_model`, and attention set-up."""
 
-from flopwise.model.transformer import Transformer, build_model, init_weights
+from flopwise.model.transformer import Transformer, build_model, configure_attention, init_weights
 
-__all__ = ["Transformer", "build_model", "init_weights"]
+__all__ = ["Transformer", "build_model", "configure_attention", "init_weights"]

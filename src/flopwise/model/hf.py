@@ -1,24 +1,41 @@
 """Weight and config mapping between flopwise and Hugging Face ``transformers``.
 
-Our layout fuses two pairs of projections that HF keeps separate:
+Four families, named by ``model.arch``: ``llama`` (LlamaForCausalLM: Llama 2/3, SmolLM),
+``qwen3`` (Qwen3ForCausalLM), ``qwen3_moe`` (Qwen3MoeForCausalLM) and ``gpt2``
+(GPT2LMHeadModel). A config whose components do not match its family (see
+``flopwise.config.hf_mismatches``), or ``arch=custom``, is refused: never exported as
+something it is not.
 
-    ours                                   HF (LlamaForCausalLM / Qwen3ForCausalLM)
+Our layout fuses projections that HF keeps separate (Llama/Qwen3 names; GPT-2 below)::
+
+    ours                                   HF
     tok_emb.weight                         model.embed_tokens.weight
     layers.{i}.attn_norm.weight            model.layers.{i}.input_layernorm.weight
-    layers.{i}.attn.wqkv.weight  rows      model.layers.{i}.self_attn.{q,k,v}_proj.weight
-        [q: H*hd | k: KV*hd | v: KV*hd]
-    layers.{i}.attn.wo.weight              model.layers.{i}.self_attn.o_proj.weight
+    layers.{i}.attn.wqkv.{weight,bias}     model.layers.{i}.self_attn.{q,k,v}_proj.{weight,bias}
+        rows [q: H*hd | k: KV*hd | v: KV*hd]
+    layers.{i}.attn.wo.{weight,bias}       model.layers.{i}.self_attn.o_proj.{weight,bias}
     layers.{i}.attn.{q,k}_norm.weight      model.layers.{i}.self_attn.{q,k}_norm.weight  (qwen3)
     layers.{i}.mlp_norm.weight             model.layers.{i}.post_attention_layernorm.weight
-    layers.{i}.mlp.w_gate_up.weight rows   model.layers.{i}.mlp.{gate,up}_proj.weight
-        [gate: F | up: F]
-    layers.{i}.mlp.w_down.weight           model.layers.{i}.mlp.down_proj.weight
+    layers.{i}.mlp.w_gate_up.{weight,bias} model.layers.{i}.mlp.{gate,up}_proj.{weight,bias}
+        rows [gate: F | up: F]
+    layers.{i}.mlp.w_down.{weight,bias}    model.layers.{i}.mlp.down_proj.{weight,bias}
+    layers.{i}.mlp.{router.weight,         model.layers.{i}.mlp.{gate.weight,            (qwen3_moe,
+        w_gate_up, w_down}                     experts.gate_up_proj, experts.down_proj}   see moe.py)
     norm.weight                            model.norm.weight
     lm_head.weight (untied only)           lm_head.weight (always written; equal to the
                                            embedding when tied)
 
+GPT-2 stores its projections as ``Conv1D`` weights of shape (in, out), the transpose of
+``nn.Linear``'s, with q/k/v fused as ours are::
+
+    tok_emb / pos_emb                      transformer.wte / transformer.wpe
+    layers.{i}.attn_norm, mlp_norm         transformer.h.{i}.ln_1, ln_2  (weight, bias)
+    layers.{i}.attn.wqkv, attn.wo          transformer.h.{i}.attn.c_attn, attn.c_proj  (weight.T, bias)
+    layers.{i}.mlp.w_up, mlp.w_down        transformer.h.{i}.mlp.c_fc, mlp.c_proj  (weight.T, bias)
+    norm                                   transformer.ln_f
+
 RoPE uses HF's rotate-half convention, so no row permutation is needed either way.
-``transformers`` is a test/export dependency only: it is imported inside functions.
+``transformers`` is imported inside functions: only export/import and the parity tests need it.
 """
 
 from __future__ import annotations
@@ -27,13 +44,36 @@ from typing import Any
 
 import torch
 
-from flopwise.config import ModelConfig
+from flopwise.config import ModelConfig, hf_mismatches
 
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt2")
+
+
+class HFMappingError(ValueError):
+    """A model or config with no faithful Hugging Face equivalent; the message says why."""
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    problems = hf_mismatches(cfg)
+    if problems:
+        raise HFMappingError("no Hugging Face equivalent for this model: " + "; ".join(problems))
+
+
+# --------------------------------------------------------------------------- configs
 
 def hf_config(cfg: ModelConfig) -> Any:
-    """A ``LlamaConfig`` (arch llama) or ``Qwen3Config`` (arch qwen3) equivalent to ``cfg``."""
+    """The ``transformers`` config of ``cfg``'s family, equivalent to ``cfg``."""
     import transformers
 
+    check_exportable(cfg)
+    if cfg.arch == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model, n_layer=cfg.n_layers,
+            n_head=cfg.n_heads, n_inner=cfg.ffn_hidden, activation_function="gelu_new",
+            layer_norm_epsilon=cfg.norm_eps, initializer_range=cfg.init_std, tie_word_embeddings=cfg.tie_embeddings,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, scale_attn_weights=True,
+            scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
+        )
     common = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.d_model,
@@ -46,21 +86,23 @@ def hf_config(cfg: ModelConfig) -> Any:
         max_position_embeddings=cfg.max_seq_len,
         rms_norm_eps=cfg.norm_eps,
         tie_word_embeddings=cfg.tie_embeddings,
-        attention_bias=False,
+        attention_bias=cfg.attn_bias,
         initializer_range=cfg.init_std,
     )
     # transformers 5 keeps RoPE settings in ``rope_parameters``; 4.x reads ``rope_theta``.
-    # Both accept the ``rope_theta`` keyword (5.x folds it into rope_parameters); pass the
-    # dict too where the class knows it, and check below that theta landed.
     rope = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
     if cfg.arch == "llama":
-        cls = transformers.LlamaConfig
-        extra = dict(mlp_bias=False)
+        cls, extra = transformers.LlamaConfig, dict(mlp_bias=cfg.mlp_bias)
     elif cfg.arch == "qwen3":
-        cls = transformers.Qwen3Config
-        extra = dict(use_sliding_window=False)
-    else:
-        raise ValueError(f"no Hugging Face mapping for arch {cfg.arch!r}")
+        cls, extra = transformers.Qwen3Config, dict(use_sliding_window=False)
+    else:  # qwen3_moe: every layer sparse
+        cls, extra = transformers.Qwen3MoeConfig, dict(
+            use_sliding_window=False, num_experts=cfg.n_experts, num_experts_per_tok=cfg.moe_top_k,
+            moe_intermediate_size=cfg.expert_ffn_hidden, norm_topk_prob=cfg.moe_norm_topk_prob,
+            # transformers' load-balance loss is top_k times ours (it averages over tokens,
+            # ours over token-slots; see moe.py), so its coefficient is ours / top_k.
+            decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=cfg.moe_aux_loss_coef / cfg.moe_top_k,
+        )
     if _config_has_rope_parameters(cls):
         hf = cls(**common, **extra, rope_parameters=rope)
     else:  # transformers 4.x
@@ -83,113 +125,209 @@ def _hf_rope_theta(hf: Any) -> float:
     rp = getattr(hf, "rope_parameters", None)
     if isinstance(rp, dict) and "rope_theta" in rp:
         return float(rp["rope_theta"])
-    return float(hf.rope_theta)
+    return float(getattr(hf, "rope_theta", 10000.0))
+
+
+def _get(hf: Any, name: str, default: Any = None) -> Any:
+    """A field of an HF config object or of a plain ``config.json`` dict."""
+    return hf.get(name, default) if isinstance(hf, dict) else getattr(hf, name, default)
+
+
+def _as_hf_config(hf: dict) -> Any:
+    """A ``config.json`` dict as its ``transformers`` config object: the class supplies the
+    defaults that ``save_pretrained`` leaves out (e.g. Qwen3-MoE's ``norm_topk_prob``) and
+    the renamed keys (``num_local_experts``). Without transformers, the dict as it is."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:  # pragma: no cover - transformers is in the test extras
+        return {("num_experts" if k == "num_local_experts" else k): v for k, v in hf.items()}
+    fields = {k: v for k, v in hf.items() if k != "model_type"}
+    return AutoConfig.for_model(hf["model_type"], **fields)
 
 
 def config_from_hf(hf: Any) -> ModelConfig:
-    """The ``ModelConfig`` of a Llama/Qwen3 ``transformers`` config (for importing checkpoints)."""
-    model_type = getattr(hf, "model_type", "")
-    if model_type not in ("llama", "qwen3"):
-        raise ValueError(f"no flopwise mapping for Hugging Face model_type {model_type!r}")
-    rp = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None)
-    if isinstance(rp, dict) and rp.get("rope_type", "default") not in ("default", None):
-        raise ValueError(f"RoPE scaling {rp.get('rope_type')!r} is not supported")
-    n_heads = hf.num_attention_heads
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // n_heads
+    """The ``ModelConfig`` of a ``transformers`` config (object or ``config.json`` dict) of a supported family."""
+    model_type = _get(hf, "model_type", "")
+    if model_type not in FAMILIES:
+        raise HFMappingError(f"Hugging Face model_type {model_type!r} is not supported; "
+                             f"supported: {', '.join(FAMILIES)}")
+    if isinstance(hf, dict):
+        hf = _as_hf_config(hf)
+    if model_type == "gpt2":
+        if _get(hf, "scale_attn_by_inverse_layer_idx", False) or _get(hf, "reorder_and_upcast_attn", False):
+            raise HFMappingError("GPT-2 variants with scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn "
+                                 "are not supported")
+        act = _get(hf, "activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise HFMappingError(f"GPT-2 activation_function {act!r} is not supported (gelu_new only)")
+        d, n_heads = _get(hf, "n_embd"), _get(hf, "n_head")
+        return ModelConfig(
+            arch="gpt2", vocab_size=_get(hf, "vocab_size"), d_model=d, n_layers=_get(hf, "n_layer"),
+            n_heads=n_heads, n_kv_heads=n_heads, ffn_hidden=_get(hf, "n_inner") or 4 * d,
+            max_seq_len=_get(hf, "n_positions"), norm_eps=_get(hf, "layer_norm_epsilon", 1e-5),
+            norm="layernorm", norm_bias=True, mlp="gelu", pos_emb="learned", attn_bias=True, mlp_bias=True,
+            tie_embeddings=bool(_get(hf, "tie_word_embeddings", True)), init_std=_get(hf, "initializer_range", 0.02),
+        )
+    rp = _get(hf, "rope_parameters") or _get(hf, "rope_scaling")
+    if isinstance(rp, dict) and rp.get("rope_type", rp.get("type", "default")) not in ("default", None):
+        raise HFMappingError(f"RoPE scaling {rp.get('rope_type', rp.get('type'))!r} is not supported")
+    theta = rp.get("rope_theta") if isinstance(rp, dict) and "rope_theta" in rp else _get(hf, "rope_theta", 10000.0)
+    n_heads = _get(hf, "num_attention_heads")
+    d = _get(hf, "hidden_size")
+    head_dim = _get(hf, "head_dim") or d // n_heads
+    moe: dict[str, Any] = {}
+    if model_type == "qwen3_moe":
+        if _get(hf, "decoder_sparse_step", 1) != 1 or _get(hf, "mlp_only_layers", []):
+            raise HFMappingError("Qwen3-MoE with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
+                                 "is not supported")
+        moe = dict(n_experts=_get(hf, "num_experts"), moe_top_k=_get(hf, "num_experts_per_tok"),
+                   moe_ffn_hidden=_get(hf, "moe_intermediate_size"),
+                   moe_norm_topk_prob=bool(_get(hf, "norm_topk_prob", True)),
+                   moe_aux_loss_coef=float(_get(hf, "router_aux_loss_coef", 0.001)) * _get(hf, "num_experts_per_tok"))
+    if _get(hf, "use_sliding_window", False):
+        raise HFMappingError(f"{model_type} with use_sliding_window=true is not supported")
     return ModelConfig(
         arch=model_type,
-        vocab_size=hf.vocab_size,
-        d_model=hf.hidden_size,
-        n_layers=hf.num_hidden_layers,
+        vocab_size=_get(hf, "vocab_size"),
+        d_model=d,
+        n_layers=_get(hf, "num_hidden_layers"),
         n_heads=n_heads,
-        n_kv_heads=getattr(hf, "num_key_value_heads", None) or n_heads,
-        head_dim=None if head_dim == hf.hidden_size // n_heads else head_dim,
-        ffn_hidden=hf.intermediate_size,
-        max_seq_len=hf.max_position_embeddings,
-        rope_theta=_hf_rope_theta(hf),
-        norm_eps=hf.rms_norm_eps,
-        qk_norm=model_type == "qwen3",
-        tie_embeddings=bool(hf.tie_word_embeddings),
-        init_std=getattr(hf, "initializer_range", 0.02),
+        n_kv_heads=_get(hf, "num_key_value_heads") or n_heads,
+        head_dim=None if head_dim == d // n_heads else head_dim,
+        ffn_hidden=_get(hf, "intermediate_size"),
+        max_seq_len=_get(hf, "max_position_embeddings"),
+        rope_theta=float(theta),
+        norm_eps=_get(hf, "rms_norm_eps", 1e-6),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        attn_bias=bool(_get(hf, "attention_bias", False)),
+        mlp_bias=bool(_get(hf, "mlp_bias", False)),
+        tie_embeddings=bool(_get(hf, "tie_word_embeddings", False)),
+        init_std=_get(hf, "initializer_range", 0.02),
+        **moe,
     )
 
 
-def _splits(cfg: ModelConfig) -> tuple[list[int], int]:
-    hd = cfg.resolved_head_dim
-    return [cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd], cfg.ffn_hidden
+# --------------------------------------------------------------------------- weights
 
+def to_hf_state_dict(model: torch.nn.Module, moe_layout: str = "fused") -> dict[str, torch.Tensor]:
+    """Our model's weights under HF names, projections split. Every tensor has its own storage
+    except a tied ``lm_head.weight``, which IS the embedding (drop it before a safetensors save).
 
-def to_hf_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Our model's weights under HF names, projections split. Tensors are views/copies, detached."""
+    ``moe_layout``: ``fused`` (transformers 5.x modules' own 3-D expert tensors, for
+    ``load_state_dict`` into a live model) or ``per_expert`` (``experts.{e}.gate_proj.weight``
+    ..., what ``save_pretrained`` writes and every transformers version reads from files)."""
     cfg: ModelConfig = model.cfg
+    check_exportable(cfg)
     sd = {k: v.detach() for k, v in model.state_dict().items()}
-    qkv_split, ffn = _splits(cfg)
+    out = _to_gpt2(sd, cfg) if cfg.arch == "gpt2" else _to_llama(sd, cfg, moe_layout)
+    head = sd["tok_emb.weight"] if cfg.tie_embeddings else sd["lm_head.weight"]
+    return {k: (v if v is head else v.contiguous().clone()) for k, v in {**out, "lm_head.weight": head}.items()}
+
+
+def _to_llama(sd: dict[str, torch.Tensor], cfg: ModelConfig, moe_layout: str = "fused") -> dict[str, torch.Tensor]:
+    hd, F_ = cfg.resolved_head_dim, cfg.ffn_hidden
+    qkv_split = [cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd]
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": sd["tok_emb.weight"]}
     for i in range(cfg.n_layers):
         p, h = f"layers.{i}.", f"model.layers.{i}."
-        q, k, v = sd[p + "attn.wqkv.weight"].split(qkv_split, dim=0)
-        gate, up = sd[p + "mlp.w_gate_up.weight"].split([ffn, ffn], dim=0)
         out[h + "input_layernorm.weight"] = sd[p + "attn_norm.weight"]
-        out[h + "self_attn.q_proj.weight"] = q
-        out[h + "self_attn.k_proj.weight"] = k
-        out[h + "self_attn.v_proj.weight"] = v
-        out[h + "self_attn.o_proj.weight"] = sd[p + "attn.wo.weight"]
+        for kind in ("weight", "bias") if cfg.attn_bias else ("weight",):
+            q, k, v = sd[p + f"attn.wqkv.{kind}"].split(qkv_split, dim=0)
+            out[h + f"self_attn.q_proj.{kind}"], out[h + f"self_attn.k_proj.{kind}"] = q, k
+            out[h + f"self_attn.v_proj.{kind}"] = v
+            out[h + f"self_attn.o_proj.{kind}"] = sd[p + f"attn.wo.{kind}"]
         if cfg.qk_norm:
             out[h + "self_attn.q_norm.weight"] = sd[p + "attn.q_norm.weight"]
             out[h + "self_attn.k_norm.weight"] = sd[p + "attn.k_norm.weight"]
         out[h + "post_attention_layernorm.weight"] = sd[p + "mlp_norm.weight"]
-        out[h + "mlp.gate_proj.weight"] = gate
-        out[h + "mlp.up_proj.weight"] = up
-        out[h + "mlp.down_proj.weight"] = sd[p + "mlp.w_down.weight"]
+        if cfg.is_moe:
+            from flopwise.model.moe import moe_to_hf
+
+            mlp = {k[len(p + "mlp."):]: v for k, v in sd.items() if k.startswith(p + "mlp.")}
+            out.update({h + "mlp." + k: v for k, v in moe_to_hf(mlp, layout=moe_layout).items()})
+            continue
+        for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
+            gate, up = sd[p + f"mlp.w_gate_up.{kind}"].split([F_, F_], dim=0)
+            out[h + f"mlp.gate_proj.{kind}"], out[h + f"mlp.up_proj.{kind}"] = gate, up
+            out[h + f"mlp.down_proj.{kind}"] = sd[p + f"mlp.w_down.{kind}"]
     out["model.norm.weight"] = sd["norm.weight"]
-    out["lm_head.weight"] = sd["tok_emb.weight"] if cfg.tie_embeddings else sd["lm_head.weight"]
-    # split() returns views into the fused tensor; give each its own storage so that the
-    # dict can be saved with safetensors. (When tied, lm_head.weight IS the embedding
-    # tensor, as in HF's own tied models; drop it before a raw safetensors save.)
-    split = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight")
-    return {k: v.clone() if k.endswith(split) else v for k, v in out.items()}
+    return out
+
+
+# (ours, HF, transposed) per GPT-2 layer; Conv1D keeps weights as (in, out).
+_GPT2_LAYER = (
+    ("attn_norm.weight", "ln_1.weight", False), ("attn_norm.bias", "ln_1.bias", False),
+    ("attn.wqkv.weight", "attn.c_attn.weight", True), ("attn.wqkv.bias", "attn.c_attn.bias", False),
+    ("attn.wo.weight", "attn.c_proj.weight", True), ("attn.wo.bias", "attn.c_proj.bias", False),
+    ("mlp_norm.weight", "ln_2.weight", False), ("mlp_norm.bias", "ln_2.bias", False),
+    ("mlp.w_up.weight", "mlp.c_fc.weight", True), ("mlp.w_up.bias", "mlp.c_fc.bias", False),
+    ("mlp.w_down.weight", "mlp.c_proj.weight", True), ("mlp.w_down.bias", "mlp.c_proj.bias", False),
+)
+
+
+def _to_gpt2(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {"transformer.wte.weight": sd["tok_emb.weight"], "transformer.wpe.weight": sd["pos_emb.weight"],
+           "transformer.ln_f.weight": sd["norm.weight"], "transformer.ln_f.bias": sd["norm.bias"]}
+    for i in range(cfg.n_layers):
+        for ours, theirs, t in _GPT2_LAYER:
+            w = sd[f"layers.{i}.{ours}"]
+            out[f"transformer.h.{i}.{theirs}"] = w.t() if t else w
+    return out
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """An HF Llama/Qwen3 state dict -> a state dict for ``Transformer(cfg)`` (strict load).
+    """An HF state dict of ``cfg``'s family -> a state dict for ``Transformer(cfg)`` (strict load).
 
     A tied config takes the embedding and ignores ``lm_head.weight``; an untied one
-    requires it. Missing tensors raise ``KeyError`` naming the HF key.
+    requires it. A missing tensor raises ``KeyError`` naming the HF key.
     """
-    out: dict[str, torch.Tensor] = {"tok_emb.weight": sd["model.embed_tokens.weight"]}
-    for i in range(cfg.n_layers):
-        p, h = f"layers.{i}.", f"model.layers.{i}."
-        out[p + "attn_norm.weight"] = sd[h + "input_layernorm.weight"]
-        out[p + "attn.wqkv.weight"] = torch.cat(
-            [sd[h + "self_attn.q_proj.weight"], sd[h + "self_attn.k_proj.weight"], sd[h + "self_attn.v_proj.weight"]],
-            dim=0,
-        )  # ((H + 2*KV) * hd, D)
-        out[p + "attn.wo.weight"] = sd[h + "self_attn.o_proj.weight"]
-        if cfg.qk_norm:
-            out[p + "attn.q_norm.weight"] = sd[h + "self_attn.q_norm.weight"]
-            out[p + "attn.k_norm.weight"] = sd[h + "self_attn.k_norm.weight"]
-        out[p + "mlp_norm.weight"] = sd[h + "post_attention_layernorm.weight"]
-        out[p + "mlp.w_gate_up.weight"] = torch.cat(
-            [sd[h + "mlp.gate_proj.weight"], sd[h + "mlp.up_proj.weight"]], dim=0
-        )  # (2F, D)
-        out[p + "mlp.w_down.weight"] = sd[h + "mlp.down_proj.weight"]
-    out["norm.weight"] = sd["model.norm.weight"]
+    check_exportable(cfg)
+    if cfg.arch == "gpt2":
+        out = {"tok_emb.weight": sd["transformer.wte.weight"], "pos_emb.weight": sd["transformer.wpe.weight"],
+               "norm.weight": sd["transformer.ln_f.weight"], "norm.bias": sd["transformer.ln_f.bias"]}
+        for i in range(cfg.n_layers):
+            for ours, theirs, t in _GPT2_LAYER:
+                w = sd[f"transformer.h.{i}.{theirs}"]
+                out[f"layers.{i}.{ours}"] = w.t().contiguous() if t else w
+    else:
+        out = {"tok_emb.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
+        for i in range(cfg.n_layers):
+            p, h = f"layers.{i}.", f"model.layers.{i}."
+            out[p + "attn_norm.weight"] = sd[h + "input_layernorm.weight"]
+            for kind in ("weight", "bias") if cfg.attn_bias else ("weight",):
+                out[p + f"attn.wqkv.{kind}"] = torch.cat(
+                    [sd[h + f"self_attn.{x}_proj.{kind}"] for x in "qkv"], dim=0)  # ((H + 2*KV) * hd, D)
+                out[p + f"attn.wo.{kind}"] = sd[h + f"self_attn.o_proj.{kind}"]
+            if cfg.qk_norm:
+                out[p + "attn.q_norm.weight"] = sd[h + "self_attn.q_norm.weight"]
+                out[p + "attn.k_norm.weight"] = sd[h + "self_attn.k_norm.weight"]
+            out[p + "mlp_norm.weight"] = sd[h + "post_attention_layernorm.weight"]
+            if cfg.is_moe:
+                from flopwise.model.moe import moe_from_hf
+
+                mlp = {k[len(h + "mlp."):]: v for k, v in sd.items() if k.startswith(h + "mlp.")}
+                out.update({p + "mlp." + k: v for k, v in moe_from_hf(mlp, cfg.n_experts).items()})
+                continue
+            for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
+                out[p + f"mlp.w_gate_up.{kind}"] = torch.cat(
+                    [sd[h + f"mlp.gate_proj.{kind}"], sd[h + f"mlp.up_proj.{kind}"]], dim=0)  # (2F, D)
+                out[p + f"mlp.w_down.{kind}"] = sd[h + f"mlp.down_proj.{kind}"]
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = sd["lm_head.weight"]
     return out
 
 
 def to_hf_model(model: torch.nn.Module, attn_implementation: str = "sdpa") -> Any:
-    """A ``transformers`` causal-LM with our model's weights (float32 unless the weights say otherwise)."""
+    """A ``transformers`` causal LM with our model's weights (in our weights' dtype), in eval mode."""
     from transformers import AutoModelForCausalLM
 
     # Built on the CPU (not meta): HF's rotary inv_freq is a non-persistent buffer that
     # a state dict would not fill.
     hf = AutoModelForCausalLM.from_config(hf_config(model.cfg), attn_implementation=attn_implementation)
-    dtype = model.tok_emb.weight.dtype
-    hf.to(dtype)
+    hf.to(model.tok_emb.weight.dtype)
     result = hf.load_state_dict(to_hf_state_dict(model), strict=False)
     missing = [k for k in result.missing_keys if not (model.cfg.tie_embeddings and k == "lm_head.weight")]
-    if missing or result.unexpected_keys:
-        raise RuntimeError(f"state dict mismatch: missing {missing}, unexpected {result.unexpected_keys}")
+    unexpected = [k for k in result.unexpected_keys if not k.endswith((".attn.bias", ".attn.masked_bias"))]
+    if missing or unexpected:
+        raise RuntimeError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
     return hf.eval()

@@ -1,7 +1,10 @@
-"""Building blocks of a Llama-family decoder: RMSNorm, RoPE, SwiGLU MLP, attention.
+"""Building blocks of a decoder-only transformer: norms, positions, attention, MLPs.
 
-Shapes in comments use B = batch, T = sequence length, D = d_model, H = query heads,
-KV = key/value heads, hd = head dimension, F = SwiGLU hidden width.
+Components are picked by name in ``ModelConfig`` (``norm``, ``mlp``, ``pos_emb``,
+biases, ``qk_norm``, ``attention``), covering Llama 2/3, SmolLM, Qwen3 (+MoE, in
+``moe.py``) and GPT-2 with one code path each. Shapes in comments use B = batch,
+T = sequence length, D = d_model, H = query heads, KV = key/value heads, hd = head
+dimension, F = MLP hidden width.
 
 Nothing here knows about losses, optimisers or distributed training: the model is
 a pure function from token ids to logits, so that wrappers (compile, checkpointing,
@@ -15,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flopwise.config import ModelConfig
+from flopwise.model.attention import attention
 
 # --------------------------------------------------------------------------- RMSNorm
 
@@ -44,6 +48,14 @@ class RMSNorm(nn.Module):
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
+
+
+def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    """RMSNorm (Llama, Qwen3) or LayerNorm with or without bias (GPT-2: with)."""
+    dim = cfg.d_model if dim is None else dim
+    if cfg.norm == "layernorm":
+        return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.norm_bias)
+    return RMSNorm(dim, cfg.norm_eps)
 
 
 # --------------------------------------------------------------------------- RoPE
@@ -78,56 +90,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-# --------------------------------------------------------------------------- attention kernel
-
-def _probe_sdpa_gqa() -> bool:
-    """Whether ``scaled_dot_product_attention`` takes ``enable_gqa`` (torch >= 2.5).
-
-    The function is a builtin without an inspectable signature, so it is probed with
-    tiny tensors -- once, at import: probing lazily would run the probe inside the
-    caller's first forward pass, where FLOP counters, profilers or torch.compile see it.
-    """
-    q = torch.zeros(1, 2, 1, 2)
-    kv = torch.zeros(1, 1, 1, 2)
-    try:
-        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
-    except (TypeError, RuntimeError):
-        return False
-    return True
-
-
-_SDPA_HAS_GQA = _probe_sdpa_gqa()
-
-
-def sdpa_supports_gqa() -> bool:
-    return _SDPA_HAS_GQA
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, use_gqa: bool | None = None) -> torch.Tensor:
-    """Causal softmax attention with grouped KV heads.
-
-    q: (B, H, T, hd); k, v: (B, KV, T, hd) with H % KV == 0. Returns (B, H, T, hd).
-    ``use_gqa=None`` uses SDPA's native grouped-query support when available (no copy of
-    K/V); otherwise each KV head is repeated H/KV times, which is what GQA means:
-    query head h reads KV head h // (H/KV).
-    """
-    n_rep = q.shape[1] // k.shape[1]
-    if use_gqa is None:
-        use_gqa = sdpa_supports_gqa()
-    if n_rep == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if use_gqa:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    k = k.repeat_interleave(n_rep, dim=1)  # (B, H, T, hd)
-    v = v.repeat_interleave(n_rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
+# --------------------------------------------------------------------------- attention
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with RoPE and optional per-head QK-norm (Qwen3).
+    """Grouped-query self-attention, optional RoPE, per-head QK-norm (Qwen3) and biases (GPT-2).
 
     One fused ``wqkv`` projection (one GEMM instead of three); its rows are
     [q (H*hd) | k (KV*hd) | v (KV*hd)], which is how ``hf.py`` splits and joins them.
+    The kernel is chosen by name (``backend``, see :mod:`flopwise.model.attention`); the
+    model sets it on every layer.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -137,8 +108,8 @@ class Attention(nn.Module):
         self.head_dim = cfg.resolved_head_dim  # may differ from d_model // n_heads (Qwen3)
         q_dim = self.n_heads * self.head_dim
         kv_dim = self.n_kv_heads * self.head_dim
-        self.wqkv = nn.Linear(cfg.d_model, q_dim + 2 * kv_dim, bias=False)
-        self.wo = nn.Linear(q_dim, cfg.d_model, bias=False)
+        self.wqkv = nn.Linear(cfg.d_model, q_dim + 2 * kv_dim, bias=cfg.attn_bias)
+        self.wo = nn.Linear(q_dim, cfg.d_model, bias=cfg.attn_bias)
         if cfg.qk_norm:
             # One weight of size hd shared by all heads, as in Qwen3.
             self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
@@ -146,9 +117,10 @@ class Attention(nn.Module):
         else:
             self.q_norm = None
             self.k_norm = None
-        self.use_gqa: bool | None = None  # None = native SDPA GQA when available
+        self.backend = "sdpa"
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(x)  # (B, T, (H + 2*KV) * hd)
@@ -161,11 +133,13 @@ class Attention(nn.Module):
             # attention logits, which keeps bf16/large-lr training stable.
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        # SDPA wants heads before time.
+        if rope is not None:
+            cos, sin = rope
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+        # The kernels want heads before time.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|KV, T, hd)
-        y = causal_attention(q, k, v, use_gqa=self.use_gqa)  # (B, H, T, hd)
+        y = attention(q, k, v, self.backend, doc_ids)  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, H * hd)  # (B, T, H*hd)
         return self.wo(y)  # (B, T, D)
 
@@ -179,9 +153,34 @@ class SwiGLU(nn.Module):
         super().__init__()
         self.ffn_hidden = cfg.ffn_hidden
         # Rows are [gate (F) | up (F)]: one GEMM instead of two.
-        self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)
-        self.w_down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+        self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=cfg.mlp_bias)
+        self.w_down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # each (B, T, F)
         return self.w_down(F.silu(gate) * up)  # (B, T, D)
+
+
+class MLP(nn.Module):
+    """out = w_down(act(w_up(x))): GELU with the tanh approximation (GPT-2's ``gelu_new``)
+    or squared ReLU (Primer; modded-nanogpt), two matrices instead of SwiGLU's three."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.act = cfg.mlp
+        self.w_up = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=cfg.mlp_bias)
+        self.w_down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.w_up(x)  # (B, T, F)
+        h = F.gelu(h, approximate="tanh") if self.act == "gelu" else F.relu(h).square()
+        return self.w_down(h)  # (B, T, D)
+
+
+def make_mlp(cfg: ModelConfig) -> nn.Module:
+    """The block's feed-forward: a mixture of SwiGLU experts, SwiGLU, or a two-matrix MLP."""
+    if cfg.is_moe:
+        from flopwise.model.moe import MoE
+
+        return MoE(cfg.d_model, cfg.n_experts, cfg.moe_top_k, cfg.expert_ffn_hidden, cfg.moe_norm_topk_prob)
+    return SwiGLU(cfg) if cfg.mlp == "swiglu" else MLP(cfg)

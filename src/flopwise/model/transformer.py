@@ -1,11 +1,13 @@
-"""A decoder-only Llama-family transformer (Llama 2/3, SmolLM, Qwen3), readable top to bottom.
+"""A decoder-only transformer (Llama 2/3, SmolLM, Qwen3, Qwen3-MoE, GPT-2), readable top to bottom.
 
-    idx (B, T) -> tok_emb -> n_layers x Block -> norm -> head -> logits (B, T, V)
+    idx (B, T) -> tok_emb (+ pos_emb) -> n_layers x Block -> norm -> head -> logits (B, T, V)
     Block:  x = x + attn(attn_norm(x));  x = x + mlp(mlp_norm(x))     (pre-norm)
 
-No biases anywhere. The model holds no loss and no distributed code: ``forward_hidden``
-and ``head_weight`` exist so that a chunked cross-entropy elsewhere can avoid
-materialising the (B, T, V) logits.
+Components come from the config (see ``layers.py``). The model holds no loss and no
+distributed code: ``forward_hidden`` and ``head_weight`` exist so that a chunked
+cross-entropy elsewhere can avoid materialising the (B, T, V) logits, and a
+mixture-of-experts model leaves its weighted auxiliary losses of the last forward in
+``aux_loss`` for the training step to add.
 
 Build with :func:`build_model`: the module is created on the meta device (no memory, no
 wasted random init), moved to the target device with ``to_empty`` and then initialised
@@ -21,19 +23,21 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flopwise.config import ModelConfig
-from flopwise.model.layers import Attention, RMSNorm, SwiGLU, rope_tables
+from flopwise.model.attention import select_backend
+from flopwise.model.layers import Attention, make_mlp, make_norm, rope_tables
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = make_mlp(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)  # (B, T, D)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, doc_ids)  # (B, T, D)
         x = x + self.mlp(self.mlp_norm(x))  # (B, T, D)
         return x
 
@@ -41,40 +45,59 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.is_moe:  # counted by the planner; the layer itself is not built yet
-            raise ValueError(f"model.n_experts={cfg.n_experts}: mixture-of-experts layers are not implemented yet")
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # Learned absolute positions (GPT-2); RoPE rotates q and k inside attention instead.
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.pos_emb == "learned" else None
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = make_norm(cfg)
         # Tied: the head reuses tok_emb.weight (see head_weight), so there is exactly one
         # parameter and no tie that a meta->device move or a wrapper could silently break.
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         # RoPE tables: derived state, not saved in checkpoints (persistent=False) and
         # recomputed by init_weights after to_empty (a meta buffer holds no values).
-        cos, sin = rope_tables(cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, hd) float32
+        cos, sin = rope_tables(cfg.resolved_head_dim, cfg.max_seq_len if cfg.pos_emb == "rope" else 0, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, hd) float32; empty without RoPE
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.aux_loss: torch.Tensor | None = None  # MoE: weighted load-balance + z-loss of the last forward
+        self.attention_backend = "sdpa"
+
+    def set_attention_backend(self, name: str) -> None:
+        """Use kernel ``name`` (a concrete backend, see ``flopwise.model.attention``) in every layer."""
+        self.attention_backend = name
+        for block in self.layers:
+            block.attn.backend = name
 
     @property
     def head_weight(self) -> torch.Tensor:
         """The (V, D) output projection: the embedding matrix when tied."""
         return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward_hidden(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx (B, T) int64 -> final-normed hidden states (B, T, D)."""
+    def forward_hidden(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """idx (B, T) int64 -> final-normed hidden states (B, T, D).
+
+        ``doc_ids`` (B, T), when given, restricts attention to each token's own document
+        (positions still count from the start of the window, as in packed pretraining).
+        """
         B, T = idx.shape
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds model.max_seq_len {self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, hd)
+        cfg = self.cfg
+        if T > cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.max_seq_len {cfg.max_seq_len}")
+        rope = (self.rope_cos[:T], self.rope_sin[:T]) if cfg.pos_emb == "rope" else None  # each (T, hd)
         x = self.tok_emb(idx)  # (B, T, D)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb.weight[:T]  # (T, D) broadcast over the batch
         for block in self.layers:
-            x = block(x, cos, sin)
+            x = block(x, rope, doc_ids)
+        if cfg.is_moe:
+            aux = [block.mlp.aux for block in self.layers]
+            self.aux_loss = (cfg.moe_aux_loss_coef * sum(a["load_balance"] for a in aux)
+                             + cfg.moe_z_loss_coef * sum(a["z"] for a in aux)) / cfg.n_layers
         return self.norm(x)  # (B, T, D)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """idx (B, T) int64 -> logits (B, T, V)."""
-        return F.linear(self.forward_hidden(idx), self.head_weight)
+        return F.linear(self.forward_hidden(idx, doc_ids), self.head_weight)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameters held by the module (a tied head counted once).
@@ -87,13 +110,16 @@ class Transformer(nn.Module):
             n -= self.tok_emb.weight.numel()
             if self.lm_head is not None:
                 n -= self.lm_head.weight.numel()
+            if self.pos_emb is not None:
+                n -= self.pos_emb.weight.numel()
         return n
 
     @torch.no_grad()
     def reset_rope(self) -> None:
         """Recompute the RoPE tables in float32 on the buffers' device."""
         cfg = self.cfg
-        cos, sin = rope_tables(cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta, device=self.rope_cos.device)
+        cos, sin = rope_tables(cfg.resolved_head_dim, cfg.max_seq_len if cfg.pos_emb == "rope" else 0,
+                               cfg.rope_theta, device=self.rope_cos.device)
         self.rope_cos = cos
         self.rope_sin = sin
 
@@ -102,11 +128,13 @@ class Transformer(nn.Module):
 def init_weights(model: Transformer, cfg: ModelConfig, seed: int = 1337) -> Transformer:
     """The one place weights get their initial values; deterministic given ``seed``.
 
-    - embedding, q/k/v, gate/up and an untied head: N(0, init_std)
-    - output projections of each residual branch (wo, w_down): N(0, init_std / sqrt(2 n_layers)),
-      GPT-2's scaling: 2 residual additions per layer, so the residual stream's variance
-      stays O(1) at init independently of depth
-    - norms: 1; RoPE tables recomputed (after to_empty they hold garbage)
+    - embedding, learned positions, q/k/v, gate/up (up), router, experts' gate/up and an
+      untied head: N(0, init_std)
+    - output projections of each residual branch (wo, w_down, experts' w_down):
+      N(0, init_std / sqrt(2 n_layers)), GPT-2's scaling: 2 residual additions per layer,
+      so the residual stream's variance stays O(1) at init independently of depth
+    - norm weights: 1; biases (linear layers, LayerNorm): 0; RoPE tables recomputed
+      (after to_empty they hold garbage)
 
     Parameters are visited in ``named_parameters`` order with one generator on the
     model's device, so the same seed gives identical weights on that device type.
@@ -117,11 +145,13 @@ def init_weights(model: Transformer, cfg: ModelConfig, seed: int = 1337) -> Tran
     std = cfg.init_std
     out_std = std / math.sqrt(2 * cfg.n_layers)
     for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):  # attn_norm, mlp_norm, q_norm, k_norm, final norm
+        if name.endswith(".bias"):
+            p.zero_()
+        elif name.endswith("norm.weight"):  # attn_norm, mlp_norm, q_norm, k_norm, final norm
             p.fill_(1.0)
-        elif name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+        elif name.endswith(("attn.wo.weight", "mlp.w_down.weight", "mlp.w_down")):
             p.normal_(0.0, out_std, generator=gen)
-        else:  # tok_emb, wqkv, w_gate_up, lm_head
+        else:  # tok_emb, pos_emb, wqkv, w_gate_up / w_up, router, lm_head
             p.normal_(0.0, std, generator=gen)
     model.reset_rope()
     return model
@@ -138,4 +168,16 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int 
     if torch.device(device).type == "meta":
         return model
     model.to_empty(device=device)
-    return init_weights(model, cfg, seed)
+    init_weights(model, cfg, seed)
+    configure_attention(model, torch.device(device), torch.float32)
+    return model
+
+
+def configure_attention(model: Transformer, device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Resolve ``model.attention`` for the device and compute dtype, set it on every layer,
+    and return the notes to show the user (what was chosen, what was skipped and why).
+    Raises ``AttentionBackendError`` for an unavailable backend under ``attention_strict``."""
+    cfg = model.cfg
+    name, notes = select_backend(cfg.attention, device, dtype, doc_mask=cfg.doc_mask, strict=cfg.attention_strict)
+    model.set_attention_backend(name)
+    return notes

@@ -6,11 +6,12 @@ training, preflight and the report all call it. It needs no torch.
 Conventions
 -----------
 ``N_matmul`` ("matmul" in :func:`param_counts`) counts every weight that takes part in
-a matrix multiply: per layer the fused q/k/v and output projections and the three
-SwiGLU matrices, plus the LM head -- counted once, also when it is tied to the
-embedding (the tied matrix is then used in one matmul and one gather; only the
-matmul costs FLOPs). The embedding lookup (a gather) and the RMSNorm weights are
-excluded.
+a matrix multiply: per layer the fused q/k/v and output projections and the MLP's
+matrices (three for SwiGLU, two for GELU / ReLU²; the router and the ``top_k`` active
+experts for a mixture of experts), plus the LM head -- counted once, also when it is
+tied to the embedding (the tied matrix is then used in one matmul and one gather; only
+the matmul costs FLOPs). The embedding and learned-position lookups (gathers), the
+norm weights and the biases (elementwise adds) are excluded.
 
 ``flops_per_token(cfg, T) = 6 * N_matmul + 12 * n_layers * d_attn * T`` with
 ``d_attn = n_heads * head_dim`` -- PaLM (Chowdhery et al. 2022) appendix B, also used by
@@ -41,40 +42,51 @@ from flopwise.config import ModelConfig
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
     """Exact parameter counts of ``flopwise.model.Transformer(cfg)``.
 
-    Keys: ``total`` (what the module holds; a tied head counted once), ``embedding``,
-    ``lm_head`` (0 when tied), ``non_embedding`` (total - embedding - lm_head),
+    Keys: ``total`` (what the module holds; a tied head counted once), ``embedding``
+    (token embedding), ``position`` (learned position table, 0 with RoPE), ``lm_head``
+    (0 when tied), ``non_embedding`` (total - embedding - position - lm_head),
     ``matmul`` (N_matmul, see the module docstring: for a mixture of experts only the
-    router and the ``moe_top_k`` experts a token passes through), ``active`` (parameters
-    a token touches: total less the experts it skips), and the breakdown ``attention``,
-    ``mlp`` (all experts), ``mlp_active``, ``router``, ``norm`` (all layers together;
-    ``norm`` includes QK-norm and the final norm).
+    router and the ``moe_top_k`` experts a token passes through; biases excluded),
+    ``active`` (parameters a token touches: total less the experts it skips), and the
+    breakdown ``attention``, ``mlp`` (all experts), ``mlp_active``, ``router``, ``norm``
+    (all layers together; ``norm`` includes QK-norm and the final norm), ``bias`` (of the
+    linear layers, included in ``attention`` and ``mlp``).
     """
     D, L, V = cfg.d_model, cfg.n_layers, cfg.vocab_size
     H, KV, hd = cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
-    attn = D * (H + 2 * KV) * hd + (H * hd) * D  # wqkv + wo
-    swiglu = 3 * D * cfg.expert_ffn_hidden  # w_gate_up (D x 2F) + w_down (F x D)
-    if cfg.is_moe:
+    attn_w = D * (H + 2 * KV) * hd + (H * hd) * D  # wqkv + wo
+    attn_b = ((H + 2 * KV) * hd + D) if cfg.attn_bias else 0
+    if cfg.is_moe:  # SwiGLU experts, no biases
+        swiglu = 3 * D * cfg.expert_ffn_hidden  # w_gate_up (E x 2F x D) + w_down (E x D x F), per expert
         router = D * cfg.n_experts
-        mlp, mlp_active = router + cfg.n_experts * swiglu, router + cfg.moe_top_k * swiglu
+        mlp_w, mlp_active_w, mlp_b = router + cfg.n_experts * swiglu, router + cfg.moe_top_k * swiglu, 0
     else:
-        router, mlp, mlp_active = 0, swiglu, swiglu
-    norm = 2 * D + (2 * hd if cfg.qk_norm else 0)  # attn_norm, mlp_norm (+ q_norm, k_norm)
+        F = cfg.ffn_hidden
+        router = 0
+        mlp_w = mlp_active_w = cfg.mlp_matrices * D * F  # SwiGLU: gate, up, down; else up, down
+        mlp_b = ((cfg.mlp_matrices - 1) * F + D) if cfg.mlp_bias else 0
+    one_norm = D * (2 if cfg.norm == "layernorm" and cfg.norm_bias else 1)
+    norm = 2 * one_norm + (2 * hd if cfg.qk_norm else 0)  # attn_norm, mlp_norm (+ q_norm, k_norm: RMSNorm)
     embedding = V * D
+    position = cfg.max_seq_len * D if cfg.pos_emb == "learned" else 0
     lm_head = 0 if cfg.tie_embeddings else V * D
-    norms = L * norm + D  # + final norm
-    total = embedding + lm_head + L * (attn + mlp) + norms
+    norms = L * norm + one_norm  # + final norm
+    attn, mlp = attn_w + attn_b, mlp_w + mlp_b
+    total = embedding + position + lm_head + L * (attn + mlp) + norms
     return {
         "total": total,
-        "active": total - L * (mlp - mlp_active),
+        "active": total - L * (mlp_w - mlp_active_w),
         "embedding": embedding,
+        "position": position,
         "lm_head": lm_head,
-        "non_embedding": total - embedding - lm_head,
-        "matmul": L * (attn + mlp_active) + V * D,  # head once, tied or not
+        "non_embedding": total - embedding - position - lm_head,
+        "matmul": L * (attn_w + mlp_active_w) + V * D,  # head once, tied or not
         "attention": L * attn,
         "mlp": L * mlp,
-        "mlp_active": L * mlp_active,
+        "mlp_active": L * (mlp_active_w + mlp_b),
         "router": L * router,
         "norm": norms,
+        "bias": L * (attn_b + mlp_b),
     }
 
 

@@ -259,10 +259,15 @@ def state_bytes(n_params: int, settings: MemorySettings, n_tensors: int = 0) -> 
 
 def n_param_tensors(cfg: ModelConfig) -> int:
     """Parameter tensors of ``Transformer(cfg)`` (one AdamW ``step`` counter each)."""
-    per_layer = 6 + (2 if cfg.qk_norm else 0)  # attn_norm, wqkv, wo, mlp_norm, w_gate_up, w_down (+ q/k norm)
-    if cfg.is_moe:  # router + 2 matrices per expert instead of the dense pair (layer not built yet)
-        per_layer += 1 + 2 * cfg.n_experts - 2
-    return 1 + cfg.n_layers * per_layer + 1 + (0 if cfg.tie_embeddings else 1)  # tok_emb, final norm, head
+    per_layer = 6 + (2 if cfg.qk_norm else 0)  # attn_norm, wqkv, wo, mlp_norm, w_gate_up|w_up, w_down (+ q/k norm)
+    if cfg.is_moe:  # router + the experts' two 3-D tensors instead of the dense pair
+        per_layer += 1
+    per_layer += 2 * cfg.attn_bias + 2 * (cfg.mlp_bias and not cfg.is_moe)  # bias vectors
+    norm_bias = cfg.norm == "layernorm" and cfg.norm_bias
+    per_layer += 2 * norm_bias
+    embeddings = 1 + (cfg.pos_emb == "learned")  # tok_emb (+ pos_emb)
+    final_norm = 1 + norm_bias
+    return embeddings + cfg.n_layers * per_layer + final_norm + (0 if cfg.tie_embeddings else 1)
 
 
 # --------------------------------------------------------------------------- activations
@@ -280,6 +285,8 @@ def layer_activation_terms(cfg: ModelConfig, micro_batch: int, seq_len: int,
     # and the float32 rstd (B, T, 1); `weight * y` saves y (residual dtype); the next
     # linear saves its input (its own bf16 cast under autocast, else the norm's output).
     norm = N * (4 * D + 4 + r * D + c * D)
+    if cfg.norm == "layernorm":  # saves its input, mean and rstd (float32), then the next linear's input
+        norm = N * (4 * D + 8 + c * D)  # approximate: not yet checked against measurement like RMSNorm
     t: dict[str, int] = {"attn_norm": norm}
     if settings.attention == "sdpa":
         t["qkv"] = N * c * (q + 2 * kv)  # (B, T, (H+2KV)*hd): v, a view of it, is saved by SDPA
@@ -304,9 +311,11 @@ def layer_activation_terms(cfg: ModelConfig, micro_batch: int, seq_len: int,
         E, k, Fe = cfg.n_experts, cfg.moe_top_k, cfg.expert_ffn_hidden
         t["router"] = N * (E * c + E * 4 + k * 8 + k * 4)  # logits, fp32 probs, top-k ids and weights
         t["experts"] = N * k * (c * D + c * 4 * Fe)  # each token's gathered input and SwiGLU per expert
-    else:
+    elif cfg.mlp == "swiglu":
         F = cfg.ffn_hidden
         t["swiglu"] = N * c * 4 * F  # gate|up (2F), silu(gate) (F), silu*up (F)
+    else:  # gelu / relu2: the up projection's output and the activation's output
+        t["mlp_act"] = N * c * 2 * cfg.ffn_hidden
     return t
 
 

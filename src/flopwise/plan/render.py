@@ -60,6 +60,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         def share(k: str) -> str:
             return f"{100 * b[k] / total:.1f}% of total"
         row("embedding", _count(b["embedding"]), share("embedding"))
+        if b.get("position"):
+            row("positions (learned)", _count(b["position"]), share("position"))
         row("attention", _count(b["attention"]), share("attention"))
         mlp_how = share("mlp")
         if b["router"]:
@@ -69,7 +71,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         row("LM head", _count(b["lm_head"]) if b["lm_head"] else "tied", share("lm_head") if b["lm_head"] else
             "shares the embedding matrix")
         row("total", f"{total:,}", f"active {b['active']:,}" if b["active"] != total else "")
-        row("N_matmul", _count(b["matmul"]), "weights in matmuls, head once (embedding lookup and norms excluded)")
+        row("N_matmul", _count(b["matmul"]), "weights in matmuls, head once (lookups, norms and biases excluded)")
     else:
         row("total", f"{total:,}", "given with --params")
 

@@ -26,7 +26,7 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -1
 
 def forward_backward(
     model: torch.nn.Module,
-    micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    micro_batches: Iterable[tuple[torch.Tensor, ...]],
     step_tokens: int,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> torch.Tensor:
@@ -34,14 +34,24 @@ def forward_backward(
 
     ``step_tokens`` is the number of target tokens in the whole step, known in advance
     from the batch geometry, so each backward can be issued as soon as its micro-batch
-    is done without holding activations for the others.
+    is done without holding activations for the others. A micro-batch is ``(x, y)`` or
+    ``(x, y, doc_ids)``. The returned loss is the language-model loss only (a model's
+    ``aux_loss`` is trained on, not reported in it).
     """
     total = None
-    for x, y in micro_batches:
+    for batch in micro_batches:
+        x, y = batch[0], batch[1]
+        doc_ids = batch[2] if len(batch) > 2 else None  # per-document attention (model.doc_mask)
         with autocast():
-            logits = model(x)
+            logits = model(x) if doc_ids is None else model(x, doc_ids)
         s = loss_sum(logits, y)
-        (s / step_tokens).backward()
+        loss = s / step_tokens
+        aux = getattr(model, "aux_loss", None)
+        if aux is not None:
+            # MoE: the weighted load-balance (+ z) loss of this micro-batch. Its weight is per
+            # micro-batch, so each adds aux * its share of the step's tokens.
+            loss = loss + aux * (y.numel() / step_tokens)
+        loss.backward()
         total = s.detach() if total is None else total + s.detach()
     assert total is not None, "a step needs at least one micro-batch"
     return total / step_tokens

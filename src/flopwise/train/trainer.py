@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import platform
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -30,7 +31,7 @@ from flopwise.evaluate.generate import generate
 from flopwise.evaluate.loss import evaluate_loss, perplexity
 from flopwise.measure.meter import ThroughputMeter, format_memory, memory_stats
 from flopwise.measure.sinks import JsonlSink, format_mfu, human
-from flopwise.model import build_model
+from flopwise.model import build_model, configure_attention
 from flopwise.plan import hardware
 from flopwise.plan.budget import plan_for_run
 from flopwise.plan.flops import flops_per_token, param_counts
@@ -160,6 +161,19 @@ def run_record(cfg: RunConfig, device: torch.device, precision: str) -> dict[str
     }
 
 
+def load_hf_init(model: torch.nn.Module, hf_path: str) -> str:
+    """Weights of a Hugging Face model directory (``model.hf_config``) for continued
+    pretraining; the architecture came from its ``config.json`` when the config was built."""
+    from flopwise.model.io import load_hf_weights
+
+    path = Path(hf_path).expanduser()
+    directory = path.parent if path.is_file() else path
+    if not any((directory / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        return f"architecture from {path}; no safetensors beside it: random initialisation"
+    load_hf_weights(model, directory)
+    return f"weights from {directory} (Hugging Face safetensors)"
+
+
 def _fmt_time(seconds: float) -> str:
     m, s = divmod(int(round(seconds)), 60)
     h, m = divmod(m, 60)
@@ -173,9 +187,6 @@ def train(cfg: RunConfig, log: Log = print) -> TrainResult:
     device = resolve_device(cfg.train.device)
     precision, amp_dtype = resolve_precision(cfg.train.precision, device)
     autocast = autocast_factory(device, amp_dtype)
-    if cfg.model.is_moe:
-        raise ConfigError([f"model.n_experts={cfg.model.n_experts}: the trainer has no mixture-of-experts layer "
-                           "yet (`flopwise plan` sizes MoE models); set model.n_experts=0"])
     run_dir = prepare_run_dir(cfg)
     data = open_data(cfg, log)
 
@@ -190,10 +201,13 @@ def train(cfg: RunConfig, log: Log = print) -> TrainResult:
 
     # The data checks (each split long enough for a window) come before any allocation.
     train_loader = make_loader(cfg.data.loader, data, "train", t.seq_len, t.micro_batch_size, seed=t.seed,
-                               device=device)
+                               device=device, doc_boundaries=m.doc_mask)
     val_windows = fixed_windows(data, "val", t.seq_len, e.batches * t.micro_batch_size)
     torch.manual_seed(t.seed)
     model = build_model(m, device=device, seed=t.seed)
+    attention_notes = configure_attention(model, device, amp_dtype or model.tok_emb.weight.dtype)
+    if m.hf_config:
+        init_note = load_hf_init(model, m.hf_config)
     optimizer = build_optimizer(model, o, device)
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -204,6 +218,7 @@ def train(cfg: RunConfig, log: Log = print) -> TrainResult:
                         precision, t.peak_tflops)
     (run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
     (run_dir / "run.json").write_text(json.dumps(record, indent=2))
+    shutil.copyfile(data.path / "tokenizer.json", run_dir / "tokenizer.json")  # the run is self-contained
     sink = JsonlSink(run_dir / "metrics.jsonl")
 
     log(f"flopwise train · preset {cfg.preset} · run dir {run_dir}")
@@ -213,8 +228,14 @@ def train(cfg: RunConfig, log: Log = print) -> TrainResult:
         epochs = f" ({total_steps * step_tokens / train_loader.target_tokens_per_epoch:.2f} epochs)"
     log(f"  data       {data.path} · vocab {data.vocab_size:,} · train {human(data.num_tokens('train'))} tokens"
         f" · val {human(data.num_tokens('val'))} tokens · loader {cfg.data.loader}{epochs}")
+    experts = f" · {m.n_experts} experts top-{m.moe_top_k} ({human(counts['active'])} active)" if m.is_moe else ""
     log(f"  model      {m.arch} · {m.n_layers} layers · d_model {m.d_model} · heads {m.n_heads} q / {m.n_kv_heads} kv"
-        f" · ffn {m.ffn_hidden} · params {human(counts['total'])} ({human(counts['non_embedding'])} non-embedding)")
+        f" · {m.mlp} {m.expert_ffn_hidden if m.is_moe else m.ffn_hidden} · {m.norm} · {m.pos_emb}{experts}"
+        f" · params {human(counts['total'])} ({human(counts['non_embedding'])} non-embedding)")
+    for i, note in enumerate(attention_notes):
+        log(f"  {'attention' if i == 0 else '':<10} {note.removeprefix('attention: ')}")
+    if m.hf_config:
+        log(f"  init       {init_note}")
     log(f"  FLOPs      {human(fpt)}/token (6·N_matmul + attention at seq {t.seq_len})"
         f" · {total_steps:,} steps × {step_tokens:,} tokens = {human(total_steps * step_tokens)} tokens planned"
         f" · {human(fpt * total_steps * step_tokens)}FLOP total")
@@ -229,7 +250,7 @@ def train(cfg: RunConfig, log: Log = print) -> TrainResult:
         f" · clip {o.grad_clip:g}")
 
     def validate(step: int, tokens: int) -> float:
-        val = evaluate_loss(model, val_windows, t.micro_batch_size, device, autocast)
+        val = evaluate_loss(model, val_windows, t.micro_batch_size, device, autocast, data.eos_id, data.bos_id)
         log(f"  val  step {step:>6} | loss {val:.4f} | ppl {perplexity(val):,.1f} | uniform ln V = {uniform:.4f}")
         return val
 

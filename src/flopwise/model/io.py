@@ -1,0 +1,198 @@
+"""Models in and out: ``flopwise.load``, ``flopwise export --format hf`` and Hugging Face imports.
+
+Three kinds of directory hold a model:
+
+- a **run directory** (``config.yaml``, ``checkpoints/step-*/``, ``tokenizer.json``): its
+  latest complete checkpoint is used;
+- a **checkpoint directory** (``model.pt``, ``config.yaml``, ``state.json``);
+- a **Hugging Face model directory** (``config.json`` and ``model.safetensors``, or a
+  sharded ``model.safetensors.index.json``; ``tokenizer.json`` when present), of a family
+  in :mod:`flopwise.model.hf`.
+
+Exports are written into a hidden sibling directory and renamed into place when
+complete, so an interrupted export never leaves a directory that looks loadable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flopwise.config import ModelConfig, load_run_config
+from flopwise.model.hf import check_exportable, config_from_hf, from_hf_state_dict, hf_config, to_hf_state_dict
+from flopwise.model.transformer import Transformer, build_model, configure_attention
+
+
+class ModelSourceError(ValueError):
+    """A path that holds no loadable model; the message says what was looked for."""
+
+
+@dataclass
+class ModelSource:
+    kind: str  # run | checkpoint | hf
+    path: Path  # the checkpoint directory for runs and checkpoints, the model directory for hf
+    cfg: ModelConfig
+    tokenizer_path: Path | None
+
+
+def _find_tokenizer(*candidates: Path) -> Path | None:
+    return next((p for p in candidates if p.is_file()), None)
+
+
+def resolve(path: str | os.PathLike) -> ModelSource:
+    """What ``path`` holds: a run, a checkpoint or a Hugging Face model directory."""
+    from flopwise.train.checkpoint import latest_checkpoint
+
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ModelSourceError(f"{p}: no such directory (expected a run, a checkpoint or a Hugging Face model directory)")
+    if (p / "config.json").is_file() and not (p / "model.pt").is_file():
+        cfg = config_from_hf(json.loads((p / "config.json").read_text()))
+        return ModelSource("hf", p, cfg, _find_tokenizer(p / "tokenizer.json"))
+    if (p / "model.pt").is_file():
+        ckpt, run = p, p.parent.parent
+        kind = "checkpoint"
+    elif (p / "checkpoints").is_dir() or (p / "config.yaml").is_file():
+        ckpt = latest_checkpoint(p)
+        if ckpt is None:
+            raise ModelSourceError(f"{p}: a run directory without a complete checkpoint (checkpoints/step-*/)")
+        run, kind = p, "run"
+    else:
+        raise ModelSourceError(f"{p}: holds neither model.pt (a checkpoint), checkpoints/ (a run) nor config.json "
+                               "(a Hugging Face model)")
+    cfg = load_run_config(ckpt / "config.yaml")
+    tok = _find_tokenizer(ckpt / "tokenizer.json", run / "tokenizer.json",
+                          Path(cfg.data.path).expanduser() / "tokenizer.json" if cfg.data.path else Path("/nonexistent"))
+    return ModelSource(kind, ckpt, cfg.model, tok)
+
+
+def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of ``model.safetensors`` or of the shards a ``model.safetensors.index.json`` names."""
+    from safetensors.torch import load_file
+
+    single = path / "model.safetensors"
+    if single.is_file():
+        return load_file(str(single))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        sd: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            sd.update(load_file(str(path / shard)))
+        return sd
+    raise ModelSourceError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_hf_weights(model: Transformer, path: Path) -> None:
+    """Load a Hugging Face directory's safetensors into ``model`` (strict: every tensor must fit)."""
+    sd = read_safetensors_dir(path)
+    try:
+        ours = from_hf_state_dict(sd, model.cfg)
+    except KeyError as e:
+        raise ModelSourceError(f"{path}: the weights lack {e.args[0]!r} for this configuration") from None
+    dtype = model.tok_emb.weight.dtype
+    model.load_state_dict({k: v.to(dtype) for k, v in ours.items()}, strict=True)
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = None) -> tuple[Transformer, ModelSource]:
+    """The model stored at ``path`` (run, checkpoint or HF directory), in eval mode."""
+    src = resolve(path)
+    device = torch.device(device)
+    model = build_model(src.cfg, device=device)
+    if src.kind == "hf":
+        load_hf_weights(model, src.path)
+    else:
+        state = torch.load(src.path / "model.pt", map_location=device, weights_only=True)
+        model.load_state_dict(state)
+    if dtype is not None:
+        model.to(dtype)
+        configure_attention(model, device, dtype)
+    return model.eval(), src
+
+
+def load(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """``(model, tokenizer)`` from a run directory, a checkpoint directory or a Hugging Face
+    model directory. The model is a ``torch.nn.Module`` in eval mode: ``model(input_ids)``
+    with ``input_ids`` (B, T) int64 returns logits (B, T, vocab). The tokenizer is a
+    ``tokenizers.Tokenizer`` (None when the directory has no ``tokenizer.json``)."""
+    model, src = load_model(path, device, dtype)
+    tokenizer = None
+    if src.tokenizer_path is not None:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(src.tokenizer_path))
+    return model, tokenizer
+
+
+# --------------------------------------------------------------------------- export
+
+def _special_tokens(tokenizer_path: Path | None) -> dict[str, Any]:
+    if tokenizer_path is None:
+        return {}
+    from flopwise.data.tokenizer import load_tokenizer, special_ids
+
+    tok = load_tokenizer(tokenizer_path)
+    ids = special_ids(tok)
+    out: dict[str, Any] = {}
+    for name in ("bos", "eos"):
+        i = ids.get(f"{name}_id")
+        if i is not None:
+            out[f"{name}_token_id"] = i
+            out[f"{name}_token"] = tok.id_to_token(i)
+    return out
+
+
+def export_hf(path: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
+              log=print) -> Path:
+    """Write ``out/`` loadable by ``transformers.AutoModelForCausalLM.from_pretrained``:
+    ``config.json``, ``model.safetensors``, ``generation_config.json`` and, when the run
+    has one, ``tokenizer.json`` with ``tokenizer_config.json`` (bos/eos tokens)."""
+    from safetensors.torch import save_file
+
+    src = resolve(path)
+    check_exportable(src.cfg)  # before any work: a custom model is refused with the reason
+    out = Path(out).expanduser()
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ModelSourceError(f"{out}: exists and is not empty; pass --overwrite to replace it")
+    model, _ = load_model(src.path)
+    tmp = out.parent / f".{out.name}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        hf_cfg = hf_config(model.cfg)
+        special = _special_tokens(src.tokenizer_path)
+        for key in ("bos_token_id", "eos_token_id"):
+            if key in special:
+                setattr(hf_cfg, key, special[key])
+        hf_cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                 "qwen3_moe": "Qwen3MoeForCausalLM", "gpt2": "GPT2LMHeadModel"}[model.cfg.arch]]
+        hf_cfg.torch_dtype = "float32"
+        hf_cfg.save_pretrained(str(tmp))
+        sd = to_hf_state_dict(model, moe_layout="per_expert")  # the file layout every transformers reads
+        if model.cfg.tie_embeddings:
+            sd.pop("lm_head.weight")  # the same tensor as the embedding; transformers re-ties it
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        gen = {k: v for k, v in special.items() if k.endswith("_id")}
+        (tmp / "generation_config.json").write_text(json.dumps({**gen, "_from_model_config": True}, indent=2) + "\n")
+        if src.tokenizer_path is not None:
+            shutil.copyfile(src.tokenizer_path, tmp / "tokenizer.json")
+            tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.cfg.max_seq_len,
+                       **{k: v for k, v in special.items() if not k.endswith("_id")}}
+            (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    n = sum(p.numel() for p in model.parameters())
+    log(f"export: {src.kind} {src.path} -> {out} ({model.cfg.arch}, {n:,} parameters, float32"
+        f"{', tokenizer' if src.tokenizer_path else ', no tokenizer found'})")
+    return out
