@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a model (no arguments: the tiny preset on the embedded corpus)")
     _add_config_args(p)
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--strict", action="store_true",
+                   help="fail instead of falling back when model.attention names an unavailable backend")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(
@@ -123,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    cfg = build_config(preset=args.preset, config_file=args.config, overrides=args.overrides)
+    overrides = list(args.overrides) + (["model.attention_strict=true"] if args.strict else [])
+    cfg = build_config(preset=args.preset, config_file=args.config, overrides=overrides)
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0

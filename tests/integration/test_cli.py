@@ -38,3 +38,15 @@ def test_split_too_small_for_the_window_is_named(cli, tiny_overrides, tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert "too small for seq_len=100000" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_unavailable_attention_backend_falls_back_or_fails_with_strict(cli, tiny_overrides, tmp_path):
+    proc = cli("train", *tiny_overrides, "train.max_steps=2", "model.attention=flash")
+    assert proc.returncode == 0, proc.stderr
+    assert "flash unavailable on cpu/float32" in proc.stdout and "falling back to sdpa" in proc.stdout
+    strict_dir = tmp_path / "strict"
+    proc = cli("train", "--strict", *tiny_overrides, "train.max_steps=2", "model.attention=flash",
+               f"train.run_dir={strict_dir}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "flash" in proc.stderr and "needs CUDA" in proc.stderr
+    assert not strict_dir.exists()

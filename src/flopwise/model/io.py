@@ -173,7 +173,8 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, overwrite: bool =
                 setattr(hf_cfg, key, special[key])
         hf_cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                  "qwen3_moe": "Qwen3MoeForCausalLM", "gpt2": "GPT2LMHeadModel"}[model.cfg.arch]]
-        hf_cfg.torch_dtype = "float32"
+        # transformers 5 names it dtype (torch_dtype is deprecated there); 4.x torch_dtype.
+        setattr(hf_cfg, "dtype" if "dtype" in hf_cfg.to_dict() else "torch_dtype", "float32")
         hf_cfg.save_pretrained(str(tmp))
         sd = to_hf_state_dict(model, moe_layout="per_expert")  # the file layout every transformers reads
         if model.cfg.tie_embeddings:
