@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--strict", action="store_true",
                    help="fail instead of falling back when model.attention names an unavailable backend")
+    p.add_argument("--fresh", action="store_true",
+                   help="start over in a run directory that holds a run (the old one is renamed aside) "
+                        "instead of resuming it")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser(
@@ -132,7 +135,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     from flopwise.train.trainer import train  # imports torch: keep --help fast
 
-    train(cfg, log=lambda s: print(s, flush=True))
+    from flopwise.train.checkpoint import CheckpointError
+    from flopwise.train.stopping import NonFiniteError
+
+    try:
+        train(cfg, log=lambda s: print(s, flush=True), fresh=args.fresh)
+    except NonFiniteError as e:
+        print(f"flopwise train: {e}", file=sys.stderr)
+        return 3
+    except CheckpointError as e:
+        print(f"flopwise train: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -185,7 +185,13 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: str = "auto"  # auto (bf16 autocast on CUDA with bf16, else float32) | bf16 | float32
     log_every: int = 10
-    save_every: int = 0  # 0 = save only at the end
+    checkpoint_every: int = 0  # steps between checkpoints; 0 = only at the end (and on a stop)
+    keep_checkpoints: int = 3  # the newest N complete checkpoints are kept; 0 = keep all
+    milestone_every: int = 0  # checkpoints at multiples of this step are never deleted; 0 = none
+    max_hours: float = 0.0  # wall-clock budget of this process; stops in time with a final checkpoint
+    nonfinite: str = "stop"  # non-finite loss or gradients: stop | skip (the update) | rollback (to the last checkpoint)
+    nonfinite_patience: int = 3  # skips or rollbacks in a row before the run stops anyway
+    spike_factor: float = 3.0  # a loss above this x its running mean is logged as an event; 0 = off
     warmup_log_steps: int = 3  # first steps excluded from throughput averages
     peak_tflops: float = 0.0  # dense peak of one device for MFU; 0 = from the hardware table
 
@@ -509,8 +515,13 @@ def validate(cfg: RunConfig) -> list[str]:
 
     for name in ("seq_len", "micro_batch_size", "global_batch_size", "log_every"):
         positive("train", name, getattr(t, name))
-    for name in ("max_steps", "max_tokens", "save_every", "warmup_log_steps", "seed"):
+    for name in ("max_steps", "max_tokens", "checkpoint_every", "keep_checkpoints", "milestone_every",
+                 "warmup_log_steps", "seed", "nonfinite_patience"):
         positive("train", name, getattr(t, name), allow_zero=True)
+    positive("train", "max_hours", t.max_hours, allow_zero=True)
+    positive("train", "spike_factor", t.spike_factor, allow_zero=True)
+    if t.nonfinite not in ("stop", "skip", "rollback"):
+        p.append(f"train.nonfinite {t.nonfinite!r}: choose stop, skip or rollback")
     positive("train", "peak_tflops", t.peak_tflops, allow_zero=True)
     if t.seq_len > m.max_seq_len > 0:
         p.append(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")

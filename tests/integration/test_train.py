@@ -56,14 +56,16 @@ def test_30_step_run_learns_and_writes_its_run_directory(tiny_overrides):
     assert "val loss" in out and "checkpoint" in out and "sample" in out
 
 
-def test_existing_run_directory_is_never_overwritten(tiny_overrides):
+def test_a_finished_run_is_not_trained_again_and_a_changed_one_needs_fresh(tiny_overrides):
     overrides = tiny_overrides + ["train.max_steps=2", "eval.sample_tokens=0"]
     first = train(build_config(overrides=overrides), log=lambda s: None)
     metrics = first.run_dir / "metrics.jsonl"
     before = metrics.read_text()
-    with pytest.raises(ConfigError, match="already holds a run"):
-        train(build_config(overrides=overrides), log=lambda s: None)
-    assert metrics.read_text() == before
+    again = train(build_config(overrides=overrides), log=lambda s: None)  # resumes at its last step: nothing to do
+    assert again.steps == 2 and metrics.read_text() == before
+    with pytest.raises(ConfigError, match=r"train.seq_len: 64 -> 32\); pass --fresh"):
+        train(build_config(overrides=overrides + ["train.seq_len=32"]), log=lambda s: None)
+    assert metrics.read_text() == before  # refused before touching anything
 
 
 def test_data_vocabulary_larger_than_model_is_refused_before_training(tiny_overrides, tmp_path):

@@ -1,10 +1,12 @@
 """The training loop on one device (CPU or one CUDA GPU).
 
 Order of work, cheapest checks first so bad input fails before anything is allocated:
-config (already validated) -> run directory -> data directory -> model -> optimizer ->
-loop. The loop logs every ``train.log_every`` steps, validates every ``eval.every``
-steps on a fixed held-out subset, checkpoints every ``train.save_every`` steps and at the
-end, then writes a text sample.
+config (already validated) -> run directory (new, or resumed from its latest complete
+checkpoint: see ``resume.py``) -> data directory -> model -> optimizer -> loop. The loop
+logs every ``train.log_every`` steps, validates every ``eval.every`` steps on a fixed
+held-out subset, checkpoints every ``train.checkpoint_every`` steps and at the end
+(keeping ``train.keep_checkpoints``), stops early and cleanly on a signal, on
+``train.max_hours`` or on a non-finite step (``stopping.py``), then writes a text sample.
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ from flopwise.model import build_model, configure_attention
 from flopwise.plan import hardware
 from flopwise.plan.budget import plan_for_run
 from flopwise.plan.flops import flops_per_token, param_counts
-from flopwise.train.checkpoint import save_checkpoint
+from flopwise.train.checkpoint import apply_retention, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from flopwise.train.optim import build_optimizer, lr_at, set_lr
+from flopwise.train.resume import start_run, truncate_metrics
 from flopwise.train.step import forward_backward
+from flopwise.train.stopping import Deadline, NonFiniteError, NonFiniteGuard, SignalStop  # noqa: F401
 
 Log = Callable[[str], None]
 
@@ -56,6 +60,7 @@ class TrainResult:
     wall_time_s: float
     checkpoint: Path | None
     sample: str
+    stopped: str | None = None  # why the run stopped before its last step (signal, max_hours)
 
 
 # --------------------------------------------------------------------------- setup
@@ -127,20 +132,6 @@ def open_data(cfg: RunConfig, log: Log) -> DataDir:
     return dd
 
 
-def prepare_run_dir(cfg: RunConfig) -> Path:
-    if not cfg.train.run_dir:
-        cfg.train.run_dir = str(Path("runs") / f"{cfg.preset or 'run'}-{datetime.now():%Y%m%d-%H%M%S}")
-    run_dir = Path(cfg.train.run_dir)
-    if run_dir.exists() and any((run_dir / name).exists() for name in ("config.yaml", "metrics.jsonl", "checkpoints")):
-        raise ConfigError([
-            f"train.run_dir {str(run_dir)!r} already holds a run (config.yaml / metrics.jsonl / checkpoints); "
-            "choose another train.run_dir or remove that one"
-        ])
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ConfigError([f"train.run_dir {str(run_dir)!r} exists and is not a directory"])
-    return run_dir
-
-
 def run_record(cfg: RunConfig, device: torch.device, precision: str) -> dict[str, Any]:
     """What produced this run: versions, device, command line."""
     import numpy
@@ -182,12 +173,14 @@ def _fmt_time(seconds: float) -> str:
 
 # --------------------------------------------------------------------------- the loop
 
-def train(cfg: RunConfig, log: Log = print) -> TrainResult:
+def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
+    """Train ``cfg`` in ``train.run_dir``: a new run, or the resumption of the run there."""
     t_start = time.perf_counter()
     device = resolve_device(cfg.train.device)
     precision, amp_dtype = resolve_precision(cfg.train.precision, device)
     autocast = autocast_factory(device, amp_dtype)
-    run_dir = prepare_run_dir(cfg)
+    start = start_run(cfg, fresh)
+    run_dir = start.run_dir
     data = open_data(cfg, log)
 
     m, t, o, e = cfg.model, cfg.train, cfg.optim, cfg.eval
@@ -198,6 +191,7 @@ def train(cfg: RunConfig, log: Log = print) -> TrainResult:
     fpt = flops_per_token(m, t.seq_len)
     peak, peak_note = device_peak(device, precision, t.peak_tflops)
     uniform = math.log(data.vocab_size)
+    data_fingerprint = data.meta.get("fingerprint")
 
     # The data checks (each split long enough for a window) come before any allocation.
     train_loader = make_loader(cfg.data.loader, data, "train", t.seq_len, t.micro_batch_size, seed=t.seed,
@@ -206,14 +200,32 @@ def train(cfg: RunConfig, log: Log = print) -> TrainResult:
     torch.manual_seed(t.seed)
     model = build_model(m, device=device, seed=t.seed)
     attention_notes = configure_attention(model, device, amp_dtype or model.tok_emb.weight.dtype)
-    if m.hf_config:
+    if m.hf_config and start.checkpoint is None:
         init_note = load_hf_init(model, m.hf_config)
     optimizer = build_optimizer(model, o, device)
+    guard = NonFiniteGuard(t.nonfinite, t.nonfinite_patience, t.spike_factor)
 
-    run_dir.mkdir(parents=True, exist_ok=True)
+    step, tokens, val_start = 0, 0, float("nan")
+    if start.checkpoint is not None:
+        saved = load_checkpoint(start.checkpoint, model, optimizer, map_location=device)
+        if saved.get("data_fingerprint") != data_fingerprint:
+            raise ConfigError([f"train.run_dir {str(run_dir)!r}: the data changed since the checkpoint "
+                               f"(fingerprint {str(saved.get('data_fingerprint'))[:12]} -> {str(data_fingerprint)[:12]}); "
+                               "pass --fresh to start over"])
+        train_loader.load_state_dict(saved["loader"])
+        step, tokens, val_start = saved["step"], saved["tokens"], saved.get("val_loss_start", float("nan"))
+        guard.load_state_dict(saved.get("guard", {}))
+        if "rng" in saved:
+            set_rng_state(saved["rng"])
+    if start.resumed_run:
+        truncate_metrics(run_dir / "metrics.jsonl", step)
+
     config_yaml = cfg.to_yaml()
+    run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(config_yaml)
     record = run_record(cfg, device, precision)
+    previous = _read_json(run_dir / "run.json") if start.resumed_run else {}
+    record["starts"] = previous.get("starts", []) + [{"at_step": step, "started": record["started"]}]
     plan = plan_for_run(cfg, torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                         precision, t.peak_tflops)
     (run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
@@ -222,6 +234,9 @@ def train(cfg: RunConfig, log: Log = print) -> TrainResult:
     sink = JsonlSink(run_dir / "metrics.jsonl")
 
     log(f"flopwise train · preset {cfg.preset} · run dir {run_dir}")
+    if start.resumed_run or start.note.startswith("--fresh"):
+        log(f"  resume     {start.note}" + (f" (step {step:,} of {total_steps:,}, {human(tokens)} tokens)"
+                                           if start.checkpoint else ""))
     log(f"  device     {device_label(device)} · precision {precision} · peak {peak_note}")
     epochs = ""
     if cfg.data.loader == "epoch":
@@ -234,7 +249,7 @@ def train(cfg: RunConfig, log: Log = print) -> TrainResult:
         f" · params {human(counts['total'])} ({human(counts['non_embedding'])} non-embedding)")
     for i, note in enumerate(attention_notes):
         log(f"  {'attention' if i == 0 else '':<10} {note.removeprefix('attention: ')}")
-    if m.hf_config:
+    if m.hf_config and start.checkpoint is None:
         log(f"  init       {init_note}")
     log(f"  FLOPs      {human(fpt)}/token (6·N_matmul + attention at seq {t.seq_len})"
         f" · {total_steps:,} steps × {step_tokens:,} tokens = {human(total_steps * step_tokens)} tokens planned"
@@ -254,84 +269,165 @@ def train(cfg: RunConfig, log: Log = print) -> TrainResult:
         log(f"  val  step {step:>6} | loss {val:.4f} | ppl {perplexity(val):,.1f} | uniform ln V = {uniform:.4f}")
         return val
 
-    val_start = validate(0, 0)
-    sink.write({"step": 0, "tokens": 0, "loss": None, "lr": None, "grad_norm": None, "tok_per_s": None,
-                "mfu": None, "val_loss": val_start, "val_ppl": perplexity(val_start)})
+    state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights + AdamW m, v
+    deadline = Deadline(t.max_hours, t_start, state_bytes)
+    last_saved = start.checkpoint
+
+    def save(done: int, tokens: int) -> Path:
+        nonlocal last_saved
+        t0 = time.perf_counter()
+        state = {"tokens": tokens, "loader": train_loader.state_dict(), "val_loss_start": val_start,
+                 "data_fingerprint": data_fingerprint, "guard": guard.state_dict()}
+        path = save_checkpoint(run_dir, done, model, optimizer, state, config_yaml, rng=rng_state())
+        apply_retention(run_dir, t.keep_checkpoints, t.milestone_every)
+        deadline.record_save(time.perf_counter() - t0)
+        last_saved = path
+        return path
+
+    first_step = step
+    if step == 0:
+        val_start = validate(0, 0)
+        sink.write({"step": 0, "tokens": 0, "loss": None, "lr": None, "grad_norm": None, "tok_per_s": None,
+                    "mfu": None, "val_loss": val_start, "val_ppl": perplexity(val_start)})
     val_end = val_start
 
     meter = ThroughputMeter(fpt, peak, warmup_steps=t.warmup_log_steps)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     clip = o.grad_clip if o.grad_clip > 0 else float("inf")
-    loss_acc = torch.zeros((), device=device)
-    steps_in_window = 0
-    tokens = 0
+    loss_sum, steps_in_window = 0.0, 0
     last_loss = float("nan")
-    ckpt: Path | None = None
+    stopped = ""
     t_loop = time.perf_counter()
     meter.pause()
 
-    for step in range(total_steps):
-        lr = lr_at(step, total_steps, o)
-        set_lr(optimizer, lr)
-        micro = (train_loader.next_batch() for _ in range(accum))
-        loss = forward_backward(model, micro, step_tokens, autocast)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        tokens += step_tokens
-        loss_acc += loss
-        steps_in_window += 1
-        meter.step(step_tokens)
-        done = step + 1
-        is_last = done == total_steps
-        do_val = is_last or (e.every > 0 and done % e.every == 0)
+    with SignalStop() as signals:
+        while step < total_steps:
+            if signals.requested or deadline.must_stop():
+                stopped = f"{signals.name} received" if signals.requested else f"train.max_hours={t.max_hours:g} reached"
+                break
+            t_step = time.perf_counter()
+            lr = lr_at(step, total_steps, o)
+            set_lr(optimizer, lr)
+            micro = (train_loader.next_batch() for _ in range(accum))
+            loss = forward_backward(model, micro, step_tokens, autocast)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            loss_f, gnorm_f = torch.stack([loss.float(), grad_norm.float()]).tolist()  # one transfer per step
+            if not guard.check(loss_f, gnorm_f):
+                step, tokens = handle_nonfinite(guard, step, tokens, loss_f, gnorm_f, lr, model, optimizer,
+                                                train_loader, run_dir, last_saved, device, sink, log)
+                meter.pause()
+                continue
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens += step_tokens
+            ratio = guard.spike(loss_f)
+            if ratio is not None:
+                log(f"  event step {step}: loss spike {loss_f:.4f} = {ratio:.1f}x the running mean")
+                sink.write({"step": step, "event": "loss_spike", "loss": loss_f, "ratio": ratio})
+            loss_sum += loss_f
+            steps_in_window += 1
+            meter.step(step_tokens)
+            deadline.record_step(time.perf_counter() - t_step)
+            is_last = step == total_steps
+            do_val = is_last or (e.every > 0 and step % e.every == 0)
 
-        if done % t.log_every == 0 or is_last or do_val:
-            last_loss = float(loss_acc) / steps_in_window  # .item() synchronises: timing is honest
-            rates = meter.window()
-            mem = memory_stats(device)
-            row = {"step": done, "tokens": tokens, "loss": last_loss, "lr": lr, "grad_norm": float(grad_norm),
-                   **rates, **mem, "elapsed_s": time.perf_counter() - t_start}
-            log(f"step {done:>6}/{total_steps} | tok {human(tokens):>7} | loss {last_loss:.4f} | lr {lr:.2e}"
-                f" | gnorm {float(grad_norm):.3f} | {human(rates['tok_per_s'])} tok/s | mfu {format_mfu(rates['mfu'])}"
-                f" | {format_memory(mem)} | {1000 * rates['step_time_s']:.0f} ms/step")
-            if do_val:
-                val_end = validate(done, tokens)
-                row.update(val_loss=val_end, val_ppl=perplexity(val_end))
-            sink.write(row)
-            loss_acc.zero_()
-            steps_in_window = 0
-        do_save = is_last or (t.save_every > 0 and done % t.save_every == 0)
-        if do_save:
-            state = {"tokens": tokens, "loader": train_loader.state_dict()}
-            ckpt = save_checkpoint(run_dir, done, model, optimizer, state, config_yaml)
-        if do_val or do_save:
-            meter.pause()  # evaluation and saving are not training throughput
+            if step % t.log_every == 0 or is_last or do_val:
+                last_loss = loss_sum / steps_in_window
+                rates = meter.window()
+                mem = memory_stats(device)
+                row = {"step": step, "tokens": tokens, "loss": last_loss, "lr": lr, "grad_norm": gnorm_f,
+                       **rates, **mem, "elapsed_s": time.perf_counter() - t_start}
+                if guard.skipped or guard.rollbacks:
+                    row.update(skipped_steps=guard.skipped, rollbacks=guard.rollbacks)
+                log(f"step {step:>6}/{total_steps} | tok {human(tokens):>7} | loss {last_loss:.4f} | lr {lr:.2e}"
+                    f" | gnorm {gnorm_f:.3f} | {human(rates['tok_per_s'])} tok/s | mfu {format_mfu(rates['mfu'])}"
+                    f" | {format_memory(mem)} | {1000 * rates['step_time_s']:.0f} ms/step")
+                if do_val:
+                    val_end = validate(step, tokens)
+                    row.update(val_loss=val_end, val_ppl=perplexity(val_end))
+                sink.write(row)
+                loss_sum, steps_in_window = 0.0, 0
+            do_save = is_last or (t.checkpoint_every > 0 and step % t.checkpoint_every == 0)
+            if do_save:
+                save(step, tokens)
+            if do_val or do_save:
+                meter.pause()  # evaluation and saving are not training throughput
+
+        if stopped:
+            if last_saved is None or last_saved.name != f"step-{step:07d}":
+                save(step, tokens)
+            log(f"  stop       {stopped}: checkpoint at step {step:,} saved; "
+                f"`flopwise train --config {run_dir / 'config.yaml'}` resumes it")
 
     train_time = time.perf_counter() - t_loop
     sample = ""
-    if e.sample_tokens > 0:
+    if e.sample_tokens > 0 and not stopped and step == total_steps and step > first_step:
         sample = write_sample(model, data, cfg, device, run_dir)
     sink.close()
 
     avg = meter.summary()
     wall = time.perf_counter() - t_start
-    result = TrainResult(run_dir, total_steps, tokens, last_loss, val_start, val_end, uniform,
-                         avg["tok_per_s"], avg["mfu"], wall, ckpt, sample)
+    result = TrainResult(run_dir, step, tokens, last_loss, val_start, val_end, uniform,
+                         avg["tok_per_s"], avg["mfu"], wall, last_saved, sample, stopped or None)
     summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(result).items()}
     (run_dir / "run.json").write_text(json.dumps({**record, "result": summary, "train_time_s": train_time}, indent=2))
 
     avg_tps = "n/a" if avg["tok_per_s"] is None else f"{human(avg['tok_per_s'])} tok/s"
-    log(f"done: {total_steps:,} steps · {human(tokens)} tokens · train {_fmt_time(train_time)}"
+    log(f"{'stopped' if stopped else 'done'}: {step:,} steps · {human(tokens)} tokens · train {_fmt_time(train_time)}"
         f" · wall {_fmt_time(wall)} · {avg_tps} (after warm-up) · mfu {format_mfu(avg['mfu'])}")
     log(f"  val loss {val_start:.4f} -> {val_end:.4f} (uniform ln V = {uniform:.4f}) · final train loss {last_loss:.4f}")
-    log(f"  checkpoint {ckpt}")
+    log(f"  checkpoint {last_saved}")
     if sample:
         log(f"  sample ({run_dir / 'samples.txt'}):")
         for line in sample.splitlines()[:12]:
             log(f"    {line}")
     return result
+
+
+def handle_nonfinite(guard: NonFiniteGuard, step: int, tokens: int, loss: float, grad_norm: float, lr: float,
+                     model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader, run_dir: Path,
+                     last_saved: Path | None, device: torch.device, sink: JsonlSink, log: Log) -> tuple[int, int]:
+    """Apply ``train.nonfinite`` to a step whose loss or gradients are not finite (the update
+    has not happened). Returns the (step, tokens) the loop continues from; raises
+    :class:`NonFiniteError` when the policy is ``stop`` or its patience is used up."""
+    bad_step = step + 1
+    optimizer.zero_grad(set_to_none=True)
+    what = f"non-finite loss or gradients at step {bad_step} (loss {loss}, grad norm {grad_norm})"
+    sink.write({"step": bad_step, "event": "nonfinite", "loss": loss, "grad_norm": grad_norm, "policy": guard.policy})
+    if guard.policy == "rollback" and last_saved is None:
+        log(f"  event {what}: no checkpoint to roll back to, stopping")
+    if guard.policy == "stop" or guard.exhausted() or (guard.policy == "rollback" and last_saved is None):
+        diag = run_dir / f"nonfinite-step-{bad_step:07d}.json"
+        diag.write_text(json.dumps({
+            "step": bad_step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "policy": guard.policy,
+            "in_a_row": guard.in_a_row, "loader_after_step": loader.state_dict(),
+            "last_checkpoint": str(last_saved) if last_saved else None,
+        }, indent=2, default=str))
+        hint = ("train.nonfinite=skip or rollback continues past it" if guard.policy == "stop"
+                else f"{guard.in_a_row} in a row exceeds train.nonfinite_patience={guard.patience}")
+        raise NonFiniteError(f"{what}; diagnostics in {diag}; last checkpoint {last_saved}; {hint}")
+    if guard.policy == "skip":
+        guard.skipped += 1
+        log(f"  event {what}: update skipped ({guard.in_a_row} in a row)")
+        return step + 1, tokens + 0  # the batch is consumed, nothing learned from it
+    # rollback: the weights, optimizer and RNG of the last checkpoint; the data since it is skipped
+    position = loader.state_dict()
+    saved = load_checkpoint(last_saved, model, optimizer, map_location=device)
+    loader.load_state_dict(position)
+    if "rng" in saved:
+        set_rng_state(saved["rng"])
+    guard.rollbacks += 1
+    log(f"  event {what}: rolled back to {last_saved.name}, skipping the data since then")
+    return saved["step"], saved["tokens"]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def write_sample(model: torch.nn.Module, data: DataDir, cfg: RunConfig, device: torch.device, run_dir: Path) -> str:

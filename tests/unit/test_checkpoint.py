@@ -1,0 +1,159 @@
+"""Crash-safe checkpoints: atomic publication, manifest checksums, retention, disk-full saves, kill -9."""
+
+import errno
+import json
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from flopwise.train.checkpoint import (
+    CheckpointError,
+    apply_retention,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    verify_checkpoint,
+)
+
+
+def model_and_opt(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def test_round_trip_with_rng_and_manifest(tmp_path):
+    model, opt = model_and_opt()
+    torch.manual_seed(123)
+    path = save_checkpoint(tmp_path, 7, model, opt, {"tokens": 99}, "model: {}\n", rng=rng_state())
+    expected_next = torch.rand(3)
+    manifest = verify_checkpoint(path)
+    assert set(manifest["files"]) == {"model.pt", "optimizer.pt", "rng.pt", "state.json", "config.yaml"}
+    model2, opt2 = model_and_opt(seed=1)
+    state = load_checkpoint(path, model2, opt2)
+    assert state["step"] == 7 and state["tokens"] == 99
+    for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
+        assert torch.equal(a, b)
+    set_rng_state(state["rng"])
+    assert torch.equal(torch.rand(3), expected_next)
+
+
+def test_partial_checkpoints_are_never_picked_and_leftovers_are_swept(tmp_path):
+    model, opt = model_and_opt()
+    good = save_checkpoint(tmp_path, 2, model, opt, {}, "")
+    root = tmp_path / "checkpoints"
+    (root / ".tmp-step-0000003").mkdir()  # a save killed before its rename
+    (root / ".tmp-step-0000003" / "model.pt").write_bytes(b"half")
+    no_marker = root / "step-0000004"  # a directory that lost its marker
+    no_marker.mkdir()
+    (no_marker / "model.pt").write_bytes(b"x")
+    assert latest_checkpoint(tmp_path) == good and list_checkpoints(tmp_path) == [good]
+    save_checkpoint(tmp_path, 5, model, opt, {}, "")
+    assert not (root / ".tmp-step-0000003").exists()
+    assert latest_checkpoint(tmp_path).name == "step-0000005"
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "remove"])
+def test_damaged_files_are_named(tmp_path, damage):
+    model, opt = model_and_opt()
+    path = save_checkpoint(tmp_path, 1, model, opt, {}, "")
+    target = path / "optimizer.pt"
+    raw = bytearray(target.read_bytes())
+    if damage == "flip":
+        raw[len(raw) // 2] ^= 0x40
+        target.write_bytes(bytes(raw))
+        match = "optimizer.pt: checksum mismatch"
+    elif damage == "truncate":
+        target.write_bytes(bytes(raw[:-10]))
+        match = "optimizer.pt: .* bytes, the manifest says"
+    else:
+        target.unlink()
+        match = "optimizer.pt: missing"
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(path, *model_and_opt(seed=2))
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    model, opt = model_and_opt()
+    previous = save_checkpoint(tmp_path, 10, model, opt, {"tokens": 1}, "")
+    real_save = torch.save
+
+    def full_disk(obj, f, *a, **kw):
+        if isinstance(obj, dict) and "state" in obj:  # the optimizer file: half written, then the disk is full
+            f.write(b"\0" * 1000)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *a, **kw)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointError, match=r"step 20 .*No space left on device.*step-0000010 is intact"):
+        save_checkpoint(tmp_path, 20, model, opt, {"tokens": 2}, "")
+    monkeypatch.undo()
+    assert latest_checkpoint(tmp_path) == previous
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    assert load_checkpoint(previous, *model_and_opt(seed=3))["tokens"] == 1
+
+
+def test_retention_keeps_the_newest_and_milestones(tmp_path):
+    model, opt = model_and_opt()
+    for step in range(1, 11):
+        save_checkpoint(tmp_path, step, model, None, {}, "")
+        apply_retention(tmp_path, keep_last=2, milestone_every=4)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-0000004", "step-0000008", "step-0000009",
+                                                            "step-0000010"]
+    # A deletion killed midway: renamed first, so it never looks like a checkpoint.
+    half = tmp_path / "checkpoints" / ".deleting-step-0000003"
+    half.mkdir()
+    (half / "COMPLETE").write_text("{}")
+    assert latest_checkpoint(tmp_path).name == "step-0000010"
+    apply_retention(tmp_path, keep_last=2, milestone_every=4)
+    assert not half.exists()
+    assert apply_retention(tmp_path, keep_last=0) == []  # 0 keeps everything
+
+
+def test_kill_9_at_random_moments_of_saving_never_leaves_a_partial_checkpoint(tmp_path):
+    """A child saves checkpoints of a ~2 MB model in a loop; it is SIGKILLed at random moments,
+    many times. After every kill the newest complete checkpoint verifies and loads."""
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from flopwise.train.checkpoint import latest_checkpoint, save_checkpoint, apply_retention
+        torch.manual_seed(0)
+        model = torch.nn.Linear(512, 1024)
+        last = latest_checkpoint(sys.argv[1])
+        step = int(last.name[5:]) if last else 0
+        while True:
+            step += 1
+            with torch.no_grad():
+                model.weight.fill_(step)
+            save_checkpoint(sys.argv[1], step, model, None, {{"tokens": step}}, "")
+            apply_retention(sys.argv[1], keep_last=2)
+    """)
+    rng = random.Random(0)
+    kills = 0
+    for _ in range(12):
+        proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)])
+        time.sleep(0.4 + rng.random() * 0.6)  # past interpreter start-up, then anywhere in the save loop
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+        last = latest_checkpoint(tmp_path)
+        if last is None:
+            continue
+        verify_checkpoint(last)
+        model = torch.nn.Linear(512, 1024)
+        state = load_checkpoint(last, model)
+        assert model.weight[0, 0].item() == state["step"] == state["tokens"]
+    assert kills == 12 and latest_checkpoint(tmp_path) is not None
+    assert len(list_checkpoints(tmp_path)) <= 3
+    json.loads((latest_checkpoint(tmp_path) / "COMPLETE").read_text())
