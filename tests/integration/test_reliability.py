@@ -239,3 +239,23 @@ def test_fresh_starts_over_and_keeps_the_old_run(tiny_overrides):
     train(build_config(overrides=overrides + ["model.n_layers=1"]), log=lambda s: None, fresh=True)
     aside = list(first.run_dir.parent.glob("run.replaced-*"))
     assert len(aside) == 1 and latest_checkpoint(aside[0]).name == "step-0000002"
+
+
+def test_a_token_id_beyond_the_vocabulary_stops_the_run_before_any_update(small_builtin, tiny_overrides, tmp_path):
+    import numpy as np
+
+    from flopwise.data.datadir import DataDirError
+    from flopwise.data.shards import HEADER_SIZE
+
+    _, path = small_builtin
+    data = tmp_path / "data"
+    shutil.copytree(path, data)
+    shard = sorted(data.glob("train-*.bin"))[0]
+    raw = bytearray(shard.read_bytes())
+    ids = np.frombuffer(bytes(raw[HEADER_SIZE:]), dtype=np.uint16).copy()
+    ids[:] = 60_000  # every window now holds an id far beyond the 512-token vocabulary
+    shard.write_bytes(bytes(raw[:HEADER_SIZE]) + ids.tobytes())
+    cfg = build_config(overrides=tiny_overrides + QUIET + ["train.max_steps=3", f"data.path={data}"])
+    with pytest.raises(DataDirError, match=rf"{shard.name}: token id 60000 at position .* vocabulary size 512"):
+        train(cfg, log=lambda s: None)
+    assert latest_checkpoint(cfg.train.run_dir) is None

@@ -143,6 +143,7 @@ class _BatchLoader:
         self.bos_id = None if bos is None else int(bos)
         self.prefetch = bool(prefetch)
         self._shards = datadir.shards(split)
+        self._vocab = datadir.vocab_size
         self.batches = 0  # batches handed out by this loader (see state_dict for what resumes)
         self._pending: concurrent.futures.Future | None = None
         self._pending_position: Any = None  # position as of the batches handed out, while one is prefetched
@@ -172,6 +173,8 @@ class _BatchLoader:
         buf = np.empty((len(shard), w), dtype=np.int64)
         for i, (s, o) in enumerate(zip(shard.tolist(), offset.tolist())):
             buf[i] = self._shards[s][o : o + w]  # uint16/uint32 -> int64
+        if buf.max(initial=0) >= self._vocab:  # ~microseconds; an embedding lookup would fail far less clearly
+            self._bad_token(buf, shard, offset)
         tokens = torch.from_numpy(buf)  # (B, T+1)
         docs = document_ids(tokens[:, :-1], self.eos_id, self.bos_id) if self.doc_boundaries else None
         if self.device.type == "cuda":
@@ -186,6 +189,14 @@ class _BatchLoader:
                     event.record(self._stream)
                 return _Ready(dev_tokens, dev_docs, event, (tokens, docs))
         return _Ready(tokens, docs)
+
+    def _bad_token(self, buf: np.ndarray, shard: np.ndarray, offset: np.ndarray) -> None:
+        row, col = np.argwhere(buf >= self._vocab)[0]
+        path = self.datadir.shard_paths(self.split)[int(shard[row])]
+        raise DataDirError(
+            f"{path}: token id {int(buf[row, col])} at position {int(offset[row]) + int(col):,} is not below the "
+            f"vocabulary size {self._vocab:,}: the shard is corrupted (`flopwise prepare --verify "
+            f"{self.datadir.path}` checks every shard)")
 
     def _finish(self, r: _Ready) -> Batch:
         tokens, docs = r.tokens, r.docs
