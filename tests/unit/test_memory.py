@@ -189,7 +189,7 @@ def _saved_bytes(model, cfg, B, T, amp=False, math=False) -> int:
 def _checkpoint_blocks(model) -> None:
     """torch.utils.checkpoint around each block (non-reentrant), as issue 6 will add."""
     for block in model.layers:
-        block.forward = (lambda f: lambda x, cos, sin: checkpoint(f, x, cos, sin, use_reentrant=False))(block.forward)
+        block.forward = (lambda f: lambda x, *rest: checkpoint(f, x, *rest, use_reentrant=False))(block.forward)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -1,12 +1,37 @@
-"""Sampling text from a model: temperature and top-k.
+"""Sampling text from a model: temperature, top-k, top-p, a seed, and a key/value cache.
 
-This is the plain recompute-everything loop (each new token runs the whole context);
-fine for the short samples written at the end of training.
+With the cache (the default for flopwise models) the prompt is run once and each new
+token costs one position of compute; without it (``use_cache=False``, or a model that
+has no ``new_cache``) every step re-runs the whole context, the simple reference the
+tests compare the cached path against. Once the context fills ``max_seq_len``, the
+cached path hands over to the window-sliding recompute loop.
 """
 
 from __future__ import annotations
 
 import torch
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+          generator: torch.Generator | None) -> torch.Tensor:
+    """Next token ids (B, 1) from float32 logits (B, V)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1, keepdim=True)  # greedy
+    logits = logits / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if 0 < top_p < 1:
+        # Keep the smallest set of tokens whose probability reaches top_p (the top one always).
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # mass before this token already enough
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = torch.softmax(logits, dim=-1)
+    if probs.device.type != "cpu" and generator is not None and generator.device.type == "cpu":
+        return torch.multinomial(probs.cpu(), 1, generator=generator).to(probs.device)
+    return torch.multinomial(probs, 1, generator=generator)
 
 
 @torch.no_grad()
@@ -19,24 +44,33 @@ def generate(
     top_k: int = 0,
     generator: torch.Generator | None = None,
     eos_id: int | None = None,
+    top_p: float = 1.0,
+    use_cache: bool = True,
 ) -> torch.Tensor:
-    """Extend ``idx`` (B, T) by up to ``max_new_tokens``; temperature 0 is greedy."""
+    """Extend ``idx`` (B, T) by up to ``max_new_tokens``; temperature 0 is greedy. Stops early
+    when every row has produced ``eos_id``."""
     was_training = model.training
     model.eval()
-    for _ in range(max_new_tokens):
-        context = idx[:, -max_seq_len:]
-        logits = model(context)[:, -1, :].float()  # (B, vocab)
-        if temperature <= 0:
-            nxt = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k > 0:
-                kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = torch.softmax(logits, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator)
-        idx = torch.cat([idx, nxt], dim=1)
-        if eos_id is not None and bool((nxt == eos_id).all()):
-            break
-    model.train(was_training)
+    try:
+        cache = None
+        if use_cache and hasattr(model, "new_cache") and idx.shape[1] < max_seq_len:
+            cache = model.new_cache(idx.shape[0], max_seq_len)
+            logits = model(idx, cache=cache)[:, -1, :].float()  # the prompt, once
+        done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+        for _ in range(max_new_tokens):
+            if cache is None:
+                logits = model(idx[:, -max_seq_len:])[:, -1, :].float()  # (B, V)
+            nxt = _pick(logits, temperature, top_k, top_p, generator)  # (B, 1)
+            idx = torch.cat([idx, nxt], dim=1)
+            if eos_id is not None:
+                done |= nxt[:, 0] == eos_id
+                if bool(done.all()):
+                    break
+            if cache is not None:
+                if cache[0].length >= max_seq_len:  # full: slide the window by recomputing from here on
+                    cache = None
+                else:
+                    logits = model(nxt, cache=cache)[:, -1, :].float()
+    finally:
+        model.train(was_training)
     return idx

@@ -371,6 +371,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
     return kernel(q, k, v, doc_ids)
 
 
+def attend_to_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Queries at the END of a key/value cache (incremental decoding): q (B, H, Tq, hd) holds
+    positions Tk - Tq .. Tk - 1 of k, v (B, KV, Tk, hd). Causal in that offset sense: query i
+    sees keys 0 .. Tk - Tq + i. With Tq = 1 (a new token) nothing is masked."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    n_rep = q.shape[1] // k.shape[1]
+    kwargs = {}
+    if n_rep > 1:
+        if _SDPA_HAS_GQA:
+            kwargs["enable_gqa"] = True
+        else:
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)  # (B, H, Tk, hd)
+    if Tq == 1:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    allowed = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)  # (Tq, Tk)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, **kwargs)
+
+
 # --------------------------------------------------------------------------- availability & selection
 
 def _normalize_device(device) -> torch.device:

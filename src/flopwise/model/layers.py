@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flopwise.config import ModelConfig
-from flopwise.model.attention import attention
+from flopwise.model.attention import attend_to_cache, attention
 
 # --------------------------------------------------------------------------- RMSNorm
 
@@ -120,7 +120,7 @@ class Attention(nn.Module):
         self.backend = "sdpa"
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+                doc_ids: torch.Tensor | None = None, cache: "LayerCache | None" = None) -> torch.Tensor:
         B, T, _ = x.shape
         H, KV, hd = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = self.wqkv(x)  # (B, T, (H + 2*KV) * hd)
@@ -137,11 +137,35 @@ class Attention(nn.Module):
             cos, sin = rope
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
+        if cache is not None:  # incremental decoding: attend to everything cached so far
+            k, v = cache.append(k, v)  # (B, T_cached + T, KV, hd)
         # The kernels want heads before time.
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|KV, T, hd)
-        y = attention(q, k, v, self.backend, doc_ids)  # (B, H, T, hd)
+        if cache is not None and k.shape[2] > T:
+            y = attend_to_cache(q, k, v)  # (B, H, T, hd)
+        else:
+            y = attention(q, k, v, self.backend, doc_ids)  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, H * hd)  # (B, T, H*hd)
         return self.wo(y)  # (B, T, D)
+
+
+class LayerCache:
+    """One layer's keys and values for incremental decoding, preallocated: (B, max_len, KV, hd)."""
+
+    def __init__(self, batch: int, max_len: int, n_kv_heads: int, head_dim: int, dtype, device):
+        self.k = torch.empty(batch, max_len, n_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, T, KV, hd) after what is cached; return all of it (B, length, KV, hd)."""
+        end = self.length + k.shape[1]
+        if end > self.k.shape[1]:
+            raise ValueError(f"KV cache full: {end} positions > its {self.k.shape[1]}")
+        self.k[:, self.length : end] = k
+        self.v[:, self.length : end] = v
+        self.length = end
+        return self.k[:, :end], self.v[:, :end]
 
 
 # --------------------------------------------------------------------------- MLP

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from flopwise.config import ModelConfig
 from flopwise.model.attention import select_backend
-from flopwise.model.layers import Attention, make_mlp, make_norm, rope_tables
+from flopwise.model.layers import Attention, LayerCache, make_mlp, make_norm, rope_tables
 
 
 class Block(nn.Module):
@@ -36,8 +36,8 @@ class Block(nn.Module):
         self.mlp = make_mlp(cfg)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, doc_ids)  # (B, T, D)
+                doc_ids: torch.Tensor | None = None, cache: LayerCache | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, doc_ids, cache)  # (B, T, D)
         x = x + self.mlp(self.mlp_norm(x))  # (B, T, D)
         return x
 
@@ -73,31 +73,43 @@ class Transformer(nn.Module):
         """The (V, D) output projection: the embedding matrix when tied."""
         return self.tok_emb.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward_hidden(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def new_cache(self, batch: int, max_len: int | None = None) -> list[LayerCache]:
+        """Empty per-layer key/value caches for incremental decoding (see ``forward``'s ``cache``)."""
+        cfg, w = self.cfg, self.tok_emb.weight
+        n = max_len or cfg.max_seq_len
+        return [LayerCache(batch, n, cfg.n_kv_heads, cfg.resolved_head_dim, w.dtype, w.device) for _ in self.layers]
+
+    def forward_hidden(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                       cache: list[LayerCache] | None = None) -> torch.Tensor:
         """idx (B, T) int64 -> final-normed hidden states (B, T, D).
 
         ``doc_ids`` (B, T), when given, restricts attention to each token's own document
         (positions still count from the start of the window, as in packed pretraining).
+        ``cache`` (from :meth:`new_cache`): ``idx`` continues the cached tokens -- its
+        positions start where the cache ends, and its keys and values are appended.
         """
         B, T = idx.shape
         cfg = self.cfg
-        if T > cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds model.max_seq_len {cfg.max_seq_len}")
-        rope = (self.rope_cos[:T], self.rope_sin[:T]) if cfg.pos_emb == "rope" else None  # each (T, hd)
+        start = cache[0].length if cache else 0
+        if start + T > cfg.max_seq_len:
+            raise ValueError(f"sequence length {start + T} exceeds model.max_seq_len {cfg.max_seq_len}")
+        rope = ((self.rope_cos[start : start + T], self.rope_sin[start : start + T])
+                if cfg.pos_emb == "rope" else None)  # each (T, hd)
         x = self.tok_emb(idx)  # (B, T, D)
         if self.pos_emb is not None:
-            x = x + self.pos_emb.weight[:T]  # (T, D) broadcast over the batch
-        for block in self.layers:
-            x = block(x, rope, doc_ids)
+            x = x + self.pos_emb.weight[start : start + T]  # (T, D) broadcast over the batch
+        for i, block in enumerate(self.layers):
+            x = block(x, rope, doc_ids, cache[i] if cache else None)
         if cfg.is_moe:
             aux = [block.mlp.aux for block in self.layers]
             self.aux_loss = (cfg.moe_aux_loss_coef * sum(a["load_balance"] for a in aux)
                              + cfg.moe_z_loss_coef * sum(a["z"] for a in aux)) / cfg.n_layers
         return self.norm(x)  # (B, T, D)
 
-    def forward(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                cache: list[LayerCache] | None = None) -> torch.Tensor:
         """idx (B, T) int64 -> logits (B, T, V)."""
-        return F.linear(self.forward_hidden(idx, doc_ids), self.head_weight)
+        return F.linear(self.forward_hidden(idx, doc_ids, cache), self.head_weight)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameters held by the module (a tied head counted once).
