@@ -68,6 +68,41 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser(
+        "eval",
+        help="validation loss, perplexity, bits per byte and multiple-choice tasks of a run or model",
+        description="Evaluate a run directory (its latest checkpoint), a checkpoint or a Hugging Face model "
+                    "directory. Results of runs are appended to the run's evals.jsonl, which the report shows.",
+    )
+    p.add_argument("source", help="a run directory, a checkpoints/step-N directory or a Hugging Face model directory")
+    p.add_argument("--tasks", default="", help="comma-separated: arc_easy, arc_challenge, openbookqa, hellaswag, piqa")
+    p.add_argument("--task-data", nargs="*", default=[], metavar="TASK=PATH",
+                   help="local files of a task in its Hugging Face format instead of the hub")
+    p.add_argument("--limit", type=int, default=0, help="first N examples of each task (0 = all)")
+    p.add_argument("--data", default="", help="data directory for the validation loss (default: the run's)")
+    p.add_argument("--windows", type=int, default=0, help="validation windows (default: the run's eval.batches)")
+    p.add_argument("--seq-len", type=int, default=0, help="validation window length (default: the run's seq_len)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--watch", action="store_true",
+                   help="keep evaluating each new checkpoint of the run until the run has finished")
+    p.add_argument("--poll", type=float, default=30.0, help="--watch: seconds between looks (default 30)")
+    p.add_argument("--timeout", type=float, default=0.0, help="--watch: give up after this many seconds (0 = never)")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("generate", help="sample text from a run, a checkpoint or a Hugging Face model directory")
+    p.add_argument("source", help="a run directory, a checkpoints/step-N directory or a Hugging Face model directory")
+    p.add_argument("--prompt", default="", help="text to continue (default: the tokenizer's BOS or EOS)")
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=50, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole context every token (reference)")
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser(
         "export",
         help="write a run or checkpoint as a Hugging Face model directory",
         description="Export a run directory (its latest checkpoint) or a checkpoint directory as a model "
@@ -185,6 +220,65 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from flopwise.evaluate import runner
+    from flopwise.model.io import resolve
+
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    task_paths = {}
+    for item in args.task_data:
+        name, sep, path = item.partition("=")
+        if not sep:
+            raise ValueError(f"--task-data {item!r}: expected TASK=PATH")
+        task_paths[name] = path
+    kwargs = dict(data=args.data, tasks=tasks, task_paths=task_paths, limit=args.limit, windows=args.windows,
+                  seq_len=args.seq_len, batch_size=args.batch_size, device=args.device)
+    if args.watch:
+        n = runner.watch(args.source, poll_s=args.poll, timeout_s=args.timeout, log=log, **kwargs)
+        log(f"eval: {n} checkpoint(s) evaluated; results in {Path(args.source) / runner.EVALS_FILE}")
+        return 0
+    src = resolve(args.source)
+    log(f"eval: {src.kind} {src.path}")
+    result = runner.evaluate(args.source, log=log, **kwargs)
+    if src.kind != "hf":
+        run_dir = src.path.parent.parent
+        runner.record(run_dir, result)
+        log(f"eval: appended to {run_dir / runner.EVALS_FILE}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from flopwise import load
+    from flopwise.data.tokenizer import special_ids
+    from flopwise.evaluate.generate import generate
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    model, tok = load(args.source, device=device)
+    if tok is None:
+        raise ValueError(f"{args.source}: no tokenizer.json to encode the prompt with")
+    ids = special_ids(tok)
+    start = tok.encode(args.prompt, add_special_tokens=False).ids if args.prompt else []
+    if ids["bos_id"] is not None:
+        start = [ids["bos_id"]] + start
+    start = start or [ids["eos_id"]]
+    gen = torch.Generator(device="cpu").manual_seed(args.seed)
+    prompt = torch.tensor([start] * args.num_samples, device=device)
+    out = generate(model, prompt, args.max_tokens, model.cfg.max_seq_len, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, generator=gen, eos_id=ids["eos_id"],
+                   use_cache=not args.no_cache)
+    for i, row in enumerate(out.tolist()):
+        if args.num_samples > 1:
+            print(f"--- sample {i + 1}")
+        print(tok.decode(row, skip_special_tokens=True))
+    return 0
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from flopwise.model.io import export_hf
 
@@ -272,13 +366,24 @@ def main(argv: list[str] | None = None) -> int:
         from flopwise.plan.budget import PlanError
 
         known: tuple[type, ...] = (DataDirError, ShardError, PlanError, PrepareError, SourceError)
-        if args.command in ("export", "train"):  # these import torch anyway
+        if args.command in ("export", "train", "eval", "generate"):  # these import torch anyway
             from flopwise.model.attention import AttentionBackendError
             from flopwise.model.hf import HFMappingError
             from flopwise.model.io import ModelSourceError
 
             known += (AttentionBackendError, HFMappingError, ModelSourceError)
+            if args.command in ("eval", "generate"):
+                known += (ValueError,)  # their inputs' errors (task files, prompts) name the file or flag
         if not isinstance(e, known):
+            raise
+        print(f"flopwise {args.command}: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        if "flopwise.train.checkpoint" not in sys.modules:
+            raise
+        from flopwise.train.checkpoint import CheckpointError
+
+        if not isinstance(e, CheckpointError):
             raise
         print(f"flopwise {args.command}: {e}", file=sys.stderr)
         return 2

@@ -204,6 +204,22 @@ class EvalConfig:
     sample_prompt: str = "def "
     temperature: float = 0.8
     top_k: int = 50
+    # Multiple-choice tasks during training (comma-separated: arc_easy, arc_challenge,
+    # openbookqa, hellaswag, piqa), every tasks_every steps (0 = only at the end).
+    tasks: str = ""
+    tasks_every: int = 0
+    tasks_limit: int = 0  # first N examples of each task (0 = all)
+    task_dir: str = ""  # a folder of TASK.jsonl / TASK.parquet files in the hub format; empty = the hub
+
+
+@dataclass
+class TrackingConfig:
+    tensorboard: str = "auto"  # auto (when the tensorboard package is installed) | true | false
+    wandb: bool = False
+    wandb_project: str = "flopwise"
+    wandb_mode: str = "online"  # online | offline (sync later with `wandb sync`)
+    grad_norms_every: int = 0  # per-layer gradient norms every N steps (0 = off; the global norm is every step)
+    update_ratios: bool = False  # with grad_norms_every: also |update| / |weight| per layer
 
 
 @dataclass
@@ -213,6 +229,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     preset: str = ""  # the preset this config started from, for naming and the record
 
     # Derived quantities used across the trainer and the planner.
@@ -239,7 +256,7 @@ class RunConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-SECTIONS = ("model", "data", "optim", "train", "eval")
+SECTIONS = ("model", "data", "optim", "train", "eval", "tracking")
 DEFAULT_PRESET = "tiny"
 
 
@@ -558,6 +575,20 @@ def validate(cfg: RunConfig) -> list[str]:
     positive("eval", "temperature", e.temperature, allow_zero=True)
     positive("eval", "top_k", e.top_k, allow_zero=True)
 
+    for name in ("tasks_every", "tasks_limit"):
+        positive("eval", name, getattr(e, name), allow_zero=True)
+    if e.tasks:
+        known = ("arc_easy", "arc_challenge", "openbookqa", "hellaswag", "piqa")
+        for task in (x.strip() for x in e.tasks.split(",") if x.strip()):
+            if task not in known:
+                p.append(f"eval.tasks: unknown task {task!r}{_did_you_mean(task, list(known))}; "
+                         f"choose from {', '.join(known)}")
+    tr = cfg.tracking
+    if tr.tensorboard not in ("auto", "true", "false"):
+        p.append(f"tracking.tensorboard {tr.tensorboard!r}: choose auto, true or false")
+    if tr.wandb_mode not in ("online", "offline"):
+        p.append(f"tracking.wandb_mode {tr.wandb_mode!r}: choose online or offline")
+    positive("tracking", "grad_norms_every", tr.grad_norms_every, allow_zero=True)
     if d.loader not in ("random", "epoch"):
         p.append(f"data.loader {d.loader!r}: choose random or epoch")
     positive("data", "builtin_vocab_size", d.builtin_vocab_size)

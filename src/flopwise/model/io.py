@@ -109,6 +109,10 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
     if src.kind == "hf":
         load_hf_weights(model, src.path)
     else:
+        from flopwise.train.checkpoint import MARKER, verify_checkpoint
+
+        if (src.path / MARKER).is_file():
+            verify_checkpoint(src.path)  # a corrupted file is named, not loaded
         state = torch.load(src.path / "model.pt", map_location=device, weights_only=True)
         model.load_state_dict(state)
     if dtype is not None:

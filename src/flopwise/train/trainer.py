@@ -30,9 +30,10 @@ from flopwise.config import ConfigError, RunConfig
 from flopwise.data.datadir import DataDir, open_data_dir
 from flopwise.data.loader import fixed_windows, make_loader
 from flopwise.evaluate.generate import generate
-from flopwise.evaluate.loss import evaluate_loss, perplexity
+from flopwise.evaluate.loss import bits_per_byte, evaluate_loss, perplexity, target_bytes
 from flopwise.measure.meter import ThroughputMeter, format_memory, memory_stats
-from flopwise.measure.sinks import JsonlSink, format_mfu, human
+from flopwise.measure.sinks import format_mfu, human
+from flopwise.measure.tracking import Tracker
 from flopwise.model import build_model, configure_attention
 from flopwise.plan import hardware
 from flopwise.plan.budget import plan_for_run
@@ -148,8 +149,25 @@ def run_record(cfg: RunConfig, device: torch.device, precision: str) -> dict[str
         "device": device_label(device),
         "precision": precision,
         "argv": sys.argv,
+        "code": code_version(),
         "started": datetime.now().isoformat(timespec="seconds"),
     }
+
+
+def code_version() -> dict[str, Any]:
+    """The git commit of flopwise's own source and whether it had uncommitted changes
+    (None outside a git checkout, e.g. an installed wheel)."""
+    import subprocess
+
+    src = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip() != ""
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": None, "git_dirty": None}
+    return {"git_commit": commit, "git_dirty": dirty}
 
 
 def load_hf_init(model: torch.nn.Module, hf_path: str) -> str:
@@ -183,7 +201,7 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
     run_dir = start.run_dir
     data = open_data(cfg, log)
 
-    m, t, o, e = cfg.model, cfg.train, cfg.optim, cfg.eval
+    m, t, o, e, tr = cfg.model, cfg.train, cfg.optim, cfg.eval, cfg.tracking
     total_steps = cfg.total_steps()
     accum = cfg.grad_accum_steps()
     step_tokens = cfg.tokens_per_step
@@ -193,6 +211,8 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
     uniform = math.log(data.vocab_size)
     data_fingerprint = data.meta.get("fingerprint")
 
+    task_names = [x.strip() for x in e.tasks.split(",") if x.strip()]
+    task_paths = task_files(e.task_dir, task_names)  # a missing task file is named before any work
     # The data checks (each split long enough for a window) come before any allocation.
     train_loader = make_loader(cfg.data.loader, data, "train", t.seq_len, t.micro_batch_size, seed=t.seed,
                                device=device, doc_boundaries=m.doc_mask)
@@ -231,7 +251,8 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
     (run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
     (run_dir / "run.json").write_text(json.dumps(record, indent=2))
     shutil.copyfile(data.path / "tokenizer.json", run_dir / "tokenizer.json")  # the run is self-contained
-    sink = JsonlSink(run_dir / "metrics.jsonl")
+    sink = Tracker(run_dir, cfg.tracking, cfg.to_dict(), run_dir.name)
+    val_bytes = target_bytes(val_windows, data.tokenizer)  # for bits per byte, comparable across tokenizers
 
     log(f"flopwise train · preset {cfg.preset} · run dir {run_dir}")
     if start.resumed_run or start.note.startswith("--fresh"):
@@ -260,14 +281,32 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
                  else "time n/a (no peak)")
     log(f"  plan       memory ≈ {plan['memory_gb']:.2f} GiB (model of params, grads, AdamW, activations)"
         f" · {predicted} · plan.json")
+    log(f"  tracking   {', '.join(sink.names)} · run.json (code {record['code']['git_commit'] or 'not in git'}"
+        f"{' + uncommitted changes' if record['code']['git_dirty'] else ''})")
     log(f"  optimizer  AdamW lr {o.lr:g} (warmup {o.warmup_steps}, {o.schedule}"
         f"{f' to {o.lr * o.min_lr_ratio:g}' if o.schedule == 'cosine' else ''}) · weight decay {o.weight_decay:g}"
         f" · clip {o.grad_clip:g}")
 
     def validate(step: int, tokens: int) -> float:
         val = evaluate_loss(model, val_windows, t.micro_batch_size, device, autocast, data.eos_id, data.bos_id)
-        log(f"  val  step {step:>6} | loss {val:.4f} | ppl {perplexity(val):,.1f} | uniform ln V = {uniform:.4f}")
+        log(f"  val  step {step:>6} | loss {val:.4f} | ppl {perplexity(val):,.1f} | bpb {bpb(val):.4f}"
+            f" | uniform ln V = {uniform:.4f}")
         return val
+
+    def bpb(val: float) -> float:
+        return bits_per_byte(val, val_windows[:, 1:].numel(), val_bytes)
+
+    def run_tasks(step: int) -> dict[str, Any]:
+        from flopwise.evaluate.tasks import evaluate_tasks
+
+        results = evaluate_tasks(model, data.tokenizer, task_names, paths=task_paths,
+                                 limit=e.tasks_limit, device=device, batch_size=t.micro_batch_size,
+                                 autocast=autocast)
+        model.train()
+        for name, r in results.items():
+            log(f"  eval step {step:>6} | {name} acc {r['acc']:.4f} · acc_norm {r['acc_norm']:.4f}"
+                f" (± {r['stderr']['acc']:.4f}, random {r['random']:.4f}, n {r['n']})")
+        return results
 
     state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights + AdamW m, v
     deadline = Deadline(t.max_hours, t_start, state_bytes)
@@ -288,7 +327,7 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
     if step == 0:
         val_start = validate(0, 0)
         sink.write({"step": 0, "tokens": 0, "loss": None, "lr": None, "grad_norm": None, "tok_per_s": None,
-                    "mfu": None, "val_loss": val_start, "val_ppl": perplexity(val_start)})
+                    "mfu": None, "val_loss": val_start, "val_ppl": perplexity(val_start), "val_bpb": bpb(val_start)})
     val_end = val_start
 
     meter = ThroughputMeter(fpt, peak, warmup_steps=t.warmup_log_steps)
@@ -318,7 +357,13 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
                                                 train_loader, run_dir, last_saved, device, sink, log)
                 meter.pause()
                 continue
+            layer_stats = None
+            if tr.grad_norms_every > 0 and (step + 1) % tr.grad_norms_every == 0:
+                layer_stats = layer_grad_norms(model)
+                before = {n: p.detach().clone() for n, p in model.named_parameters()} if tr.update_ratios else None
             optimizer.step()
+            if layer_stats is not None and tr.update_ratios:
+                layer_stats["update_ratios"] = update_ratios(model, before)
             optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens += step_tokens
@@ -346,9 +391,15 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
                     f" | {format_memory(mem)} | {1000 * rates['step_time_s']:.0f} ms/step")
                 if do_val:
                     val_end = validate(step, tokens)
-                    row.update(val_loss=val_end, val_ppl=perplexity(val_end))
+                    row.update(val_loss=val_end, val_ppl=perplexity(val_end), val_bpb=bpb(val_end))
+                if task_names and (is_last or (e.tasks_every > 0 and step % e.tasks_every == 0)):
+                    row["eval"] = run_tasks(step)
+                if layer_stats is not None:
+                    row.update(layer_stats)
                 sink.write(row)
                 loss_sum, steps_in_window = 0.0, 0
+            elif layer_stats is not None:
+                sink.write({"step": step, **layer_stats})
             do_save = is_last or (t.checkpoint_every > 0 and step % t.checkpoint_every == 0)
             if do_save:
                 save(step, tokens)
@@ -388,7 +439,7 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
 
 def handle_nonfinite(guard: NonFiniteGuard, step: int, tokens: int, loss: float, grad_norm: float, lr: float,
                      model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader, run_dir: Path,
-                     last_saved: Path | None, device: torch.device, sink: JsonlSink, log: Log) -> tuple[int, int]:
+                     last_saved: Path | None, device: torch.device, sink: Tracker, log: Log) -> tuple[int, int]:
     """Apply ``train.nonfinite`` to a step whose loss or gradients are not finite (the update
     has not happened). Returns the (step, tokens) the loop continues from; raises
     :class:`NonFiniteError` when the policy is ``stop`` or its patience is used up."""
@@ -421,6 +472,39 @@ def handle_nonfinite(guard: NonFiniteGuard, step: int, tokens: int, loss: float,
     guard.rollbacks += 1
     log(f"  event {what}: rolled back to {last_saved.name}, skipping the data since then")
     return saved["step"], saved["tokens"]
+
+
+def layer_grad_norms(model: torch.nn.Module) -> dict[str, dict[str, float]]:
+    """Each parameter's gradient norm (before clipping), in one device-to-host transfer."""
+    named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    norms = torch.stack([g.detach().float().norm() for _, g in named]).tolist()
+    return {"grad_norms": dict(zip((n for n, _ in named), norms))}
+
+
+def update_ratios(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> dict[str, float]:
+    """|w_after - w_before| / |w_before| per parameter: how far this step moved each weight."""
+    names, ratios = [], []
+    for n, p in model.named_parameters():
+        old = before[n].float()
+        names.append(n)
+        ratios.append((p.detach().float() - old).norm() / old.norm().clamp_min(1e-12))
+    return dict(zip(names, torch.stack(ratios).tolist()))
+
+
+def task_files(task_dir: str, names: list[str]) -> dict[str, str]:
+    """``eval.task_dir``'s file (or folder) for each task: TASK.jsonl, .json, .parquet or TASK/."""
+    if not task_dir:
+        return {}
+    root = Path(task_dir).expanduser()
+    found = {}
+    for name in names:
+        for candidate in (root / f"{name}.jsonl", root / f"{name}.json", root / f"{name}.parquet", root / name):
+            if candidate.exists():
+                found[name] = str(candidate)
+                break
+        else:
+            raise ConfigError([f"eval.task_dir {task_dir!r} has no {name}.jsonl, .json, .parquet or {name}/"])
+    return found
 
 
 def _read_json(path: Path) -> dict:

@@ -1,0 +1,102 @@
+"""Experiment tracking beside ``metrics.jsonl``: TensorBoard scalars and Weights & Biases.
+
+:class:`Tracker` fans every metrics row out to the sinks that are on. Rows are flat dicts
+of numbers with a ``step``; nested dicts (``eval``: task -> scores, ``grad_norms``: layer ->
+norm) become slash-separated names (``eval/arc_easy/acc``). Non-numeric values are left to
+``metrics.jsonl``. Only rank 0 tracks. TensorBoard is on by default when the
+``tensorboard`` package is installed; W&B only when asked (``tracking.wandb=true``),
+``tracking.wandb_mode=offline`` writing locally for a later ``wandb sync``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any
+
+from flopwise.measure.sinks import JsonlSink
+
+
+def flatten(row: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """Numeric leaves of ``row`` under slash-joined names (bools and None dropped, non-finite kept out)."""
+    out: dict[str, float] = {}
+    for k, v in row.items():
+        name = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{name}/"))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out[name] = float(v)
+    return out
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(log_dir))
+
+    def write(self, row: dict[str, Any]) -> None:
+        step = int(row.get("step", 0))
+        for name, value in flatten(row).items():
+            if name != "step":
+                self.writer.add_scalar(name, value, global_step=step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    def __init__(self, run_dir: Path, project: str, mode: str, config: dict[str, Any], name: str):
+        import wandb
+
+        self.run = wandb.init(project=project, mode=mode, dir=str(run_dir), config=config, name=name,
+                              resume="allow", id=_wandb_id(run_dir))
+
+    def write(self, row: dict[str, Any]) -> None:
+        flat = flatten(row)
+        step = int(flat.pop("step", 0))
+        self.run.log(flat, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _wandb_id(run_dir: Path) -> str:
+    """One W&B run per run directory, so a resumed run continues its curves."""
+    f = run_dir / "wandb-id.txt"
+    if f.is_file():
+        return f.read_text().strip()
+    import uuid
+
+    rid = uuid.uuid4().hex[:12]
+    f.write_text(rid + "\n")
+    return rid
+
+
+class Tracker:
+    """``metrics.jsonl`` always; TensorBoard and W&B as configured."""
+
+    def __init__(self, run_dir: Path, tracking, config: dict[str, Any], name: str):
+        self.sinks: list[Any] = [JsonlSink(run_dir / "metrics.jsonl")]
+        tb = tracking.tensorboard
+        if tb == "true" or (tb == "auto" and importlib.util.find_spec("tensorboard") is not None):
+            try:
+                self.sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+            except ImportError as e:
+                if tb == "true":
+                    raise ValueError(f"tracking.tensorboard=true but TensorBoard is not usable: {e} "
+                                     "(pip install tensorboard)") from None
+        if tracking.wandb:
+            if importlib.util.find_spec("wandb") is None:
+                raise ValueError("tracking.wandb=true but the wandb package is not installed (pip install wandb)")
+            self.sinks.append(WandbSink(run_dir, tracking.wandb_project, tracking.wandb_mode, config, name))
+        self.names = [type(s).__name__.removesuffix("Sink") for s in self.sinks]
+
+    def write(self, row: dict[str, Any]) -> None:
+        for s in self.sinks:
+            s.write(row)
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()
