@@ -102,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser("report", help="a self-contained HTML page (and PNG figures) of one or several runs",
+                       description="Loss, throughput, MFU, memory, LR, gradient norm, step-time breakdown, "
+                                   "evaluations and plan vs preflight vs actual; several runs overlaid. "
+                                   "Readable offline: no scripts, no CDN.")
+    p.add_argument("runs", nargs="+", help="run directories")
+    p.add_argument("--out", default=None, help="the HTML file to write (default: FIRST_RUN/report.html)")
+    p.add_argument("--no-png", action="store_true", help="skip the PNG copies of the figures")
+    p.set_defaults(func=cmd_report)
+
     p = sub.add_parser(
         "export",
         help="write a run or checkpoint as a Hugging Face model directory",
@@ -276,6 +285,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if args.num_samples > 1:
             print(f"--- sample {i + 1}")
         print(tok.decode(row, skip_special_tokens=True))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from flopwise.report import ReportError, build_report
+
+    try:
+        path = build_report(args.runs, out=args.out, png=not args.no_png)
+    except ReportError as e:
+        print(f"flopwise report: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {path}")
     return 0
 
 

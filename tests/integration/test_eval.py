@@ -109,3 +109,15 @@ def test_tensorboard_mirrors_the_metrics(run):
     tags = acc.Tags()["scalars"]
     assert {"loss", "lr", "val_loss", "val_bpb", "eval/arc_easy/acc"} <= set(tags)
     assert [e.step for e in acc.Scalars("eval/arc_easy/acc")] == [3, 6]
+
+
+def test_report_command(run, tmp_path, capsys):
+    result, _ = run
+    assert cli_main(["eval", str(result.run_dir)]) == 0  # an evals.jsonl for the report to show
+    out = tmp_path / "r.html"
+    assert cli_main(["report", str(result.run_dir), "--out", str(out), "--no-png"]) == 0
+    html = out.read_text()
+    assert "<svg" in html and "arc_easy" in html and "<script" not in html
+    assert not any(f'{attr}="http' in html for attr in ("src", "href"))  # offline: nothing fetched
+    assert cli_main(["report", str(tmp_path / "nope")]) == 2
+    assert "no such run directory" in capsys.readouterr().err

@@ -1,0 +1,174 @@
+"""Predicted against measured: the plan (``plan.json``), the preflight (``preflight.json``)
+and the run itself, for tokens/s, MFU, peak memory and wall time.
+
+The relative error ``(measured - predicted) / predicted`` is the number this exists for:
+it says how far the planner can be trusted before the next run is paid for.
+
+What is read (every value optional; a missing one shows as n/a):
+- plan.json: ``effective_flops / flops_per_token`` (tokens/s), ``mfu`` (assumed),
+  ``memory_gb``, ``hours`` (for ``tokens`` planned).
+- preflight.json, at any depth (the shallowest match wins): ``tok_per_s`` |
+  ``tokens_per_s``, ``mfu``, ``memory_gb`` | ``peak_memory_gb`` | ``mem_peak_gb``,
+  ``wall_time_s`` | ``hours`` (for ``tokens``, if given, else for the run's tokens).
+- measured: run.json ``result.tok_per_s`` and ``result.mfu`` (post-warm-up averages), else
+  the metrics rows; peak memory = max ``mem_peak_gb`` (CUDA) or max ``mem_rss_peak_gb`` /
+  ``mem_rss_gb`` (CPU); wall time = the last ``elapsed_s`` of each process start, summed
+  (a resumed run restarts the clock), else run.json ``result.wall_time_s``.
+Predicted wall times are scaled to the tokens actually trained, so a stopped run
+compares like with like.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flopwise.report.runs import Run, flatten, number
+
+
+@dataclass
+class Comparison:
+    key: str  # tok_per_s | mfu | memory_gb | wall_time_s
+    label: str
+    unit: str
+    plan: float | None
+    preflight: float | None
+    actual: float | None
+    note: str = ""
+    comparable: bool = True  # False: the measurement is not what was predicted (CPU RSS vs tensors)
+
+    @staticmethod
+    def error(predicted: float | None, actual: float | None) -> float | None:
+        """(actual - predicted) / predicted, or None when either is unknown."""
+        if predicted is None or actual is None or predicted == 0:
+            return None
+        return (actual - predicted) / predicted
+
+    @property
+    def plan_error(self) -> float | None:
+        return self.error(self.plan, self.actual)
+
+    @property
+    def preflight_error(self) -> float | None:
+        return self.error(self.preflight, self.actual)
+
+
+def find(tree: dict[str, Any] | None, *names: str) -> float | None:
+    """The first finite number under one of ``names`` at any depth of ``tree``, shallowest first."""
+    if not tree:
+        return None
+    flat = flatten(tree)
+    for depth in range(1, 1 + max((k.count(".") + 1 for k in flat), default=1)):
+        for name in names:
+            for key, value in flat.items():
+                if key.count(".") + 1 == depth and key.rsplit(".", 1)[-1] == name and number(value) is not None:
+                    return number(value)
+    return None
+
+
+def trained_tokens(run: Run) -> float | None:
+    res = number(run.result.get("tokens"))
+    if res is not None:
+        return res
+    tokens = run.values("tokens")
+    return max(tokens) if tokens else None
+
+
+def measured_tok_per_s(run: Run) -> float | None:
+    """run.json's steady-state average; else tokens over time across the logged windows,
+    leaving out the first window (compilation, warm-up) when there are others."""
+    res = number(run.result.get("tok_per_s"))
+    if res is not None:
+        return res
+    rows = [r for r in run.training_rows() if number(r.get("tok_per_s"))]
+    tokens, seconds, prev = 0.0, 0.0, None
+    for r in rows:
+        t = number(r.get("tokens"))
+        if prev is not None and t is not None and t > prev:
+            tokens += t - prev
+            seconds += (t - prev) / number(r["tok_per_s"])
+        prev = t
+    if seconds > 0:
+        return tokens / seconds
+    return rows[-1]["tok_per_s"] if rows else None
+
+
+def measured_mfu(run: Run) -> float | None:
+    res = number(run.result.get("mfu"))
+    if res is not None:
+        return res
+    values = [number(r.get("mfu")) for r in run.training_rows()[1:] or run.training_rows()]
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def measured_memory(run: Run) -> tuple[float | None, str]:
+    """Peak memory in GiB and what it is (CUDA peak allocated, or the CPU process's RSS)."""
+    for key, what in (("mem_peak_gb", "CUDA peak allocated"), ("mem_alloc_gb", "CUDA allocated"),
+                      ("mem_rss_peak_gb", "process RSS peak"), ("mem_rss_gb", "process RSS")):
+        values = run.values(key)
+        if values:
+            return max(values), what
+    return None, ""
+
+
+def measured_wall_time(run: Run) -> float | None:
+    total, last = 0.0, None
+    timed = [r for r in run.rows if number(r.get("elapsed_s")) is not None]
+    for r in sorted(timed, key=lambda r: number(r.get("step")) or 0.0):
+        e = number(r["elapsed_s"])
+        if last is not None and e < last:  # the clock restarted: a resumed run
+            total += last
+        last = e
+    if last is not None:
+        return total + last
+    return number(run.result.get("wall_time_s"))
+
+
+def _scaled_time(seconds: float | None, for_tokens: float | None, tokens: float | None) -> float | None:
+    if seconds is None:
+        return None
+    if for_tokens and tokens:
+        return seconds * tokens / for_tokens
+    return seconds
+
+
+def compare(run: Run) -> list[Comparison]:
+    """The four predicted-against-measured rows of one run."""
+    plan, pre = run.plan or {}, run.preflight
+    tokens = trained_tokens(run)
+
+    eff, fpt = number(plan.get("effective_flops")), number(plan.get("flops_per_token"))
+    plan_tps = eff / fpt if eff and fpt else None
+    plan_mfu = number(plan.get("mfu"))
+    plan_time = _scaled_time(3600 * number(plan["hours"]) if number(plan.get("hours")) else None,
+                             number(plan.get("tokens")), tokens)
+
+    pre_tps = find(pre, "tok_per_s", "tokens_per_s", "tokens_per_second")
+    pre_mfu = find(pre, "mfu")
+    pre_mem = find(pre, "memory_gb", "peak_memory_gb", "mem_peak_gb", "peak_mem_gb")
+    pre_time = find(pre, "wall_time_s")
+    if pre_time is None and find(pre, "hours") is not None:
+        pre_time = 3600 * find(pre, "hours")
+    pre_time = _scaled_time(pre_time, find(pre, "tokens"), tokens)
+    if pre_time is None and pre_tps and tokens:
+        pre_time = tokens / pre_tps
+
+    mem, mem_what = measured_memory(run)
+    mem_note = mem_what
+    if mem_what.startswith("process RSS"):
+        mem_note += " (includes the Python and torch runtime, which the plan's model of tensors leaves out)"
+    time_note = "predictions scaled to the tokens trained" if tokens else ""
+    if plan_tps is None and plan:
+        plan_note = "no device peak in the plan: no time prediction"
+        time_note = "; ".join(x for x in (time_note, plan_note) if x)
+
+    return [
+        Comparison("tok_per_s", "tokens/s", "tok/s", plan_tps, pre_tps, measured_tok_per_s(run),
+                   "measured: average after warm-up"),
+        Comparison("mfu", "MFU", "%", plan_mfu if plan_tps is not None else None, pre_mfu, measured_mfu(run),
+                   "plan: the MFU it assumes" if plan_tps is not None else "no device peak: MFU n/a in the plan"),
+        Comparison("memory_gb", "peak memory", "GiB", number(plan.get("memory_gb")), pre_mem, mem, mem_note,
+                   comparable=not mem_what.startswith("process RSS")),
+        Comparison("wall_time_s", "wall time", "s", plan_time, pre_time, measured_wall_time(run), time_note),
+    ]

@@ -1,0 +1,115 @@
+"""The report's charts as PNG files, drawn with matplotlib when it is installed.
+
+The same chart specs as the SVG (``svg.py``), so slides and notes can carry the same
+figures as the page. matplotlib is optional (``pip install 'flopwise[report]'``); its
+object-oriented API is used without pyplot, so no global backend is switched and no
+window is ever opened.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+from flopwise.report.svg import BarChart, Chart, Heatmap, LineChart
+
+_LINESTYLES = {"solid": "-", "dashed": "--", "dotted": ":", "dashdot": "-."}
+
+
+def available() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _nan(values):
+    return [math.nan if v is None else v for v in values]
+
+
+def _line(ax, c: LineChart) -> None:
+    from matplotlib.ticker import PercentFormatter
+
+    for s in c.series:
+        ys = _nan(s.y)
+        if c.log_y:
+            ys = [y if y > 0 else math.nan for y in ys]
+        style = dict(color=s.color, linestyle=_LINESTYLES.get(s.dash, "-"), linewidth=1.6, label=s.label)
+        if s.points:
+            style.update(marker="o", markersize=3)
+        if s.err:
+            ax.errorbar(_nan(s.x), ys, yerr=_nan(s.err), capsize=2, elinewidth=0.8, **style)
+        else:
+            ax.plot(_nan(s.x), ys, **style)
+    for h in c.hlines:
+        ax.axhline(h.y, color=h.color, linestyle=_LINESTYLES.get(h.dash, "--"), linewidth=1.1, label=h.label)
+    top = ax.get_ylim()[1]
+    for i, color in enumerate(dict.fromkeys(m.color for m in c.markers)):
+        mine = [m for m in c.markers if m.color == color]
+        ax.plot([m.x for m in mine], [top if m.y is None or m.y > top else m.y for m in mine], "v", color=color,
+                markersize=6, linestyle="none", label="events" if i == 0 else None)
+    if c.log_y:
+        ax.set_yscale("log")
+    if c.percent:
+        ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.set_xlabel(c.x_label)
+    ax.set_ylabel(c.y_label)
+    ax.grid(True, color="#e3e3e3")
+    ax.legend(fontsize=8)
+
+
+def _bars(ax, c: BarChart) -> None:
+    left = [0.0] * len(c.categories)
+    ys = list(range(len(c.categories)))
+    for label, color, values in c.components:
+        widths = [v or 0.0 for v in values]
+        ax.barh(ys, widths, left=left, color=color, label=label)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.set_yticks(ys, c.categories)
+    ax.invert_yaxis()
+    ax.set_xlabel(c.x_label)
+    ax.legend(fontsize=8)
+
+
+def _heatmap(fig, ax, c: Heatmap) -> None:
+    from matplotlib.colors import LogNorm
+
+    grid = [[math.nan if v is None or (c.log and v <= 0) else v for v in row] for row in c.values]
+    image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis",
+                      norm=LogNorm() if c.log else None)
+    every = max(1, math.ceil(len(c.rows) / 40))
+    ax.set_yticks(range(0, len(c.rows), every), c.rows[::every], fontsize=6)
+    col_every = max(1, math.ceil(len(c.cols) / 6))
+    ax.set_xticks(range(0, len(c.cols), col_every), [f"{x:g}" for x in c.cols[::col_every]])
+    ax.set_xlabel(c.x_label)
+    fig.colorbar(image, ax=ax)
+
+
+def write_png(chart: Chart, path: Path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    tall = isinstance(chart, Heatmap) and len(chart.rows) > 20
+    fig = Figure(figsize=(8, 7 if tall else 4.5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if isinstance(chart, LineChart):
+        _line(ax, chart)
+    elif isinstance(chart, BarChart):
+        _bars(ax, chart)
+    else:
+        _heatmap(fig, ax, chart)
+    ax.set_title(chart.title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path
+
+
+def write_pngs(charts: list[Chart], folder: Path) -> list[Path]:
+    """One ``<chart id>.png`` per chart in ``folder``; PNGs of an earlier report that no longer
+    has that chart are removed (the folder belongs to the report)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = [write_png(c, folder / f"{c.id}.png") for c in charts]
+    keep = set(written)
+    for old in folder.glob("*.png"):
+        if old not in keep:
+            old.unlink()
+    return written

@@ -1,0 +1,642 @@
+"""``flopwise report``: one self-contained HTML page of one or several runs.
+
+The page is a single file that reads offline -- inline CSS, charts as inline SVG drawn
+by ``svg.py``, no JavaScript, no external URL -- so it can be mailed, attached to an
+issue or archived beside the run. Several runs are overlaid on the same charts, one
+colour per run. When matplotlib is installed the same charts are also written as PNG
+files into ``<stem>_figures/`` next to the page.
+
+Sections: a header per run (device, versions, configuration, result), the
+plan-vs-preflight-vs-measured table (relative errors first-class), the training charts
+(loss against tokens, throughput, MFU, memory, learning rate, gradient norm, step-time
+breakdown, bits per byte), evaluation tasks against tokens with their random baseline,
+per-layer gradient norms, events (loss spikes, non-finite steps), and the configuration
+keys in which the runs differ.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable
+
+from flopwise.measure.sinks import human
+from flopwise.report import png as png_out
+from flopwise.report.compare import (Comparison, compare, measured_memory, measured_mfu, measured_tok_per_s,
+                                     measured_wall_time, trained_tokens)
+from flopwise.report.runs import ReportError, Run, load_run, number, unique_names
+from flopwise.report.svg import (PALETTE, BarChart, Chart, Heatmap, HLine, LineChart, Marker, Series, esc,
+                                 fmt_tick, render)
+
+__all__ = ["build_report", "ReportError"]
+
+BREAKDOWN = [("time_data_s", "data", "#4C78A8"), ("time_fwd_bwd_s", "forward + backward", "#F58518"),
+             ("time_optim_s", "optimizer", "#54A24B"), ("time_log_s", "logging", "#B279A2")]
+ACC_METRICS = [("acc", "solid"), ("acc_norm", "dashed"), ("acc_token", "dotted")]
+NOT_METRICS = {"n", "random", "truncated", "stderr"}  # numbers in an eval result that are not scores
+
+
+# --------------------------------------------------------------------------- entry point
+
+def build_report(run_dirs: list[str | Path], out: str | Path | None = None, png: bool = True) -> Path:
+    """Write a single self-contained HTML file (default: <first run>/report.html) and return its path.
+
+    ``run_dirs``: run directories written by ``flopwise train``; ``out``: the HTML file (an
+    existing directory gets ``report.html`` in it); ``png``: also write the charts as PNG
+    files into ``<stem>_figures/`` beside it when matplotlib is installed.
+    Raises :class:`ReportError` naming the file for a path that is not a run directory
+    or a file of one that cannot be read.
+    """
+    if isinstance(run_dirs, (str, Path)):
+        run_dirs = [run_dirs]
+    if not run_dirs:
+        raise ReportError("no run directories given")
+    runs = [load_run(p) for p in run_dirs]
+    for i, (run, name) in enumerate(zip(runs, unique_names([r.path for r in runs]))):
+        run.name, run.color = name, PALETTE[i % len(PALETTE)]
+
+    out = Path(out).expanduser() if out is not None else runs[0].path / "report.html"
+    if out.is_dir():
+        out = out / "report.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    sections = build_charts(runs)
+    charts = [c for _, group in sections for c in group]
+    if not png:
+        png_note = "PNG figures not requested."
+    elif not png_out.available():
+        png_note = "PNG figures not written: matplotlib is not installed (pip install 'flopwise[report]')."
+    else:
+        folder = out.parent / f"{out.stem}_figures"
+        try:
+            written = png_out.write_pngs(charts, folder)
+            png_note = (f"PNG copies of the {len(written)} figure{'s' if len(written) != 1 else ''}: "
+                        f"{folder.name}/ (beside this page).")
+        except Exception as e:  # the page is the product: a plotting failure must not cost it
+            png_note = f"PNG figures not written: matplotlib failed ({type(e).__name__}: {e})."
+
+    page = render_page(runs, sections, png_note)
+    _write_atomically(out, page)
+    return out
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write beside ``path`` and rename: a reader (a browser refreshing) never sees half a page."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+# --------------------------------------------------------------------------- charts
+
+def build_charts(runs: list[Run]) -> list[tuple[str, list[Chart]]]:
+    """(section title, charts) in page order; charts without any data are left out."""
+    training = [loss_chart(runs), bpb_chart(runs), throughput_chart(runs), mfu_chart(runs), memory_chart(runs),
+                lr_chart(runs), grad_norm_chart(runs), breakdown_chart(runs)]
+    layers = [c for i, run in enumerate(runs) for c in layer_charts(run, i)]
+    sections = [("Training", training), ("Evaluation", eval_charts(runs)), ("Per-layer statistics", layers)]
+    return [(title, [c for c in group if c.has_data()]) for title, group in sections]
+
+
+def _log_if_wide(values: Iterable[float], ratio: float) -> bool:
+    values = [v for v in values if v is not None]
+    return bool(values) and min(values) > 0 and max(values) / min(values) >= ratio
+
+
+def loss_chart(runs: list[Run]) -> LineChart:
+    series, markers, uniform = [], [], {}
+    for run in runs:
+        x, y = run.series("tokens", "loss")
+        series.append(Series(f"{run.name} · train", x, y, run.color, run=run.name))
+        vx, vy = run.series("tokens", "val_loss")
+        if vx:
+            series.append(Series(f"{run.name} · val", vx, vy, run.color, "dashed", points=True, run=run.name))
+        ex, ey = _eval_file_series(run, "val_loss")
+        if ex:
+            series.append(Series(f"{run.name} · val (flopwise eval)", ex, ey, run.color, "dotted", points=True,
+                                 run=run.name))
+        for ev in run.events:
+            step = number(ev.get("step"))
+            tokens = number(ev.get("tokens")) if number(ev.get("tokens")) is not None else run.tokens_at(step)
+            if tokens is not None:
+                loss = number(ev.get("loss"))
+                what = f"{run.name}: {ev.get('event')} at step {fmt_tick(step or 0)}"
+                markers.append(Marker(tokens, loss, what + (f", loss {loss:.4g}" if loss is not None else ""),
+                                      run.color))
+        u = number(run.result.get("uniform_loss"))
+        if u is not None:
+            uniform.setdefault(round(u, 4), u)
+    ys = [v for s in series for v in s.y]
+    hlines = [HLine(u, f"uniform ln V = {u:.3f}", "#888888") for u in uniform.values()]
+    note = "Solid: training loss (mean over each logging window); dashed with dots: validation loss."
+    if markers:
+        note += " Triangles: events (loss spikes, non-finite steps), listed under Events."
+    return LineChart("loss", "Loss vs tokens", "tokens", "loss (nats/token)", series, log_y=_log_if_wide(ys, 2.0),
+                     hlines=hlines, markers=markers, note=note)
+
+
+def _eval_file_series(run: Run, key: str) -> tuple[list[float], list[float]]:
+    """(tokens, value) from evals.jsonl rows (``flopwise eval``), tokens interpolated when missing."""
+    pts = []
+    for r in run.eval_rows:
+        y = number(r.get(key))
+        x = number(r.get("tokens"))
+        x = x if x is not None else run.tokens_at(number(r.get("step")))
+        if x is not None and y is not None:
+            pts.append((x, y))
+    pts.sort()
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def bpb_chart(runs: list[Run]) -> LineChart:
+    series = []
+    for run in runs:
+        x, y = run.series("tokens", "val_bpb")
+        series.append(Series(f"{run.name} · val", x, y, run.color, "dashed", points=True, run=run.name))
+        ex, ey = _eval_file_series(run, "val_bpb")
+        if ex:
+            series.append(Series(f"{run.name} · flopwise eval", ex, ey, run.color, "dotted", points=True,
+                                 run=run.name))
+    return LineChart("bpb", "Validation bits per byte vs tokens", "tokens", "bits per byte", series,
+                     note="Bits per byte do not depend on the tokenizer: runs with different vocabularies compare.")
+
+
+def _prediction_lines(runs: list[Run], comparisons: dict[str, list[Comparison]], key: str) -> list[HLine]:
+    lines = []
+    for run in runs:
+        row = next(c for c in comparisons[run.name] if c.key == key)
+        if row.plan is not None:
+            lines.append(HLine(row.plan, f"{run.name} · plan", run.color, "dotted"))
+        if row.preflight is not None:
+            lines.append(HLine(row.preflight, f"{run.name} · preflight", run.color, "dashdot"))
+    return lines
+
+
+def throughput_chart(runs: list[Run]) -> LineChart:
+    series = [Series(run.name, *run.series("step", "tok_per_s"), run.color, run=run.name) for run in runs]
+    comparisons = {run.name: compare(run) for run in runs}
+    return LineChart("throughput", "Throughput vs step", "step", "tokens/s", series,
+                     hlines=_prediction_lines(runs, comparisons, "tok_per_s"),
+                     note="Measured over each logging window, validation and checkpoint time excluded; "
+                          "horizontal lines: the plan's and the preflight's predictions.")
+
+
+def mfu_chart(runs: list[Run]) -> LineChart:
+    series = []
+    for run in runs:
+        series.append(Series(run.name, *run.series("step", "mfu"), run.color, run=run.name))
+        if run.has("mfu_6n"):
+            series.append(Series(f"{run.name} · 6N", *run.series("step", "mfu_6n"), run.color, "dashed",
+                                 run=run.name))
+    comparisons = {run.name: compare(run) for run in runs}
+    return LineChart("mfu", "Model FLOPs utilisation vs step", "step", "MFU", series, percent=True,
+                     hlines=_prediction_lines(runs, comparisons, "mfu"),
+                     note="MFU counts the model's FLOPs (6·N_matmul + attention) against the device's dense peak; "
+                          "dashed: with 6 × parameters.")
+
+
+def memory_chart(runs: list[Run]) -> LineChart:
+    keys = [("mem_alloc_gb", "allocated", "solid"), ("mem_peak_gb", "peak", "dashed"),
+            ("mem_reserved_gb", "reserved", "dotted"), ("mem_rss_gb", "RSS", "solid"),
+            ("mem_rss_peak_gb", "RSS peak", "dashed")]
+    series = []
+    for run in runs:
+        for key, label, dash in keys:
+            if run.has(key):
+                series.append(Series(f"{run.name} · {label}", *run.series("step", key), run.color, dash,
+                                     run=run.name))
+    comparisons = {run.name: compare(run) for run in runs}
+    return LineChart("memory", "Memory vs step", "step", "GiB", series,
+                     hlines=_prediction_lines(runs, comparisons, "memory_gb"),
+                     note="CUDA: allocated, peak allocated and reserved by the caching allocator; CPU: the process's "
+                          "resident set. Horizontal lines: predicted peaks.")
+
+
+def lr_chart(runs: list[Run]) -> LineChart:
+    series = [Series(run.name, *run.series("step", "lr"), run.color, run=run.name) for run in runs]
+    return LineChart("lr", "Learning rate vs step", "step", "learning rate", series)
+
+
+def grad_norm_chart(runs: list[Run]) -> LineChart:
+    series = [Series(run.name, *run.series("step", "grad_norm"), run.color, run=run.name) for run in runs]
+    ys = [v for s in series for v in s.y]
+    return LineChart("grad_norm", "Gradient norm vs step", "step", "global gradient norm (before clipping)",
+                     series, log_y=_log_if_wide(ys, 20.0))
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def breakdown_chart(runs: list[Run]) -> BarChart:
+    """Mean time per step by phase, one bar per run; 'other' is what the phases do not cover."""
+    names, per_component = [], {key: [] for key, _, _ in BREAKDOWN}
+    other = []
+    for run in runs:
+        rows = [r for r in run.training_rows() if any(number(r.get(k)) is not None for k, _, _ in BREAKDOWN)]
+        if len(rows) > 1:
+            rows = rows[1:]  # the first window holds compilation and warm-up
+        if not rows:
+            continue
+        names.append(run.name)
+        means = {key: _mean([v for v in (number(r.get(key)) for r in rows) if v is not None])
+                 for key, _, _ in BREAKDOWN}
+        for key in per_component:
+            per_component[key].append(1000 * means[key] if means[key] is not None else None)
+        total = _mean([v for v in (number(r.get("step_time_s")) for r in rows) if v is not None])
+        covered = sum(v for v in means.values() if v is not None)
+        other.append(1000 * (total - covered) if total is not None and total > covered else None)
+    components = [(label, color, per_component[key]) for key, label, color in BREAKDOWN
+                  if any(v is not None for v in per_component[key])]
+    if any(v is not None for v in other):
+        components.append(("other", "#BAB0AC", other))
+    return BarChart("step_time", "Step-time breakdown (mean per step)", "milliseconds per step", names, components,
+                    note="Means over the logged windows after the first; 'other' is the step time the phases "
+                         "do not account for.")
+
+
+def _stderr(result: dict[str, Any], metric: str) -> float | None:
+    se = result.get("stderr")
+    if isinstance(se, dict) and number(se.get(metric)) is not None:
+        return number(se.get(metric))
+    return number(result.get(f"{metric}_stderr"))
+
+
+def eval_tasks(runs: list[Run]) -> list[str]:
+    tasks: list[str] = []
+    for run in runs:
+        for _, _, results in run.evals():
+            tasks.extend(t for t in results if t not in tasks)
+    return tasks
+
+
+def eval_charts(runs: list[Run]) -> list[LineChart]:
+    charts = []
+    for i, task in enumerate(eval_tasks(runs)):
+        series, random = [], None
+        for run in runs:
+            points = [(tokens, res[task]) for _, tokens, res in run.evals() if task in res and tokens is not None]
+            for metric, dash in ACC_METRICS:
+                pts = [(t, number(r.get(metric)), _stderr(r, metric)) for t, r in points]
+                pts = [p for p in pts if p[1] is not None]
+                if pts:
+                    series.append(Series(f"{run.name} · {metric}", [p[0] for p in pts], [p[1] for p in pts],
+                                         run.color, dash, points=True, err=[p[2] for p in pts], run=run.name))
+            for _, r in points:
+                random = random if random is not None else number(r.get("random"))
+        hlines = [HLine(random, f"random {100 * random:.1f}%", "#888888")] if random is not None else []
+        charts.append(LineChart(f"eval-{i}-{_slug(task)}", f"{task}: accuracy vs tokens", "tokens", "accuracy",
+                                series, percent=True, hlines=hlines,
+                                note="Bars: ± one standard error. Grey line: the random-guess baseline."))
+    return charts
+
+
+def _slug(text: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in text)[:60]
+
+
+def layer_charts(run: Run, index: int) -> list[Heatmap]:
+    charts = []
+    for key, title in (("grad_norms", "gradient norm"), ("update_ratios", "update / weight")):
+        stats = run.layer_stats(key)
+        if not stats:
+            continue
+        names = list(dict.fromkeys(n for _, norms in stats for n in norms))  # first seen: the model's order
+        values = [[number(norms.get(n)) for _, norms in stats] for n in names]
+        charts.append(Heatmap(f"layers-{index}-{_slug(run.name)}-{key}", f"{run.name}: per-parameter {title} by step",
+                              "step", names, [s for s, _ in stats], values, log=True,
+                              note="One row per parameter tensor, in the model's order; colour on a log scale."))
+    return charts
+
+
+# --------------------------------------------------------------------------- numbers for tables
+
+def fmt_duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "n/a"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def fmt_count(n: float | None) -> str:
+    """Steps and tokens: exact up to 100,000 (12,288), then 1.23M."""
+    if n is None:
+        return "n/a"
+    return f"{n:,.0f}" if abs(n) < 1e5 and float(n).is_integer() else human(n)
+
+
+def fmt_value(value: float | None, unit: str) -> str:
+    if value is None:
+        return "n/a"
+    if unit == "%":
+        return f"{100 * value:.1f}%"
+    if unit == "GiB":
+        return f"{value:.2f} GiB" if value >= 0.1 else f"{value * 1024:.1f} MiB"
+    if unit == "s":
+        return fmt_duration(value)
+    if unit == "tok/s":
+        return f"{fmt_tick(value, 1.0) if value < 1000 else fmt_tick(round(value, -1))} tok/s"
+    return f"{value:.4g}"
+
+
+def fmt_error(err: float | None) -> str:
+    return "n/a" if err is None else f"{100 * err:+.1f}%"
+
+
+def _error_class(err: float | None) -> str:
+    if err is None:
+        return "err-na"
+    return "err-good" if abs(err) <= 0.10 else "err-fair" if abs(err) <= 0.30 else "err-bad"
+
+
+# --------------------------------------------------------------------------- HTML
+
+CSS = """
+body{font-family:system-ui,-apple-system,'Segoe UI',Roboto,'DejaVu Sans',Arial,sans-serif;margin:0;
+color:#222;background:#f6f7f9;line-height:1.4}
+main{max-width:1240px;margin:0 auto;padding:20px 24px 48px}
+h1{font-size:1.6em;margin:.2em 0}h2{font-size:1.25em;margin:1.6em 0 .5em;border-bottom:2px solid #dde1e6;
+padding-bottom:.2em}h3{font-size:1.02em;margin:.2em 0 .4em}
+.sub{color:#555;font-size:.92em}
+.swatch{display:inline-block;width:.9em;height:.9em;border-radius:2px;vertical-align:-.1em;margin-right:.35em}
+.cards{display:grid;grid-template-columns:repeat(auto-fit,minmax(360px,1fr));gap:14px}
+.card{background:#fff;border:1px solid #dde1e6;border-radius:6px;padding:12px 14px;border-top-width:4px}
+.card dl{display:grid;grid-template-columns:max-content 1fr;gap:2px 12px;margin:0;font-size:.9em}
+.card dt{color:#666}.card dd{margin:0;overflow-wrap:anywhere}
+.figs{display:grid;grid-template-columns:repeat(auto-fit,minmax(540px,1fr));gap:14px}
+figure{background:#fff;border:1px solid #dde1e6;border-radius:6px;margin:0;padding:10px 12px}
+figure svg{display:block;width:100%;height:auto}
+figcaption{color:#555;font-size:.85em;margin-top:4px}
+table{border-collapse:collapse;background:#fff;font-size:.9em;margin:.3em 0 .8em}
+th,td{border:1px solid #dde1e6;padding:4px 8px;text-align:left;vertical-align:top}
+th{background:#eef1f4}td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
+td.err-good{color:#17692d;font-weight:600}td.err-fair{color:#8a5a00;font-weight:600}
+td.err-bad{color:#b00020;font-weight:700}td.err-na{color:#888}
+.note{color:#555;font-size:.88em}pre{background:#fff;border:1px solid #dde1e6;padding:8px;white-space:pre-wrap;
+font-size:.85em;max-height:16em;overflow:auto}
+nav a{margin-right:1em}
+"""
+
+
+def _swatch(run: Run) -> str:
+    return f'<span class="swatch" style="background:{esc(run.color)}"></span>'
+
+
+def _dl(items: list[tuple[str, str]]) -> str:
+    return "<dl>" + "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in items if v not in (None, "")) + "</dl>"
+
+
+def config_summary(run: Run) -> list[tuple[str, str]]:
+    flat = run.flat_config()
+    if not flat:
+        return [("config", "no config.yaml")]
+
+    def g(key: str, default: Any = "?") -> Any:
+        return flat.get(key, default)
+
+    params = number((run.plan or {}).get("params"))
+    model = (f"{g('model.arch')} · {g('model.n_layers')} layers · d_model {g('model.d_model')} · heads "
+             f"{g('model.n_heads')} q / {g('model.n_kv_heads')} kv · {g('model.mlp')} {g('model.ffn_hidden')} · "
+             f"vocab {g('model.vocab_size')}")
+    if number(g("model.n_experts", 0)):
+        model += f" · {g('model.n_experts')} experts top-{g('model.moe_top_k')}"
+    seq, gb, mb = g("train.seq_len"), g("train.global_batch_size"), g("train.micro_batch_size")
+    tps = f" = {int(seq) * int(gb):,} tokens/step" if isinstance(seq, int) and isinstance(gb, int) else ""
+    length = []
+    if number(g("train.max_steps", 0)):
+        length.append(f"max_steps {g('train.max_steps'):,}")
+    if number(g("train.max_tokens", 0)):
+        length.append(f"max_tokens {fmt_count(g('train.max_tokens'))}")
+    return [
+        ("preset", str(g("preset", ""))),
+        ("model", model),
+        ("parameters", fmt_count(params) if params is not None else ""),
+        ("batch", f"seq {seq} × global batch {gb}{tps} (micro-batch {mb})"),
+        ("length", " · ".join(length)),
+        ("optimizer", f"AdamW lr {g('optim.lr')} · warmup {g('optim.warmup_steps')} · {g('optim.schedule')} · "
+                      f"weight decay {g('optim.weight_decay')}"),
+        ("attention", str(g("model.attention", ""))),
+        ("data", str(g("data.path", "")) or "embedded corpus"),
+    ]
+
+
+def run_card(run: Run) -> str:
+    rec, res = run.record or {}, run.result
+    code = rec.get("code") if isinstance(rec.get("code"), dict) else {}
+    versions = " · ".join(f"{k} {rec[k]}" for k in ("flopwise", "torch", "python", "cuda", "tokenizers")
+                          if rec.get(k))
+    if code.get("git_commit"):
+        versions += f" · git {str(code['git_commit'])[:10]}{' (uncommitted changes)' if code.get('git_dirty') else ''}"
+    train_rows = run.training_rows()
+    last = train_rows[-1] if train_rows else {}
+    if res:
+        stopped = res.get("stopped")
+        status = f"stopped: {stopped}" if stopped else "completed"
+    else:
+        status = "in progress or interrupted (run.json has no result)"
+    val_start, val_end = number(res.get("val_loss_start")), number(res.get("val_loss_end"))
+    vals = run.values("val_loss")
+    if val_start is None and vals:
+        val_start, val_end = vals[0], vals[-1]
+    mem, mem_what = measured_memory(run)
+    result = [
+        ("status", status),
+        ("steps", fmt_count(number(res.get("steps", last.get("step"))))),
+        ("tokens", fmt_count(trained_tokens(run))),
+        ("final train loss", f"{number(last.get('loss')):.4f}" if last else "n/a"),
+        ("validation loss", f"{val_start:.4f} → {val_end:.4f}" if val_start is not None and val_end is not None
+         else "n/a"),
+        ("throughput", fmt_value(measured_tok_per_s(run), "tok/s")),
+        ("MFU", fmt_value(measured_mfu(run), "%")),
+        ("peak memory", f"{fmt_value(mem, 'GiB')} ({mem_what})" if mem is not None else "n/a"),
+        ("wall time", wall_time_text(run)),
+    ]
+    head = [
+        ("directory", str(run.path)),
+        ("device", f"{rec.get('device', 'unknown')} · precision {rec.get('precision', '?')}"),
+        ("versions", versions),
+        ("started", str(rec.get("started", ""))),
+        ("command", " ".join(map(str, rec.get("argv", []))) if isinstance(rec.get("argv"), list) else ""),
+    ]
+    sample = ""
+    if run.samples:
+        sample = (f"<details><summary>sample (samples.txt)</summary><pre>{esc(run.samples[-2000:])}</pre>"
+                  "</details>")
+    return (f'<section class="card" data-run="{esc(run.name)}" style="border-top-color:{esc(run.color)}">'
+            f"<h3>{_swatch(run)}{esc(run.name)}</h3>{_dl(head)}<h3>configuration</h3>{_dl(config_summary(run))}"
+            f"<h3>result</h3>{_dl(result)}{sample}</section>")
+
+
+def wall_time_text(run: Run) -> str:
+    """The measured wall time (to the last logged step, over every start of the process), and
+    run.json's own figure when it differs (it also counts the final save and sample)."""
+    logged, whole = measured_wall_time(run), number(run.result.get("wall_time_s"))
+    text = fmt_duration(logged)
+    if logged is not None and whole is not None and abs(whole - logged) > 0.05 * max(logged, 1e-9):
+        text += f" to the last logged step · {fmt_duration(whole)} in run.json (last start, with final save)"
+    return text
+
+
+def comparison_table(runs: list[Run]) -> str:
+    head = ("<tr><th>run</th><th>quantity</th><th>plan</th><th>preflight</th><th>measured</th>"
+            "<th>plan error</th><th>preflight error</th><th>notes</th></tr>")
+    body = []
+    for run in runs:
+        rows = compare(run)
+        for i, c in enumerate(rows):
+            cells = [f'<tr data-run="{esc(run.name)}" data-key="{c.key}">']
+            if i == 0:
+                files = [f for f, d in (("plan.json", run.plan), ("preflight.json", run.preflight)) if d is None]
+                missing = f'<br><span class="note">no {" or ".join(files)}</span>' if files else ""
+                cells.append(f'<td rowspan="{len(rows)}">{_swatch(run)}{esc(run.name)}{missing}</td>')
+            cells.append(f"<td>{esc(c.label)}</td>")
+            for col, value in (("plan", c.plan), ("preflight", c.preflight), ("actual", c.actual)):
+                cells.append(f'<td class="num" data-col="{col}" data-value="{"" if value is None else repr(value)}">'
+                             f"{esc(fmt_value(value, c.unit))}</td>")
+            for col, err in (("plan_error", c.plan_error), ("preflight_error", c.preflight_error)):
+                klass = _error_class(err) if c.comparable else "err-na"
+                cells.append(f'<td class="num {klass}" data-col="{col}" data-value="{"" if err is None else repr(err)}"'
+                             f'>{esc(fmt_error(err))}{"" if c.comparable or err is None else " *"}</td>')
+            cells.append(f'<td class="note">{esc(c.note)}</td></tr>')
+            body.append("".join(cells))
+    return (f'<table class="comparison" id="plan-vs-actual">{head}{"".join(body)}</table>'
+            '<p class="note">Error = (measured − predicted) / predicted: positive means faster, more MFU, more '
+            "memory or longer than predicted. Green within 10%, amber within 30%, red beyond; * not like for "
+            "like (see the note).</p>")
+
+
+def eval_table(runs: list[Run]) -> str:
+    head = ["task", "run", "step", "tokens"]
+    metrics: list[str] = []
+    latest: list[tuple[str, Run, float | None, float | None, dict[str, Any]]] = []
+    for task in eval_tasks(runs):
+        for run in runs:
+            found = [(s, t, res[task]) for s, t, res in run.evals() if task in res]
+            if found:
+                step, tokens, res = found[-1]
+                latest.append((task, run, step, tokens, res))
+                metrics.extend(k for k, v in res.items() if k not in NOT_METRICS and not k.endswith("_stderr")
+                               and number(v) is not None and k not in metrics)
+    if not latest:
+        return ""
+    cols = head + metrics + ["random", "n", "best − random"]
+    rows = []
+    for task, run, step, tokens, res in latest:
+        cells = [esc(task), _swatch(run) + esc(run.name), esc(fmt_count(step)), esc(fmt_count(tokens))]
+        scores = []
+        for m in metrics:
+            v, se = number(res.get(m)), _stderr(res, m)
+            if v is not None:
+                scores.append((v, se))
+            cells.append("n/a" if v is None else f"{100 * v:.1f}%" + (f" ± {100 * se:.1f}" if se is not None else ""))
+        random = number(res.get("random"))
+        cells.append("n/a" if random is None else f"{100 * random:.1f}%")
+        cells.append(fmt_count(number(res.get("n"))))
+        if random is not None and scores:
+            best, se = max(scores, key=lambda p: p[0])
+            sigma = f" ({(best - random) / se:.1f} σ)" if se else ""
+            cells.append(f"{100 * (best - random):+.1f} pts{sigma}")
+        else:
+            cells.append("n/a")
+        rows.append("<tr>" + "".join(f'<td class="num">{c}</td>' if i >= 2 else f"<td>{c}</td>"
+                                     for i, c in enumerate(cells)) + "</tr>")
+    return (f'<table class="evals"><tr>{"".join(f"<th>{esc(c)}</th>" for c in cols)}</tr>{"".join(rows)}</table>'
+            '<p class="note">The latest evaluation of each run; ± one standard error, in percentage points.</p>')
+
+
+def events_table(runs: list[Run]) -> str:
+    rows = []
+    for run in runs:
+        for ev in sorted(run.events, key=lambda e: number(e.get("step")) or 0):
+            step = number(ev.get("step"))
+            tokens = number(ev.get("tokens")) if number(ev.get("tokens")) is not None else run.tokens_at(step)
+            loss = number(ev.get("loss"))
+            details = " · ".join(f"{k} {v:.4g}" if number(v) is not None else f"{k} {'non-finite' if v is None else v}"
+                                 for k, v in ev.items() if k not in ("step", "tokens", "event", "loss"))
+            rows.append(f'<tr data-run="{esc(run.name)}"><td>{_swatch(run)}{esc(run.name)}</td>'
+                        f'<td class="num">{esc(fmt_count(step))}</td><td class="num">{esc(fmt_count(tokens))}</td>'
+                        f"<td>{esc(ev.get('event'))}</td>"
+                        f'<td class="num">{"non-finite" if loss is None else f"{loss:.4f}"}</td>'
+                        f"<td>{esc(details)}</td></tr>")
+    if not rows:
+        return '<p class="note">No events: no loss spikes and no non-finite steps.</p>'
+    return ('<table class="events"><tr><th>run</th><th>step</th><th>tokens</th><th>event</th><th>loss</th>'
+            f'<th>details</th></tr>{"".join(rows)}</table>')
+
+
+IGNORED_IN_DIFF = {"train.run_dir"}
+
+
+def config_diff(runs: list[Run]) -> str:
+    if len(runs) < 2:
+        return ""
+    missing = [run.name for run in runs if not run.flat_config()]
+    runs = [run for run in runs if run.flat_config()]
+    flats = [run.flat_config() for run in runs]
+    keys = sorted({k for f in flats for k in f} - IGNORED_IN_DIFF)
+    differ = [k for k in keys if len({repr(f.get(k, "<absent>")) for f in flats}) > 1]
+    note = f'<p class="note">No config.yaml in: {esc(", ".join(missing))}.</p>' if missing else ""
+    if len(runs) < 2:
+        return note
+    if not differ:
+        return note + '<p class="note">The configurations are identical (apart from train.run_dir).</p>'
+    head = "<tr><th>key</th>" + "".join(f"<th>{_swatch(r)}{esc(r.name)}</th>" for r in runs) + "</tr>"
+    rows = []
+    for k in differ:
+        cells = "".join(f"<td>{esc(f[k]) if k in f else '<i>absent</i>'}</td>" for f in flats)
+        rows.append(f'<tr data-key="{esc(k)}"><td><code>{esc(k)}</code></td>{cells}</tr>')
+    return note + f'<table class="config-diff">{head}{"".join(rows)}</table>'
+
+
+def _figure(chart: Chart) -> str:
+    caption = f"<figcaption>{esc(chart.note)}</figcaption>" if chart.note else ""
+    return f'<figure id="fig-{esc(chart.id)}"><h3>{esc(chart.title)}</h3>{render(chart)}{caption}</figure>'
+
+
+EXPECTED = {"loss": "loss", "throughput": "tokens/s",
+            "mfu": "MFU (null in metrics.jsonl when the device's peak is unknown: set train.peak_tflops)",
+            "memory": "memory", "lr": "learning rate", "grad_norm": "gradient norm",
+            "step_time": "step-time breakdown (no time_*_s keys in metrics.jsonl)",
+            "bpb": "bits per byte (no val_bpb)"}
+
+
+def render_page(runs: list[Run], sections: list[tuple[str, list[Chart]]], png_note: str) -> str:
+    shown = {c.id for _, group in sections for c in group}
+    missing = [why for key, why in EXPECTED.items() if key not in shown]
+    title = "flopwise report: " + ", ".join(r.name for r in runs)
+    parts = [f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
+             f"<title>{esc(title)}</title><style>{CSS}</style></head><body><main>"]
+    parts.append(f"<h1>flopwise report</h1><p class=\"sub\">{len(runs)} run(s) · generated "
+                 f"{esc(datetime.now().isoformat(timespec='seconds'))} · "
+                 + " ".join(f"{_swatch(r)}{esc(r.name)}" for r in runs) + "</p>")
+    nav = ["<a href=\"#runs\">runs</a>", "<a href=\"#plan\">plan vs measured</a>"]
+    nav += [f'<a href="#{_slug(t)}">{esc(t.lower())}</a>' for t, group in sections if group]
+    nav += ['<a href="#events">events</a>'] + (['<a href="#config">config diff</a>'] if len(runs) > 1 else [])
+    parts.append(f"<nav>{''.join(nav)}</nav>")
+    parts.append(f'<h2 id="runs">Runs</h2><div class="cards">{"".join(run_card(r) for r in runs)}</div>')
+    parts.append(f'<h2 id="plan">Plan vs preflight vs measured</h2>{comparison_table(runs)}')
+    for section, group in sections:
+        if not group:
+            continue
+        parts.append(f'<h2 id="{_slug(section)}">{esc(section)}</h2>')
+        if section == "Evaluation":
+            parts.append(eval_table(runs))
+        parts.append(f'<div class="figs">{"".join(_figure(c) for c in group)}</div>')
+    parts.append(f'<h2 id="events">Events</h2>{events_table(runs)}')
+    if len(runs) > 1:
+        parts.append(f'<h2 id="config">Configuration differences</h2>{config_diff(runs)}')
+    notes = [w for run in runs for w in run.warnings] + [png_note]
+    if missing:
+        notes.append("Not shown, no data: " + "; ".join(missing) + ".")
+    parts.append('<h2 id="notes">Notes</h2>' + "".join(f'<p class="note">{esc(n)}</p>' for n in notes))
+    parts.append("</main></body></html>\n")
+    return "".join(parts)

@@ -1,0 +1,223 @@
+"""Reading a run directory written by ``flopwise train`` into plain Python data.
+
+Only ``metrics.jsonl`` is required; ``evals.jsonl`` (``flopwise eval``), ``plan.json``,
+``preflight.json``, ``run.json``, ``config.yaml`` and ``samples.txt`` are used when present. Corruption is an error that
+names the file (and the line of ``metrics.jsonl``): a report drawn from silently
+dropped rows would mislead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+METRICS = "metrics.jsonl"
+EVALS = "evals.jsonl"  # written by ``flopwise eval`` beside the training metrics
+
+
+class ReportError(ValueError):
+    """A path that is not a run directory, or a file of one that cannot be read; names the file."""
+
+
+def number(value: Any) -> float | None:
+    """``value`` as a finite float, or None (missing, null, NaN, text, bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+@dataclass
+class Run:
+    """One run directory: its metrics rows split by kind, and its side files."""
+
+    path: Path
+    rows: list[dict[str, Any]]  # every non-event row: training, validation, evaluation, per-layer
+    events: list[dict[str, Any]]  # rows with an ``event`` key (loss_spike, nonfinite, ...)
+    plan: dict[str, Any] | None = None
+    preflight: dict[str, Any] | None = None
+    record: dict[str, Any] | None = None  # run.json
+    config: dict[str, Any] | None = None  # config.yaml
+    samples: str | None = None
+    eval_rows: list[dict[str, Any]] = field(default_factory=list)  # evals.jsonl
+    warnings: list[str] = field(default_factory=list)  # shown in the page's notes
+    name: str = ""
+    color: str = ""
+
+    # ---------------------------------------------------------------- series
+    def series(self, x_key: str, y_key: str) -> tuple[list[float], list[float]]:
+        """(x, y) of the rows where both keys hold finite numbers, sorted by x."""
+        pairs = [(number(r.get(x_key)), number(r.get(y_key))) for r in self.rows]
+        pairs = sorted((x, y) for x, y in pairs if x is not None and y is not None)
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def has(self, key: str) -> bool:
+        return any(number(r.get(key)) is not None for r in self.rows)
+
+    def values(self, key: str) -> list[float]:
+        return [v for v in (number(r.get(key)) for r in self.rows) if v is not None]
+
+    def training_rows(self) -> list[dict[str, Any]]:
+        """Rows logged at a training step (they carry a training loss), in step order."""
+        rows = [r for r in self.rows if number(r.get("loss")) is not None and number(r.get("step")) is not None]
+        return sorted(rows, key=lambda r: r["step"])
+
+    def evals(self) -> list[tuple[float | None, float | None, dict[str, dict[str, Any]]]]:
+        """(step, tokens, {task: results}) of the evaluation rows of both files, in token order."""
+        out = []
+        for r in self.rows + self.eval_rows:
+            tasks = r.get("eval")
+            if isinstance(tasks, dict):
+                clean = {str(k): v for k, v in tasks.items() if isinstance(v, dict)}
+                tokens = number(r.get("tokens"))
+                step = number(r.get("step"))
+                out.append((step, tokens if tokens is not None else self.tokens_at(step), clean))
+        return sorted(out, key=lambda e: (e[1] is None, e[1] or 0.0))
+
+    def layer_stats(self, key: str = "grad_norms") -> list[tuple[float, dict[str, float]]]:
+        """(step, {parameter: value}) of the per-layer rows (``grad_norms``, ``update_ratios``), by step."""
+        out = []
+        for r in self.rows:
+            norms, step = r.get(key), number(r.get("step"))
+            if isinstance(norms, dict) and step is not None:
+                out.append((step, {str(k): v for k, v in norms.items() if number(v) is not None}))
+        return sorted(out, key=lambda e: e[0])
+
+    def tokens_at(self, step: float | None) -> float | None:
+        """Tokens seen at ``step``, interpolated from the rows that log both (events log only a step)."""
+        if step is None:
+            return None
+        xs, ys = self.series("step", "tokens")
+        if not xs:
+            return None
+        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+            if x0 <= step <= x1:
+                return y0 if x1 == x0 else y0 + (y1 - y0) * (step - x0) / (x1 - x0)
+        per_step = ys[-1] / xs[-1] if xs[-1] else None
+        return step * per_step if per_step is not None else None
+
+    # ---------------------------------------------------------------- side files
+    @property
+    def result(self) -> dict[str, Any]:
+        """The result summary of run.json (empty while a run is in progress or after a crash)."""
+        res = (self.record or {}).get("result")
+        return res if isinstance(res, dict) else {}
+
+    def flat_config(self) -> dict[str, Any]:
+        """config.yaml as ``section.key -> value``."""
+        return flatten(self.config or {})
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def read_jsonl(path: Path, warnings: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(rows, event rows) of a JSON Lines file; a bad line is a ReportError naming file and line.
+
+    The one exception: a last line with no newline that does not parse is a row being
+    written (a live run) or cut by a crash; it is left out with a warning."""
+    rows, events = [], []
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ReportError(f"{path}: cannot be read ({e.strerror or e})") from None
+    lines = data.split(b"\n")
+    for n, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            if n == len(lines):  # no newline after it: still being written, or cut short
+                warnings.append(f"{path}, line {n}: incomplete last line left out (a row being written, "
+                                "or cut by a crash)")
+                continue
+            snippet = raw[:80].decode("utf-8", "replace")
+            raise ReportError(f"{path}, line {n}: not a JSON object ({e}): {snippet!r}") from None
+        if not isinstance(row, dict):
+            raise ReportError(f"{path}, line {n}: expected a JSON object, got {type(row).__name__}")
+        (events if "event" in row else rows).append(row)
+    return rows, events
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ReportError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ReportError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _read_yaml(path: Path) -> dict[str, Any] | None:
+    if not path.is_file():
+        return None
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ReportError(f"{path}: not valid YAML ({e})") from None
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise ReportError(f"{path}: expected a mapping of config sections")
+    return data
+
+
+def load_run(path: str | Path) -> Run:
+    """Read the run directory at ``path`` (or the directory of a ``metrics.jsonl`` given directly)."""
+    path = Path(path).expanduser()
+    if path.is_file() and path.name == METRICS:
+        path = path.parent
+    if not path.exists():
+        raise ReportError(f"{path}: no such run directory")
+    if not path.is_dir():
+        raise ReportError(f"{path}: not a run directory (a file, not a directory)")
+    metrics = path / METRICS
+    if not metrics.is_file():
+        raise ReportError(f"{path}: not a run directory: no {METRICS} in it "
+                          "(flopwise train writes metrics.jsonl, config.yaml, plan.json and run.json there)")
+    warnings: list[str] = []
+    rows, events = read_jsonl(metrics, warnings)
+    eval_rows, _ = read_jsonl(path / EVALS, warnings) if (path / EVALS).is_file() else ([], [])
+    samples = path / "samples.txt"
+    try:
+        sample_text = samples.read_text(encoding="utf-8", errors="replace") if samples.is_file() else None
+    except OSError:
+        sample_text = None
+    return Run(path=path, rows=rows, events=events, plan=_read_json(path / "plan.json"),
+               preflight=_read_json(path / "preflight.json"), record=_read_json(path / "run.json"),
+               config=_read_yaml(path / "config.yaml"), samples=sample_text, eval_rows=eval_rows, warnings=warnings)
+
+
+def unique_names(paths: list[Path]) -> list[str]:
+    """Short names for runs: the directory name, with as many parents as it takes to tell them apart."""
+    parts = [p.resolve().parts for p in paths]
+    depth = 1
+    while True:
+        names = ["/".join(ps[-depth:]) for ps in parts]
+        if len(set(names)) == len(names) or depth >= max(len(ps) for ps in parts):
+            break
+        depth += 1
+    seen: dict[str, int] = {}
+    out = []
+    for name in names:  # the same directory given twice
+        seen[name] = seen.get(name, 0) + 1
+        out.append(name if seen[name] == 1 else f"{name} ({seen[name]})")
+    return out
+

@@ -1,0 +1,295 @@
+"""``flopwise report``: a self-contained HTML page (and PNGs) from run directories.
+
+Synthetic runs with every kind of row (validation, events, evaluation, step-time
+breakdown, per-layer gradient norms) and known plan/preflight numbers; a real tiny
+training run; the errors; and, where a Chromium is installed, a headless render."""
+
+import json
+import math
+import re
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from flopwise.report import ReportError, build_report
+from flopwise.report import png as png_out
+from flopwise.report.svg import LineChart, Series, fmt_tick, line_chart_svg, linear_ticks, log_ticks
+
+TOKENS_PER_STEP = 1024
+STEPS = 40
+ODD_NAME = 'run-b <&"x>'  # a run name that must be escaped everywhere
+
+
+def write_run(root, name, *, lr, cuda, resumed=False):
+    """A run directory as flopwise train (and the coming features) would write it, with
+    round numbers so the plan-vs-measured table can be checked exactly."""
+    d = root / name
+    d.mkdir()
+    rows = [{"step": 0, "tokens": 0, "loss": None, "lr": None, "grad_norm": None, "tok_per_s": None, "mfu": None,
+             "val_loss": 6.2, "val_ppl": math.exp(6.2), "val_bpb": 2.5}]
+    for step in range(5, STEPS + 1, 5):
+        elapsed = 0.25 * step + 0.24
+        if resumed:  # the process restarted after step 20: the clock starts again
+            elapsed = 0.25 * step + 2.0 if step <= 20 else 1.0 + 0.25 * (step - 20)
+        row = {"step": step, "tokens": step * TOKENS_PER_STEP, "loss": 6.0 - 0.05 * step + (0.1 if cuda else 0.0),
+               "lr": lr * min(1.0, step / 10), "grad_norm": 1.0 / (1 + step / 10) + (0.1 if cuda else 0.0),
+               "tok_per_s": 4000.0 if cuda else 3900.0 + step,
+               "step_time_s": 0.256, "mfu": 0.32, "mfu_6n": 0.29, "elapsed_s": elapsed,
+               "time_data_s": 0.010, "time_fwd_bwd_s": 0.200, "time_optim_s": 0.030, "time_log_s": 0.001}
+        if cuda:
+            row.update(mem_alloc_gb=1.5, mem_peak_gb=2.0 + step / 80, mem_reserved_gb=2.8)
+        else:
+            row.update(mem_rss_gb=0.5, mem_rss_peak_gb=0.6)
+        if step % 10 == 0:
+            row.update(val_loss=row["loss"] + 0.1, val_ppl=math.exp(row["loss"] + 0.1),
+                       val_bpb=2.5 - step / (40 if cuda else 30))
+        rows.append(row)
+        if step % 10 == 0:
+            rows.append({"step": step, "grad_norms": {f"layers.{i}.attn.wqkv.weight": 0.1 * (i + 1) / step
+                                                      for i in range(12)} | {"tok_emb.weight": 0.01}})
+        if step in (20, 40):
+            rows.append({"step": step, "tokens": step * TOKENS_PER_STEP, "eval": {
+                "arc_easy": {"acc": 0.26 + step / 1000, "acc_norm": 0.27 + step / (1000 if cuda else 500),
+                             "acc_token": 0.25,
+                             "stderr": {"acc": 0.01, "acc_norm": 0.01, "acc_token": 0.01}, "random": 0.25,
+                             "n": 500},
+                "hellaswag": {"acc": 0.25, "acc_norm": 0.26, "acc_token": 0.25, "acc_stderr": 0.02,
+                              "random": 0.25, "n": 200}}})
+    rows.insert(4, {"step": 17, "event": "loss_spike", "loss": 9.5, "ratio": 3.4})
+    rows.insert(6, {"step": 23, "event": "nonfinite", "loss": None, "grad_norm": None, "policy": "skip"})
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    tokens = STEPS * TOKENS_PER_STEP
+    # plan: 5,000 tok/s (5e9 FLOP/s / 1e6 FLOP/token), 40% MFU, 2.0 GiB, tokens / 5,000 s
+    (d / "plan.json").write_text(json.dumps({
+        "params": 1_000_000, "flops_per_token": 1e6, "effective_flops": 5e9, "mfu": 0.4, "memory_gb": 2.0,
+        "tokens": float(tokens), "hours": tokens / 5000 / 3600}))
+    (d / "preflight.json").write_text(json.dumps({"measured": {"tok_per_s": 4500.0, "mfu": 0.35},
+                                                  "memory_gb": 2.4}))
+    (d / "run.json").write_text(json.dumps({
+        "flopwise": "0.1.0", "python": "3.11.7", "torch": "2.13.0", "cuda": "12.8" if cuda else None,
+        "device": "cuda:0 (NVIDIA H100 80GB HBM3)" if cuda else "cpu (2 threads)",
+        "precision": "bf16" if cuda else "float32", "argv": ["flopwise", "train", f"optim.lr={lr}"],
+        "started": "2026-11-22T00:00:00",
+        "result": {"steps": STEPS, "tokens": tokens, "final_loss": 4.0, "val_loss_start": 6.2, "val_loss_end": 4.1,
+                   "uniform_loss": 6.238, "tok_per_s": 4000.0, "mfu": 0.32, "wall_time_s": 11.0, "stopped": None}}))
+    config = {"model": {"arch": "llama", "n_layers": 12, "d_model": 64, "n_heads": 4, "n_kv_heads": 2,
+                        "mlp": "swiglu", "ffn_hidden": 192, "vocab_size": 512, "attention": "sdpa"},
+              "optim": {"lr": lr, "warmup_steps": 10, "schedule": "cosine", "weight_decay": 0.1},
+              "train": {"run_dir": str(d), "seq_len": 64, "global_batch_size": 16, "micro_batch_size": 8,
+                        "max_steps": STEPS, "max_tokens": 0},
+              "data": {"path": "<script>alert(1)</script>"}, "preset": "tiny"}
+    (d / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    (d / "samples.txt").write_text("--- prompt 'def '\ndef f(x): return x < 1 && y\n")
+    return d
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    return [write_run(tmp_path, "run-a", lr=3e-3, cuda=True),
+            write_run(tmp_path, ODD_NAME, lr=1e-3, cuda=False, resumed=True)]
+
+
+def figures(html):
+    """{figure id: its <svg> element text}."""
+    out = {}
+    for m in re.finditer(r'<svg[^>]*data-figure="([^"]+)".*?</svg>', html, re.S):
+        assert m.group(1) not in out, f"figure {m.group(1)} twice"
+        out[m.group(1)] = m.group(0)
+    return out
+
+
+def comparison_cells(html):
+    """{(run, key, column): float or None} of the plan-vs-measured table."""
+    out = {}
+    for row in re.finditer(r'<tr data-run="([^"]*)" data-key="([^"]+)">(.*?)</tr>', html, re.S):
+        for col, value in re.findall(r'data-col="([^"]+)" data-value="([^"]*)"', row.group(3)):
+            out[(row.group(1), row.group(2), col)] = float(value) if value else None
+    return out
+
+
+def test_report_of_two_synthetic_runs(two_runs, tmp_path):
+    out = build_report(two_runs, out=tmp_path / "cmp.html")
+    assert out == tmp_path / "cmp.html"
+    html = out.read_text()
+
+    # self-contained: nothing fetched from elsewhere, no script
+    assert not re.search(r'(src|href)\s*=\s*["\']?\s*(https?:)?//', html, re.I)
+    assert "<script" not in html.lower() and "@import" not in html and "url(http" not in html
+
+    figs = figures(html)
+    expected = {"loss", "bpb", "throughput", "mfu", "memory", "lr", "grad_norm", "step_time",
+                "eval-0-arc_easy", "eval-1-hellaswag"}
+    layer_figs = {f for f in figs if f.startswith("layers-")}
+    assert set(figs) - layer_figs == expected
+    assert len(layer_figs) == 2 and all(f.endswith("-grad_norms") for f in layer_figs)
+    assert html.count("<svg") == len(figs)
+    escaped = 'run-b &lt;&amp;&quot;x&gt;'
+    for fid in expected:
+        for run in ("run-a", escaped):
+            assert f'data-run="{run}"' in figs[fid], (fid, run)
+    # the series of each run, in its own colour, and a legend naming them
+    assert 'data-series="run-a · train"' in figs["loss"] and f'data-series="{escaped} · val"' in figs["loss"]
+    assert figs["loss"].count('class="marker"') == 4  # two events in each run
+    assert "uniform ln V = 6.238" in figs["loss"]
+    assert "random 25.0%" in figs["eval-0-arc_easy"]
+    assert 'data-series="forward + backward"' in figs["step_time"] and 'data-series="other"' in figs["step_time"]
+    assert "run-a · RSS" not in figs["memory"] and f"{escaped} · RSS" in figs["memory"]
+
+    # escaping: run names and config values never appear raw
+    assert ODD_NAME not in html and escaped in html
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html  # data.path, shown as text
+
+    cells = comparison_cells(html)
+    a, b = "run-a", escaped
+    assert cells[(a, "tok_per_s", "plan")] == pytest.approx(5000.0)
+    assert cells[(a, "tok_per_s", "preflight")] == pytest.approx(4500.0)
+    assert cells[(a, "tok_per_s", "actual")] == pytest.approx(4000.0)
+    assert cells[(a, "tok_per_s", "plan_error")] == pytest.approx(-0.2)
+    assert cells[(a, "tok_per_s", "preflight_error")] == pytest.approx(4000 / 4500 - 1)
+    assert cells[(a, "mfu", "plan")] == pytest.approx(0.4) and cells[(a, "mfu", "plan_error")] == pytest.approx(-0.2)
+    assert cells[(a, "mfu", "preflight_error")] == pytest.approx(0.32 / 0.35 - 1)
+    assert cells[(a, "memory_gb", "actual")] == pytest.approx(2.5)  # max mem_peak_gb
+    assert cells[(a, "memory_gb", "plan_error")] == pytest.approx(0.25)
+    assert cells[(a, "memory_gb", "preflight_error")] == pytest.approx(2.5 / 2.4 - 1)
+    assert cells[(a, "wall_time_s", "plan")] == pytest.approx(STEPS * TOKENS_PER_STEP / 5000)
+    assert cells[(a, "wall_time_s", "actual")] == pytest.approx(10.24)  # last elapsed_s
+    assert cells[(a, "wall_time_s", "plan_error")] == pytest.approx(10.24 / 8.192 - 1)
+    # the CPU run: RSS is measured (not like for like), the clock restarted at the resume
+    assert cells[(b, "memory_gb", "actual")] == pytest.approx(0.6)
+    assert cells[(b, "wall_time_s", "actual")] == pytest.approx(7.0 + 6.0)
+    assert "+25.0%" in html and "-20.0%" in html
+
+    # the config diff names the differing key, not the run directory
+    diff = html[html.index('class="config-diff"'):]
+    assert 'data-key="optim.lr"' in diff and 'data-key="train.run_dir"' not in diff
+    # the events and evaluation tables
+    assert html.count("loss_spike") >= 2 and "nonfinite" in html and "policy skip" in html
+    assert re.search(r"<td>arc_easy</td>", html) and "30.0% ± 1.0" in html
+
+    if png_out.available():
+        pngs = sorted(p.name for p in (tmp_path / "cmp_figures").glob("*.png"))
+        assert pngs == sorted(f"{f}.png" for f in figs)
+        assert all((tmp_path / "cmp_figures" / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+        assert "PNG copies of the 12 figures" in html
+
+
+def test_png_figures_with_matplotlib(two_runs, tmp_path):
+    pytest.importorskip("matplotlib")
+    out = build_report(two_runs[:1])  # default place: <first run>/report.html
+    assert out == two_runs[0] / "report.html"
+    folder = two_runs[0] / "report_figures"
+    assert (folder / "loss.png").stat().st_size > 5000
+    (folder / "stale.png").write_bytes(b"x")  # a figure an earlier report had is removed
+    build_report(two_runs[:1])
+    assert not (folder / "stale.png").exists()
+
+
+def test_without_matplotlib_the_page_says_so(two_runs, tmp_path, monkeypatch):
+    monkeypatch.setattr(png_out, "available", lambda: False)
+    html = build_report(two_runs, out=tmp_path / "r.html").read_text()
+    assert "matplotlib is not installed" in html and not (tmp_path / "r_figures").exists()
+    html = build_report(two_runs, out=tmp_path / "s.html", png=False).read_text()
+    assert "PNG figures not requested" in html and not (tmp_path / "s_figures").exists()
+
+
+def test_report_of_a_real_tiny_run(tiny_overrides, tmp_path):
+    from flopwise.config import build_config
+    from flopwise.train.trainer import train
+
+    result = train(build_config(overrides=tiny_overrides + ["train.max_steps=12"]), log=lambda s: None)
+    out = build_report([result.run_dir], out=tmp_path / "tiny.html")
+    html = out.read_text()
+    figs = figures(html)
+    assert {"loss", "throughput", "memory", "lr", "grad_norm"} <= set(figs)
+    assert figs["loss"].count('class="series"') >= 2  # train and validation
+    cells = comparison_cells(html)
+    run = result.run_dir.name
+    assert cells[(run, "tok_per_s", "actual")] == pytest.approx(result.tok_per_s)
+    assert cells[(run, "memory_gb", "plan")] == pytest.approx(json.loads((result.run_dir / "plan.json").read_text())
+                                                              ["memory_gb"])
+    assert cells[(run, "memory_gb", "actual")] > 0
+    assert "completed" in html and "cpu" in html
+
+
+def test_errors_name_the_file_and_line(two_runs, tmp_path):
+    empty = tmp_path / "not-a-run"
+    empty.mkdir()
+    with pytest.raises(ReportError, match=r"not-a-run.*not a run directory.*metrics\.jsonl"):
+        build_report([empty])
+    with pytest.raises(ReportError, match="no such run directory"):
+        build_report([tmp_path / "missing"])
+    with pytest.raises(ReportError, match="no run directories"):
+        build_report([])
+
+    metrics = two_runs[0] / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    lines[2] = lines[2][: len(lines[2]) // 2]  # a line cut in half
+    metrics.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ReportError, match=r"run-a/metrics\.jsonl, line 3: not a JSON object"):
+        build_report(two_runs)
+    lines[2] = "[1, 2]"
+    metrics.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ReportError, match=r"metrics\.jsonl, line 3: expected a JSON object, got list"):
+        build_report(two_runs)
+    # a last line without its newline is a row being written: left out, with a note
+    metrics.write_text("\n".join(lines[:2] + lines[3:]) + '\n{"step": 41, "tok')
+    html = build_report(two_runs, out=tmp_path / "live.html", png=False).read_text()
+    assert f"line {len(lines)}: incomplete last line left out" in html
+    (two_runs[1] / "plan.json").write_text("{not json")
+    metrics.unlink()
+    with pytest.raises(ReportError, match="plan.json: not valid JSON"):
+        build_report(two_runs[1:])
+
+
+def test_in_progress_run_without_side_files(tmp_path):
+    d = tmp_path / "live"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text(
+        json.dumps({"step": 0, "tokens": 0, "val_loss": 5.0}) + "\n"
+        + json.dumps({"step": 1, "tokens": 100, "loss": 5.1, "lr": 1e-3, "grad_norm": float("nan"),
+                      "tok_per_s": 90.0, "mfu": None, "elapsed_s": 2.0}) + "\n\n")
+    html = build_report([d]).read_text()
+    assert "in progress or interrupted" in html and "no plan.json or preflight.json" in html
+    assert "loss" in figures(html)
+
+
+def test_ticks_and_numbers():
+    assert linear_ticks(0, 12288)[2] == [0, 2000, 4000, 6000, 8000, 10000, 12000, 14000]
+    lo, hi, ticks = linear_ticks(0.31, 0.77)
+    assert ticks[0] <= 0.31 and ticks[-1] >= 0.77 and all(round(t, 6) == t for t in ticks)
+    assert log_ticks(1e-4, 10)[2] == [1e-4, 1e-3, 1e-2, 1e-1, 1, 10]
+    lo, hi, ticks = log_ticks(3.2, 9.1)  # less than a decade: plain steps
+    assert lo <= 3.2 and hi >= 9.1 and ticks == [3, 4, 5, 6, 7, 8, 9, 10]
+    assert [fmt_tick(v) for v in (0, 1500, 2_000_000, 3e-4)] == ["0", "1.5K", "2M", "3e-4"]
+    assert fmt_tick(0.35, 0.05, percent=True) == "35%"
+
+
+def test_missing_values_break_the_line_and_labels_are_escaped():
+    chart = LineChart("c", "a <title>", "x & y", "y", [Series("s<1>", [0, 1, 2, 3, 4], [1, 2, None, 4, float("nan")],
+                                                                  "#000")])
+    svg = line_chart_svg(chart)
+    d = re.search(r' d="([^"]+)"', svg).group(1)
+    assert d.count("M") == 2  # (0,1)-(1,2), then (3,4) alone
+    assert svg.count("<circle") == 1  # the lone point is drawn as a dot
+    assert "a &lt;title&gt;" in svg and "x &amp; y" in svg and "s&lt;1&gt;" in svg and "<1>" not in svg
+
+
+CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on PATH (chromium, chromium-browser or google-chrome): "
+                                             "the headless render is not checked here")
+def test_headless_chromium_renders_the_page(two_runs, tmp_path):
+    out = build_report(two_runs, out=tmp_path / "page.html", png=False)
+    shot = tmp_path / "shot.png"
+    common = [CHROMIUM, "--headless", "--disable-gpu", "--no-sandbox", f"--user-data-dir={tmp_path / 'profile'}",
+              "--window-size=1200,3000"]
+    subprocess.run(common + [f"--screenshot={shot}", out.as_uri()], capture_output=True, timeout=180)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert shot.stat().st_size > 50_000  # charts and tables, not a blank page
+    dom = subprocess.run(common + ["--dump-dom", out.as_uri()], capture_output=True, text=True, timeout=180).stdout
+    assert len(re.findall(r'<svg[^>]*data-figure="', dom)) == 12
+    assert 'data-figure="loss"' in dom and 'id="plan-vs-actual"' in dom
