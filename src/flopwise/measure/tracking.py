@@ -91,7 +91,8 @@ class Tracker:
             if importlib.util.find_spec("wandb") is None:
                 raise ValueError("tracking.wandb=true but the wandb package is not installed (pip install wandb)")
             self.sinks.append(WandbSink(run_dir, tracking.wandb_project, tracking.wandb_mode, config, name))
-        self.names = [type(s).__name__.removesuffix("Sink") for s in self.sinks]
+        labels = {"JsonlSink": "metrics.jsonl", "TensorBoardSink": "TensorBoard", "WandbSink": "W&B"}
+        self.names = [labels[type(s).__name__] for s in self.sinks]
 
     def write(self, row: dict[str, Any]) -> None:
         for s in self.sinks:

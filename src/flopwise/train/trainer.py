@@ -281,7 +281,8 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
                  else "time n/a (no peak)")
     log(f"  plan       memory ≈ {plan['memory_gb']:.2f} GiB (model of params, grads, AdamW, activations)"
         f" · {predicted} · plan.json")
-    log(f"  tracking   {', '.join(sink.names)} · run.json (code {record['code']['git_commit'] or 'not in git'}"
+    commit = record["code"]["git_commit"]
+    log(f"  tracking   {', '.join(sink.names)} · run.json (code {commit[:12] if commit else 'not in git'}"
         f"{' + uncommitted changes' if record['code']['git_dirty'] else ''})")
     log(f"  optimizer  AdamW lr {o.lr:g} (warmup {o.warmup_steps}, {o.schedule}"
         f"{f' to {o.lr * o.min_lr_ratio:g}' if o.schedule == 'cosine' else ''}) · weight decay {o.weight_decay:g}"
