@@ -1,12 +1,62 @@
-"""AdamW with decoupled weight decay on 2-D weights only, and the learning-rate schedule."""
+"""Optimizers (AdamW, or Muon for hidden matrices + AdamW for the rest) and the step-based schedule.
+
+AdamW (``optim.name=adamw``): decoupled weight decay on matrices (2-D and up) only.
+
+Muon (``optim.name=muon``): the 2-D weight matrices inside the transformer blocks (the
+attention and MLP projections) are updated with the orthogonalised Nesterov momentum of
+Muon; everything else -- token embedding, position table, LM head, MoE router, norms,
+biases and the 3-D stacked MoE expert tensors -- stays on AdamW with its usual groups.
+Muon is torch's own ``torch.optim.Muon`` when the installed torch has it (with the same
+options as below), else :class:`FallbackMuon`, the same algorithm written here; the two
+keep the same state (``momentum_buffer``) and group keys, so checkpoints move between them.
+
+Muon learning rate: ``optim.muon_lr`` (default 0.02, as in Keller Jordan's write-up),
+scaled per matrix by ``sqrt(max(1, rows / cols))`` for a (rows=out, cols=in) weight --
+torch's ``adjust_lr_fn="original"``: the Newton-Schulz output has singular values ~1
+whatever the shape, so a matrix with more outputs than inputs gets a proportionally
+larger step to keep the per-output update comparable. Muon's weight decay
+(``optim.muon_weight_decay``) is decoupled like AdamW's: ``p *= 1 - lr * wd``.
+
+Both kinds of groups carry ``base_lr`` (their peak rate: ``muon_lr`` or ``lr``), so a
+schedule is applied with one multiplier, :func:`set_lr_factor`; a Muon run returns a
+:class:`CombinedOptimizer` with the usual ``step`` / ``zero_grad`` / ``state_dict`` /
+``load_state_dict`` / ``param_groups``.
+"""
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable, Iterable
 
 import torch
 
 from flopwise.config import OptimConfig
+from flopwise.train.schedule import shape_after_warmup, blend
+
+# Keller Jordan's quintic Newton-Schulz coefficients (steepest slope at 0; singular values
+# land in roughly [0.7, 1.2] after 5 steps rather than exactly 1, which trains as well).
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+NS_EPS = 1e-7
+
+# Wrapper modules that insert a component into parameter names (compile, DDP, FSDP1,
+# activation checkpointing); the Muon split looks through them.
+_WRAPPER_PARTS = frozenset({"_orig_mod", "module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+# ----------------------------------------------------------------------------- groups
+
+
+def _decay_groups(params: Iterable[torch.Tensor], weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for p in params:
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -14,46 +64,277 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
     Tied parameters appear once: ``named_parameters`` de-duplicates shared tensors.
     """
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
+    return _decay_groups((p for _, p in model.named_parameters()), weight_decay)
+
+
+def is_muon_param(name: str, p: torch.Tensor) -> bool:
+    """A 2-D hidden matrix: inside a block's attention or MLP, not the MoE router.
+
+    Embeddings and the head are left to AdamW (their rows are looked up or scored one
+    token at a time; Muon's argument is for maps between hidden spaces), as are norms,
+    biases and 3-D expert stacks (``torch.optim.Muon`` takes 2-D tensors only)."""
+    parts = [part for part in name.split(".") if part not in _WRAPPER_PARTS]
+    return (p.dim() == 2 and len(parts) > 2 and parts[0] == "layers"
+            and parts[2] in ("attn", "mlp") and "router" not in parts)
+
+
+def muon_split(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[tuple[str, torch.Tensor]]]:
+    """(parameters for Muon, named parameters for AdamW), trainable ones only, each once."""
+    muon, adamw = [], []
+    for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 else no_decay).append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+        if is_muon_param(name, p):
+            muon.append(p)
+        else:
+            adamw.append((name, p))
+    return muon, adamw
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+# ----------------------------------------------------------------------------- Muon
+
+
+def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+                  eps: float = NS_EPS, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """Approximately orthogonalise ``g`` (..., m, n): U S V^T -> U S' V^T with S' ~ 1.
+
+    The quintic iteration X <- a X + (b A + c A^2) X, A = X X^T, after scaling X to
+    Frobenius norm 1 (so the spectral norm is <= 1). It runs on the wide orientation
+    (m <= n) so that A is the small Gram matrix, in ``dtype`` (bf16: the iteration is
+    robust to its rounding, and bf16 matmuls are the fast ones on accelerators).
+    Leading dimensions are a batch. Returns ``g``'s dtype."""
+    a, b, c = coefficients
+    x = g.to(dtype)
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp_min(eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    if tall:
+        x = x.mT
+    return x.to(g.dtype)
+
+
+def muon_lr_scale(shape: torch.Size | tuple[int, ...]) -> float:
+    """``sqrt(max(1, rows / cols))`` for a (rows, cols) = (out, in) weight; torch's "original"."""
+    rows, cols = shape[-2], shape[-1]
+    return math.sqrt(max(1.0, rows / cols))
+
+
+class FallbackMuon(torch.optim.Optimizer):
+    """Muon for 2-D parameters, used when ``torch.optim`` has no ``Muon``.
+
+    Per step: buf <- mu buf + (1 - mu) g; update = (1 - mu) g + mu buf with Nesterov
+    (else buf); O = newton_schulz(update); p <- p (1 - lr wd) - lr * muon_lr_scale(p) * O.
+    The same algorithm, options, group keys and state as ``torch.optim.Muon`` (with
+    ``adjust_lr_fn="original"``), so a checkpoint loads into either."""
+
+    def __init__(self, params, lr: float = 0.02, weight_decay: float = 0.0, momentum: float = 0.95,
+                 nesterov: bool = True, ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+                 eps: float = NS_EPS, ns_steps: int = NS_STEPS, adjust_lr_fn: str | None = "original"):
+        if lr < 0 or weight_decay < 0 or momentum < 0:
+            raise ValueError("Muon lr, weight_decay and momentum must be >= 0")
+        if adjust_lr_fn not in (None, "original"):
+            raise ValueError(f"FallbackMuon supports adjust_lr_fn='original' only, got {adjust_lr_fn!r}")
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dim() != 2:
+                    raise ValueError(f"Muon takes 2-D parameters only, got shape {tuple(p.shape)}")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(g, 1 - mu)
+                update = g.lerp(buf, mu) if group["nesterov"] else buf
+                o = newton_schulz(update, group["ns_steps"], group["ns_coefficients"], group["eps"])
+                p.mul_(1 - lr * wd)
+                p.add_(o, alpha=-lr * muon_lr_scale(p.shape))
+        return loss
+
+
+def muon_class() -> type[torch.optim.Optimizer]:
+    """``torch.optim.Muon`` when present with the options used here, else :class:`FallbackMuon`."""
+    cls = getattr(torch.optim, "Muon", None)
+    if cls is not None:
+        accepted = inspect.signature(cls).parameters
+        if all(k in accepted for k in ("lr", "weight_decay", "momentum", "nesterov", "adjust_lr_fn")):
+            return cls
+    return FallbackMuon
+
+
+def make_muon(params: list[torch.Tensor], cfg: OptimConfig,
+              cls: type[torch.optim.Optimizer] | None = None) -> torch.optim.Optimizer:
+    """Muon over ``params`` from the config (Nesterov, 5 Newton-Schulz steps, "original" scaling)."""
+    cls = cls or muon_class()
+    opt = cls(params, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay, momentum=cfg.muon_momentum,
+              nesterov=True, adjust_lr_fn="original")
+    _keep_base_lr(opt, cfg.muon_lr)
+    return opt
+
+
+# ----------------------------------------------------------------------------- the optimizer
+
+
+class CombinedOptimizer:
+    """Several optimizers over disjoint parameters, driven as one (Muon + AdamW).
+
+    ``param_groups`` is the concatenation of the inner optimizers' groups (the same dicts,
+    so setting ``lr`` on them takes effect); the state dict holds each inner state dict
+    under its name. Duck-typed like ``torch.optim.Optimizer`` for what the training loop
+    and ``torch.amp.GradScaler`` use (``param_groups``, ``step``, ``zero_grad``)."""
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
+        if not optimizers:
+            raise ValueError("CombinedOptimizer needs at least one optimizer")
+        self.optimizers = dict(optimizers)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers.values() for g in opt.param_groups]
+
+    @property
+    def state(self) -> dict:
+        """Per-parameter state of all inner optimizers (a merged, read-only copy)."""
+        merged: dict = {}
+        for opt in self.optimizers.values():
+            merged.update(opt.state)
+        return merged
+
+    def step(self, closure: Callable[[], torch.Tensor] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()  # once: each inner step would otherwise re-run forward/backward
+        for opt in self.optimizers.values():
+            opt.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"optimizers": {name: opt.state_dict() for name, opt in self.optimizers.items()}}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict.get("optimizers") if isinstance(state_dict, dict) else None
+        if not isinstance(saved, dict) or set(saved) != set(self.optimizers):
+            have = sorted(saved) if isinstance(saved, dict) else "a single optimizer's state"
+            raise ValueError(f"optimizer state holds {have}, this run uses {sorted(self.optimizers)} "
+                             "(was optim.name changed since the checkpoint?)")
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(saved[name])
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{name}={type(opt).__name__}" for name, opt in self.optimizers.items())
+        return f"CombinedOptimizer({inner})"
+
+
+def _keep_base_lr(opt: torch.optim.Optimizer, base_lr: float) -> None:
+    """Record each group's peak rate as ``base_lr``, and restore it after ``load_state_dict``.
+
+    Loading replaces the groups by the saved ones; the configured rate wins over the
+    saved one (as the schedule always did: the rate is recomputed from the config each
+    step), and a checkpoint written before ``base_lr`` existed still loads."""
+    for g in opt.param_groups:
+        g["base_lr"] = base_lr
+
+    def restore(optimizer: torch.optim.Optimizer) -> None:
+        for g in optimizer.param_groups:
+            g["base_lr"] = base_lr
+
+    opt.register_load_state_dict_post_hook(restore)
+
+
+def _adamw(groups: list[dict], cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW; the fused kernel on CUDA by default (one launch for all parameters)."""
     fused = device.type == "cuda" if cfg.fused == "auto" else cfg.fused == "true"
     kwargs = {"fused": True} if fused else {"foreach": device.type == "cuda"}
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay),
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        **kwargs,
-    )
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
+    _keep_base_lr(opt, cfg.lr)
+    return opt
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig,
+                    device: torch.device) -> torch.optim.AdamW | CombinedOptimizer:
+    """AdamW (``cfg.name == "adamw"``), or Muon + AdamW as one :class:`CombinedOptimizer`."""
+    name = getattr(cfg, "name", "adamw")
+    if name == "adamw":
+        return _adamw(param_groups(model, cfg.weight_decay), cfg, device)
+    if name != "muon":
+        raise ValueError(f"optim.name {name!r}: choose adamw or muon")
+    hidden, rest = muon_split(model)
+    optimizers: dict[str, torch.optim.Optimizer] = {}
+    if hidden:
+        optimizers["muon"] = make_muon(hidden, cfg)
+    optimizers["adamw"] = _adamw(_decay_groups((p for _, p in rest), cfg.weight_decay), cfg, device)
+    return CombinedOptimizer(optimizers)
+
+
+def describe_optimizer(optimizer) -> str:
+    """One line for the run log: which optimizer takes how many parameters at which peak rate."""
+    parts = []
+    inner = optimizer.optimizers if isinstance(optimizer, CombinedOptimizer) else {"adamw": optimizer}
+    for opt in inner.values():
+        n = sum(p.numel() for g in opt.param_groups for p in g["params"])
+        lr = opt.param_groups[0].get("base_lr", opt.defaults.get("lr"))
+        extra = ""
+        if "momentum" in opt.defaults and "nesterov" in opt.defaults:
+            extra = (f" (momentum {opt.defaults['momentum']:g}{', Nesterov' if opt.defaults['nesterov'] else ''}, "
+                     f"{opt.defaults['ns_steps']} Newton-Schulz steps, lr x sqrt(max(1, out/in)))")
+        parts.append(f"{type(opt).__name__} lr {lr:g}{extra} for {n:,} parameters")
+    return " · ".join(parts)
+
+
+# ----------------------------------------------------------------------------- learning rate
 
 
 def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
     """Learning rate for optimizer step ``step`` (0-based) of ``total_steps``.
 
     Linear warm-up from lr/warmup to lr over ``warmup_steps``, then cosine decay to
-    ``lr * min_lr_ratio`` at the last step (or constant at lr).
+    ``lr * min_lr_ratio`` at the last step, constant at lr, or WSD: lr until the final
+    ``decay_fraction`` of the steps, then ``decay_shape`` to the floor at the last step.
+    The shapes are those of :func:`flopwise.train.schedule.lr_factor`, in steps.
     """
     if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.schedule == "constant":
-        return cfg.lr
-    decay_steps = max(total_steps - cfg.warmup_steps - 1, 1)
-    progress = min(max(step - cfg.warmup_steps, 0) / decay_steps, 1.0)
-    floor = cfg.lr * cfg.min_lr_ratio
-    return floor + 0.5 * (cfg.lr - floor) * (1.0 + math.cos(math.pi * progress))
+    # Steps 0 .. total_steps - 1; cosine spans warm-up end .. last step (at least one step).
+    end = cfg.warmup_steps + max(total_steps - cfg.warmup_steps - 1, 1)
+    if cfg.schedule == "wsd":
+        end = max(total_steps - 1, cfg.warmup_steps)
+    return blend(cfg.lr, cfg.min_lr_ratio, shape_after_warmup(step, cfg.warmup_steps, end, cfg))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Every group to ``lr`` (plain AdamW). A Muon run has two peak rates: use :func:`set_lr_factor`."""
+    if isinstance(optimizer, CombinedOptimizer):
+        raise TypeError("set_lr would give Muon and AdamW groups the same rate; use set_lr_factor")
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def set_lr_factor(optimizer, factor: float) -> None:
+    """Every group's ``lr`` to its own ``base_lr * factor`` (the schedule's multiplier)."""
+    for group in optimizer.param_groups:
+        if "base_lr" not in group:
+            raise KeyError("a parameter group has no base_lr: build the optimizer with build_optimizer")
+        group["lr"] = group["base_lr"] * factor

@@ -1,0 +1,163 @@
+"""Learning-rate schedules as functions of progress, and the batch-size warm-up.
+
+Learning rate
+-------------
+:func:`lr_factor` gives the multiplier of the peak learning rate for a *progress* in
+[0, 1] -- the fraction of the run's budget done, whatever the budget counts: optimizer
+steps, tokens, or wall-clock seconds (:func:`time_progress`). One function serves all
+three, so a run limited by tokens or by time follows the same shape as one limited by
+steps. Convention: pass the progress at the *end* of the step being taken (``(step + 1)
+/ total_steps``, tokens after the step / total tokens), so the first step gets a small
+but non-zero rate and the last one gets exactly the floor.
+
+- warm-up: linear from 0 to 1 over ``warmup_fraction`` of the run (all schedules);
+- ``constant``: 1 after warm-up;
+- ``cosine``: half a cosine from 1 after warm-up to ``min_lr_ratio`` at progress 1;
+- ``wsd`` (warmup-stable-decay): 1 until ``1 - decay_fraction``, then ``decay_shape``
+  (``linear``, ``cosine`` or ``sqrt`` = 1 - sqrt(x)) down to ``min_lr_ratio`` at 1.
+
+WSD needs no total length until the decay begins, which is what makes it fit a
+wall-clock budget: with progress = elapsed / budget the decay starts at
+``(1 - decay_fraction) * budget`` (:func:`wsd_decay_start`) and reaches the floor exactly
+when the budget is spent, so a run that stops on time stops with its decay finished.
+
+Batch-size warm-up
+------------------
+:func:`accum_at` ramps gradient accumulation (hence the global batch) linearly in tokens
+from ``start_accum`` to ``full_accum`` over the first ``ramp_tokens`` tokens, as
+DeepSeek-V3 ramped its batch over its first tokens: small batches are as good per token
+early on, when the gradient noise scale is small, and cost fewer tokens per update.
+:func:`ramp_plan` lays out the whole run in advance (steps and accumulation per step).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+SCHEDULES = ("cosine", "constant", "wsd")
+DECAY_SHAPES = ("linear", "cosine", "sqrt")
+
+
+def decay_curve(x: float, shape: str) -> float:
+    """The decay from 1 (x = 0) to 0 (x = 1): ``linear`` 1 - x, ``cosine`` (1 + cos(pi x)) / 2,
+    ``sqrt`` 1 - sqrt(x) (fast drop first, the shape of several WSD papers' cool-downs)."""
+    x = min(max(x, 0.0), 1.0)
+    if shape == "linear":
+        return 1.0 - x
+    if shape == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * x))
+    if shape == "sqrt":
+        return 1.0 - math.sqrt(x)
+    raise ValueError(f"decay shape {shape!r}: choose {', '.join(DECAY_SHAPES)}")
+
+
+def wsd_decay_start(total: float, decay_fraction: float) -> float:
+    """Where a WSD decay begins, in the units of ``total`` (steps, tokens or seconds).
+
+    For a wall-clock budget: ``wsd_decay_start(budget_s, f)`` seconds into the run the
+    rate starts to fall, and it reaches the floor at ``budget_s``
+    (``lr_factor(time_progress(elapsed, budget_s), ...)``)."""
+    return total * (1.0 - min(max(decay_fraction, 0.0), 1.0))
+
+
+def time_progress(elapsed_s: float, budget_s: float, step_s: float = 0.0) -> float:
+    """Progress of a run fitted to a wall-clock budget: ``(elapsed + step) / budget`` in [0, 1].
+
+    ``step_s`` (e.g. the running mean step time) evaluates the progress at the *expected end*
+    of the step about to run, the same end-of-step convention as for steps and tokens: the
+    last step that fits in the budget then gets the floor rate. The trainer stops when the
+    next step would not fit (``elapsed + step_s > budget_s``); the budget should exclude
+    what is spent after the loop (final evaluation, checkpoint)."""
+    if budget_s <= 0:
+        raise ValueError(f"budget_s must be > 0, got {budget_s}")
+    return min(max((elapsed_s + step_s) / budget_s, 0.0), 1.0)
+
+
+def shape_after_warmup(pos: float, warmup_end: float, end: float, cfg) -> float | None:
+    """Shape after warm-up, 1 (peak) to 0 (floor), at ``pos`` of a run spanning [0, ``end``];
+    ``None`` in a stable phase (constant, WSD before its decay): exactly the peak.
+
+    Unit-free (steps, or fractions of the run) so that :func:`lr_factor` and the step-based
+    ``optim.lr_at`` share it; cosine spans [warmup_end, end], a WSD decay the final
+    ``decay_fraction`` of [0, end] (never starting inside the warm-up)."""
+    if cfg.schedule == "constant":
+        return None
+    if cfg.schedule == "cosine":
+        if end <= warmup_end:
+            return 0.0
+        progress = min(max(pos - warmup_end, 0) / (end - warmup_end), 1.0)
+        return decay_curve(progress, "cosine")
+    if cfg.schedule == "wsd":
+        start = max(wsd_decay_start(end, cfg.decay_fraction), warmup_end)
+        if pos <= start or end <= start:
+            return None
+        return decay_curve((pos - start) / (end - start), cfg.decay_shape)
+    raise ValueError(f"schedule {cfg.schedule!r}: choose {', '.join(SCHEDULES)}")
+
+
+def blend(peak: float, min_ratio: float, shape: float | None) -> float:
+    """``peak`` at shape 1, ``peak * min_ratio`` at shape 0, linear in between; ``None``
+    (a stable phase) returns ``peak`` itself, not ``floor + (peak - floor)``, one rounding away."""
+    if shape is None:
+        return peak
+    floor = peak * min_ratio
+    return floor + (peak - floor) * shape
+
+
+def lr_factor(progress: float, cfg, warmup_fraction: float) -> float:
+    """Multiplier of the peak rate at ``progress`` in [0, 1] (clamped) of the run.
+
+    ``cfg`` needs ``schedule``, ``min_lr_ratio`` and, for WSD, ``decay_fraction`` and
+    ``decay_shape``. Warm-up: ``progress / warmup_fraction`` while below it (from ~0);
+    afterwards in [min_lr_ratio, 1], exactly ``min_lr_ratio`` at progress 1 for cosine
+    and WSD. For a step-driven run ``warmup_fraction = warmup_steps / total_steps``."""
+    progress = min(max(progress, 0.0), 1.0)
+    if warmup_fraction > 0 and progress < warmup_fraction:
+        return progress / warmup_fraction
+    return blend(1.0, cfg.min_lr_ratio, shape_after_warmup(progress, min(warmup_fraction, 1.0), 1.0, cfg))
+
+
+def accum_at(tokens_seen: int, full_accum: int, ramp_tokens: int, start_accum: int = 1) -> int:
+    """Micro-batches to accumulate for the step that starts after ``tokens_seen`` tokens.
+
+    Linear in tokens from ``start_accum`` (at 0) to ``full_accum`` (from ``ramp_tokens``
+    on): each accumulation level lasts ``ramp_tokens / (full - start)`` tokens. Integer,
+    non-decreasing; ``ramp_tokens <= 0`` means no ramp."""
+    start = min(max(start_accum, 1), full_accum)
+    if ramp_tokens <= 0 or tokens_seen >= ramp_tokens:
+        return full_accum
+    return start + (full_accum - start) * max(tokens_seen, 0) // ramp_tokens
+
+
+class RampPlan(NamedTuple):
+    """A run laid out in advance: ``steps`` optimizer steps, ``accums[i]`` micro-batches in step i."""
+
+    steps: int
+    accums: list[int]
+
+
+def ramp_plan(total_tokens: int, micro_batch_tokens: int, full_accum: int, ramp_tokens: int,
+              start_accum: int = 1) -> RampPlan:
+    """Steps and per-step accumulation to consume ``total_tokens`` with a batch ramp.
+
+    ``micro_batch_tokens`` is the tokens of one accumulation step across all ranks
+    (micro_batch_size x seq_len x world size). The last step takes only the micro-batches
+    still needed, so ``sum(accums) * micro_batch_tokens`` equals ``total_tokens`` rounded up
+    to a whole micro-batch (the step's own token count must be passed to the loss). Without
+    a ramp the step count equals ``ceil(total / (full_accum * micro_batch_tokens))``."""
+    if micro_batch_tokens <= 0 or full_accum <= 0:
+        raise ValueError("micro_batch_tokens and full_accum must be > 0")
+    remaining = -(-max(total_tokens, 0) // micro_batch_tokens)  # micro-batches still to run
+    accums: list[int] = []
+    tokens = 0
+    while remaining > 0 and 0 < ramp_tokens and tokens < ramp_tokens:
+        a = min(accum_at(tokens, full_accum, ramp_tokens, start_accum), remaining)
+        accums.append(a)
+        remaining -= a
+        tokens += a * micro_batch_tokens
+    full_steps, rest = divmod(remaining, full_accum)  # after the ramp: full batches, then the rest
+    accums.extend([full_accum] * full_steps)
+    if rest:
+        accums.append(rest)
+    return RampPlan(len(accums), accums)
