@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--strict", action="store_true",
                    help="fail instead of falling back when model.attention names an unavailable backend")
+    p.add_argument("--explain", action="store_true",
+                   help="report torch.compile graphs and graph breaks (with reasons) for one micro-batch, then exit")
     p.add_argument("--fresh", action="store_true",
                    help="start over in a run directory that holds a run (the old one is renamed aside) "
                         "instead of resuming it")
@@ -182,6 +184,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from flopwise.train.checkpoint import CheckpointError
     from flopwise.train.stopping import NonFiniteError
 
+    if args.explain:
+        from flopwise.train.trainer import explain_run
+
+        explain_run(cfg, log=lambda s: print(s, flush=True))
+        return 0
     try:
         train(cfg, log=lambda s: print(s, flush=True), fresh=args.fresh)
     except NonFiniteError as e:

@@ -164,13 +164,20 @@ class OptimConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 20
-    schedule: str = "cosine"  # cosine | constant (after warmup)
+    schedule: str = "cosine"  # cosine | constant | wsd (warmup-stable-decay), after warmup
     weight_decay: float = 0.1  # applied to 2-D weights only
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
     fused: str = "auto"  # auto (fused AdamW on CUDA) | true | false
+    name: str = "adamw"  # adamw | muon (Muon for 2-D hidden weights, AdamW for the rest)
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
+    decay_fraction: float = 0.2  # schedule=wsd: the final fraction of the run spent decaying
+    decay_shape: str = "linear"  # schedule=wsd: linear | cosine | sqrt
+    fit_to_time: bool = False  # schedule=wsd with train.max_hours: the decay ends as the time budget does
 
 
 @dataclass
@@ -192,6 +199,21 @@ class TrainConfig:
     nonfinite: str = "stop"  # non-finite loss or gradients: stop | skip (the update) | rollback (to the last checkpoint)
     nonfinite_patience: int = 3  # skips or rollbacks in a row before the run stops anyway
     spike_factor: float = 3.0  # a loss above this x its running mean is logged as an event; 0 = off
+    # Throughput (see README "Throughput"): wrappers applied in a fixed order, checkpointing -> compile.
+    compile: str = "off"  # off | model | blocks (each transformer block compiled on its own)
+    compile_mode: str = "default"  # default | reduce-overhead (CUDA graphs) | max-autotune
+    activation_checkpointing: str = "none"  # none | full (every block) | selective (every k-th block)
+    checkpoint_every_k: int = 2  # selective: blocks 0, k, 2k, ... are recomputed in backward
+    loss: str = "auto"  # auto | plain | chunked (LM head + loss in chunks, no full logits) | fused (kernel)
+    loss_chunk_tokens: int = 1024  # rows per chunk of the chunked loss (fastest and smallest on CPU here)
+    fp8: bool = False  # float8 linear layers through torchao (Hopper or newer); never on by itself
+    batch_ramp_tokens: int = 0  # ramp gradient accumulation from batch_ramp_start to full over these tokens
+    batch_ramp_start: int = 1  # accumulation steps at the start of the ramp
+    profile: bool = False  # torch.profiler around profile_steps, TensorBoard traces in RUN/profile
+    profile_wait: int = 5
+    profile_warmup: int = 2
+    profile_active: int = 3
+    nvtx: bool = False  # NVTX ranges around data, forward/backward, optimizer (Nsight Systems)
     warmup_log_steps: int = 3  # first steps excluded from throughput averages
     peak_tflops: float = 0.0  # dense peak of one device for MFU; 0 = from the hardware table
 
@@ -549,8 +571,25 @@ def validate(cfg: RunConfig) -> list[str]:
         )
     if t.max_steps <= 0 and t.max_tokens <= 0:
         p.append("set train.max_steps or train.max_tokens (both are 0)")
-    if t.precision not in ("auto", "bf16", "float32"):
-        p.append(f"train.precision {t.precision!r}: choose auto, bf16 or float32")
+    if t.precision not in ("auto", "bf16", "bf16-pure", "fp16", "float32"):
+        p.append(f"train.precision {t.precision!r}: choose auto, bf16 (autocast), bf16-pure, fp16 or float32")
+    if t.compile == "false":  # YAML reads a bare `off` as false
+        t.compile = "off"
+    for name, choices in (("compile", ("off", "model", "blocks")),
+                          ("compile_mode", ("default", "reduce-overhead", "max-autotune")),
+                          ("activation_checkpointing", ("none", "full", "selective")),
+                          ("loss", ("auto", "plain", "chunked", "fused"))):
+        if getattr(t, name) not in choices:
+            p.append(f"train.{name} {getattr(t, name)!r}: choose {', '.join(choices)}")
+    for name in ("checkpoint_every_k", "loss_chunk_tokens", "batch_ramp_start", "profile_active"):
+        positive("train", name, getattr(t, name))
+    for name in ("batch_ramp_tokens", "profile_wait", "profile_warmup"):
+        positive("train", name, getattr(t, name), allow_zero=True)
+    if t.batch_ramp_tokens and t.batch_ramp_start > cfg.grad_accum_steps() > 0:
+        p.append(f"train.batch_ramp_start ({t.batch_ramp_start}) exceeds the accumulation steps of the full batch "
+                 f"({cfg.grad_accum_steps()})")
+    if t.batch_ramp_tokens and t.max_tokens <= 0:
+        p.append("train.batch_ramp_tokens needs train.max_tokens (steps vary in size during the ramp)")
     if not (t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:")):
         p.append(f"train.device {t.device!r}: choose auto, cpu, cuda or cuda:N")
 
@@ -564,8 +603,19 @@ def validate(cfg: RunConfig) -> list[str]:
         if not 0 <= getattr(o, name) < 1:
             p.append(f"optim.{name} must be in [0, 1), got {getattr(o, name)}")
     positive("optim", "eps", o.eps)
-    if o.schedule not in ("cosine", "constant"):
-        p.append(f"optim.schedule {o.schedule!r}: choose cosine or constant")
+    if o.schedule not in ("cosine", "constant", "wsd"):
+        p.append(f"optim.schedule {o.schedule!r}: choose cosine, constant or wsd")
+    if o.name not in ("adamw", "muon"):
+        p.append(f"optim.name {o.name!r}: choose adamw or muon")
+    if not 0 < o.decay_fraction <= 1:
+        p.append(f"optim.decay_fraction must be in (0, 1], got {o.decay_fraction}")
+    if o.decay_shape not in ("linear", "cosine", "sqrt"):
+        p.append(f"optim.decay_shape {o.decay_shape!r}: choose linear, cosine or sqrt")
+    if o.fit_to_time and (o.schedule != "wsd" or t.max_hours <= 0):
+        p.append("optim.fit_to_time needs optim.schedule=wsd and train.max_hours > 0")
+    positive("optim", "muon_lr", o.muon_lr)
+    if not 0 <= o.muon_momentum < 1:
+        p.append(f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}")
     if o.fused not in ("auto", "true", "false"):
         p.append(f"optim.fused {o.fused!r}: choose auto, true or false")
 

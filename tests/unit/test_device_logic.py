@@ -12,7 +12,7 @@ def test_auto_precision_is_float32_on_cpu():
     assert trainer.resolve_precision("bf16", torch.device("cpu")) == ("bf16", torch.bfloat16)
 
 
-@pytest.mark.parametrize("bf16_ok, expected", [(True, ("bf16", torch.bfloat16)), (False, ("float32", None))])
+@pytest.mark.parametrize("bf16_ok, expected", [(True, ("bf16", torch.bfloat16)), (False, ("fp16", torch.float16))])
 def test_auto_precision_on_cuda_follows_bf16_support(monkeypatch, bf16_ok, expected):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16_ok)
     assert trainer.resolve_precision("auto", torch.device("cuda")) == expected

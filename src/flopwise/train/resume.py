@@ -23,7 +23,8 @@ from flopwise.train.checkpoint import latest_checkpoint
 # training-only knobs. Every other model field shapes the weights or their meaning.
 RESUMABLE_MODEL_FIELDS = {"attention", "attention_strict", "doc_mask", "hf_config", "init_std",
                           "moe_aux_loss_coef", "moe_z_loss_coef"}
-BREAKING_FIELDS = (("train", "seq_len"), ("train", "global_batch_size"), ("data", "loader"))
+BREAKING_FIELDS = (("train", "seq_len"), ("train", "global_batch_size"), ("data", "loader"), ("optim", "name"),
+                   ("train", "batch_ramp_tokens"), ("train", "batch_ramp_start"))
 
 
 @dataclass

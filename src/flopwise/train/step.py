@@ -24,11 +24,42 @@ def loss_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -1
     )
 
 
+def make_loss_fn(model: torch.nn.Module, impl: str = "plain", chunk_tokens: int = 4096,
+                 compile_mode: str | None = None) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    """``fn(x, y, doc_ids) -> (sum of token losses, weighted aux loss or None)`` for ``model``.
+
+    ``impl``: ``plain`` -- logits (B, T, V) then float32 cross-entropy; ``chunked`` -- the LM
+    head and the loss over chunks of ``chunk_tokens`` rows, never holding the whole logits
+    (``train/losses.py``); ``fused`` -- a fused linear+CE kernel where one is installed.
+    ``compile_mode`` (not None) compiles the whole function: forward, head and loss in one graph.
+    """
+    moe = bool(getattr(getattr(model, "cfg", None), "is_moe", False))
+
+    def loss_fn(x: torch.Tensor, y: torch.Tensor, doc_ids: torch.Tensor | None = None):
+        if impl == "plain":
+            s = loss_sum(model(x, doc_ids) if doc_ids is not None else model(x), y)
+        else:
+            from flopwise.train.losses import linear_cross_entropy
+
+            hidden = model.forward_hidden(x, doc_ids)  # (B, T, D)
+            # The backward follows at once, so computing the gradients during the forward
+            # costs no extra peak memory and saves recomputing the logits (~20% of the loss).
+            s = linear_cross_entropy(hidden.flatten(0, 1), model.head_weight, y.reshape(-1), impl=impl,
+                                     chunk_tokens=chunk_tokens, grads_in_forward=torch.is_grad_enabled())
+        return s, (model.aux_loss if moe else None)
+
+    if compile_mode is not None:
+        return torch.compile(loss_fn, **({} if compile_mode == "default" else {"mode": compile_mode}))
+    return loss_fn
+
+
 def forward_backward(
     model: torch.nn.Module,
     micro_batches: Iterable[tuple[torch.Tensor, ...]],
     step_tokens: int,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+    scaler: "torch.amp.GradScaler | None" = None,
 ) -> torch.Tensor:
     """Accumulate gradients over ``micro_batches``; return the step's mean loss (detached).
 
@@ -36,22 +67,22 @@ def forward_backward(
     from the batch geometry, so each backward can be issued as soon as its micro-batch
     is done without holding activations for the others. A micro-batch is ``(x, y)`` or
     ``(x, y, doc_ids)``. The returned loss is the language-model loss only (a model's
-    ``aux_loss`` is trained on, not reported in it).
+    aux loss -- MoE load balance -- is trained on, not reported in it). ``loss_fn`` is
+    :func:`make_loss_fn`'s (default: the plain one); ``scaler`` scales fp16 losses.
     """
+    loss_fn = loss_fn or make_loss_fn(model)
     total = None
     for batch in micro_batches:
         x, y = batch[0], batch[1]
         doc_ids = batch[2] if len(batch) > 2 else None  # per-document attention (model.doc_mask)
         with autocast():
-            logits = model(x) if doc_ids is None else model(x, doc_ids)
-        s = loss_sum(logits, y)
+            s, aux = loss_fn(x, y, doc_ids)
         loss = s / step_tokens
-        aux = getattr(model, "aux_loss", None)
         if aux is not None:
             # MoE: the weighted load-balance (+ z) loss of this micro-batch. Its weight is per
             # micro-batch, so each adds aux * its share of the step's tokens.
             loss = loss + aux * (y.numel() / step_tokens)
-        loss.backward()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
         total = s.detach() if total is None else total + s.detach()
     assert total is not None, "a step needs at least one micro-batch"
     return total / step_tokens

@@ -39,9 +39,14 @@ from flopwise.plan import hardware
 from flopwise.plan.budget import plan_for_run
 from flopwise.plan.flops import flops_per_token, param_counts
 from flopwise.train.checkpoint import apply_retention, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from flopwise.train.optim import build_optimizer, lr_at, set_lr
+from flopwise.train.optim import CombinedOptimizer, build_optimizer, describe_optimizer, lr_at, set_lr, set_lr_factor
+from flopwise.train.schedule import lr_factor, ramp_plan, time_progress
 from flopwise.train.resume import start_run, truncate_metrics
-from flopwise.train.step import forward_backward
+from flopwise.train.precision import MasterWeights, apply_fp8
+from flopwise.train.precision import resolve as resolve_precision_full
+from flopwise.train.step import forward_backward, make_loss_fn
+from flopwise.train.timing import StepTimer, format_breakdown, nvtx, profiler
+from flopwise.train.wrap import RecompileWatch, wrap_model
 from flopwise.train.stopping import Deadline, NonFiniteError, NonFiniteGuard, SignalStop  # noqa: F401
 
 Log = Callable[[str], None]
@@ -81,9 +86,8 @@ def resolve_precision(precision: str, device: torch.device) -> tuple[str, torch.
     On a CPU without bf16 matrix units, bf16 matmuls are tens of times slower than
     float32, so ``auto`` keeps float32 there; ``bf16`` can still be asked for.
     """
-    if precision == "auto":
-        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
-    return precision, (torch.bfloat16 if precision == "bf16" else None)
+    p = resolve_precision_full(precision, device)
+    return p.name, p.autocast_dtype
 
 
 def autocast_factory(device: torch.device, dtype: torch.dtype | None):
@@ -108,7 +112,8 @@ def device_peak(device: torch.device, precision: str, user_tflops: float) -> tup
     if device.type != "cuda":
         return None, "no peak for CPUs (set train.peak_tflops for MFU)"
     name = torch.cuda.get_device_name(device)
-    key = precision if precision == "bf16" else ("tf32" if tf32_matmuls_allowed() else "fp32")
+    key = {"bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16"}.get(
+        precision, "tf32" if tf32_matmuls_allowed() else "fp32")
     peak = hardware.peak_tflops(name, key)
     if peak is None:
         return None, f"{name!r} not in the hardware table (set train.peak_tflops for MFU)"
@@ -195,7 +200,8 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
     """Train ``cfg`` in ``train.run_dir``: a new run, or the resumption of the run there."""
     t_start = time.perf_counter()
     device = resolve_device(cfg.train.device)
-    precision, amp_dtype = resolve_precision(cfg.train.precision, device)
+    prec = resolve_precision_full(cfg.train.precision, device)
+    precision, amp_dtype = prec.name, prec.autocast_dtype
     autocast = autocast_factory(device, amp_dtype)
     start = start_run(cfg, fresh)
     run_dir = start.run_dir
@@ -205,6 +211,11 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
     total_steps = cfg.total_steps()
     accum = cfg.grad_accum_steps()
     step_tokens = cfg.tokens_per_step
+    micro_tokens = t.micro_batch_size * t.seq_len
+    ramp = None
+    if t.batch_ramp_tokens:  # steps grow from batch_ramp_start micro-batches to the full batch
+        ramp = ramp_plan(t.max_tokens, micro_tokens, accum, t.batch_ramp_tokens, t.batch_ramp_start)
+        total_steps = ramp.steps if not t.max_steps else min(ramp.steps, t.max_steps)
     counts = param_counts(m)
     fpt = flops_per_token(m, t.seq_len)
     peak, peak_note = device_peak(device, precision, t.peak_tflops)
@@ -219,15 +230,28 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
     val_windows = fixed_windows(data, "val", t.seq_len, e.batches * t.micro_batch_size)
     torch.manual_seed(t.seed)
     model = build_model(m, device=device, seed=t.seed)
-    attention_notes = configure_attention(model, device, amp_dtype or model.tok_emb.weight.dtype)
     if m.hf_config and start.checkpoint is None:
         init_note = load_hf_init(model, m.hf_config)
-    optimizer = build_optimizer(model, o, device)
+    speed_notes = [apply_fp8(model, device)] if t.fp8 else []
+    master = MasterWeights(model) if precision == "bf16-pure" else None
+    state_model = master.master if master else model  # what the optimizer steps and checkpoints hold (fp32)
+    attention_notes = configure_attention(model, device, amp_dtype or model.tok_emb.weight.dtype)
+    speed_notes += wrap_model(model, t)
+    loss_impl = resolve_loss_impl(t.loss, m, t, device)
+    loss_fn = make_loss_fn(model, loss_impl, t.loss_chunk_tokens,
+                           compile_mode=t.compile_mode if t.compile == "model" else None)
+    speed_notes.append(f"loss {loss_impl}" + (f" ({t.loss_chunk_tokens} tokens per chunk: no full logits)"
+                                              if loss_impl == "chunked" else ""))
+    optimizer = build_optimizer(state_model, o, device)
     guard = NonFiniteGuard(t.nonfinite, t.nonfinite_patience, t.spike_factor)
 
     step, tokens, val_start = 0, 0, float("nan")
     if start.checkpoint is not None:
-        saved = load_checkpoint(start.checkpoint, model, optimizer, map_location=device)
+        saved = load_checkpoint(start.checkpoint, state_model, optimizer, map_location=device)
+        if master:
+            master.master_to_model()
+        if prec.scaler is not None and "grad_scaler" in saved:
+            prec.scaler.load_state_dict(saved["grad_scaler"])
         if saved.get("data_fingerprint") != data_fingerprint:
             raise ConfigError([f"train.run_dir {str(run_dir)!r}: the data changed since the checkpoint "
                                f"(fingerprint {str(saved.get('data_fingerprint'))[:12]} -> {str(data_fingerprint)[:12]}); "
@@ -272,6 +296,8 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
         log(f"  {'attention' if i == 0 else '':<10} {note.removeprefix('attention: ')}")
     if m.hf_config and start.checkpoint is None:
         log(f"  init       {init_note}")
+    for i, note in enumerate(speed_notes):
+        log(f"  {'speed' if i == 0 else '':<10} {note}")
     log(f"  FLOPs      {human(fpt)}/token (6·N_matmul + attention at seq {t.seq_len})"
         f" · {total_steps:,} steps × {step_tokens:,} tokens = {human(total_steps * step_tokens)} tokens planned"
         f" · {human(fpt * total_steps * step_tokens)}FLOP total")
@@ -284,9 +310,14 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
     commit = record["code"]["git_commit"]
     log(f"  tracking   {', '.join(sink.names)} · run.json (code {commit[:12] if commit else 'not in git'}"
         f"{' + uncommitted changes' if record['code']['git_dirty'] else ''})")
-    log(f"  optimizer  AdamW lr {o.lr:g} (warmup {o.warmup_steps}, {o.schedule}"
-        f"{f' to {o.lr * o.min_lr_ratio:g}' if o.schedule == 'cosine' else ''}) · weight decay {o.weight_decay:g}"
-        f" · clip {o.grad_clip:g}")
+    sched = {"cosine": f"cosine to {o.lr * o.min_lr_ratio:g}", "constant": "constant",
+             "wsd": f"WSD: {o.decay_shape} decay over the last {o.decay_fraction:.0%} to {o.lr * o.min_lr_ratio:g}"
+                    + (", fitted to train.max_hours" if o.fit_to_time else "")}[o.schedule]
+    log(f"  optimizer  {describe_optimizer(optimizer)} · warmup {o.warmup_steps}, {sched}"
+        f" · weight decay {o.weight_decay:g} · clip {o.grad_clip:g}")
+    if ramp is not None:
+        log(f"  batch ramp {t.batch_ramp_start} -> {accum} micro-batches per step over the first "
+            f"{human(t.batch_ramp_tokens)} tokens · {ramp.steps:,} steps for {human(t.max_tokens)} tokens")
 
     def validate(step: int, tokens: int) -> float:
         val = evaluate_loss(model, val_windows, t.micro_batch_size, device, autocast, data.eos_id, data.bos_id)
@@ -311,6 +342,7 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
 
     state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights + AdamW m, v
     deadline = Deadline(t.max_hours, t_start, state_bytes)
+    fit = TimeFit(deadline, o.warmup_steps) if o.fit_to_time else None
     last_saved = start.checkpoint
 
     def save(done: int, tokens: int) -> Path:
@@ -318,7 +350,9 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
         t0 = time.perf_counter()
         state = {"tokens": tokens, "loader": train_loader.state_dict(), "val_loss_start": val_start,
                  "data_fingerprint": data_fingerprint, "guard": guard.state_dict()}
-        path = save_checkpoint(run_dir, done, model, optimizer, state, config_yaml, rng=rng_state())
+        if prec.scaler is not None:
+            state["grad_scaler"] = prec.scaler.state_dict()
+        path = save_checkpoint(run_dir, done, state_model, optimizer, state, config_yaml, rng=rng_state())
         apply_retention(run_dir, t.keep_checkpoints, t.milestone_every)
         deadline.record_save(time.perf_counter() - t0)
         last_saved = path
@@ -340,32 +374,64 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
     stopped = ""
     t_loop = time.perf_counter()
     meter.pause()
+    timer = StepTimer(device)
+    recompiles = RecompileWatch(t.compile != "off")
+    opt_params = list(state_model.parameters())
 
-    with SignalStop() as signals:
+    with SignalStop() as signals, profiler(t.profile, run_dir / "profile", t.profile_wait, t.profile_warmup,
+                                           t.profile_active) as prof:
         while step < total_steps:
-            if signals.requested or deadline.must_stop():
+            if signals.requested or (fit is None and deadline.must_stop()):  # a fitted WSD stops itself below
                 stopped = f"{signals.name} received" if signals.requested else f"train.max_hours={t.max_hours:g} reached"
                 break
             t_step = time.perf_counter()
-            lr = lr_at(step, total_steps, o)
-            set_lr(optimizer, lr)
-            micro = (train_loader.next_batch() for _ in range(accum))
-            loss = forward_backward(model, micro, step_tokens, autocast)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            if ramp is not None:
+                accum = ramp.accums[step]
+                step_tokens = accum * micro_tokens
+            lr = lr_for_step(step, total_steps, tokens + step_tokens, o, t, ramp, fit)
+            if fit is not None and fit.done(step):
+                stopped = "the time budget is used with the decay finished"
+                break
+            if isinstance(optimizer, CombinedOptimizer):
+                set_lr_factor(optimizer, lr / o.lr)
+            else:
+                set_lr(optimizer, lr)
+            with timer.part("fwd_bwd"), nvtx(t.nvtx, "forward_backward"):
+                micro = timer.timed_batches(train_loader.next_batch, accum)
+                loss = forward_backward(model, micro, step_tokens, autocast, loss_fn, prec.scaler)
+            with timer.part("optim"), nvtx(t.nvtx, "optimizer"):
+                if master:
+                    master.grads_to_master()
+                if prec.scaler is not None:
+                    prec.scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(opt_params, clip)
             loss_f, gnorm_f = torch.stack([loss.float(), grad_norm.float()]).tolist()  # one transfer per step
-            if not guard.check(loss_f, gnorm_f):
-                step, tokens = handle_nonfinite(guard, step, tokens, loss_f, gnorm_f, lr, model, optimizer,
+            # With fp16 loss scaling an overflowing gradient is routine: the scaler skips that
+            # update and lowers its scale, so only the loss decides there.
+            if not guard.check(loss_f, gnorm_f if prec.scaler is None else 0.0):
+                step, tokens = handle_nonfinite(guard, step, tokens, loss_f, gnorm_f, lr, state_model, optimizer,
                                                 train_loader, run_dir, last_saved, device, sink, log)
+                if master:
+                    master.master_to_model()
                 meter.pause()
                 continue
             layer_stats = None
             if tr.grad_norms_every > 0 and (step + 1) % tr.grad_norms_every == 0:
-                layer_stats = layer_grad_norms(model)
-                before = {n: p.detach().clone() for n, p in model.named_parameters()} if tr.update_ratios else None
-            optimizer.step()
+                layer_stats = layer_grad_norms(state_model)
+                before = ({n: p.detach().clone() for n, p in state_model.named_parameters()}
+                          if tr.update_ratios else None)
+            with timer.part("optim"), nvtx(t.nvtx, "optimizer"):
+                if prec.scaler is not None:
+                    prec.scaler.step(optimizer)
+                    prec.scaler.update()
+                else:
+                    optimizer.step()
+                if master:
+                    master.master_to_model()
             if layer_stats is not None and tr.update_ratios:
-                layer_stats["update_ratios"] = update_ratios(model, before)
+                layer_stats["update_ratios"] = update_ratios(state_model, before)
             optimizer.zero_grad(set_to_none=True)
+            prof.step()
             step += 1
             tokens += step_tokens
             ratio = guard.spike(loss_f)
@@ -375,21 +441,31 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
             loss_sum += loss_f
             steps_in_window += 1
             meter.step(step_tokens)
+            timer.end_step(time.perf_counter() - t_step)
             deadline.record_step(time.perf_counter() - t_step)
+            if step - first_step == t.warmup_log_steps:
+                recompiles.arm()  # compiling is warm-up; from here on a compile is a recompile
             is_last = step == total_steps
             do_val = is_last or (e.every > 0 and step % e.every == 0)
 
             if step % t.log_every == 0 or is_last or do_val:
                 last_loss = loss_sum / steps_in_window
+                t_log = time.perf_counter()
                 rates = meter.window()
                 mem = memory_stats(device)
+                parts = timer.window()
                 row = {"step": step, "tokens": tokens, "loss": last_loss, "lr": lr, "grad_norm": gnorm_f,
-                       **rates, **mem, "elapsed_s": time.perf_counter() - t_start}
+                       **rates, **mem, **parts, "elapsed_s": time.perf_counter() - t_start}
+                warning = recompiles.check()
+                if warning:
+                    log(f"  {warning}")
+                    sink.write({"step": step, "event": "recompile", "message": warning})
                 if guard.skipped or guard.rollbacks:
                     row.update(skipped_steps=guard.skipped, rollbacks=guard.rollbacks)
                 log(f"step {step:>6}/{total_steps} | tok {human(tokens):>7} | loss {last_loss:.4f} | lr {lr:.2e}"
                     f" | gnorm {gnorm_f:.3f} | {human(rates['tok_per_s'])} tok/s | mfu {format_mfu(rates['mfu'])}"
-                    f" | {format_memory(mem)} | {1000 * rates['step_time_s']:.0f} ms/step")
+                    f" | {format_memory(mem)} | {1000 * rates['step_time_s']:.0f} ms/step"
+                    f" | {format_breakdown(parts, rates['step_time_s'])}")
                 if do_val:
                     val_end = validate(step, tokens)
                     row.update(val_loss=val_end, val_ppl=perplexity(val_end), val_bpb=bpb(val_end))
@@ -399,6 +475,7 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
                     row.update(layer_stats)
                 sink.write(row)
                 loss_sum, steps_in_window = 0.0, 0
+                timer.host["log"] += time.perf_counter() - t_log
             elif layer_stats is not None:
                 sink.write({"step": step, **layer_stats})
             do_save = is_last or (t.checkpoint_every > 0 and step % t.checkpoint_every == 0)
@@ -413,6 +490,7 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
             log(f"  stop       {stopped}: checkpoint at step {step:,} saved; "
                 f"`flopwise train --config {run_dir / 'config.yaml'}` resumes it")
 
+    recompiles.close()
     train_time = time.perf_counter() - t_loop
     sample = ""
     if e.sample_tokens > 0 and not stopped and step == total_steps and step > first_step:
@@ -506,6 +584,81 @@ def task_files(task_dir: str, names: list[str]) -> dict[str, str]:
         else:
             raise ConfigError([f"eval.task_dir {task_dir!r} has no {name}.jsonl, .json, .parquet or {name}/"])
     return found
+
+
+def explain_run(cfg: RunConfig, log: Log = print) -> dict[str, Any]:
+    """The graph-break report for ``flopwise train --explain``: graphs, breaks and their
+    reasons when dynamo traces the training loss on one real micro-batch. Trains nothing."""
+    from flopwise.train.wrap import explain
+
+    device = resolve_device(cfg.train.device)
+    prec = resolve_precision_full(cfg.train.precision, device)
+    data = open_data(cfg, log)
+    m, t = cfg.model, cfg.train
+    loader = make_loader(cfg.data.loader, data, "train", t.seq_len, t.micro_batch_size, seed=t.seed,
+                         device=device, doc_boundaries=m.doc_mask)
+    model = build_model(m, device=device, seed=t.seed)
+    configure_attention(model, device, prec.autocast_dtype or torch.float32)
+    from flopwise.train.wrap import apply_activation_checkpointing
+
+    apply_activation_checkpointing(model, t.activation_checkpointing, t.checkpoint_every_k)
+    loss_fn = make_loss_fn(model, resolve_loss_impl(t.loss, m, t, device), t.loss_chunk_tokens)
+    batch = loader.next_batch()
+    with autocast_factory(device, prec.autocast_dtype)():
+        report = explain(lambda *b: loss_fn(*b)[0], *batch)
+    log(f"explain: {report['graphs']} graph(s), {report['graph_breaks']} graph break(s) for one training "
+        f"micro-batch ({t.micro_batch_size} x {t.seq_len}) of {cfg.preset}")
+    for r in report["reasons"]:
+        log(f"  break: {r}")
+    if not report["graph_breaks"]:
+        log("  no graph breaks: train.compile=model compiles the step as one graph")
+    return report
+
+
+class TimeFit:
+    """WSD fitted to ``train.max_hours``: after the warm-up steps, progress is the share of the
+    time budget used (the final save's time kept aside), so the decay ends as the budget does."""
+
+    def __init__(self, deadline: Deadline, warmup_steps: int):
+        self.deadline, self.warmup_steps = deadline, warmup_steps
+        self.start = time.perf_counter()
+
+    def budget_s(self) -> float:
+        return self.deadline.end - self.start - Deadline.MARGIN * self.deadline.save_s
+
+    def progress(self) -> float:
+        return time_progress(time.perf_counter() - self.start, self.budget_s(), Deadline.MARGIN * self.deadline.step_s)
+
+    def done(self, step: int) -> bool:
+        return step >= self.warmup_steps and self.progress() >= 1.0
+
+
+def lr_for_step(step: int, total_steps: int, tokens_after: int, o, t, ramp, fit: TimeFit | None) -> float:
+    """The learning rate of the next step: by steps (``lr_at``), by tokens during a batch ramp
+    (steps differ in size), or by time for a WSD fitted to ``train.max_hours``."""
+    if fit is not None:
+        if step < o.warmup_steps:
+            return o.lr * (step + 1) / o.warmup_steps
+        return o.lr * lr_factor(fit.progress(), o, 0.0)
+    if ramp is not None:
+        return o.lr * lr_factor(tokens_after / t.max_tokens, o, o.warmup_steps / max(total_steps, 1))
+    return lr_at(step, total_steps, o)
+
+
+def resolve_loss_impl(choice: str, m, t, device: torch.device) -> str:
+    """``auto``: a fused kernel on CUDA when one is installed; plain when the whole loss is
+    compiled (the compiler fuses the head and the loss itself); else chunked, which on this
+    project's CPU measurements (benchmarks/chunked_ce.py) is both faster and smaller than the
+    plain path already at the tiny preset's size."""
+    from flopwise.train.losses import fused_linear_cross_entropy_available
+
+    if choice != "auto":
+        if choice == "fused" and not fused_linear_cross_entropy_available(device):
+            raise ConfigError(["train.loss=fused: no fused linear cross-entropy kernel here (Liger-Kernel on CUDA)"])
+        return choice
+    if fused_linear_cross_entropy_available(device):
+        return "fused"
+    return "plain" if t.compile == "model" else "chunked"
 
 
 def _read_json(path: Path) -> dict:

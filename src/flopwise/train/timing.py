@@ -1,0 +1,127 @@
+"""Where a training step's time goes, the profiler, and NVTX ranges.
+
+:class:`StepTimer` splits each step into waiting for data, forward+backward, optimizer
+and logging, summed over a logging window:
+
+- host times (``time.perf_counter``) for data, logging and the whole step; on a CPU the
+  forward+backward and optimizer times are host times too;
+- on CUDA the forward+backward and optimizer times come from CUDA events recorded
+  around them: recording never waits, and the events are read at the logging step, where
+  the loop synchronises anyway. The GPU-busy share of the step's wall time gives the
+  **CPU overhead** share: the time the GPU sat idle waiting for the host (launches,
+  Python, data).
+
+:func:`profiler` is a null context unless ``train.profile``; :func:`nvtx` likewise
+unless ``train.nvtx`` on CUDA, so neither costs anything when off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import torch
+
+
+class StepTimer:
+    PARTS = ("data", "fwd_bwd", "optim", "log")
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.reset()
+
+    def reset(self) -> None:
+        self.host = dict.fromkeys(self.PARTS, 0.0)
+        self.events: dict[str, list[tuple]] = {"fwd_bwd": [], "optim": []}
+        self.wall = 0.0
+        self.steps = 0
+
+    @contextlib.contextmanager
+    def part(self, name: str):
+        """Time a section; on CUDA, fwd_bwd and optim are also bracketed by events."""
+        ev = None
+        if self.cuda and name in self.events:
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            ev[0].record()
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.host[name] += time.perf_counter() - t
+            if ev is not None:
+                ev[1].record()
+                self.events[name].append(ev)
+
+    def timed_batches(self, next_batch, n: int):
+        """``n`` micro-batches from ``next_batch``, the time spent fetching them counted as data."""
+        for _ in range(n):
+            t = time.perf_counter()
+            batch = next_batch()
+            self.host["data"] += time.perf_counter() - t
+            yield batch
+
+    def end_step(self, wall_s: float) -> None:
+        self.wall += wall_s
+        self.steps += 1
+
+    def window(self) -> dict[str, float]:
+        """Mean seconds per step of each part over the window (and the CPU overhead share on
+        CUDA); resets. Data time was counted inside fwd_bwd's host time and is taken out."""
+        n = max(self.steps, 1)
+        out = {"time_data_s": self.host["data"] / n}
+        if self.cuda:
+            torch.cuda.synchronize()  # the events of this window are done by now anyway
+            gpu = {k: sum(a.elapsed_time(b) for a, b in v) / 1000 for k, v in self.events.items()}
+            out["time_fwd_bwd_s"] = gpu["fwd_bwd"] / n
+            out["time_optim_s"] = gpu["optim"] / n
+            busy = gpu["fwd_bwd"] + gpu["optim"]
+            out["cpu_overhead"] = max(0.0, 1.0 - busy / self.wall) if self.wall > 0 else None
+        else:
+            out["time_fwd_bwd_s"] = max(self.host["fwd_bwd"] - self.host["data"], 0.0) / n
+            out["time_optim_s"] = self.host["optim"] / n
+        out["time_log_s"] = self.host["log"] / n
+        self.reset()
+        return out
+
+
+def format_breakdown(parts: dict[str, float], step_s: float) -> str:
+    if step_s <= 0:
+        return ""
+    share = {k: 100 * parts[f"time_{k}_s"] / step_s for k in ("data", "fwd_bwd", "optim")}
+    text = f"data {share['data']:.1f}% · fwd+bwd {share['fwd_bwd']:.0f}% · opt {share['optim']:.0f}%"
+    if parts.get("cpu_overhead") is not None:
+        text += f" · cpu overhead {100 * parts['cpu_overhead']:.0f}%"
+    return text
+
+
+def profiler(enabled: bool, out_dir: Path, wait: int, warmup: int, active: int):
+    """``torch.profiler`` over one wait/warm-up/active cycle, TensorBoard traces in ``out_dir``;
+    a null context (whose ``step`` does nothing) when off."""
+    if not enabled:
+        return _NoProfiler()
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    return profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+                   on_trace_ready=tensorboard_trace_handler(str(out_dir)), record_shapes=True, with_stack=False)
+
+
+class _NoProfiler:
+    """What ``profiler`` gives when off: a context and a ``step`` that do nothing."""
+
+    def __enter__(self) -> "_NoProfiler":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def step(self) -> None:
+        pass
+
+
+def nvtx(enabled: bool, name: str):
+    """An NVTX range for Nsight Systems when enabled on CUDA, else a null context."""
+    if enabled and torch.cuda.is_available():
+        return torch.cuda.nvtx.range(name)
+    return contextlib.nullcontext()

@@ -1,0 +1,151 @@
+"""What is wrapped around the model, in one place and one order: activation checkpointing,
+then torch.compile (then, in the distributed issue, DDP/FSDP). The model itself holds none
+of it, so the same module trains plain, checkpointed, compiled or sharded.
+
+- Activation checkpointing: ``full`` recomputes every block's forward in backward (keeps
+  only each block's input); ``selective`` does it for every k-th block (0, k, 2k, ...), a
+  middle ground between memory and the ~1/3 extra compute of full.
+- Compile: ``model`` compiles the whole loss function (forward, head, loss); ``blocks``
+  compiles each block on its own (shorter compile, one graph reused by every layer, and a
+  graph break in one block cannot split the others). ``compile_mode=reduce-overhead``
+  captures CUDA graphs (for small models where kernel-launch overhead dominates).
+- :func:`explain` reports graphs, graph breaks and their reasons before training;
+  :class:`RecompileWatch` counts recompilations after warm-up and says why (a recompile
+  mid-training is a performance bug).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def checkpointed_blocks(n_layers: int, mode: str, every_k: int) -> list[int]:
+    if mode == "full":
+        return list(range(n_layers))
+    if mode == "selective":
+        return list(range(0, n_layers, every_k))
+    return []
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every_k: int = 2) -> list[int]:
+    """Make the chosen blocks recompute their forward in backward (non-reentrant), in place.
+
+    The block's ``forward`` is replaced rather than the block wrapped in another module, so
+    parameter names -- checkpoints, exports, optimizer groups -- do not change."""
+    chosen = checkpointed_blocks(len(model.layers), mode, every_k)
+    for i in chosen:
+        block = model.layers[i]
+        inner = block.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            if not torch.is_grad_enabled():  # evaluation: nothing saved, nothing to recompute
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward
+    return chosen
+
+
+def compile_kwargs(mode: str) -> dict[str, Any]:
+    return {} if mode == "default" else {"mode": mode}
+
+
+def wrap_model(model: torch.nn.Module, train_cfg) -> list[str]:
+    """Checkpointing, then per-block compile, in place; returns notes for the log.
+
+    ``compile=model`` is applied by the training step to its whole loss function (the
+    model's forward, the LM head and the loss in one graph), see ``train/step.py``.
+    ``compile=blocks`` compiles each block with ``nn.Module.compile`` (in place: names
+    unchanged); identical blocks share one compiled graph.
+    """
+    notes = []
+    chosen = apply_activation_checkpointing(model, train_cfg.activation_checkpointing, train_cfg.checkpoint_every_k)
+    if chosen:
+        notes.append(f"activation checkpointing {train_cfg.activation_checkpointing}: "
+                     f"{len(chosen)} of {len(model.layers)} blocks recomputed in backward")
+    if train_cfg.compile == "blocks":
+        for block in model.layers:
+            block.compile(**compile_kwargs(train_cfg.compile_mode))
+    if train_cfg.compile != "off":
+        notes.append(f"torch.compile {train_cfg.compile} (mode {train_cfg.compile_mode}); compiling steps are "
+                     "left out of throughput")
+    return notes
+
+
+def explain(model: torch.nn.Module, *example_args) -> dict[str, Any]:
+    """Graphs, graph breaks and their reasons for one forward (``torch._dynamo.explain``)."""
+    import torch._dynamo
+
+    out = torch._dynamo.explain(model)(*example_args)
+    reasons = []
+    for r in out.break_reasons:
+        where = ""
+        if getattr(r, "user_stack", None):
+            frame = r.user_stack[-1]
+            where = f" at {frame.filename}:{frame.lineno}"
+        reasons.append(f"{r.reason}{where}")
+    return {"graphs": out.graph_count, "graph_breaks": out.graph_break_count, "reasons": reasons,
+            "ops": getattr(out, "op_count", None)}
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+class RecompileWatch:
+    """Counts dynamo (re)compilations; after ``arm()``, any new one is a warning with its reason."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.baseline = 0
+        self.reported = 0
+        self._capture = _Capture()
+        if enabled:
+            try:
+                torch._logging.set_logs(recompiles=True)
+            except Exception:  # pragma: no cover - logging API moved
+                pass
+            logging.getLogger("torch._dynamo").addHandler(self._capture)
+
+    @staticmethod
+    def _frames() -> int:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+
+    def arm(self) -> None:
+        """From now on (after warm-up) every compilation counts as a recompile."""
+        if self.enabled:
+            self.baseline = self.reported = self._frames()
+            self._capture.messages.clear()
+
+    def check(self) -> str | None:
+        """A warning line when graphs were compiled since the last check, else None."""
+        if not self.enabled or self.baseline == 0:
+            return None
+        now = self._frames()
+        if now <= self.reported:
+            return None
+        new, self.reported = now - self.reported, now
+        reasons = [m for m in self._capture.messages if "ecompil" in m][-3:]
+        self._capture.messages.clear()
+        why = "; ".join(r.strip().replace("\n", " ")[:300] for r in reasons) or "reason not captured"
+        return (f"WARNING: {new} recompilation(s) during training ({now - self.baseline} since warm-up): {why} "
+                "-- a recompile mid-training is a performance bug (shapes or guards changing)")
+
+    def close(self) -> None:
+        if self.enabled:
+            logging.getLogger("torch._dynamo").removeHandler(self._capture)
+            try:
+                torch._logging.set_logs(recompiles=False)
+            except Exception:  # pragma: no cover
+                pass
