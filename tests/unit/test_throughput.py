@@ -173,3 +173,29 @@ def test_bf16_pure_keeps_fp32_masters():
     for p, m, b in zip(model.parameters(), mw.master.parameters(), before):
         assert torch.equal(p, m.to(torch.bfloat16))
         assert not torch.equal(m, b)  # the fp32 copy moved by updates smaller than bf16 resolution too
+
+
+def test_memory_model_of_the_chunked_loss_matches_what_autograd_saves():
+    from flopwise.plan.memory import MemorySettings, _logits_bytes, estimate
+    from flopwise.train.losses import linear_cross_entropy
+
+    cfg = tiny(vocab_size=4096, d_model=64)
+    model = build_model(cfg)
+    x, y = batch(B=4, T=32, V=4096)
+    hidden = model.forward_hidden(x)
+    saved = 0
+
+    def pack(t):
+        nonlocal saved
+        saved += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        linear_cross_entropy(hidden.flatten(0, 1), model.head_weight, y.flatten(), impl="chunked", chunk_tokens=64,
+                             grads_in_forward=True)
+    predicted = _logits_bytes(cfg, 4, 32, MemorySettings(precision="fp32", loss="chunked"))
+    targets = 4 * 32 * 8  # int64 targets, counted by the model, not seen as a saved tensor
+    assert saved == predicted - targets
+    plain = estimate(cfg, 4, 32, MemorySettings(precision="fp32"))
+    chunked = estimate(cfg, 4, 32, MemorySettings(precision="fp32", loss="chunked", loss_chunk_tokens=64))
+    assert chunked.logits < plain.logits and chunked.transient < plain.transient

@@ -366,7 +366,7 @@ NOMINAL_MFU = 0.40
 
 
 def plan_for_run(cfg: "RunConfig", device_name: str | None, precision: str, peak_tflops: float = 0.0,
-                 mfu: float = NOMINAL_MFU) -> dict[str, Any]:
+                 mfu: float = NOMINAL_MFU, loss: str = "plain") -> dict[str, Any]:
     """The plan of a training run as configured, written by ``flopwise train`` as ``plan.json``.
 
     ``device_name`` is the CUDA device's name (None on CPU, where no peak is known);
@@ -374,7 +374,7 @@ def plan_for_run(cfg: "RunConfig", device_name: str | None, precision: str, peak
     picks the peak (bf16, or TF32/FP32) and the memory model's precision.
     """
     spec = hardware.lookup(device_name) if device_name else None
-    dtype = "bf16" if precision == "bf16" else "fp32"
+    dtype = "bf16" if precision in ("bf16", "bf16-pure") else "fp32"
     if spec is not None and getattr(spec, dtype) is None:
         spec = None  # e.g. bf16 on a V100: no peak to plan against
     inp = PlanInputs(
@@ -382,7 +382,10 @@ def plan_for_run(cfg: "RunConfig", device_name: str | None, precision: str, peak
         gpus=1, mfu=mfu,
         tokens=cfg.total_steps() * cfg.tokens_per_step, seq_len=cfg.train.seq_len,
         micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.grad_accum_steps(),
-        memory=MemorySettings(precision="bf16-amp" if precision == "bf16" else "fp32"),
+        memory=MemorySettings(
+            precision={"bf16": "bf16-amp", "bf16-pure": "bf16"}.get(precision, "fp32"),
+            activation_checkpointing="full" if cfg.train.activation_checkpointing == "full" else "none",
+            loss="chunked" if loss == "chunked" else "plain", loss_chunk_tokens=cfg.train.loss_chunk_tokens),
     )
     plan = build_plan(inp)
     plan["device"] = device_name or "cpu"

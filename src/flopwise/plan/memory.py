@@ -154,6 +154,8 @@ class MemorySettings:
     optimizer_dtype: str = "auto"  # AdamW m/v: auto (fp32, or the param dtype for bf16 w/o master) | fp32 | bf16
     ddp_bucket_view: bool = True  # DDP gradient_as_bucket_view=True; False: buckets copy the grads
     overhead_gb: float = 0.0  # fixed GiB outside the allocator (CUDA context ~0.5); headroom covers it by default
+    loss: str = "plain"  # plain (full logits) | chunked (train.loss=chunked: one chunk of logits at a time)
+    loss_chunk_tokens: int = 1024
 
     def validate(self) -> None:
         problems = []
@@ -161,7 +163,8 @@ class MemorySettings:
                                      ("attention", self.attention, ATTENTIONS),
                                      ("activation_checkpointing", self.activation_checkpointing, CHECKPOINTING),
                                      ("strategy", self.strategy, STRATEGIES),
-                                     ("optimizer_dtype", self.optimizer_dtype, ("auto", "fp32", "bf16"))):
+                                     ("optimizer_dtype", self.optimizer_dtype, ("auto", "fp32", "bf16")),
+                                     ("loss", self.loss, ("plain", "chunked"))):
             if value not in choices:
                 problems.append(f"memory {name} {value!r}: choose {', '.join(choices)}")
         if self.n_gpus < 1:
@@ -322,6 +325,11 @@ def layer_activation_terms(cfg: ModelConfig, micro_batch: int, seq_len: int,
 def _logits_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: MemorySettings) -> int:
     c = _dtypes(settings)["compute"]
     N, V = micro_batch * seq_len, cfg.vocab_size
+    if settings.loss == "chunked":
+        # train/losses.py with the gradients computed in the forward: the (N, D) input
+        # gradient in the compute dtype and the (V, D) float32 head gradient are held until
+        # backward, with the int64 targets; no logits survive the forward.
+        return N * cfg.d_model * c + V * cfg.d_model * 4 + N * 8
     # logits (B, T, V) in compute dtype, held by the caller through backward;
     # float32 log-softmax saved by cross_entropy; int64 targets; the 0-d total_weight.
     return N * V * c + N * V * 4 + N * 8 + 4
@@ -343,13 +351,15 @@ def _transient(cfg: ModelConfig, B: int, T: int, settings: MemorySettings, terms
     c = _dtypes(settings)["compute"]
     N, V = B * T, cfg.vocab_size
     loss_tmp = 8 * N * V
+    if settings.loss == "chunked":  # one chunk's logits (compute dtype) and its float32 softmax and gradient
+        loss_tmp = min(settings.loss_chunk_tokens, N) * V * (c + 8)
     if settings.attention == "eager":
         block_tmp = 2 * B * cfg.n_heads * T * T * 4 - terms["mlp_norm"] - terms.get("swiglu", 0) \
             - terms.get("experts", 0)
     else:
         width = 2 * cfg.moe_top_k * cfg.expert_ffn_hidden if cfg.is_moe else 2 * cfg.ffn_hidden
         block_tmp = N * c * width
-    freed = 4 * N * V + final_norm  # log-softmax and the final norm's saved tensors
+    freed = (4 * N * V if settings.loss == "plain" else 0) + final_norm  # log-softmax, final norm's tensors
     if settings.activation_checkpointing == "full":
         # The recomputed block (counted in `activations`) exists only during its own
         # backward, after the loss temporaries are gone: the worst moment is either.

@@ -271,7 +271,7 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
     previous = _read_json(run_dir / "run.json") if start.resumed_run else {}
     record["starts"] = previous.get("starts", []) + [{"at_step": step, "started": record["started"]}]
     plan = plan_for_run(cfg, torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                        precision, t.peak_tflops)
+                        precision, t.peak_tflops, loss=loss_impl)
     (run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
     (run_dir / "run.json").write_text(json.dumps(record, indent=2))
     shutil.copyfile(data.path / "tokenizer.json", run_dir / "tokenizer.json")  # the run is self-contained
