@@ -77,3 +77,18 @@ def test_explain_from_the_command_line(tiny_overrides, capsys):
     assert cli_main(["train", "--explain", *tiny_overrides]) == 0
     out = capsys.readouterr().out
     assert "explain: " in out and "graph(s)" in out and "graph break(s)" in out
+
+
+def test_mfu_conventions_with_a_known_peak(tiny_overrides):
+    cfg = build_config(overrides=tiny_overrides + QUIET + ["train.max_steps=8", "train.peak_tflops=1",
+                                                           "train.activation_checkpointing=full",
+                                                           "train.warmup_log_steps=1"])
+    result = train(cfg, log=lambda s: None)
+    logged = [r for r in rows(result.run_dir) if r.get("mfu") is not None]
+    assert logged
+    from flopwise.plan.flops import flops_per_token, flops_per_token_6n, hardware_flops_per_token
+
+    m, T = cfg.model, cfg.train.seq_len
+    for r in logged:
+        assert r["mfu_6n"] == pytest.approx(r["mfu"] * flops_per_token_6n(m) / flops_per_token(m, T))
+        assert r["hfu"] == pytest.approx(r["mfu"] * hardware_flops_per_token(m, T, True) / flops_per_token(m, T))

@@ -37,7 +37,7 @@ from flopwise.measure.tracking import Tracker
 from flopwise.model import build_model, configure_attention
 from flopwise.plan import hardware
 from flopwise.plan.budget import plan_for_run
-from flopwise.plan.flops import flops_per_token, param_counts
+from flopwise.plan.flops import flops_per_token, flops_per_token_6n, hardware_flops_per_token, param_counts
 from flopwise.train.checkpoint import apply_retention, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from flopwise.train.optim import CombinedOptimizer, build_optimizer, describe_optimizer, lr_at, set_lr, set_lr_factor
 from flopwise.train.schedule import lr_factor, ramp_plan, time_progress
@@ -46,7 +46,7 @@ from flopwise.train.precision import MasterWeights, apply_fp8
 from flopwise.train.precision import resolve as resolve_precision_full
 from flopwise.train.step import forward_backward, make_loss_fn
 from flopwise.train.timing import StepTimer, format_breakdown, nvtx, profiler
-from flopwise.train.wrap import RecompileWatch, wrap_model
+from flopwise.train.wrap import RecompileWatch, checkpointed_blocks, wrap_model
 from flopwise.train.stopping import Deadline, NonFiniteError, NonFiniteGuard, SignalStop  # noqa: F401
 
 Log = Callable[[str], None]
@@ -218,6 +218,10 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
         total_steps = ramp.steps if not t.max_steps else min(ramp.steps, t.max_steps)
     counts = param_counts(m)
     fpt = flops_per_token(m, t.seq_len)
+    fpt_6n = flops_per_token_6n(m)
+    # Hardware FLOPs: recomputed forwards of checkpointed blocks on top (HFU's numerator).
+    recomputed = len(checkpointed_blocks(m.n_layers, t.activation_checkpointing, t.checkpoint_every_k)) / m.n_layers
+    hfpt = fpt + round(recomputed * (hardware_flops_per_token(m, t.seq_len, True) - fpt))
     peak, peak_note = device_peak(device, precision, t.peak_tflops)
     uniform = math.log(data.vocab_size)
     data_fingerprint = data.meta.get("fingerprint")
@@ -456,6 +460,10 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
                 parts = timer.window()
                 row = {"step": step, "tokens": tokens, "loss": last_loss, "lr": lr, "grad_norm": gnorm_f,
                        **rates, **mem, **parts, "elapsed_s": time.perf_counter() - t_start}
+                if rates.get("mfu") is not None:  # the other conventions, for comparison (README "Conventions")
+                    row["mfu_6n"] = rates["mfu"] * fpt_6n / fpt
+                    if hfpt != fpt:
+                        row["hfu"] = rates["mfu"] * hfpt / fpt
                 warning = recompiles.check()
                 if warning:
                     log(f"  {warning}")
