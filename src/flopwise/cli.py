@@ -370,11 +370,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_presets(args: argparse.Namespace) -> int:
     from flopwise.plan.flops import param_counts
 
-    for name in preset_names():
+    names = preset_names()
+    width = max(map(len, names))
+    for name in names:
         m = build_config(preset=name).model
-        n = param_counts(m)["total"]
-        print(f"{name:<14} {m.arch:<6} {n / 1e6:>9.1f}M params · {m.n_layers} layers · d_model {m.d_model}"
-              f" · heads {m.n_heads}/{m.n_kv_heads} · vocab {m.vocab_size:,}")
+        c = param_counts(m)
+        active = f" ({c['active'] / 1e6:.1f}M active)" if m.is_moe else ""
+        print(f"{name:<{width}}  {m.arch:<9} {c['total'] / 1e6:>7.1f}M params{active} · {m.n_layers} layers"
+              f" · d_model {m.d_model} · heads {m.n_heads}/{m.n_kv_heads} · {m.mlp} · vocab {m.vocab_size:,}")
     return 0
 
 
