@@ -417,6 +417,8 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
                                                 train_loader, run_dir, last_saved, device, sink, log)
                 if master:
                     master.master_to_model()
+                if prec.scaler is not None:
+                    prec.scaler.update()  # closes this step's unscale_ so the next step can unscale again
                 meter.pause()
                 continue
             layer_stats = None
