@@ -141,6 +141,9 @@ def test_max_hours_stops_in_time_with_a_final_checkpoint(tiny_overrides):
     assert result.stopped == "train.max_hours=0.0015 reached" and 0 < result.steps < 100000
     assert latest_checkpoint(result.run_dir).name == f"step-{result.steps:07d}"
     assert any("stop       train.max_hours" in line for line in lines)
+    # Every progress line says how long the rest would take, and that it will not fit the budget.
+    progress = [line for line in lines if line.startswith("step ")]
+    assert progress and all("| ETA " in line and "stops early in the" in line for line in progress)
 
 
 def _nan_at(monkeypatch, steps: set[int]):

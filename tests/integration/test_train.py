@@ -35,6 +35,7 @@ def test_30_step_run_learns_and_writes_its_run_directory(tiny_overrides):
         for key in ("step", "tokens", "loss", "lr", "grad_norm", "tok_per_s", "mfu", "step_time_s", "mem_rss_gb"):
             assert key in r, key
         assert r["mfu"] is None  # CPU: no peak, so n/a, never a guess
+        assert r["eta_s"] >= 0
         assert math.isfinite(r["loss"]) and r["tok_per_s"] > 0
     assert [r["step"] for r in rows if "val_loss" in r] == [0, 10, 20, 30]
     assert train_rows[-1]["loss"] < train_rows[0]["loss"]

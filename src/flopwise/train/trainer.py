@@ -462,6 +462,7 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
                 parts = timer.window()
                 row = {"step": step, "tokens": tokens, "loss": last_loss, "lr": lr, "grad_norm": gnorm_f,
                        **rates, **mem, **parts, "elapsed_s": time.perf_counter() - t_start}
+                row["eta_s"] = (total_steps - step) * rates["step_time_s"]  # training time left at this pace
                 if rates.get("mfu") is not None:  # the other conventions, for comparison (README "Conventions")
                     row["mfu_6n"] = rates["mfu"] * fpt_6n / fpt
                     if hfpt != fpt:
@@ -475,7 +476,7 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
                 log(f"step {step:>6}/{total_steps} | tok {human(tokens):>7} | loss {last_loss:.4f} | lr {lr:.2e}"
                     f" | gnorm {gnorm_f:.3f} | {human(rates['tok_per_s'])} tok/s | mfu {format_mfu(rates['mfu'])}"
                     f" | {format_memory(mem)} | {1000 * rates['step_time_s']:.0f} ms/step"
-                    f" | {format_breakdown(parts, rates['step_time_s'])}")
+                    f" | {format_breakdown(parts, rates['step_time_s'])} | ETA {eta_text(row, deadline)}")
                 if do_val:
                     val_end = validate(step, tokens)
                     row.update(val_loss=val_end, val_ppl=perplexity(val_end), val_bpb=bpb(val_end))
@@ -669,6 +670,16 @@ def resolve_loss_impl(choice: str, m, t, device: torch.device) -> str:
     if fused_linear_cross_entropy_available(device):
         return "fused"
     return "plain" if t.compile == "model" else "chunked"
+
+
+def eta_text(row: dict[str, Any], deadline: Deadline) -> str:
+    """Time left at the current pace, and against ``train.max_hours`` when there is a budget."""
+    text = _fmt_time(row["eta_s"])
+    if deadline.end is not None:
+        left = deadline.end - time.perf_counter()
+        verdict = "fits" if row["eta_s"] <= left else "stops early"
+        text += f" ({verdict} in the {_fmt_time(max(left, 0))} left of train.max_hours)"
+    return text
 
 
 def _read_json(path: Path) -> dict:
