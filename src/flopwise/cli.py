@@ -70,6 +70,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser(
+        "preflight",
+        help="short trial runs: end-to-end check, compile report, micro-batch search, prediction",
+        description="Fit the run to this machine before spending the budget: a few real steps, the graph-break "
+                    "report, the fastest micro-batch that fits, data starvation, and the full run's predicted "
+                    "time. Writes preflight.json and preflight.yaml (flopwise train --config preflight.yaml).",
+    )
+    _add_config_args(p)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--tokens", type=count, default=0, help="the run's token budget (default: the config's)")
+    g.add_argument("--hours", type=float, default=0.0, help="the run's time budget instead")
+    p.add_argument("--memory-gb", type=float, default=0.0,
+                   help="device memory to fit into (default: the GPU's; on a CPU, simulates one)")
+    p.add_argument("--headroom", type=float, default=0.9, help="fraction of the memory a micro-batch may use")
+    p.add_argument("--warmup", type=int, default=2, help="steps before timing each micro-batch")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per micro-batch")
+    p.add_argument("--price-per-gpu-hour", type=float, default=0.0)
+    p.add_argument("--out", default="", help="where preflight.json/.yaml go (default runs/PRESET-preflight)")
+    p.set_defaults(func=cmd_preflight)
+
+    p = sub.add_parser(
         "eval",
         help="validation loss, perplexity, bits per byte and multiple-choice tasks of a run or model",
         description="Evaluate a run directory (its latest checkpoint), a checkpoint or a Hugging Face model "
@@ -236,6 +256,16 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_preflight(args: argparse.Namespace) -> int:
+    cfg = build_config(preset=args.preset, config_file=args.config, overrides=args.overrides)
+    from flopwise.train.preflight import preflight
+
+    preflight(cfg, tokens=args.tokens, hours=args.hours, memory_gb=args.memory_gb, headroom=args.headroom,
+              warmup=args.warmup, steps=args.steps, price_per_gpu_hour=args.price_per_gpu_hour, out_dir=args.out,
+              log=lambda s: print(s, flush=True))
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -397,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         from flopwise.plan.budget import PlanError
 
         known: tuple[type, ...] = (DataDirError, ShardError, PlanError, PrepareError, SourceError)
-        if args.command in ("export", "train", "eval", "generate"):  # these import torch anyway
+        if args.command in ("export", "train", "eval", "generate", "preflight"):  # these import torch anyway
             from flopwise.model.attention import AttentionBackendError
             from flopwise.model.hf import HFMappingError
             from flopwise.model.io import ModelSourceError

@@ -214,6 +214,7 @@ class TrainConfig:
     profile_warmup: int = 2
     profile_active: int = 3
     nvtx: bool = False  # NVTX ranges around data, forward/backward, optimizer (Nsight Systems)
+    preflight: str = ""  # the preflight.json this configuration came from (copied into the run for the report)
     warmup_log_steps: int = 3  # first steps excluded from throughput averages
     peak_tflops: float = 0.0  # dense peak of one device for MFU; 0 = from the hardware table
 

@@ -279,6 +279,8 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
     (run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
     (run_dir / "run.json").write_text(json.dumps(record, indent=2))
     shutil.copyfile(data.path / "tokenizer.json", run_dir / "tokenizer.json")  # the run is self-contained
+    if t.preflight and Path(t.preflight).is_file():  # plan vs preflight vs actual, in the report
+        shutil.copyfile(t.preflight, run_dir / "preflight.json")
     sink = Tracker(run_dir, cfg.tracking, cfg.to_dict(), run_dir.name)
     val_bytes = target_bytes(val_windows, data.tokenizer)  # for bits per byte, comparable across tokenizers
 

@@ -1,0 +1,74 @@
+"""flopwise preflight: the end-to-end check, the micro-batch search (memory simulated through the
+planner, an out-of-memory injected), the tuned config, and predictions from measured numbers."""
+
+import json
+
+import pytest
+import torch
+
+from flopwise.cli import main as cli_main
+from flopwise.config import build_config
+from flopwise.train.preflight import measure, preflight
+
+
+def fake_measure(speeds, oom_from=None):
+    """A stand-in for timing: tokens/s per micro-batch; an OOM (as CUDA raises it) from a size on."""
+    def run(cfg, micro_batch, checkpointing, warmup, steps, device):
+        if oom_from and micro_batch >= oom_from and checkpointing == "none":
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return {"tok_per_s": speeds[micro_batch] * (0.8 if checkpointing == "full" else 1.0), "peak_gb": None,
+                "data_share": 0.01}
+    return run
+
+
+def test_search_skips_what_cannot_fit_catches_oom_and_picks_the_fastest(tiny_overrides, tmp_path):
+    cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100"])  # global batch 16
+    lines = []
+    speeds = {1: 100.0, 2: 180.0, 4: 300.0, 8: 350.0, 16: 400.0}
+    # The planner puts micro-batch 16 at ~0.020 GiB without checkpointing and ~0.010 with it:
+    # a 0.015 GiB device fits 16 only with checkpointing.
+    report = preflight(cfg, memory_gb=0.015, headroom=1.0, out_dir=tmp_path / "pf",
+                       measure_fn=fake_measure(speeds, oom_from=8), log=lines.append)
+    status = {(t["micro_batch"], t["checkpointing"]): t["status"] for t in report["trials"]}
+    assert status[(1, "none")] == status[(2, "none")] == status[(4, "none")] == "ok"
+    assert status[(8, "none")] == "oom"  # caught, noted, not fatal
+    assert status[(16, "none")] == "no-fit"  # the planner says it cannot fit: not even tried
+    assert (4, "full") not in status  # checkpointing is only tried where plain training does not fit
+    assert status[(8, "full")] == status[(16, "full")] == "ok"
+    assert report["end_to_end"]["finite"] and report["end_to_end"]["falling"]
+    assert report["end_to_end"]["checkpoint_identical"]
+    # 16 with checkpointing: 400 x 0.8 = 320 tok/s beats 4 without (300)
+    assert report["chosen"] == {"micro_batch_size": 16, "activation_checkpointing": "full"}
+    assert any("<- chosen" in line for line in lines) and any(" oom " in line for line in lines)
+
+
+def test_nothing_fits_is_a_clear_error(tiny_overrides, tmp_path):
+    cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100"])
+    with pytest.raises(RuntimeError, match="no micro-batch fits"):
+        preflight(cfg, memory_gb=0.001, out_dir=tmp_path / "pf", measure_fn=fake_measure({}), log=lambda s: None)
+
+
+def test_tuned_config_and_predictions(tiny_overrides, tmp_path):
+    cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100"])
+    speeds = {1: 100.0, 2: 180.0, 4: 300.0, 8: 350.0, 16: 320.0}
+    report = preflight(cfg, hours=2.0, price_per_gpu_hour=3.0, out_dir=tmp_path / "pf",
+                       measure_fn=fake_measure(speeds), log=lambda s: None)
+    p = report["prediction"]
+    assert report["chosen"]["micro_batch_size"] == 8 and p["tok_per_s"] == 350.0
+    assert p["tokens"] == int(2.0 * 3600 * 350.0) and p["wall_time_s"] == pytest.approx(p["tokens"] / 350.0)
+    assert p["cost"] == pytest.approx(p["hours"] * 3.0)
+    tuned = build_config(config_file=tmp_path / "pf" / "preflight.yaml")
+    assert tuned.train.micro_batch_size == 8 and tuned.train.activation_checkpointing == "none"
+    assert tuned.train.global_batch_size == cfg.train.global_batch_size  # same optimisation, other split
+    assert json.loads((tmp_path / "pf" / "preflight.json").read_text())["chosen"] == report["chosen"]
+
+
+def test_real_measurement_and_the_tuned_run_carries_preflight_into_its_report(tiny_overrides, tmp_path):
+    cfg = build_config(overrides=tiny_overrides + ["train.max_steps=6"])
+    m = measure(cfg, 8, "none", warmup=1, steps=2, device=torch.device("cpu"))
+    assert m["tok_per_s"] > 0 and 0 <= m["data_share"] < 1
+    assert cli_main(["preflight", *tiny_overrides, "train.max_steps=6", "--out", str(tmp_path / "pf"),
+                     "--warmup", "1", "--steps", "1"]) == 0
+    assert cli_main(["train", "--config", str(tmp_path / "pf" / "preflight.yaml"),
+                     f"train.run_dir={tmp_path / 'tuned'}"]) == 0
+    assert (tmp_path / "tuned" / "preflight.json").is_file()
