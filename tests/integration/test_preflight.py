@@ -72,3 +72,11 @@ def test_real_measurement_and_the_tuned_run_carries_preflight_into_its_report(ti
     assert cli_main(["train", "--config", str(tmp_path / "pf" / "preflight.yaml"),
                      f"train.run_dir={tmp_path / 'tuned'}"]) == 0
     assert (tmp_path / "tuned" / "preflight.json").is_file()
+
+
+def test_max_hours_caps_the_prediction(tiny_overrides, tmp_path):
+    cfg = build_config(overrides=tiny_overrides + ["train.max_steps=0", "train.max_tokens=1e9", "train.max_hours=1"])
+    report = preflight(cfg, tokens=10**9, out_dir=tmp_path / "pf",
+                       measure_fn=fake_measure({1: 10.0, 2: 20.0, 4: 30.0, 8: 40.0, 16: 50.0}), log=lambda s: None)
+    assert report["stops_at_max_hours"] and report["prediction"]["tokens"] == 3600 * 50
+    assert report["prediction"]["hours"] == pytest.approx(1.0)

@@ -229,7 +229,13 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     # 5. prediction
     tuned = _copy(cfg)
     tuned.train.micro_batch_size, tuned.train.activation_checkpointing = best.micro_batch, best.checkpointing
+    hours = hours or (cfg.train.max_hours if not tokens else 0.0)  # a run bounded by train.max_hours
     budget_tokens = tokens or (int(hours * 3600 * best.tok_per_s) if hours else tuned.total_steps() * tuned.tokens_per_step)
+    if cfg.train.max_hours and budget_tokens / best.tok_per_s > cfg.train.max_hours * 3600:
+        budget_tokens = int(cfg.train.max_hours * 3600 * best.tok_per_s)  # it will stop on time, with fewer tokens
+        report["stops_at_max_hours"] = True
+    # A batch-size ramp changes how tokens are grouped into steps, not the tokens per second of a
+    # micro-batch, so the same rate carries the whole run.
     wall_s = budget_tokens / best.tok_per_s
     report["prediction"] = {
         "tokens": budget_tokens, "tok_per_s": best.tok_per_s, "mfu": best.mfu, "memory_gb": best.peak_gb or

@@ -676,11 +676,11 @@ def resolve_loss_impl(choice: str, m, t, device: torch.device) -> str:
 
 def eta_text(row: dict[str, Any], deadline: Deadline) -> str:
     """Time left at the current pace, and against ``train.max_hours`` when there is a budget."""
-    text = _fmt_time(row["eta_s"])
+    text = f"{_fmt_time(row['eta_s'])} ({_fmt_time(row['elapsed_s'])} elapsed)"
     if deadline.end is not None:
         left = deadline.end - time.perf_counter()
         verdict = "fits" if row["eta_s"] <= left else "stops early"
-        text += f" ({verdict} in the {_fmt_time(max(left, 0))} left of train.max_hours)"
+        text += f" · {verdict} in the {_fmt_time(max(left, 0))} left of train.max_hours"
     return text
 
 
