@@ -80,3 +80,13 @@ def test_max_hours_caps_the_prediction(tiny_overrides, tmp_path):
                        measure_fn=fake_measure({1: 10.0, 2: 20.0, 4: 30.0, 8: 40.0, 16: 50.0}), log=lambda s: None)
     assert report["stops_at_max_hours"] and report["prediction"]["tokens"] == 3600 * 50
     assert report["prediction"]["hours"] == pytest.approx(1.0)
+
+
+def test_compile_diagnostics_are_part_of_the_report(tiny_overrides, tmp_path):
+    cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100", "train.compile=blocks"])
+    lines = []
+    report = preflight(cfg, out_dir=tmp_path / "pf", measure_fn=fake_measure({1: 1.0, 2: 2.0, 4: 3.0, 8: 4.0,
+                                                                               16: 5.0}), log=lines.append)
+    assert report["compile"]["graphs"] >= 1 and "graph_breaks" in report["compile"]
+    assert report["end_to_end"]["recompiles"] == []  # fixed shapes: nothing recompiled after warm-up
+    assert any(line.startswith("explain: ") for line in lines)

@@ -160,7 +160,8 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
         losses = [r["loss"] for r in rows if r.get("loss") is not None]
         e2e = _check_checkpoint(result.run_dir, check, device)
         e2e.update(loss_first=losses[0], loss_last=losses[-1], finite=all(map(_finite, losses)),
-                   falling=losses[-1] < losses[0])
+                   falling=losses[-1] < losses[0],
+                   recompiles=[r["message"] for r in rows if r.get("event") == "recompile"])
         report["end_to_end"] = e2e
         log(f"preflight: end to end OK · loss {losses[0]:.4f} -> {losses[-1]:.4f} over 4 steps"
             f" ({'falling' if e2e['falling'] else 'NOT falling'}) · checkpoint round trip "
@@ -168,9 +169,11 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
-    # 2. compile diagnostics
+    # 2. compile diagnostics: graphs and breaks; recompiles seen after warm-up in the steps above
     if cfg.train.compile != "off":
         report["compile"] = explain_run(_copy(cfg), log=log)
+        for warning in report["end_to_end"]["recompiles"]:
+            log(f"preflight: {warning}")
 
     # 3. micro-batch search
     from flopwise.train.trainer import resolve_loss_impl
