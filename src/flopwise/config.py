@@ -384,7 +384,12 @@ def _apply_mapping(cfg: RunConfig, mapping: dict[str, Any], source: str, problem
             _set(cfg, section, str(key), value, source, problems)
 
 
+# Keys that were renamed: configs written by earlier versions (a run's config.yaml) still load.
+RENAMED_KEYS = {("train", "save_every"): "checkpoint_every"}
+
+
 def _set(cfg: RunConfig, section: str, key: str, value: Any, source: str, problems: list[str]) -> None:
+    key = RENAMED_KEYS.get((section, key), key)
     obj = getattr(cfg, section)
     types_ = _field_types(type(obj))
     if key not in types_:

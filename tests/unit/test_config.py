@@ -124,3 +124,9 @@ def test_resolved_config_round_trips(tmp_path):
     path.write_text(cfg.to_yaml())
     again = load_run_config(path)
     assert again == cfg
+
+
+def test_configs_of_earlier_versions_still_load(tmp_path):
+    old = tmp_path / "config.yaml"
+    old.write_text("train:\n  save_every: 250\n  max_steps: 1000\n")
+    assert load_run_config(old).train.checkpoint_every == 250
