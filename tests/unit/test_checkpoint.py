@@ -157,3 +157,11 @@ def test_kill_9_at_random_moments_of_saving_never_leaves_a_partial_checkpoint(tm
     assert kills == 12 and latest_checkpoint(tmp_path) is not None
     assert len(list_checkpoints(tmp_path)) <= 3
     json.loads((latest_checkpoint(tmp_path) / "COMPLETE").read_text())
+
+
+def test_checkpoints_from_before_markers_are_still_found(tmp_path):
+    model, opt = model_and_opt()
+    path = save_checkpoint(tmp_path, 3, model, opt, {"tokens": 5}, "model: {}\n")
+    (path / "COMPLETE").unlink()  # what flopwise 0.1 wrote: the same files, no manifest
+    assert latest_checkpoint(tmp_path) == path
+    assert load_checkpoint(path, *model_and_opt(seed=4))["tokens"] == 5

@@ -160,7 +160,14 @@ def save_checkpoint(
 # --------------------------------------------------------------------------- find, verify, load
 
 def is_complete(path: Path) -> bool:
-    return bool(_STEP_RE.match(path.name)) and (path / MARKER).is_file()
+    """A ``step-*`` directory with its marker -- or one written before markers existed (flopwise
+    0.1's checkpoints, complete by their own rename, hold model.pt, state.json and config.yaml:
+    a partial save of this version never sits under a ``step-*`` name)."""
+    if not _STEP_RE.match(path.name):
+        return False
+    if (path / MARKER).is_file():
+        return True
+    return all((path / f).is_file() for f in ("model.pt", "state.json", "config.yaml"))
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
