@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+
+from _results import save_result  # benchmarks/ is on sys.path when a script runs
 from flopwise.train.losses import fused_linear_cross_entropy_available, linear_cross_entropy
 
 GEOMETRIES = [  # name, vocab, d_model, tokens (micro-batch x seq)
@@ -243,12 +245,7 @@ def main() -> int:
                     "plain, same run)",
         "rows": rows,
     }
-    out_dir = Path(__file__).resolve().parent / "results"
-    out_dir.mkdir(exist_ok=True)
-    tag = "cuda" if device.type == "cuda" else f"cpu{cores}"
-    path = out_dir / f"chunked-ce-{tag}-{date.today().isoformat()}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    save_result("chunked-ce", "cuda" if device.type == "cuda" else f"cpu{cores}", result)
     return 0
 
 

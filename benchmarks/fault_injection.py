@@ -16,7 +16,6 @@ Prints a summary and writes benchmarks/results/fault-injection-<device>-<date>.j
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -31,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+
+from _results import save_result  # benchmarks/ is on sys.path when a script runs
 from flopwise.train.checkpoint import latest_checkpoint
 
 
@@ -117,10 +118,7 @@ def main() -> int:
         }
         print(f"{kills} SIGKILLs ({in_save} during a save), {restarts} processes; "
               f"final weights {'EQUAL' if equal else 'DIFFERENT'} to the uninterrupted run's")
-        out = Path(__file__).resolve().parent / "results" / f"fault-injection-cpu{cores}-{date.today().isoformat()}.json"
-        out.parent.mkdir(exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {out}")
+        save_result("fault-injection", f"cpu{cores}", result)
         return 0 if equal else 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import sys
@@ -35,6 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+
+from _results import save_result  # benchmarks/ is on sys.path when a script runs
 from flopwise.config import build_config
 from flopwise.data.builtin import prepare_builtin
 from flopwise.data.datadir import DataDir
@@ -190,12 +191,7 @@ def main() -> int:
         },
         "rows": rows,
     }
-    out_dir = Path(__file__).resolve().parent / "results"
-    out_dir.mkdir(exist_ok=True)
-    tag = "cuda" if device.type == "cuda" else f"cpu{cores}"
-    path = out_dir / f"loader-{tag}-{date.today().isoformat()}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    save_result("loader", "cuda" if device.type == "cuda" else f"cpu{cores}", result)
     return 0
 
 

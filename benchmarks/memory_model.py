@@ -24,21 +24,20 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
-import json
 import platform
 import re
 import sys
-from pathlib import Path
 
 import torch
 
+
+from _results import save_result  # benchmarks/ is on sys.path when a script runs
 from flopwise.config import OptimConfig, build_config
 from flopwise.model import build_model
 from flopwise.plan.memory import GIB, MemorySettings, estimate
 from flopwise.train.optim import build_optimizer
 from flopwise.train.step import loss_sum
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def measure(cfg, micro_batch: int, seq_len: int, device: torch.device, set_to_none: bool) -> dict:
@@ -144,11 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     if not args.no_save:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-        path = RESULTS / f"memory_model-{slug}-{dt.date.today().isoformat()}.json"
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {path}")
+        save_result("memory_model", re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-"), result)
     return 0
 
 

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import tokenizers
 
+
+from _results import save_result  # benchmarks/ is on sys.path when a script runs
 from flopwise.data.builtin import list_stdlib_files, prepare_builtin, select_files
 from flopwise.data.prepare import PrepareOptions, prepare
 
@@ -133,11 +135,7 @@ def main() -> int:
         "baseline": "the faster of Tokenizer.encode_batch / encode_batch_fast, in memory, all cores",
         "rows": rows,
     }
-    out_dir = Path(__file__).resolve().parent / "results"
-    out_dir.mkdir(exist_ok=True)
-    path = out_dir / f"tokenization-cpu{cores}-{date.today().isoformat()}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    save_result("tokenization", f"cpu{cores}", result)
     return 0
 
 

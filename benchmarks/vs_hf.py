@@ -21,17 +21,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
 import platform
 import sys
 import time
 from datetime import date
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+
+from _results import save_result  # benchmarks/ is on sys.path when a script runs
 from flopwise.config import build_config
 from flopwise.data.datadir import open_data_dir
 from flopwise.data.loader import fixed_windows
@@ -91,10 +91,7 @@ def main() -> int:
            "baseline": "transformers LlamaForCausalLM, sdpa, torch.compile (if on), AdamW (fused on CUDA), "
                        "bf16 autocast on CUDA, plain loop", "results": results}
     tag = "cuda-" + dev_name.split()[-1].lower() if device.type == "cuda" else f"cpu{cores}"
-    path = Path(__file__).resolve().parent / "results" / f"vs-hf-{tag}-{date.today().isoformat()}.json"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
+    save_result("vs-hf", tag, out)
     return 0
 
 
