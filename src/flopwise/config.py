@@ -35,6 +35,9 @@ class ConfigError(ValueError):
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"invalid configuration ({len(self.problems)} problem(s)):\n{lines}")
 
+    def __reduce__(self):  # picklable with its problems: rank 0's refusal is re-raised on every rank
+        return (type(self), (self.problems,))
+
 
 ARCHS = ("llama", "qwen3", "qwen3_moe", "gpt2", "custom")
 NORMS = ("rmsnorm", "layernorm")
@@ -246,6 +249,19 @@ class TrackingConfig:
 
 
 @dataclass
+class ParallelConfig:
+    # Data parallelism across the processes `torchrun` starts (README "Several GPUs").
+    # auto: single on one process; else DDP when weights, gradients and AdamW state fit each
+    # GPU, ZeRO-1 when only the optimizer state does not, FSDP2 otherwise (the planner's
+    # memory model decides, and the choice is explained at startup).
+    strategy: str = "auto"  # auto | single | ddp | zero1 | fsdp2
+    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+    bucket_mb: float = 25.0  # DDP (and ZeRO-1) gradient all-reduce bucket size
+    reshard_after_forward: bool = True  # FSDP2: free gathered block weights after forward (re-gather in backward)
+    timeout_min: float = 30.0  # a collective that waits longer than this fails the run instead of hanging
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -253,6 +269,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     preset: str = ""  # the preset this config started from, for naming and the record
 
     # Derived quantities used across the trainer and the planner.
@@ -279,8 +296,9 @@ class RunConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-SECTIONS = ("model", "data", "optim", "train", "eval", "tracking")
+SECTIONS = ("model", "data", "optim", "train", "eval", "tracking", "parallel")
 DEFAULT_PRESET = "tiny"
+STRATEGIES = ("auto", "single", "ddp", "zero1", "fsdp2")
 
 
 # --------------------------------------------------------------------------- presets
@@ -647,6 +665,13 @@ def validate(cfg: RunConfig) -> list[str]:
     positive("tracking", "grad_norms_every", tr.grad_norms_every, allow_zero=True)
     if d.loader not in ("random", "epoch"):
         p.append(f"data.loader {d.loader!r}: choose random or epoch")
+    pc = cfg.parallel
+    if pc.strategy not in STRATEGIES:
+        p.append(f"parallel.strategy {pc.strategy!r}: choose {', '.join(STRATEGIES)}")
+    if pc.backend not in ("auto", "nccl", "gloo"):
+        p.append(f"parallel.backend {pc.backend!r}: choose auto, nccl or gloo")
+    positive("parallel", "bucket_mb", pc.bucket_mb)
+    positive("parallel", "timeout_min", pc.timeout_min)
     positive("data", "builtin_vocab_size", d.builtin_vocab_size)
     positive("data", "builtin_max_mb", d.builtin_max_mb, allow_zero=True)
     if not d.path and d.builtin_vocab_size > m.vocab_size > 0:

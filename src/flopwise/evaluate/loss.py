@@ -25,27 +25,44 @@ def evaluate_loss(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     doc_eos: int | None = None,
     doc_bos: int | None = None,
+    shard: tuple[int, int] = (0, 1),
+    reduce: Callable[[list[float]], list[float]] | None = None,
 ) -> float:
     """Mean token loss over ``windows`` (N, seq_len + 1), evaluated ``batch_size`` at a time.
 
     A model trained with ``doc_mask`` is evaluated with the same per-document attention
-    when ``doc_eos`` (and ``doc_bos``, if the tokenizer has one) say where documents end."""
+    when ``doc_eos`` (and ``doc_bos``, if the tokenizer has one) say where documents end.
+
+    Under data parallelism (``shard=(rank, world_size)``) each rank evaluates a contiguous
+    ~1/world of the windows and ``reduce`` sums (loss, tokens) over ranks, so every rank
+    returns the same mean as one process would. All ranks run the same number of
+    forwards (a rank with fewer windows repeats one and does not count it): FSDP2 gathers
+    weights collectively inside every forward."""
     was_training = model.training
     model.eval()
     total, count = torch.zeros((), device=device), 0
     cfg = getattr(model, "cfg", None)
-    for i in range(0, windows.size(0), batch_size):
-        w = windows[i : i + batch_size].to(device, non_blocking=True)
+    rank, world = shard
+    per_rank = -(-windows.size(0) // world)
+    mine = windows[rank * per_rank : (rank + 1) * per_rank]
+    for i in range(0, per_rank, batch_size):
+        w = mine[i : i + batch_size]
+        counted = w.size(0) > 0
+        w = (w if counted else windows[:1]).to(device, non_blocking=True)
         x, y = w[:, :-1], w[:, 1:]
         with autocast():
             if doc_eos is not None and cfg is not None and cfg.doc_mask:  # as in training
                 logits = model(x, document_ids(x, doc_eos, doc_bos))
             else:
                 logits = model(x)
-        total += loss_sum(logits, y)
-        count += y.numel()
+        if counted:
+            total += loss_sum(logits, y)
+            count += y.numel()
     model.train(was_training)
-    return float(total) / max(count, 1)
+    values = [float(total), float(count)]
+    if reduce is not None:
+        values = reduce(values)
+    return values[0] / max(values[1], 1)
 
 
 def perplexity(loss: float) -> float:

@@ -449,7 +449,7 @@ def loglikelihoods(model: torch.nn.Module, tokenizer, examples: list[Example], d
             cols_t = torch.tensor(cols, device=device)
             with autocast():
                 if use_hidden:  # only the needed rows through the head: no (B, T, V) logits
-                    h = model.forward_hidden(idx)[rows_t, cols_t]  # (N, D)
+                    h = model(idx, return_hidden=True)[rows_t, cols_t]  # (N, D)
                     logits = F.linear(h, model.head_weight)  # (N, V)
                 else:
                     logits = model(idx)[rows_t, cols_t]  # (N, V)

@@ -101,3 +101,15 @@ class Tracker:
     def close(self) -> None:
         for s in self.sinks:
             s.close()
+
+
+class NullTracker:
+    """What ranks other than 0 write metrics to: nothing (rank 0 writes the run's metrics)."""
+
+    names: list[str] = []
+
+    def write(self, row: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -107,9 +107,13 @@ class Transformer(nn.Module):
         return self.norm(x)  # (B, T, D)
 
     def forward(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None,
-                cache: list[LayerCache] | None = None) -> torch.Tensor:
-        """idx (B, T) int64 -> logits (B, T, V)."""
-        return F.linear(self.forward_hidden(idx, doc_ids, cache), self.head_weight)
+                cache: list[LayerCache] | None = None, return_hidden: bool = False) -> torch.Tensor:
+        """idx (B, T) int64 -> logits (B, T, V); with ``return_hidden``, the final-normed hidden
+        states (B, T, D) instead, for a loss that applies the head itself (chunked, fused).
+        That goes through ``forward`` rather than :meth:`forward_hidden` so a DDP or FSDP
+        wrapper's hooks (gradient sync, parameter gathering) see the call."""
+        hidden = self.forward_hidden(idx, doc_ids, cache)
+        return hidden if return_hidden else F.linear(hidden, self.head_weight)
 
     def num_params(self, non_embedding: bool = False) -> int:
         """Parameters held by the module (a tied head counted once).

@@ -366,7 +366,8 @@ NOMINAL_MFU = 0.40
 
 
 def plan_for_run(cfg: "RunConfig", device_name: str | None, precision: str, peak_tflops: float = 0.0,
-                 mfu: float = NOMINAL_MFU, loss: str = "plain") -> dict[str, Any]:
+                 mfu: float = NOMINAL_MFU, loss: str = "plain", gpus: int = 1,
+                 strategy: str = "single") -> dict[str, Any]:
     """The plan of a training run as configured, written by ``flopwise train`` as ``plan.json``.
 
     ``device_name`` is the CUDA device's name (None on CPU, where no peak is known);
@@ -379,12 +380,13 @@ def plan_for_run(cfg: "RunConfig", device_name: str | None, precision: str, peak
         spec = None  # e.g. bf16 on a V100: no peak to plan against
     inp = PlanInputs(
         model=cfg.model, model_name=cfg.preset, gpu=spec, peak_tflops=peak_tflops, dtype=dtype,
-        gpus=1, mfu=mfu,
+        gpus=gpus, mfu=mfu,
         tokens=cfg.total_steps() * cfg.tokens_per_step, seq_len=cfg.train.seq_len,
-        micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.grad_accum_steps(),
+        micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.grad_accum_steps(gpus),
         memory=MemorySettings(
             precision={"bf16": "bf16-amp", "bf16-pure": "bf16"}.get(precision, "fp32"),
             activation_checkpointing="full" if cfg.train.activation_checkpointing == "full" else "none",
+            strategy={"fsdp2": "fsdp"}.get(strategy, strategy), n_gpus=gpus,
             loss="chunked" if loss == "chunked" else "plain", loss_chunk_tokens=cfg.train.loss_chunk_tokens),
     )
     plan = build_plan(inp)

@@ -1,6 +1,7 @@
 """Checkpoints that survive ``kill -9`` at any moment: ``checkpoints/step-NNNNNNN/``.
 
-A checkpoint holds ``model.pt``, ``optimizer.pt``, ``rng.pt`` (torch, CUDA, numpy and
+A checkpoint holds ``model.pt`` and ``optimizer.pt`` (or, written by FSDP2 ranks, ``sharded/``:
+the ``torch.distributed.checkpoint`` files of both, one per rank), ``rng.pt`` (torch, CUDA, numpy and
 Python generator states), ``state.json`` (step, tokens, loader position, ...) and
 ``config.yaml``. The protocol:
 
@@ -34,6 +35,7 @@ import torch
 
 CHECKPOINT_DIR = "checkpoints"
 MARKER = "COMPLETE"
+SHARDED = "sharded"  # a sharded checkpoint's torch.distributed.checkpoint files (model and optimizer)
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step-(\d{7,})$")
 _CHUNK = 1 << 22
@@ -115,26 +117,29 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
-    model: torch.nn.Module,
+    model: torch.nn.Module | None,
     optimizer: torch.optim.Optimizer | None,
     state: dict[str, Any],
     config_yaml: str,
     rng: dict[str, Any] | None = None,
+    prewritten: dict[str, dict[str, int]] | None = None,
 ) -> Path:
     """Write a complete checkpoint for ``step`` (see the module docstring); return its path.
 
-    A failure (a full disk, a permission error) removes the partial directory and raises
+    ``prewritten``: files already written into the directory :func:`begin_save` made (a
+    sharded checkpoint's ``sharded/*``, each rank's own), with their sizes and CRC32s for the
+    manifest; ``model`` is then None. A failure (a full disk, a permission error) removes the partial directory and raises
     :class:`CheckpointError`; earlier checkpoints are never touched by a save.
     """
     final = checkpoint_path(run_dir, step)
     root = final.parent
-    root.mkdir(parents=True, exist_ok=True)
-    for leftover in root.glob(".tmp-step-*"):  # a save killed before its rename
-        shutil.rmtree(leftover, ignore_errors=True)
     tmp = root / f".tmp-{final.name}"
     try:
-        tmp.mkdir()
-        files = {"model.pt": _write(tmp / "model.pt", lambda f: torch.save(model.state_dict(), f))}
+        if prewritten is None:
+            begin_save(run_dir, step)
+        files = dict(prewritten or {})
+        if model is not None:
+            files["model.pt"] = _write(tmp / "model.pt", lambda f: torch.save(model.state_dict(), f))
         if optimizer is not None:
             files["optimizer.pt"] = _write(tmp / "optimizer.pt", lambda f: torch.save(optimizer.state_dict(), f))
         if rng is not None:
@@ -155,6 +160,23 @@ def save_checkpoint(
         kept = f"; the previous checkpoint {previous} is intact" if previous else ""
         raise CheckpointError(f"could not save checkpoint step {step} in {root}: {e.strerror or e}{kept}") from e
     return final
+
+
+def begin_save(run_dir: str | Path, step: int) -> Path:
+    """Sweep what killed saves left and create the hidden directory ``step``'s files go into."""
+    final = checkpoint_path(run_dir, step)
+    root = final.parent
+    root.mkdir(parents=True, exist_ok=True)
+    for leftover in root.glob(".tmp-step-*"):  # a save killed before its rename
+        shutil.rmtree(leftover, ignore_errors=True)
+    tmp = root / f".tmp-{final.name}"
+    tmp.mkdir()
+    return tmp
+
+
+def file_entry(path: Path) -> dict[str, int]:
+    """A manifest entry (size, CRC32) for a file written by someone else (DCP's shards)."""
+    return {"bytes": path.stat().st_size, "crc32": _file_crc(path)}
 
 
 # --------------------------------------------------------------------------- find, verify, load
@@ -218,12 +240,18 @@ def load_checkpoint(
     """Load weights (and optimizer state) in place after verifying checksums; return
     ``state.json`` with the RNG states under ``"rng"`` when the checkpoint has them."""
     path = Path(path)
-    if not (path / "model.pt").is_file():
-        raise FileNotFoundError(f"{path}: not a checkpoint (no model.pt)")
+    sharded = (path / SHARDED).is_dir()
+    if not sharded and not (path / "model.pt").is_file():
+        raise FileNotFoundError(f"{path}: not a checkpoint (no model.pt or {SHARDED}/)")
     if verify and (path / MARKER).is_file():
         verify_checkpoint(path)
-    model.load_state_dict(torch.load(path / "model.pt", map_location=map_location, weights_only=True))
-    if optimizer is not None:
+    if sharded:  # written by FSDP2 ranks (torch.distributed.checkpoint); read at any world size
+        from flopwise.train.dist_checkpoint import load_sharded
+
+        load_sharded(path / SHARDED, model, optimizer)
+    else:
+        model.load_state_dict(torch.load(path / "model.pt", map_location=map_location, weights_only=True))
+    if optimizer is not None and not sharded:
         if not (path / "optimizer.pt").is_file():
             raise FileNotFoundError(f"{path}: no optimizer.pt to resume the optimizer from")
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True))

@@ -33,7 +33,8 @@ def make_loss_fn(model: torch.nn.Module, impl: str = "plain", chunk_tokens: int 
     (``train/losses.py``); ``fused`` -- a fused linear+CE kernel where one is installed.
     ``compile_mode`` (not None) compiles the whole function: forward, head and loss in one graph.
     """
-    moe = bool(getattr(getattr(model, "cfg", None), "is_moe", False))
+    inner = getattr(model, "module", model)  # DDP holds the model in .module; FSDP2 shards it in place
+    moe = bool(getattr(getattr(inner, "cfg", None), "is_moe", False))
 
     def loss_fn(x: torch.Tensor, y: torch.Tensor, doc_ids: torch.Tensor | None = None):
         if impl == "plain":
@@ -41,12 +42,14 @@ def make_loss_fn(model: torch.nn.Module, impl: str = "plain", chunk_tokens: int 
         else:
             from flopwise.train.losses import linear_cross_entropy
 
-            hidden = model.forward_hidden(x, doc_ids)  # (B, T, D)
+            # Through the (wrapped) model's forward, so DDP/FSDP hooks run; the head weight is
+            # read after it, when FSDP has gathered the root's parameters.
+            hidden = model(x, doc_ids, return_hidden=True)  # (B, T, D)
             # The backward follows at once, so computing the gradients during the forward
             # costs no extra peak memory and saves recomputing the logits (~20% of the loss).
-            s = linear_cross_entropy(hidden.flatten(0, 1), model.head_weight, y.reshape(-1), impl=impl,
+            s = linear_cross_entropy(hidden.flatten(0, 1), inner.head_weight, y.reshape(-1), impl=impl,
                                      chunk_tokens=chunk_tokens, grads_in_forward=torch.is_grad_enabled())
-        return s, (model.aux_loss if moe else None)
+        return s, (inner.aux_loss if moe else None)
 
     if compile_mode is not None:
         return torch.compile(loss_fn, **({} if compile_mode == "default" else {"mode": compile_mode}))
@@ -60,6 +63,7 @@ def forward_backward(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     scaler: "torch.amp.GradScaler | None" = None,
+    sync: Callable[[int], contextlib.AbstractContextManager] | None = None,
 ) -> torch.Tensor:
     """Accumulate gradients over ``micro_batches``; return the step's mean loss (detached).
 
@@ -69,20 +73,25 @@ def forward_backward(
     ``(x, y, doc_ids)``. The returned loss is the language-model loss only (a model's
     aux loss -- MoE load balance -- is trained on, not reported in it). ``loss_fn`` is
     :func:`make_loss_fn`'s (default: the plain one); ``scaler`` scales fp16 losses.
+    ``sync(i)`` is the context micro-batch ``i`` runs in: under data parallelism it holds
+    back the gradient all-reduce until the last micro-batch of the step (``train/parallel.py``).
+    Under data parallelism ``step_tokens`` is this rank's share: DDP and FSDP average the
+    ranks' gradients, which turns the ranks' ``sum / local tokens`` into the global mean.
     """
     loss_fn = loss_fn or make_loss_fn(model)
     total = None
-    for batch in micro_batches:
+    for i, batch in enumerate(micro_batches):
         x, y = batch[0], batch[1]
         doc_ids = batch[2] if len(batch) > 2 else None  # per-document attention (model.doc_mask)
-        with autocast():
-            s, aux = loss_fn(x, y, doc_ids)
-        loss = s / step_tokens
-        if aux is not None:
-            # MoE: the weighted load-balance (+ z) loss of this micro-batch. Its weight is per
-            # micro-batch, so each adds aux * its share of the step's tokens.
-            loss = loss + aux * (y.numel() / step_tokens)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        with sync(i) if sync is not None else contextlib.nullcontext():
+            with autocast():
+                s, aux = loss_fn(x, y, doc_ids)
+            loss = s / step_tokens
+            if aux is not None:
+                # MoE: the weighted load-balance (+ z) loss of this micro-batch. Its weight is per
+                # micro-batch, so each adds aux * its share of the step's tokens.
+                loss = loss + aux * (y.numel() / step_tokens)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         total = s.detach() if total is None else total + s.detach()
     assert total is not None, "a step needs at least one micro-batch"
     return total / step_tokens

@@ -64,6 +64,7 @@ class Deadline:
     MARGIN = 1.1  # 10% on top of the predicted step + save
 
     def __init__(self, max_hours: float, start: float, state_bytes: int):
+        self.max_hours = max_hours
         self.end = start + max_hours * 3600 if max_hours > 0 else None
         self.save_s = 1.0 + state_bytes / 100e6  # until a save is measured: 100 MB/s, +1 s
         self.step_s = 0.0

@@ -38,7 +38,7 @@ from flopwise.model import build_model, configure_attention
 from flopwise.plan import hardware
 from flopwise.plan.budget import plan_for_run
 from flopwise.plan.flops import flops_per_token, flops_per_token_6n, hardware_flops_per_token, param_counts
-from flopwise.train.checkpoint import apply_retention, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from flopwise.train.checkpoint import apply_retention, set_rng_state
 from flopwise.train.optim import CombinedOptimizer, build_optimizer, describe_optimizer, lr_at, set_lr, set_lr_factor
 from flopwise.train.schedule import lr_factor, ramp_plan, time_progress
 from flopwise.train.resume import start_run, truncate_metrics
@@ -47,6 +47,10 @@ from flopwise.train.precision import resolve as resolve_precision_full
 from flopwise.train.step import forward_backward, make_loss_fn
 from flopwise.train.timing import StepTimer, format_breakdown, nvtx, profiler
 from flopwise.train.wrap import RecompileWatch, checkpointed_blocks, wrap_model
+from flopwise.measure.tracking import NullTracker
+from flopwise.train.dist_checkpoint import load_distributed, save_distributed
+from flopwise.train.distributed import DistEnv, init_distributed, resolve_device
+from flopwise.train.parallel import apply_data_parallel, clip_grad_norm, grad_sync, resolve_strategy, zero1_optimizer
 from flopwise.train.stopping import Deadline, NonFiniteError, NonFiniteGuard, SignalStop  # noqa: F401
 
 Log = Callable[[str], None]
@@ -70,15 +74,6 @@ class TrainResult:
 
 
 # --------------------------------------------------------------------------- setup
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError([f"train.device={name!r} but CUDA is not available on this machine"])
-    return device
-
 
 def resolve_precision(precision: str, device: torch.device) -> tuple[str, torch.dtype | None]:
     """(name, autocast dtype or None). ``auto``: bf16 autocast on CUDA with bf16 support.
@@ -197,21 +192,46 @@ def _fmt_time(seconds: float) -> str:
 # --------------------------------------------------------------------------- the loop
 
 def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
-    """Train ``cfg`` in ``train.run_dir``: a new run, or the resumption of the run there."""
+    """Train ``cfg`` in ``train.run_dir``: a new run, or the resumption of the run there.
+
+    Under ``torchrun`` every rank calls this; they train in lockstep and rank 0 alone logs
+    and writes the run's files (``train/distributed.py``, ``train/parallel.py``)."""
     t_start = time.perf_counter()
-    device = resolve_device(cfg.train.device)
+    env, device = init_distributed(cfg.parallel.strategy, cfg.train.device, cfg.parallel.backend,
+                                   cfg.parallel.timeout_min)
+    try:
+        result = _train(cfg, log if env.is_main else _quiet, fresh, env, device, t_start)
+        env.barrier()  # ranks leave together: tearing the group down under a rank still using it aborts
+        return result
+    finally:
+        env.close()
+
+
+def _quiet(_: str) -> None:
+    """The log of ranks other than 0."""
+
+
+def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.device, t_start: float) -> TrainResult:
     prec = resolve_precision_full(cfg.train.precision, device)
     precision, amp_dtype = prec.name, prec.autocast_dtype
     autocast = autocast_factory(device, amp_dtype)
-    start = start_run(cfg, fresh)
-    run_dir = start.run_dir
-    data = open_data(cfg, log)
-
+    world = env.world_size
     m, t, o, e, tr = cfg.model, cfg.train, cfg.optim, cfg.eval, cfg.tracking
+    if t.global_batch_size % (t.micro_batch_size * world):
+        raise ConfigError([f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                           f"train.micro_batch_size ({t.micro_batch_size}) x {world} ranks = "
+                           f"{t.micro_batch_size * world}: the global batch is micro x accumulation x ranks"])
+    loss_impl = resolve_loss_impl(t.loss, m, t, device)
+    strategy = resolve_strategy(cfg, env, device, precision, loss_impl)  # refusals before any work
+    start = env.on_main(lambda: start_run(cfg, fresh))
+    cfg.train.run_dir = str(start.run_dir)  # rank 0 named it (a timestamp): every rank uses that name
+    run_dir = start.run_dir
+    data = env.main_first(lambda: open_data(cfg, log))  # the embedded corpus is prepared once, by rank 0
+
     total_steps = cfg.total_steps()
-    accum = cfg.grad_accum_steps()
-    step_tokens = cfg.tokens_per_step
-    micro_tokens = t.micro_batch_size * t.seq_len
+    accum = cfg.grad_accum_steps(world)  # micro-batches per step on each rank
+    step_tokens = cfg.tokens_per_step  # over all ranks
+    micro_tokens = t.micro_batch_size * t.seq_len * world  # one micro-batch on every rank
     ramp = None
     if t.batch_ramp_tokens:  # steps grow from batch_ramp_start micro-batches to the full batch
         ramp = ramp_plan(t.max_tokens, micro_tokens, accum, t.batch_ramp_tokens, t.batch_ramp_start)
@@ -230,8 +250,9 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
     task_paths = task_files(e.task_dir, task_names)  # a missing task file is named before any work
     # The data checks (each split long enough for a window) come before any allocation.
     train_loader = make_loader(cfg.data.loader, data, "train", t.seq_len, t.micro_batch_size, seed=t.seed,
-                               device=device, doc_boundaries=m.doc_mask)
-    val_windows = fixed_windows(data, "val", t.seq_len, e.batches * t.micro_batch_size)
+                               device=device, doc_boundaries=m.doc_mask, rank=env.rank, world_size=world)
+    # eval.batches micro-batches on every rank: the same windows for 2 ranks x b as for 1 x 2b
+    val_windows = fixed_windows(data, "val", t.seq_len, e.batches * t.micro_batch_size * world)
     torch.manual_seed(t.seed)
     model = build_model(m, device=device, seed=t.seed)
     if m.hf_config and start.checkpoint is None:
@@ -240,18 +261,22 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
     master = MasterWeights(model) if precision == "bf16-pure" else None
     state_model = master.master if master else model  # what the optimizer steps and checkpoints hold (fp32)
     attention_notes = configure_attention(model, device, amp_dtype or model.tok_emb.weight.dtype)
-    speed_notes += wrap_model(model, t)
-    loss_impl = resolve_loss_impl(t.loss, m, t, device)
-    loss_fn = make_loss_fn(model, loss_impl, t.loss_chunk_tokens,
+    speed_notes += wrap_model(model, t)  # activation checkpointing, then compile (blocks) ...
+    # ... then DDP / FSDP2 (FSDP2 shards `model` in place: the optimizer must see the shards)
+    train_model, parallel_notes = apply_data_parallel(model, strategy.name, env, device, cfg, amp_dtype)
+    loss_fn = make_loss_fn(train_model, loss_impl, t.loss_chunk_tokens,
                            compile_mode=t.compile_mode if t.compile == "model" else None)
     speed_notes.append(f"loss {loss_impl}" + (f" ({t.loss_chunk_tokens} tokens per chunk: no full logits)"
                                               if loss_impl == "chunked" else ""))
     optimizer = build_optimizer(state_model, o, device)
+    if strategy.name == "zero1":
+        optimizer = zero1_optimizer(optimizer)
+    sync = grad_sync(train_model, strategy.name, accum) if strategy.name != "single" else None
     guard = NonFiniteGuard(t.nonfinite, t.nonfinite_patience, t.spike_factor)
 
     step, tokens, val_start = 0, 0, float("nan")
     if start.checkpoint is not None:
-        saved = load_checkpoint(start.checkpoint, state_model, optimizer, map_location=device)
+        saved = load_distributed(start.checkpoint, env, strategy.name, state_model, optimizer, device)
         if master:
             master.master_to_model()
         if prec.scaler is not None and "grad_scaler" in saved:
@@ -260,28 +285,46 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
             raise ConfigError([f"train.run_dir {str(run_dir)!r}: the data changed since the checkpoint "
                                f"(fingerprint {str(saved.get('data_fingerprint'))[:12]} -> {str(data_fingerprint)[:12]}); "
                                "pass --fresh to start over"])
-        train_loader.load_state_dict(saved["loader"])
+        try:
+            train_loader.load_state_dict(saved["loader"])
+        except ValueError as err:  # e.g. the random loader's per-rank streams at another world size
+            raise ConfigError([f"train.run_dir {str(run_dir)!r}: cannot continue the data position of "
+                               f"{start.checkpoint.name} with {world} rank(s): {err}"]) from None
         step, tokens, val_start = saved["step"], saved["tokens"], saved.get("val_loss_start", float("nan"))
         guard.load_state_dict(saved.get("guard", {}))
         if "rng" in saved:
             set_rng_state(saved["rng"])
-    if start.resumed_run:
-        truncate_metrics(run_dir / "metrics.jsonl", step)
-
     config_yaml = cfg.to_yaml()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(config_yaml)
     record = run_record(cfg, device, precision)
-    previous = _read_json(run_dir / "run.json") if start.resumed_run else {}
-    record["starts"] = previous.get("starts", []) + [{"at_step": step, "started": record["started"]}]
+    record["parallel"] = {"strategy": strategy.name, "world_size": world, "backend": env.backend,
+                          "launched": env.launched, "why": strategy.why}
     plan = plan_for_run(cfg, torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                        precision, t.peak_tflops, loss=loss_impl)
-    (run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
-    (run_dir / "run.json").write_text(json.dumps(record, indent=2))
-    shutil.copyfile(data.path / "tokenizer.json", run_dir / "tokenizer.json")  # the run is self-contained
-    if t.preflight and Path(t.preflight).is_file():  # plan vs preflight vs actual, in the report
-        shutil.copyfile(t.preflight, run_dir / "preflight.json")
-    sink = Tracker(run_dir, cfg.tracking, cfg.to_dict(), run_dir.name)
+                        precision, t.peak_tflops, loss=loss_impl, gpus=world, strategy=strategy.name)
+
+    def write_run_files() -> None:  # rank 0: the run's non-sharded files
+        if start.resumed_run:
+            truncate_metrics(run_dir / "metrics.jsonl", step)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(config_yaml)
+        previous = _read_json(run_dir / "run.json") if start.resumed_run else {}
+        record["starts"] = previous.get("starts", []) + [{"at_step": step, "started": record["started"],
+                                                          "world_size": world}]
+        (run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
+        (run_dir / "run.json").write_text(json.dumps(record, indent=2))
+        shutil.copyfile(data.path / "tokenizer.json", run_dir / "tokenizer.json")  # the run is self-contained
+        if t.preflight and Path(t.preflight).is_file():  # plan vs preflight vs actual, in the report
+            shutil.copyfile(t.preflight, run_dir / "preflight.json")
+
+    env.on_main(write_run_files)
+    sink, sink_error = NullTracker(), None
+    if env.is_main:
+        try:
+            sink = Tracker(run_dir, cfg.tracking, cfg.to_dict(), run_dir.name)
+        except Exception as err:  # noqa: BLE001 - e.g. W&B asked for and missing: every rank stops with it
+            sink_error = err
+    sink_error = env.broadcast(sink_error)
+    if sink_error is not None:
+        raise sink_error
     val_bytes = target_bytes(val_windows, data.tokenizer)  # for bits per byte, comparable across tokenizers
 
     log(f"flopwise train · preset {cfg.preset} · run dir {run_dir}")
@@ -289,6 +332,10 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
         log(f"  resume     {start.note}" + (f" (step {step:,} of {total_steps:,}, {human(tokens)} tokens)"
                                            if start.checkpoint else ""))
     log(f"  device     {device_label(device)} · precision {precision} · peak {peak_note}")
+    if strategy.name != "single" or world > 1:
+        log(f"  parallel   {strategy.name} · {world} rank(s), {env.launched} · {env.backend} · {strategy.why}")
+        for note in parallel_notes:
+            log(f"  {'':<10} {note}")
     epochs = ""
     if cfg.data.loader == "epoch":
         epochs = f" ({total_steps * step_tokens / train_loader.target_tokens_per_epoch:.2f} epochs)"
@@ -307,8 +354,9 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
     log(f"  FLOPs      {human(fpt)}/token (6·N_matmul + attention at seq {t.seq_len})"
         f" · {total_steps:,} steps × {step_tokens:,} tokens = {human(total_steps * step_tokens)} tokens planned"
         f" · {human(fpt * total_steps * step_tokens)}FLOP total")
+    ranks = f" × {world} ranks" if world > 1 else ""
     log(f"  batch      global {t.global_batch_size} × seq {t.seq_len} = {step_tokens:,} tokens/step"
-        f" · micro-batch {t.micro_batch_size} × accumulation {accum}")
+        f" · micro-batch {t.micro_batch_size} × accumulation {accum}{ranks}")
     predicted = (f"{plan['hours'] * 60:.1f} min at {100 * plan['mfu']:.0f}% MFU" if plan["hours"] is not None
                  else "time n/a (no peak)")
     log(f"  plan       memory ≈ {plan['memory_gb']:.2f} GiB (model of params, grads, AdamW, activations)"
@@ -326,7 +374,8 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
             f"{human(t.batch_ramp_tokens)} tokens · {ramp.steps:,} steps for {human(t.max_tokens)} tokens")
 
     def validate(step: int, tokens: int) -> float:
-        val = evaluate_loss(model, val_windows, t.micro_batch_size, device, autocast, data.eos_id, data.bos_id)
+        val = evaluate_loss(model, val_windows, t.micro_batch_size, device, autocast, data.eos_id, data.bos_id,
+                            shard=(env.rank, world), reduce=lambda v: env.sum(v, device))
         log(f"  val  step {step:>6} | loss {val:.4f} | ppl {perplexity(val):,.1f} | bpb {bpb(val):.4f}"
             f" | uniform ln V = {uniform:.4f}")
         return val
@@ -358,8 +407,9 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
                  "data_fingerprint": data_fingerprint, "guard": guard.state_dict()}
         if prec.scaler is not None:
             state["grad_scaler"] = prec.scaler.state_dict()
-        path = save_checkpoint(run_dir, done, state_model, optimizer, state, config_yaml, rng=rng_state())
-        apply_retention(run_dir, t.keep_checkpoints, t.milestone_every)
+        path = save_distributed(run_dir, done, env, strategy.name, state_model, optimizer, state, config_yaml,
+                                train_loader.state_dict())
+        env.on_main(lambda: apply_retention(run_dir, t.keep_checkpoints, t.milestone_every))
         deadline.record_save(time.perf_counter() - t0)
         last_saved = path
         return path
@@ -371,7 +421,7 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
                     "mfu": None, "val_loss": val_start, "val_ppl": perplexity(val_start), "val_bpb": bpb(val_start)})
     val_end = val_start
 
-    meter = ThroughputMeter(fpt, peak, warmup_steps=t.warmup_log_steps)
+    meter = ThroughputMeter(fpt, peak * world if peak else None, warmup_steps=t.warmup_log_steps)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     clip = o.grad_clip if o.grad_clip > 0 else float("inf")
@@ -382,13 +432,19 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
     meter.pause()
     timer = StepTimer(device)
     recompiles = RecompileWatch(t.compile != "off")
-    opt_params = list(state_model.parameters())
+    # What the optimizer steps -- not model.parameters(): under FSDP2 a module whose weights
+    # are gathered (the root after an evaluation) lists its unsharded copies there.
+    opt_params = [p for group in optimizer.param_groups for p in group["params"]]
+    agreed_stop = ""  # under data parallelism: the stop every rank agreed on at the end of the last step
 
     with SignalStop() as signals, profiler(t.profile, run_dir / "profile", t.profile_wait, t.profile_warmup,
                                            t.profile_active) as prof:
         while step < total_steps:
-            if signals.requested or (fit is None and deadline.must_stop()):  # a fitted WSD stops itself below
+            if env.distributed:
+                stopped = agreed_stop
+            elif signals.requested or (fit is None and deadline.must_stop()):  # a fitted WSD stops itself below
                 stopped = f"{signals.name} received" if signals.requested else f"train.max_hours={t.max_hours:g} reached"
+            if stopped:
                 break
             t_step = time.perf_counter()
             if ramp is not None:
@@ -404,19 +460,25 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
                 set_lr(optimizer, lr)
             with timer.part("fwd_bwd"), nvtx(t.nvtx, "forward_backward"):
                 micro = timer.timed_batches(train_loader.next_batch, accum)
-                loss = forward_backward(model, micro, step_tokens, autocast, loss_fn, prec.scaler)
+                # Each rank divides by its own share of the tokens; DDP/FSDP average over ranks.
+                loss = forward_backward(train_model, micro, step_tokens // world, autocast, loss_fn, prec.scaler, sync)
             with timer.part("optim"), nvtx(t.nvtx, "optimizer"):
                 if master:
                     master.grads_to_master()
                 if prec.scaler is not None:
                     prec.scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(opt_params, clip)
-            loss_f, gnorm_f = torch.stack([loss.float(), grad_norm.float()]).tolist()  # one transfer per step
+                grad_norm = clip_grad_norm(opt_params, clip)
+            if env.distributed:  # one all-reduce: the global loss, and the stop decisions every rank takes
+                loss_f, gnorm_f, agreed_stop = agree(env, loss, grad_norm, signals, deadline, fit)
+            else:
+                loss_f, gnorm_f = torch.stack([loss.float(), grad_norm.float()]).tolist()  # one transfer per step
             # With fp16 loss scaling an overflowing gradient is routine: the scaler skips that
             # update and lowers its scale, so only the loss decides there.
             if not guard.check(loss_f, gnorm_f if prec.scaler is None else 0.0):
-                step, tokens = handle_nonfinite(guard, step, tokens, loss_f, gnorm_f, lr, state_model, optimizer,
-                                                train_loader, run_dir, last_saved, device, sink, log)
+                step, tokens = handle_nonfinite(
+                    guard, step, tokens, loss_f, gnorm_f, lr, optimizer, train_loader, run_dir, last_saved, sink, log,
+                    reload=lambda path: load_distributed(path, env, strategy.name, state_model, optimizer, device),
+                    is_main=env.is_main)
                 if master:
                     master.master_to_model()
                 if prec.scaler is not None:
@@ -464,6 +526,8 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
                 parts = timer.window()
                 row = {"step": step, "tokens": tokens, "loss": last_loss, "lr": lr, "grad_norm": gnorm_f,
                        **rates, **mem, **parts, "elapsed_s": time.perf_counter() - t_start}
+                if world > 1:
+                    row.update(world_size=world, tok_per_s_per_gpu=rates["tok_per_s"] / world)
                 row["eta_s"] = (total_steps - step) * rates["step_time_s"]  # training time left at this pace
                 if rates.get("mfu") is not None:  # the other conventions, for comparison (README "Conventions")
                     row["mfu_6n"] = rates["mfu"] * fpt_6n / fpt
@@ -475,8 +539,10 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
                     sink.write({"step": step, "event": "recompile", "message": warning})
                 if guard.skipped or guard.rollbacks:
                     row.update(skipped_steps=guard.skipped, rollbacks=guard.rollbacks)
+                per_gpu = f" ({human(rates['tok_per_s'] / world)}/GPU)" if world > 1 else ""
                 log(f"step {step:>6}/{total_steps} | tok {human(tokens):>7} | loss {last_loss:.4f} | lr {lr:.2e}"
-                    f" | gnorm {gnorm_f:.3f} | {human(rates['tok_per_s'])} tok/s | mfu {format_mfu(rates['mfu'])}"
+                    f" | gnorm {gnorm_f:.3f} | {human(rates['tok_per_s'])} tok/s{per_gpu}"
+                    f" | mfu {format_mfu(rates['mfu'])}"
                     f" | {format_memory(mem)} | {1000 * rates['step_time_s']:.0f} ms/step"
                     f" | {format_breakdown(parts, rates['step_time_s'])} | ETA {eta_text(row, deadline)}")
                 if do_val:
@@ -507,7 +573,7 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
     train_time = time.perf_counter() - t_loop
     sample = ""
     if e.sample_tokens > 0 and not stopped and step == total_steps and step > first_step:
-        sample = write_sample(model, data, cfg, device, run_dir)
+        sample = write_sample(model, data, cfg, device, run_dir if env.is_main else None)  # every rank: FSDP2
     sink.close()
 
     avg = meter.summary()
@@ -515,7 +581,9 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
     result = TrainResult(run_dir, step, tokens, last_loss, val_start, val_end, uniform,
                          avg["tok_per_s"], avg["mfu"], wall, last_saved, sample, stopped or None)
     summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(result).items()}
-    (run_dir / "run.json").write_text(json.dumps({**record, "result": summary, "train_time_s": train_time}, indent=2))
+    if env.is_main:
+        (run_dir / "run.json").write_text(json.dumps({**record, "result": summary, "train_time_s": train_time},
+                                                     indent=2))
 
     avg_tps = "n/a" if avg["tok_per_s"] is None else f"{human(avg['tok_per_s'])} tok/s"
     log(f"{'stopped' if stopped else 'done'}: {step:,} steps · {human(tokens)} tokens · train {_fmt_time(train_time)}"
@@ -530,8 +598,8 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
 
 
 def handle_nonfinite(guard: NonFiniteGuard, step: int, tokens: int, loss: float, grad_norm: float, lr: float,
-                     model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader, run_dir: Path,
-                     last_saved: Path | None, device: torch.device, sink: Tracker, log: Log) -> tuple[int, int]:
+                     optimizer: torch.optim.Optimizer, loader, run_dir: Path, last_saved: Path | None, sink,
+                     log: Log, reload: Callable[[Path], dict[str, Any]], is_main: bool = True) -> tuple[int, int]:
     """Apply ``train.nonfinite`` to a step whose loss or gradients are not finite (the update
     has not happened). Returns the (step, tokens) the loop continues from; raises
     :class:`NonFiniteError` when the policy is ``stop`` or its patience is used up."""
@@ -543,11 +611,12 @@ def handle_nonfinite(guard: NonFiniteGuard, step: int, tokens: int, loss: float,
         log(f"  event {what}: no checkpoint to roll back to, stopping")
     if guard.policy == "stop" or guard.exhausted() or (guard.policy == "rollback" and last_saved is None):
         diag = run_dir / f"nonfinite-step-{bad_step:07d}.json"
-        diag.write_text(json.dumps({
-            "step": bad_step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "policy": guard.policy,
-            "in_a_row": guard.in_a_row, "loader_after_step": loader.state_dict(),
-            "last_checkpoint": str(last_saved) if last_saved else None,
-        }, indent=2, default=str))
+        if is_main:
+            diag.write_text(json.dumps({
+                "step": bad_step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "policy": guard.policy,
+                "in_a_row": guard.in_a_row, "loader_after_step": loader.state_dict(),
+                "last_checkpoint": str(last_saved) if last_saved else None,
+            }, indent=2, default=str))
         hint = ("train.nonfinite=skip or rollback continues past it" if guard.policy == "stop"
                 else f"{guard.in_a_row} in a row exceeds train.nonfinite_patience={guard.patience}")
         raise NonFiniteError(f"{what}; diagnostics in {diag}; last checkpoint {last_saved}; {hint}")
@@ -557,7 +626,7 @@ def handle_nonfinite(guard: NonFiniteGuard, step: int, tokens: int, loss: float,
         return step + 1, tokens + 0  # the batch is consumed, nothing learned from it
     # rollback: the weights, optimizer and RNG of the last checkpoint; the data since it is skipped
     position = loader.state_dict()
-    saved = load_checkpoint(last_saved, model, optimizer, map_location=device)
+    saved = reload(last_saved)
     loader.load_state_dict(position)
     if "rng" in saved:
         set_rng_state(saved["rng"])
@@ -569,7 +638,7 @@ def handle_nonfinite(guard: NonFiniteGuard, step: int, tokens: int, loss: float,
 def layer_grad_norms(model: torch.nn.Module) -> dict[str, dict[str, float]]:
     """Each parameter's gradient norm (before clipping), in one device-to-host transfer."""
     named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
-    norms = torch.stack([g.detach().float().norm() for _, g in named]).tolist()
+    norms = torch.stack([_full(g.detach().float().norm()) for _, g in named]).tolist()
     return {"grad_norms": dict(zip((n for n, _ in named), norms))}
 
 
@@ -579,8 +648,13 @@ def update_ratios(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> di
     for n, p in model.named_parameters():
         old = before[n].float()
         names.append(n)
-        ratios.append((p.detach().float() - old).norm() / old.norm().clamp_min(1e-12))
+        ratios.append(_full((p.detach().float() - old).norm()) / _full(old.norm()).clamp_min(1e-12))
     return dict(zip(names, torch.stack(ratios).tolist()))
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A norm over all ranks' shards when ``t`` is an FSDP2 DTensor; ``t`` otherwise."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def task_files(task_dir: str, names: list[str]) -> dict[str, str]:
@@ -635,11 +709,14 @@ class TimeFit:
     def __init__(self, deadline: Deadline, warmup_steps: int):
         self.deadline, self.warmup_steps = deadline, warmup_steps
         self.start = time.perf_counter()
+        self.agreed_progress: float | None = None  # under data parallelism: rank 0's, shared each step
 
     def budget_s(self) -> float:
         return self.deadline.end - self.start - Deadline.MARGIN * self.deadline.save_s
 
     def progress(self) -> float:
+        if self.agreed_progress is not None:
+            return self.agreed_progress
         return time_progress(time.perf_counter() - self.start, self.budget_s(), Deadline.MARGIN * self.deadline.step_s)
 
     def done(self, step: int) -> bool:
@@ -684,6 +761,29 @@ def eta_text(row: dict[str, Any], deadline: Deadline) -> str:
     return text
 
 
+def agree(env: DistEnv, loss: torch.Tensor, grad_norm: torch.Tensor, signals: SignalStop, deadline: Deadline,
+          fit: "TimeFit | None") -> tuple[float, float, str]:
+    """What every rank takes from this step, in one all-reduce: the global mean loss (each
+    rank's is the mean over its share of the batch; a NaN on one rank is a NaN for all),
+    the gradient norm (already global), and whether to stop before the next step -- a
+    signal that reached any rank, the deadline by any rank's clock, or (a WSD fitted to the
+    time budget) rank 0's clock, whose progress also sets every rank's next learning rate."""
+    flags = [float(signals.requested), float(fit is None and deadline.must_stop()),
+             float(fit.progress()) if fit is not None and env.is_main else 0.0]
+    comm = loss.device if env.backend == "nccl" else torch.device("cpu")
+    packed = torch.cat([torch.stack([loss.float(), grad_norm.float().to(loss.device)]).to(comm),
+                        torch.tensor(flags, dtype=torch.float32, device=comm)])
+    loss_sum, gnorm_sum, signal, late, progress = env.sum_tensor(packed).tolist()
+    if fit is not None:
+        fit.agreed_progress = progress
+    stop = ""
+    if signal:
+        stop = (f"{signals.name} received" if signals.requested else "a signal received by another rank")
+    elif late:
+        stop = f"train.max_hours={deadline.max_hours:g} reached (by the slowest rank's clock)"
+    return loss_sum / env.world_size, gnorm_sum / env.world_size, stop
+
+
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -691,8 +791,10 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def write_sample(model: torch.nn.Module, data: DataDir, cfg: RunConfig, device: torch.device, run_dir: Path) -> str:
-    """Sample ``eval.sample_tokens`` tokens after ``eval.sample_prompt``; save to samples.txt."""
+def write_sample(model: torch.nn.Module, data: DataDir, cfg: RunConfig, device: torch.device,
+                 run_dir: Path | None) -> str:
+    """Sample ``eval.sample_tokens`` tokens after ``eval.sample_prompt``; save to samples.txt
+    (``run_dir`` None: on ranks other than 0, which generate in step with it, write nothing)."""
     e = cfg.eval
     tok = data.tokenizer
     ids = tok.encode(e.sample_prompt).ids or [data.eos_id]
@@ -700,6 +802,8 @@ def write_sample(model: torch.nn.Module, data: DataDir, cfg: RunConfig, device: 
     out = generate(model, torch.tensor([ids], device=device), e.sample_tokens, cfg.train.seq_len,
                    temperature=e.temperature, top_k=e.top_k, generator=gen, eos_id=data.eos_id)
     text = tok.decode(out[0].tolist())
+    if run_dir is None:
+        return text
     with open(run_dir / "samples.txt", "a", encoding="utf-8") as f:
         f.write(f"--- prompt {e.sample_prompt!r} · temperature {e.temperature:g} · top-k {e.top_k}\n{text}\n")
     return text

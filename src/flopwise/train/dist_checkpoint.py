@@ -1,0 +1,152 @@
+"""Checkpoints of a data-parallel run: who writes what, and how any world size reads it.
+
+Two formats, one directory protocol (``checkpoint.py``: hidden directory, CRC32 manifest,
+``COMPLETE`` last, atomic rename):
+
+- **full** (single, ddp, zero1): every rank holds the whole model, so rank 0 writes
+  ``model.pt`` and ``optimizer.pt`` exactly as a one-process run does (ZeRO-1 first
+  gathers the optimizer shards to rank 0: ``consolidate_state_dict``). Any number of
+  ranks, under any of these strategies, resumes it.
+- **sharded** (fsdp2): no rank holds the whole model; every rank writes its own shards
+  with ``torch.distributed.checkpoint`` into ``sharded/`` (model and optimizer, keyed by
+  parameter name, with the global shapes in ``sharded/.metadata``). DCP re-shards on load,
+  so N ranks' checkpoint resumes at M ranks -- or in one process (eval, export, ``single``).
+  Each rank checksums the files it wrote; rank 0 adds its entries to the manifest.
+
+Around both: ``rng.pt`` holds rank 0's generator states at the top (what one process
+reads) and every rank's under ``"ranks"``; ``state.json`` holds the loader position --
+the epoch loader's is global, the random loader's is per rank (``"loader_ranks"``).
+A full checkpoint resumed under fsdp2 is converted on the fly (each rank loads the full
+state and keeps its shards); a sharded one cannot resume under zero1 (refused).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flopwise.config import ConfigError
+from flopwise.train.checkpoint import (SHARDED, begin_save, file_entry, load_checkpoint, rng_state, save_checkpoint,
+                                       verify_checkpoint)
+from flopwise.train.distributed import DistEnv
+
+
+def is_sharded_strategy(strategy: str) -> bool:
+    return strategy == "fsdp2"
+
+
+def save_distributed(run_dir: Path, step: int, env: DistEnv, strategy: str, model: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer, state: dict[str, Any], config_yaml: str,
+                     loader_state: dict[str, Any]) -> Path:
+    """Write step ``step``'s checkpoint from every rank (a collective); returns its path on all."""
+    rngs = env.gather(rng_state())
+    loaders = env.gather(loader_state)
+    state = dict(state)
+    rng = None
+    if env.is_main:
+        rng = dict(rngs[0])
+        if env.world_size > 1:
+            rng["ranks"] = rngs
+            state["loader_ranks"] = loaders
+    if not is_sharded_strategy(strategy):
+        if strategy == "zero1":
+            optimizer.consolidate_state_dict(to=0)  # every rank sends its shard of the AdamW state
+        return env.on_main(lambda: save_checkpoint(run_dir, step, model, optimizer, state, config_yaml, rng=rng))
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    tmp = env.on_main(lambda: begin_save(run_dir, step))
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    out = tmp / SHARDED
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=FileSystemWriter(out, sync_files=True))
+    env.barrier()  # every rank's files are written (and .metadata, by rank 0) before they are listed
+    mine = {f"{SHARDED}/{p.name}": file_entry(p) for p in sorted(out.iterdir())
+            if p.name.startswith(f"__{env.rank}_") or (env.is_main and not p.name.startswith("__"))}
+    entries = env.gather(mine)
+
+    def finish() -> Path:
+        written = {k: v for part in entries for k, v in part.items()}
+        return save_checkpoint(run_dir, step, None, None, state, config_yaml, rng=rng, prewritten=written)
+
+    return env.on_main(finish)
+
+
+def load_distributed(path: Path, env: DistEnv, strategy: str, model: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer, map_location: torch.device) -> dict[str, Any]:
+    """Load ``path`` (either format) into this rank's model and optimizer; return state.json
+    with this rank's RNG states under ``"rng"`` and its loader position under ``"loader"``."""
+    sharded = (path / SHARDED).is_dir()
+    if sharded and strategy == "zero1":
+        raise ConfigError([f"{path} is a sharded (fsdp2) checkpoint: resume it with parallel.strategy=fsdp2, ddp "
+                           "or single; zero1's optimizer shards are laid out differently"])
+    env.on_main(lambda: verify_checkpoint(path) if (path / "COMPLETE").is_file() else None)  # once, not N times
+    if not sharded and strategy == "fsdp2":
+        saved = _load_full_into_fsdp(path, model, optimizer)
+    else:
+        saved = load_checkpoint(path, model, optimizer, map_location=map_location, verify=False)
+    rng = saved.get("rng")
+    if isinstance(rng, dict) and len(rng.get("ranks") or []) == env.world_size:
+        saved["rng"] = rng["ranks"][env.rank]
+    loaders = saved.get("loader_ranks")
+    if isinstance(loaders, list) and len(loaders) == env.world_size:
+        saved["loader"] = loaders[env.rank]
+    return saved
+
+
+def load_sharded(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """A ``sharded/`` directory into ``model`` (plain, DDP's inner module or FSDP2-sharded) and
+    ``optimizer``: DCP reads each rank's part of every tensor, whatever the saving world size."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if optimizer is None:
+        sd = {"model": model.state_dict()}
+        dcp.load(sd, storage_reader=FileSystemReader(directory))
+        model.load_state_dict(sd["model"])
+        return
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    sd = {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, storage_reader=FileSystemReader(directory))
+    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def _load_full_into_fsdp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """A full checkpoint (model.pt, index-keyed optimizer.pt) into an FSDP2-sharded model:
+    every rank reads the whole files and keeps its shards."""
+    import json
+
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, torch.load(path / "model.pt", map_location="cpu", weights_only=True), options=full)
+    saved_optim = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    set_optimizer_state_dict(model, optimizer, _by_name(saved_optim, model, optimizer), options=full)
+    state = json.loads((path / "state.json").read_text())
+    if (path / "rng.pt").is_file():
+        state["rng"] = torch.load(path / "rng.pt", weights_only=False)
+    return state
+
+
+def _by_name(saved: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter index (``Optimizer.state_dict``) re-keyed by
+    parameter name, the form ``set_optimizer_state_dict`` takes. Index ``i`` of the saved
+    groups is the ``i``-th parameter of this optimizer's groups (both built by
+    ``build_optimizer`` from the same model, in ``named_parameters`` order)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    state, groups = {}, []
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise ConfigError(["the checkpoint's optimizer has "
+                           f"{len(saved['param_groups'])} parameter groups, this one {len(optimizer.param_groups)}"])
+    for old, new in zip(saved["param_groups"], optimizer.param_groups):
+        fqns = [names[id(p)] for p in new["params"]]
+        for index, fqn in zip(old["params"], fqns):
+            if index in saved["state"]:
+                state[fqn] = saved["state"][index]
+        groups.append({**{k: v for k, v in old.items() if k != "params"}, "params": fqns})
+    return {"state": state, "param_groups": groups}

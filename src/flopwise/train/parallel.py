@@ -1,0 +1,186 @@
+"""Data parallelism: which strategy, and what it wraps around the model and the optimizer.
+
+- ``single``: one process, nothing wrapped.
+- ``ddp``: every rank holds the whole model; gradients are averaged by DDP's bucketed
+  all-reduce (``parallel.bucket_mb``), overlapped with the backward. Only the last
+  micro-batch of an accumulation synchronises (``no_sync`` on the others).
+- ``zero1``: DDP for the gradients, and ``ZeroRedundancyOptimizer``: each rank keeps the
+  AdamW state of ~1/N of the parameters, steps those and broadcasts them.
+- ``fsdp2``: ``fully_shard`` on every transformer block and then on the root (embedding,
+  final norm, head): parameters, gradients and optimizer state are all sharded; a block's
+  weights are gathered just before it runs. Under bf16 a ``MixedPrecisionPolicy``
+  gathers bf16 weights and reduces gradients in float32 (the sharded fp32 parameters are
+  the master copy). ``parallel.reshard_after_forward=false`` keeps gathered blocks until
+  backward (less communication, more memory).
+- ``auto``: single with one process; otherwise the first of ddp, zero1, fsdp2 whose
+  memory model (``plan/memory.py``) fits the GPU, with the reason logged.
+
+Wrapping order, in one place (``wrap.py`` then :func:`apply_data_parallel`): activation
+checkpointing -> compile -> DDP/FSDP. Checkpoint formats: see ``train/dist_checkpoint.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from flopwise.config import ConfigError, RunConfig
+from flopwise.train.distributed import DistEnv
+
+HEADROOM = 0.9  # share of the GPU the memory model's peak may take for auto to pick a strategy
+
+
+@dataclass
+class Strategy:
+    name: str  # single | ddp | zero1 | fsdp2
+    why: str  # one line for the log
+
+
+def _memory_settings(cfg: RunConfig, strategy: str, world: int, precision: str, loss: str):
+    from flopwise.plan.memory import MemorySettings
+
+    return MemorySettings(
+        precision={"bf16": "bf16-amp", "bf16-pure": "bf16"}.get(precision, "fp32"),
+        activation_checkpointing="full" if cfg.train.activation_checkpointing == "full" else "none",
+        strategy={"fsdp2": "fsdp"}.get(strategy, strategy), n_gpus=world,
+        loss="chunked" if loss == "chunked" else "plain", loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+
+
+def predicted_peak(cfg: RunConfig, strategy: str, world: int, precision: str, loss: str) -> int:
+    """The memory model's per-GPU peak bytes for one training step under ``strategy``."""
+    from flopwise.plan.memory import estimate
+
+    settings = _memory_settings(cfg, strategy, world, precision, loss)
+    return estimate(cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len, settings).total
+
+
+def incompatibilities(cfg: RunConfig, strategy: str, precision: str) -> list[str]:
+    """Why ``strategy`` cannot run this configuration (empty when it can)."""
+    out = []
+    if strategy in ("zero1", "fsdp2") and cfg.optim.name == "muon":
+        out.append(f"parallel.strategy={strategy} with optim.name=muon: Muon orthogonalises whole matrices and "
+                   "this strategy splits the optimizer state; use ddp (Muon's state is replicated) or optim.name=adamw")
+    if strategy == "fsdp2" and precision == "bf16-pure":
+        out.append("parallel.strategy=fsdp2 with train.precision=bf16-pure: FSDP2 keeps sharded fp32 weights and "
+                   "computes in bf16 through its MixedPrecisionPolicy already; use train.precision=bf16")
+    if strategy == "fsdp2" and precision == "fp16":
+        out.append("parallel.strategy=fsdp2 with train.precision=fp16: the gradient scaler is not wired for "
+                   "sharded gradients; use bf16 (or ddp/zero1 for fp16)")
+    return out
+
+
+def resolve_strategy(cfg: RunConfig, env: DistEnv, device: torch.device, precision: str, loss: str) -> Strategy:
+    """The strategy to run, explained; a requested one that cannot run is a ConfigError."""
+    asked = cfg.parallel.strategy
+    world = env.world_size
+    if asked != "auto":
+        problems = incompatibilities(cfg, asked, precision)
+        if problems:
+            raise ConfigError(problems)
+        if asked == "single":
+            return Strategy("single", "parallel.strategy=single")
+        return Strategy(asked, f"parallel.strategy={asked} over {world} rank(s)")
+    if not env.distributed or world == 1:
+        return Strategy("single", "auto: one process")
+    if device.type != "cuda":
+        return Strategy("ddp", f"auto: {world} CPU ranks, no device memory limit to plan against: ddp")
+    capacity = torch.cuda.get_device_properties(device).total_memory
+    budget = HEADROOM * capacity
+    tried = []
+    for name in ("ddp", "zero1", "fsdp2"):
+        if incompatibilities(cfg, name, precision):
+            continue
+        need = predicted_peak(cfg, name, world, precision, loss)
+        tried.append(f"{name} {need / 2**30:.1f} GiB")
+        if need <= budget:
+            return Strategy(name, f"auto: predicted peak per GPU {', '.join(tried)} of {capacity / 2**30:.0f} GiB "
+                                  f"(x{HEADROOM:g} headroom): {name}")
+    fallback = "fsdp2" if not incompatibilities(cfg, "fsdp2", precision) else "ddp"
+    return Strategy(fallback, f"auto: nothing fits the memory model's {budget / 2**30:.1f} GiB ({', '.join(tried)}); "
+                              f"{fallback}, the most frugal that runs this config -- lower train.micro_batch_size "
+                              "or turn on train.activation_checkpointing")
+
+
+# --------------------------------------------------------------------------- model and optimizer
+
+def apply_data_parallel(model: torch.nn.Module, strategy: str, env: DistEnv, device: torch.device,
+                        cfg: RunConfig, compute_dtype: torch.dtype | None) -> tuple[torch.nn.Module, list[str]]:
+    """Wrap (DDP) or shard (FSDP2, in place) the already checkpointed/compiled model.
+
+    Returns the module the training step calls and notes for the log. Under FSDP2 that is
+    ``model`` itself (``fully_shard`` changes the module in place); under DDP a wrapper
+    whose ``.module`` is ``model``."""
+    pc = cfg.parallel
+    if strategy == "single":
+        return model, []
+    if strategy in ("ddp", "zero1"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                      bucket_cap_mb=pc.bucket_mb, gradient_as_bucket_view=True)
+        return wrapped, [f"DDP: gradients all-reduced in {pc.bucket_mb:g} MB buckets during backward, once per "
+                         "step (no_sync on the earlier micro-batches)"]
+    if strategy == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = (MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+              if compute_dtype is not None and compute_dtype != torch.float32 else MixedPrecisionPolicy())
+        for block in model.layers:
+            fully_shard(block, mp_policy=mp, reshard_after_forward=pc.reshard_after_forward)
+        # The root (embedding, final norm, head) stays gathered after forward: backward needs it
+        # at once, and a loss that applies the head itself (chunked) reads it after forward.
+        fully_shard(model, mp_policy=mp, reshard_after_forward=False)
+        gathered = f"gathered in {str(mp.param_dtype).replace('torch.', '')}" if mp.param_dtype else "gathered in fp32"
+        return model, [f"FSDP2: parameters, gradients and optimizer state sharded over {env.world_size} rank(s); "
+                       f"each block {gathered}, reduced in fp32"
+                       + ("; blocks resharded after forward" if pc.reshard_after_forward else
+                          "; blocks kept gathered until backward (parallel.reshard_after_forward=false)")]
+    raise ValueError(f"unknown strategy {strategy!r}")
+
+
+def zero1_optimizer(plain: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A ``ZeroRedundancyOptimizer`` with ``plain``'s parameter groups and hyper-parameters
+    (``plain`` -- built by ``build_optimizer`` and never stepped -- is discarded)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if not isinstance(plain, torch.optim.AdamW):
+        raise ConfigError(["parallel.strategy=zero1 shards AdamW's state; optim.name must be adamw"])
+    groups = [dict(g) for g in plain.param_groups]
+    keys = ("lr", "betas", "eps", "weight_decay", "fused", "foreach")
+    defaults = {k: plain.defaults[k] for k in keys if plain.defaults.get(k) is not None}
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(plain), **defaults)
+
+
+def grad_sync(wrapped: torch.nn.Module, strategy: str, accum: int) -> Callable[[int], contextlib.AbstractContextManager]:
+    """``sync(i)`` for ``forward_backward``: gradients are reduced only on the last micro-batch."""
+
+    def sync(i: int) -> contextlib.AbstractContextManager:
+        last = i == accum - 1
+        if strategy in ("ddp", "zero1"):
+            return contextlib.nullcontext() if last else wrapped.no_sync()
+        if strategy == "fsdp2":
+            wrapped.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    return sync
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The global gradient norm (over all ranks' shards under FSDP2), clipped to ``max_norm``."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads and hasattr(grads[0], "to_local"):
+        # FSDP2: this rank's shards' sums of squares, summed over ranks. (Not the DTensor
+        # norm: torch's CPU float32 norm kernel is off by ~1e-4 relative on large tensors, and
+        # differently for each way of cutting them; a sum of squares is accurate.)
+        import torch.distributed as dist
+
+        squared = torch.stack([g.to_local().float().pow(2).sum() for g in grads]).sum()
+        dist.all_reduce(squared, group=grads[0].device_mesh.get_group())
+        total = squared.sqrt()
+    else:
+        total = torch.nn.utils.get_total_norm(grads)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
