@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from flopwise import __version__
@@ -207,6 +208,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.explain:
         from flopwise.train.trainer import explain_run
 
+        _one_process_only("train --explain")
         explain_run(cfg, log=lambda s: print(s, flush=True))
         return 0
     try:
@@ -218,6 +220,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"flopwise train: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _one_process_only(what: str) -> None:
+    """Trial runs measure one GPU; under a multi-process launch they would race on its files."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if world not in ("", "1"):
+        raise ConfigError([f"flopwise {what} runs in one process (WORLD_SIZE={world}): run it without torchrun "
+                           "on one GPU; its micro-batch holds per GPU under DDP, ZeRO-1 and (more) FSDP2"])
 
 
 def count(text: str) -> int:
@@ -258,6 +268,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 def cmd_preflight(args: argparse.Namespace) -> int:
     cfg = build_config(preset=args.preset, config_file=args.config, overrides=args.overrides)
+    _one_process_only("preflight")
     from flopwise.train.preflight import preflight
 
     preflight(cfg, tokens=args.tokens, hours=args.hours, memory_gb=args.memory_gb, headroom=args.headroom,
@@ -417,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as e:
-        print(f"flopwise {args.command}: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") in ("", "0"):  # every rank raises it; rank 0 says it once
+            print(f"flopwise {args.command}: {e}", file=sys.stderr)
         return 2
     except ValueError as e:  # data and plan errors name the file, field or flag and the problem
         from flopwise.data.datadir import DataDirError

@@ -458,7 +458,8 @@ def test_epoch_resume_refusals(labelled):
     a = rank_loaders(dd, 2, 4)[0]
     batches(a, 2)
     state = snapshot(a)
-    with pytest.raises(ValueError, match=r"2 rank\(s\) x batch_size 4 = 8 .* 2 rank\(s\) x batch_size 8 = 16"):
+    with pytest.raises(ValueError, match=r"2 rank\(s\) x batch_size 4, 8 samples per optimizer step; .* "
+                                         r"2 rank\(s\) x batch_size 8, 16 samples per step"):
         EpochLoader(dd, "train", 16, 8, seed=3, rank=0, world_size=2).load_state_dict(state)
     with pytest.raises(ValueError, match=r"seq_len 16 in the state, 8 here"):
         EpochLoader(dd, "train", 8, 8, seed=3).load_state_dict(state)
@@ -538,3 +539,25 @@ def test_prefetch_same_batches_and_state(dd, mode):
     assert a.state_dict() == b.state_dict()
     assert torch.equal(a.next_batch()[0], b.next_batch()[0])  # usable after close
     b.close()
+
+
+def test_epoch_resume_at_another_world_size_with_the_same_step(labelled):
+    """2 ranks x 4 x 2 micro-batches -> 1 rank x 4 x 4 micro-batches (16 samples per step either
+    way): after the switch, each step takes the same samples as the 2-rank run would have,
+    across the epoch boundary (83 samples: 5 steps per epoch, 3 dropped); other step sizes
+    are refused."""
+    dd, _ = labelled
+    two = rank_loaders(dd, 2, 4, step_samples=16)
+    assert two[0].batches_per_epoch == 10 and two[0].dropped_samples_per_epoch == 3
+    for _ in range(3 * 2):  # three steps
+        for ld in two:
+            ld.next_batch()
+    one = EpochLoader(dd, "train", 16, 4, seed=3, step_samples=16)
+    one.load_state_dict(snapshot(two[0]))
+    for step in range(5):  # steps 4..8: epoch 0 ends after step 5
+        got = sorted(k for _ in range(4) for k in sample_key(one.next_batch()[0]))
+        want = sorted(k for _ in range(2) for ld in two for k in sample_key(ld.next_batch()[0]))
+        assert got == want, step
+    assert one.epoch == two[0].epoch == 1
+    with pytest.raises(ValueError, match=r"16 samples per optimizer step; .* 8 samples per step"):
+        EpochLoader(dd, "train", 16, 4, seed=3, step_samples=8).load_state_dict(snapshot(two[0]))

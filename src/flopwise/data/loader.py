@@ -386,18 +386,21 @@ class EpochLoader(_BatchLoader):
     in storage order).  The order is cut into *global batches* of
     ``batch_size * world_size`` samples; rank ``r`` takes samples
     ``[g*B*W + r*B, g*B*W + (r+1)*B)`` of global batch ``g``, so ranks are disjoint and
-    together read each sample of an epoch once.  The last partial global batch is
-    **dropped** (wrapping it into the next epoch would show some samples twice in one
-    epoch): :attr:`dropped_samples_per_epoch` = ``num_samples % (B*W)`` samples, a
-    different set each epoch when shuffled, always the last ones when not.  Epochs roll
-    over by themselves: after the last full global batch the next batch comes from epoch
-    ``e + 1`` and its own permutation.
+    together read each sample of an epoch once.  An epoch holds whole optimizer steps of
+    ``step_samples`` (default one global batch; the trainer passes its global batch): the
+    last partial step is **dropped** (wrapping it into the next epoch would show some
+    samples twice in one epoch): :attr:`dropped_samples_per_epoch` =
+    ``num_samples % step_samples`` samples, a different set each epoch when shuffled,
+    always the last ones when not.  Epochs roll over by themselves: after the last full
+    step the next batch comes from epoch ``e + 1`` and its own permutation.
 
     **State** is global -- epoch, the position in that epoch's order counted in samples
     over all ranks, and the count of global batches -- identical on every rank, so any rank's
-    state resumes every rank.  It resumes exactly on another ``world_size`` when the
-    global batch ``batch_size * world_size`` is unchanged (2 ranks x 4 -> 1 rank x 8); a
-    different global batch, ``seq_len``, seed, shuffle, split or data is refused.
+    state resumes every rank.  It resumes exactly on another ``world_size`` or micro-batch
+    when the samples per step are unchanged (2 ranks x 4 x 2 micro-batches -> 1 rank x 4 x 4,
+    or -> 1 rank x 8 x 2): a step takes the same consecutive samples of the order whoever
+    computes them.  Different samples per step, ``seq_len``, seed, shuffle, split or data
+    are refused.
     """
 
     mode = "epoch"
@@ -416,11 +419,16 @@ class EpochLoader(_BatchLoader):
         doc_boundaries: bool = False,
         eos_id: int | None = None,
         prefetch: bool = False,
+        step_samples: int | None = None,
     ):
         super().__init__(datadir, split, seq_len, batch_size, device, rank, world_size, doc_boundaries, eos_id,
                          prefetch)
         if self.seq_len <= 0:
             raise ValueError(f"seq_len must be > 0, got {seq_len}")
+        G = self.global_batch_size
+        self.step_samples = int(step_samples) if step_samples else G
+        if self.step_samples % G:
+            raise ValueError(f"step_samples ({self.step_samples}) must be a multiple of batch_size x world_size ({G})")
         self.seed = int(seed)
         self.shuffle = bool(shuffle)
         T = self.seq_len
@@ -430,20 +438,27 @@ class EpochLoader(_BatchLoader):
         self._first = self._bounds - per_shard  # global index of each shard's first sample
         self.num_samples = int(per_shard.sum())
         self.remainder_tokens = int(sum(n - (k * T + 1) if k else n for n, k in zip(self._counts, per_shard)))
-        G = self.global_batch_size
-        if self.num_samples < G:
+        if self.num_samples < self.step_samples:
             raise DataDirError(
                 f"split {split!r} of {datadir.path} is too small for one global batch: {self.num_samples} "
                 f"packed samples of {T + 1} tokens (seq_len={T}, none across a shard boundary, "
                 f"{sum(self._counts)} tokens in {len(self._counts)} shard(s)) but a global batch takes "
-                f"{self.batch_size} x {self.world_size} rank(s) = {G}; use a shorter seq_len, a smaller batch "
+                f"{self.batch_size} x {self.world_size} rank(s)"
+                + (f" x {self.step_samples // G} micro-batches" if self.step_samples != G else "")
+                + f" = {self.step_samples}; use a shorter seq_len, a smaller batch "
                 "or more data"
             )
-        self.batches_per_epoch = self.num_samples // G  # global batches = batches per rank
-        self.dropped_samples_per_epoch = self.num_samples % G
+        self._set_geometry(self.step_samples)
         self._epoch = 0
         self._pos = 0  # samples of this epoch's order already drawn, over all ranks
         self._order_cache: tuple[int, np.ndarray] | None = None
+
+    def _set_geometry(self, step_samples: int) -> None:
+        """Epochs end on a step boundary: whole steps of ``step_samples`` per epoch."""
+        self.step_samples = step_samples
+        steps = self.num_samples // step_samples
+        self.batches_per_epoch = steps * (step_samples // self.global_batch_size)  # global = per rank
+        self.dropped_samples_per_epoch = self.num_samples - steps * step_samples
 
     # ------------------------------------------------------------- accounting
     @property
@@ -495,7 +510,8 @@ class EpochLoader(_BatchLoader):
         lo = self._pos + self.rank * B
         idx = self.epoch_order(self._epoch)[lo : lo + B]
         self._pos += G
-        if self._pos + G > self.num_samples:  # only a partial global batch left: next epoch
+        S = self.step_samples
+        if self._pos % S == 0 and self._pos + S > self.num_samples:  # only a partial step left: next epoch
             self._epoch += 1
             self._pos = 0
         return self.sample_location(idx)
@@ -521,6 +537,7 @@ class EpochLoader(_BatchLoader):
             "batches": self.batches,  # global batches handed out = batches per rank, all epochs
             "batch_size": self.batch_size,
             "world_size": self.world_size,
+            "step_samples": self.step_samples,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -539,12 +556,16 @@ class EpochLoader(_BatchLoader):
                 f"{self.split!r} of {self.datadir.path} has {self._counts}"
             )
         b, w = int(state["batch_size"]), int(state["world_size"])
-        if b * w != self.global_batch_size:
+        # States from before step_samples existed cut epochs into global micro-batches (b x w).
+        saved_step = int(state.get("step_samples", b * w))
+        step = self.step_samples if "step_samples" in state else b * w
+        if saved_step != step or saved_step % self.global_batch_size:
             problems.append(
-                f"global batch changed: the state was taken with {w} rank(s) x batch_size {b} = {b * w} samples "
-                f"per global batch, this loader has {self.world_size} rank(s) x batch_size {self.batch_size} = "
-                f"{self.global_batch_size}; the epoch's order is cut into global batches, so only a geometry "
-                "with the same batch_size x world_size continues it exactly"
+                f"batch geometry changed: the state was taken with {w} rank(s) x batch_size {b}, "
+                f"{saved_step} samples per optimizer step; this loader has {self.world_size} rank(s) x batch_size "
+                f"{self.batch_size}, {step} samples per step; epochs are cut into whole steps, so any geometry "
+                f"with the same samples per step ({saved_step}) and batch_size x world_size dividing it "
+                "continues exactly"
             )
         if problems:
             raise ValueError("cannot resume the epoch loader: " + "; ".join(problems))
@@ -553,6 +574,7 @@ class EpochLoader(_BatchLoader):
             raise ValueError(f"loader state has an impossible position: epoch {epoch}, sample {pos} of "
                              f"{self.num_samples} with global batches of {self.global_batch_size}")
         self._drop_prefetch()
+        self._set_geometry(saved_step)
         self._set_position((epoch, pos))
         self.batches = int(state.get("batches", 0))
 
@@ -572,15 +594,17 @@ def make_loader(
     shuffle: bool = True,
     eos_id: int | None = None,
     prefetch: bool = False,
+    step_samples: int | None = None,
 ) -> RandomWindowLoader | EpochLoader:
     """A training loader: ``mode`` ``"random"`` (:class:`RandomWindowLoader`) or ``"epoch"``
-    (:class:`EpochLoader`; ``shuffle`` applies to it only)."""
+    (:class:`EpochLoader`; ``shuffle`` and ``step_samples`` apply to it only)."""
     common = dict(device=device, rank=rank, world_size=world_size, doc_boundaries=doc_boundaries,
                   eos_id=eos_id, prefetch=prefetch)
     if mode == "random":
         return RandomWindowLoader(datadir, split, seq_len, batch_size, seed, **common)
     if mode == "epoch":
-        return EpochLoader(datadir, split, seq_len, batch_size, seed, shuffle=shuffle, **common)
+        return EpochLoader(datadir, split, seq_len, batch_size, seed, shuffle=shuffle, step_samples=step_samples,
+                           **common)
     raise ValueError(f"unknown loader mode {mode!r}: expected 'random' or 'epoch'")
 
 

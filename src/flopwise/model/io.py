@@ -4,7 +4,8 @@ Three kinds of directory hold a model:
 
 - a **run directory** (``config.yaml``, ``checkpoints/step-*/``, ``tokenizer.json``): its
   latest complete checkpoint is used;
-- a **checkpoint directory** (``model.pt``, ``config.yaml``, ``state.json``);
+- a **checkpoint directory** (``model.pt`` -- or ``sharded/``, written by FSDP2 ranks --,
+  ``config.yaml``, ``state.json``);
 - a **Hugging Face model directory** (``config.json`` and ``model.safetensors``, or a
   sharded ``model.safetensors.index.json``; ``tokenizer.json`` when present), of a family
   in :mod:`flopwise.model.hf`.
@@ -52,10 +53,11 @@ def resolve(path: str | os.PathLike) -> ModelSource:
     p = Path(path).expanduser()
     if not p.is_dir():
         raise ModelSourceError(f"{p}: no such directory (expected a run, a checkpoint or a Hugging Face model directory)")
-    if (p / "config.json").is_file() and not (p / "model.pt").is_file():
+    is_checkpoint = (p / "model.pt").is_file() or (p / "sharded").is_dir()  # sharded: written by FSDP2 ranks
+    if (p / "config.json").is_file() and not is_checkpoint:
         cfg = config_from_hf(json.loads((p / "config.json").read_text()))
         return ModelSource("hf", p, cfg, _find_tokenizer(p / "tokenizer.json"))
-    if (p / "model.pt").is_file():
+    if is_checkpoint:
         ckpt, run = p, p.parent.parent
         kind = "checkpoint"
     elif (p / "checkpoints").is_dir() or (p / "config.yaml").is_file():
@@ -109,12 +111,11 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
     if src.kind == "hf":
         load_hf_weights(model, src.path)
     else:
-        from flopwise.train.checkpoint import MARKER, verify_checkpoint
+        from flopwise.train.checkpoint import load_checkpoint
 
-        if (src.path / MARKER).is_file():
-            verify_checkpoint(src.path)  # a corrupted file is named, not loaded
-        state = torch.load(src.path / "model.pt", map_location=device, weights_only=True)
-        model.load_state_dict(state)
+        # Verified first (a corrupted file is named, not loaded); a sharded checkpoint is
+        # consolidated here, in this one process, whatever number of ranks wrote it.
+        load_checkpoint(src.path, model, map_location=device)
     if dtype is not None:
         model.to(dtype)
         configure_attention(model, device, dtype)

@@ -99,20 +99,25 @@ def load_distributed(path: Path, env: DistEnv, strategy: str, model: torch.nn.Mo
 
 def load_sharded(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """A ``sharded/`` directory into ``model`` (plain, DDP's inner module or FSDP2-sharded) and
-    ``optimizer``: DCP reads each rank's part of every tensor, whatever the saving world size."""
+    ``optimizer``: DCP reads each rank's part of every tensor, whatever the saving world size
+    (in one process without a process group -- eval, export -- it reads everything)."""
+    import warnings
+
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    if optimizer is None:
-        sd = {"model": model.state_dict()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        if optimizer is None:
+            sd = {"model": model.state_dict()}
+            dcp.load(sd, storage_reader=FileSystemReader(directory))
+            model.load_state_dict(sd["model"])
+            return
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        sd = {"model": model_sd, "optim": optim_sd}
         dcp.load(sd, storage_reader=FileSystemReader(directory))
-        model.load_state_dict(sd["model"])
-        return
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    sd = {"model": model_sd, "optim": optim_sd}
-    dcp.load(sd, storage_reader=FileSystemReader(directory))
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
 
 
 def _load_full_into_fsdp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

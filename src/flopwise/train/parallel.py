@@ -72,8 +72,10 @@ def incompatibilities(cfg: RunConfig, strategy: str, precision: str) -> list[str
     return out
 
 
-def resolve_strategy(cfg: RunConfig, env: DistEnv, device: torch.device, precision: str, loss: str) -> Strategy:
-    """The strategy to run, explained; a requested one that cannot run is a ConfigError."""
+def resolve_strategy(cfg: RunConfig, env: DistEnv, device: torch.device, precision: str, loss: str,
+                     capacity: int | None = None) -> Strategy:
+    """The strategy to run, explained; a requested one that cannot run is a ConfigError.
+    ``capacity``: bytes of one GPU (default: this rank's CUDA device; none on a CPU)."""
     asked = cfg.parallel.strategy
     world = env.world_size
     if asked != "auto":
@@ -85,9 +87,10 @@ def resolve_strategy(cfg: RunConfig, env: DistEnv, device: torch.device, precisi
         return Strategy(asked, f"parallel.strategy={asked} over {world} rank(s)")
     if not env.distributed or world == 1:
         return Strategy("single", "auto: one process")
-    if device.type != "cuda":
+    if capacity is None and device.type == "cuda":
+        capacity = torch.cuda.get_device_properties(device).total_memory
+    if capacity is None:
         return Strategy("ddp", f"auto: {world} CPU ranks, no device memory limit to plan against: ddp")
-    capacity = torch.cuda.get_device_properties(device).total_memory
     budget = HEADROOM * capacity
     tried = []
     for name in ("ddp", "zero1", "fsdp2"):

@@ -250,7 +250,8 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
     task_paths = task_files(e.task_dir, task_names)  # a missing task file is named before any work
     # The data checks (each split long enough for a window) come before any allocation.
     train_loader = make_loader(cfg.data.loader, data, "train", t.seq_len, t.micro_batch_size, seed=t.seed,
-                               device=device, doc_boundaries=m.doc_mask, rank=env.rank, world_size=world)
+                               device=device, doc_boundaries=m.doc_mask, rank=env.rank, world_size=world,
+                               step_samples=None if ramp else t.global_batch_size)  # epochs end on a step
     # eval.batches micro-batches on every rank: the same windows for 2 ranks x b as for 1 x 2b
     val_windows = fixed_windows(data, "val", t.seq_len, e.batches * t.micro_batch_size * world)
     torch.manual_seed(t.seed)
@@ -291,6 +292,8 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
             raise ConfigError([f"train.run_dir {str(run_dir)!r}: cannot continue the data position of "
                                f"{start.checkpoint.name} with {world} rank(s): {err}"]) from None
         step, tokens, val_start = saved["step"], saved["tokens"], saved.get("val_loss_start", float("nan"))
+        if saved.get("val_windows", len(val_windows)) != len(val_windows):  # resumed at another geometry:
+            val_windows = fixed_windows(data, "val", t.seq_len, saved["val_windows"])  # the same held-out set
         guard.load_state_dict(saved.get("guard", {}))
         if "rng" in saved:
             set_rng_state(saved["rng"])
@@ -404,6 +407,7 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
         nonlocal last_saved
         t0 = time.perf_counter()
         state = {"tokens": tokens, "loader": train_loader.state_dict(), "val_loss_start": val_start,
+                 "val_windows": len(val_windows),
                  "data_fingerprint": data_fingerprint, "guard": guard.state_dict()}
         if prec.scaler is not None:
             state["grad_scaler"] = prec.scaler.state_dict()
