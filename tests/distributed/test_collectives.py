@@ -1,0 +1,177 @@
+"""The pieces of data parallelism inside 2 spawned gloo processes: the launch environment,
+gradient sync only on the last micro-batch, agreed stop decisions, the data split."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from flopwise.config import ConfigError, build_config
+from flopwise.train.distributed import init_distributed, read_launch_env
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, fn_name: str, out_dir: str, arg) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    try:
+        env, device = init_distributed("auto", "cpu")
+        try:
+            result = globals()[fn_name](env, device, arg)
+            env.barrier()
+        finally:
+            env.close()
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    except Exception:  # noqa: BLE001 - reported by the parent
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+
+
+def spawn(fn_name: str, tmp_path: Path, arg=None) -> list:
+    mp.spawn(_worker, args=(_free_port(), fn_name, str(tmp_path), arg), nprocs=WORLD, join=True)
+    errors = [p.read_text() for p in sorted(tmp_path.glob("rank*.err"))]
+    assert not errors, "\n".join(errors)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+# ------------------------------------------------------------------ the launch environment
+
+def test_launch_environment_half_set_is_refused_by_name():
+    assert read_launch_env({}) is None
+    with pytest.raises(ConfigError, match="RANK, WORLD_SIZE set but LOCAL_RANK, MASTER_ADDR, MASTER_PORT not"):
+        read_launch_env({"RANK": "0", "WORLD_SIZE": "2"})
+    full = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
+    assert read_launch_env(full) == (1, 1, 2)
+    with pytest.raises(ConfigError, match="RANK=2 with WORLD_SIZE=2"):
+        read_launch_env({**full, "RANK": "2"})
+    with pytest.raises(ConfigError, match="MASTER_PORT='x' is not an integer"):
+        read_launch_env({**full, "MASTER_PORT": "x"})
+    with pytest.raises(ConfigError, match="parallel.strategy=single but 2 processes were launched"):
+        init_distributed("single", "cpu", environ=full)
+
+
+def test_strategy_single_process_and_refusals():
+    from flopwise.train.distributed import DistEnv
+    from flopwise.train.parallel import resolve_strategy
+
+    cfg = build_config(preset="llama3.2-1b", overrides=["train.micro_batch_size=4"])
+    cpu = torch.device("cpu")
+    assert resolve_strategy(cfg, DistEnv(), cpu, "bf16", "chunked").name == "single"
+    eight = DistEnv(world_size=8, backend="nccl")
+    picks = {gb: resolve_strategy(cfg, eight, cpu, "bf16", "chunked", capacity=gb * 2**30) for gb in (141, 40, 24)}
+    assert [picks[g].name for g in (141, 40, 24)] == ["ddp", "zero1", "fsdp2"], {g: p.why for g, p in picks.items()}
+    assert "zero1" in picks[24].why and "GiB" in picks[24].why
+    muon = build_config(preset="llama3.2-1b", overrides=["optim.name=muon", "parallel.strategy=fsdp2"])
+    with pytest.raises(ConfigError, match="fsdp2 with optim.name=muon"):
+        resolve_strategy(muon, eight, cpu, "bf16", "chunked")
+    auto_muon = build_config(preset="llama3.2-1b", overrides=["optim.name=muon"])
+    assert resolve_strategy(auto_muon, eight, cpu, "bf16", "chunked", capacity=24 * 2**30).name == "ddp"
+
+
+# ------------------------------------------------------------------ gradient sync
+
+def _count_allreduces(env, device, accum):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    from flopwise.train.parallel import apply_data_parallel, grad_sync
+    from flopwise.train.step import forward_backward, make_loss_fn
+    from flopwise.model import build_model
+
+    cfg = build_config(preset="tiny", overrides=["model.n_layers=1", "model.vocab_size=256",
+                                                    "data.builtin_vocab_size=256"])
+    model = build_model(cfg.model, device=device, seed=0)
+    ddp, _ = apply_data_parallel(model, "ddp", env, device, cfg, None)
+    calls = []
+
+    def counting(state, bucket):
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, counting)
+    g = torch.Generator().manual_seed(env.rank)
+    micro = [(torch.randint(0, 256, (2, 8), generator=g), torch.randint(0, 256, (2, 8), generator=g))
+             for _ in range(accum)]
+    forward_backward(ddp, micro, 2 * 8 * accum, loss_fn=make_loss_fn(ddp, "chunked"),
+                     sync=grad_sync(ddp, "ddp", accum))
+    synced_buckets = len(calls)
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    return synced_buckets, grads
+
+
+def test_ddp_reduces_gradients_once_per_step_not_per_micro_batch(tmp_path):
+    (buckets0, g0), (buckets1, g1) = spawn("_count_allreduces", tmp_path, 3)
+    one_step_buckets = buckets0
+    (tmp_path / "one").mkdir()
+    (b_single, _), _ = spawn("_count_allreduces", tmp_path / "one", 1)
+    assert buckets0 == buckets1 == b_single == one_step_buckets  # 3 micro-batches, one round of buckets
+    torch.testing.assert_close(g0, g1)  # and every rank holds the averaged gradients
+
+
+# ------------------------------------------------------------------ agreed stops
+
+def _agree(env, device, case):
+    from flopwise.train.stopping import Deadline
+    from flopwise.train.trainer import agree
+
+    class Signals:
+        requested = case == "signal" and env.rank == 1
+        name = "SIGTERM"
+
+    loss = torch.tensor(float("nan") if case == "nan" and env.rank == 1 else 2.0 + env.rank)
+    deadline = Deadline(0.0, 0.0, 0)
+    return agree(env, loss, torch.tensor(1.5), Signals(), deadline, None)
+
+
+@pytest.mark.parametrize("case", ["none", "signal", "nan"])
+def test_every_rank_takes_the_same_decision(case, tmp_path):
+    r0, r1 = spawn("_agree", tmp_path, case)
+    assert r0[1] == r1[1] == pytest.approx(1.5) and bool(r0[2]) == bool(r1[2]) == (case == "signal")
+    if case == "none":
+        assert r0 == r1 == (2.5, 1.5, "")  # the mean of the ranks' losses
+    if case == "signal":  # each rank says why it stops
+        assert (r0[2], r1[2]) == ("a signal received by another rank", "SIGTERM received")
+    if case == "nan":
+        assert r0[0] != r0[0] and r1[0] != r1[0]  # NaN on one rank is NaN everywhere: both skip/stop
+
+
+# ------------------------------------------------------------------ the data split
+
+def _epoch_samples(env, device, data_path):
+    from flopwise.data.datadir import DataDir
+    from flopwise.data.loader import make_loader
+
+    loader = make_loader("epoch", DataDir(data_path), "train", 32, 4, seed=5, rank=env.rank,
+                         world_size=env.world_size, step_samples=16)
+    seen: list[int] = []
+    locate = loader.sample_location
+
+    def recording(index):  # the global sample indices each batch is read from
+        seen.extend(int(i) for i in index)
+        return locate(index)
+
+    loader.sample_location = recording
+    for _ in range(loader.batches_per_epoch):
+        loader.next_batch()
+    return seen, loader.num_samples, loader.dropped_samples_per_epoch, loader.epoch
+
+
+def test_ranks_read_disjoint_samples_that_cover_the_epoch(small_builtin, tmp_path):
+    _, data = small_builtin
+    (s0, n, dropped, epoch), (s1, _, _, _) = spawn("_epoch_samples", tmp_path, str(data))
+    assert len(s0) == len(s1) > 0
+    assert not set(s0) & set(s1)  # disjoint
+    assert len(set(s0) | set(s1)) == len(s0) + len(s1) == n - dropped  # complete but the partial last step
+    assert dropped < 16 and epoch == 1

@@ -1,0 +1,238 @@
+"""DDP, ZeRO-1 and FSDP2 as users launch them: ``torchrun --nproc-per-node=2 -m flopwise train``,
+2 gloo processes on CPU, a tiny model in float32.
+
+Every strategy must train exactly what one process trains on the same global batch:
+2 ranks x micro-batch 4 (x 2 accumulation) against 1 process x micro-batch 8 (x 2), on the
+epoch loader (whose ranks split each global batch, so both see the same samples per step).
+Checkpoints written at 2 ranks resume at 1 and the reverse, continuing the same curve.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+STEPS = 8
+STRATEGIES = ("ddp", "zero1", "fsdp2")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def torchrun(nproc: int, overrides: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "flopwise", "train", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+
+
+def one_process(overrides: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flopwise", "train", *overrides], capture_output=True, text=True,
+                          env=_env(), timeout=300)
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def curve(run: Path) -> dict[int, tuple[float | None, float | None]]:
+    """step -> (train loss, validation loss) from metrics.jsonl."""
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "step" in row and ("loss" in row or "val_loss" in row):
+            out[row["step"]] = (row.get("loss"), row.get("val_loss"))
+    return out
+
+
+def assert_same_curve(a: Path, b: Path, steps=range(1, STEPS + 1)) -> None:
+    ca, cb = curve(a), curve(b)
+    for s in steps:
+        for x, y in zip(ca[s], cb[s]):
+            assert (x is None) == (y is None), (s, ca[s], cb[s])
+            if x is not None:
+                assert y == pytest.approx(x, rel=2e-6, abs=2e-6), (s, ca[s], cb[s])
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    import flopwise
+
+    model, _ = flopwise.load(run)
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def base(small_builtin, tmp_path_factory):
+    _, data = small_builtin
+    root = tmp_path_factory.mktemp("dp")
+    common = [
+        f"data.path={data}", "data.loader=epoch", "model.vocab_size=512", "model.d_model=64", "model.n_layers=2",
+        "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=192", "model.max_seq_len=64",
+        "train.seq_len=64", "train.global_batch_size=16", f"train.max_steps={STEPS}", "train.checkpoint_every=4",
+        "train.log_every=1", "eval.every=4", "eval.batches=2", "eval.sample_tokens=8", "optim.warmup_steps=2",
+        "tracking.tensorboard=false",
+    ]
+    return root, common
+
+
+@pytest.fixture(scope="module")
+def reference(base):
+    """One process, micro-batch 8 x 2 accumulation."""
+    root, common = base
+    run = root / "single"
+    ok(one_process(common + ["train.micro_batch_size=8", f"train.run_dir={run}"]))
+    return run
+
+
+@pytest.fixture(scope="module")
+def two_ranks(base):
+    """Each strategy at 2 ranks x micro-batch 4 x 2 accumulation."""
+    root, common = base
+    runs = {}
+    for s in STRATEGIES:
+        run = root / f"two-{s}"
+        proc = ok(torchrun(2, common + ["train.micro_batch_size=4", f"parallel.strategy={s}", f"train.run_dir={run}"]))
+        runs[s] = (run, proc)
+    return runs
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_ranks_train_what_one_process_trains(strategy, reference, two_ranks):
+    run, proc = two_ranks[strategy]
+    assert_same_curve(reference, run)
+    ref, got = final_weights(reference), final_weights(run)
+    for name, w in ref.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=name)
+    # rank 0 alone logs and writes the run's files; the accounting is world-size aware
+    assert proc.stdout.count("flopwise train · preset") == 1
+    assert f"parallel   {strategy} · 2 rank(s)" in proc.stdout
+    assert "micro-batch 4 × accumulation 2 × 2 ranks" in proc.stdout
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r.get("tok_per_s")]
+    assert steps and all(r["world_size"] == 2 and r["tok_per_s_per_gpu"] == pytest.approx(r["tok_per_s"] / 2)
+                         for r in steps)
+    record = json.loads((run / "run.json").read_text())
+    assert record["parallel"]["strategy"] == strategy and record["parallel"]["world_size"] == 2
+    assert (run / "samples.txt").read_text().count("--- prompt") == 1
+    fmt = "sharded" if strategy == "fsdp2" else "model.pt"
+    assert (run / "checkpoints" / f"step-{STEPS:07d}" / fmt).exists()
+
+
+def test_zero1_and_fsdp2_reach_the_parameters_of_ddp(two_ranks):
+    ddp = final_weights(two_ranks["ddp"][0])
+    for strategy in ("zero1", "fsdp2"):
+        got = final_weights(two_ranks[strategy][0])
+        for name, w in ddp.items():
+            torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=f"{strategy} {name}")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_saved_at_two_ranks_resumes_in_one_process(strategy, base, reference, two_ranks, tmp_path):
+    """Keeping micro-batch 4: one process takes 4 micro-batches per step where each of two
+    ranks took 2 -- the same samples per step, so the curve continues exactly."""
+    _, common = base
+    run = tmp_path / "run"
+    shutil.copytree(two_ranks[strategy][0], run)
+    shutil.rmtree(run / "checkpoints" / f"step-{STEPS:07d}")
+    proc = ok(one_process(common + ["train.micro_batch_size=4", f"parallel.strategy={strategy}",
+                                    f"train.run_dir={run}"]))
+    assert "resuming from" in proc.stdout and "step-0000004" in proc.stdout
+    assert_same_curve(reference, run)
+    ref, got = final_weights(reference), final_weights(run)
+    for name, w in ref.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_saved_in_one_process_resumes_at_two_ranks(strategy, base, reference, tmp_path):
+    """The one-process reference's step-4 checkpoint (model.pt / optimizer.pt) continued by 2
+    ranks under each strategy -- FSDP2 shards the full checkpoint as it loads it."""
+    _, common = base
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    shutil.rmtree(run / "checkpoints" / f"step-{STEPS:07d}")
+    proc = ok(torchrun(2, common + ["train.micro_batch_size=4", f"parallel.strategy={strategy}",
+                                    f"train.run_dir={run}"]))
+    assert "resuming from" in proc.stdout
+    assert_same_curve(reference, run)
+
+
+def test_a_sharded_checkpoint_resumes_at_another_world_size_under_fsdp2(base, two_ranks, tmp_path):
+    """2 FSDP2 ranks' shards -> an FSDP2 group of one (torch.distributed.checkpoint re-shards)."""
+    _, common = base
+    run = tmp_path / "run"
+    shutil.copytree(two_ranks["fsdp2"][0], run)
+    shutil.rmtree(run / "checkpoints" / f"step-{STEPS:07d}")
+    ok(one_process(common + ["train.micro_batch_size=8", "parallel.strategy=fsdp2", f"train.run_dir={run}"]))
+    assert_same_curve(two_ranks["fsdp2"][0], run)
+    assert (run / "checkpoints" / f"step-{STEPS:07d}" / "sharded" / ".metadata").is_file()
+
+
+def test_a_global_batch_that_does_not_split_over_the_ranks_is_refused_once(base, tmp_path):
+    _, common = base
+    proc = torchrun(2, common + ["train.micro_batch_size=16", f"train.run_dir={tmp_path / 'run'}"])
+    assert proc.returncode != 0
+    assert proc.stderr.count("must be a multiple of train.micro_batch_size (16) x 2 ranks = 32") == 1
+    assert not (tmp_path / "run").exists()
+
+
+def _children_by_rank(parent: int) -> dict[int, int]:
+    """{rank: pid} of the processes torchrun started (from /proc)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid != parent:
+                continue
+            env = dict(kv.split("=", 1) for kv in (entry / "environ").read_text().split("\0") if "=" in kv)
+        except (OSError, ValueError, IndexError):
+            continue
+        if "RANK" in env:
+            found[int(env["RANK"])] = int(entry.name)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to find the rank processes")
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(base, tmp_path):
+    _, common = base
+    run = tmp_path / "run"
+    overrides = [o for o in common if not o.startswith("train.max_steps")] + [
+        "train.max_steps=100000", "train.micro_batch_size=4", "parallel.strategy=ddp", "eval.every=0",
+        f"train.run_dir={run}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "flopwise",
+           "train", *overrides]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if (run / "metrics.jsonl").is_file() and len((run / "metrics.jsonl").read_text().splitlines()) >= 4:
+                break
+            time.sleep(0.2)
+        ranks = _children_by_rank(launcher.pid)
+        assert set(ranks) == {0, 1}, ranks
+        os.kill(ranks[1], signal.SIGTERM)  # only rank 1 hears it (a preemption notice to one node)
+        out, err = launcher.communicate(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, out[-2000:] + err[-3000:]
+    assert "stop       a signal received by another rank" in out  # rank 0's log: it did not get the signal
+    saved = sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step-"))
+    last = int(saved[-1][5:])
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in rows) == last  # both ranks stopped after the same step, and it was saved
