@@ -182,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-master-weights", action="store_true", help="pure bf16 without an fp32 master copy")
     g.add_argument("--attention", default="sdpa", help="sdpa (flash/efficient, default) or eager (S×S scores)")
     g.add_argument("--checkpointing", default="none", help="activation checkpointing: none or full")
-    g.add_argument("--strategy", default="", help="single, ddp, zero1, fsdp (default: single, ddp with --gpus>1)")
+    g.add_argument("--strategy", default="", help="single, ddp, zero1, fsdp (or fsdp2, as parallel.strategy names it; default: single, "
+                        "ddp with --gpus>1)")
     g = p.add_argument_group("scaling")
     g.add_argument("--interconnect", default="", help="link within a node (default: the GPU's usual one)")
     g.add_argument("--network", default="ib-ndr", help="link between nodes (default ib-ndr)")
@@ -386,7 +387,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             hint = f" (did you mean {names[[n.upper() for n in names].index(close[0])]!r}?)" if close else ""
             raise PlanError(f"--gpu {args.gpu!r} is not in the hardware table{hint}; see --list-gpus, "
                             "or give --peak-tflops and --memory-gb")
-    strategy = args.strategy or ("ddp" if args.gpus > 1 else "single")
+    strategy = {"fsdp2": "fsdp"}.get(args.strategy, args.strategy) or ("ddp" if args.gpus > 1 else "single")
     budget_given = args.tokens or args.hours or args.chinchilla
     inp = PlanInputs(
         model=model, model_name=name, params=args.params, gpu=gpu, peak_tflops=args.peak_tflops,

@@ -18,7 +18,10 @@ Formulas
   active parameters for a mixture of experts)
 - ring all-reduce time = 2 (n-1)/n x gradient bytes / link bandwidth, once per optimizer
   step (DDP syncs only on the last micro-batch of an accumulation), assumed not
-  overlapped with compute: a conservative bound on scaling efficiency.
+  overlapped with compute: a conservative bound on scaling efficiency. The traffic
+  follows what flopwise's strategies send: DDP one all-reduce of the gradients per step;
+  ZeRO-1 that plus the broadcast of each rank's updated parameters; FSDP2 two all-gathers
+  of the parameters per micro-batch and one fp32 reduce-scatter per step.
 """
 
 from __future__ import annotations
@@ -214,14 +217,19 @@ def scaling(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: int, mi
     link = hardware.LINKS[link_name]
     settings = inp.memory
     grad_bytes = n_params * (2 if settings.precision == "bf16" else 4)  # gradients in parameter dtype
+    share = (gpus - 1) / gpus if gpus > 1 else 0.0
     if settings.strategy == "fsdp":
-        # Per micro-batch: all-gather params for forward and backward, reduce-scatter grads:
-        # 3 x (n-1)/n x bytes of bf16 parameters -- accumulation does not amortise it.
-        comm_bytes = 3 * (gpus - 1) / gpus * n_params * 2 * micro_batches_per_step if gpus > 1 else 0.0
+        # flopwise's FSDP2: every micro-batch all-gathers the parameters for forward and again
+        # for backward (blocks reshard after forward) in the compute dtype; the gradients are
+        # reduce-scattered once per step (no sync on the earlier micro-batches), in fp32.
+        gather = 4 if settings.precision == "fp32" else 2
+        comm_bytes = share * n_params * (2 * gather * micro_batches_per_step + 4)
         comm_s = comm_bytes / (link.gb_per_s * 1e9)
     else:
-        comm_bytes = 2 * (gpus - 1) / gpus * grad_bytes if gpus > 1 else 0.0
-        comm_s = allreduce_seconds(grad_bytes, gpus, link.gb_per_s)
+        comm_bytes = 2 * share * grad_bytes
+        if settings.strategy == "zero1":  # each rank broadcasts the parameters it stepped
+            comm_bytes += share * n_params * (2 if settings.precision == "bf16" else 4)
+        comm_s = comm_bytes / (link.gb_per_s * 1e9)
     compute_s = tokens_per_step * fpt / (gpus * peak * inp.mfu) if peak else None
     out: dict[str, Any] = {
         "gpus": gpus,

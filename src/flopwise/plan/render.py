@@ -168,10 +168,12 @@ def format_plan(plan: dict[str, Any]) -> str:
         out.append(f"  {r['gpus']:>5} {r['link']:<9} {1000 * r['comm_s']:>7.1f} ms {comp:>13} {share:>11} {eff:>11}")
     at = plan["scaling"]["at_gpus"]
     if strategy == "fsdp":
-        out.append("  fsdp: per micro-batch, all-gather (forward, backward) + reduce-scatter: 3 (n-1)/n × bf16 "
-                   "parameter bytes ÷ link GB/s; accumulation does not amortise it")
+        out.append("  fsdp: all-gather the parameters for forward and backward on every micro-batch, reduce-scatter "
+                   "fp32 gradients once per step: (n-1)/n × params × (2 × gather bytes × micro-batches + 4) ÷ link GB/s")
     else:
-        out.append(f"  all-reduce: 2(n-1)/n × {_n(at['grad_bytes'], 'B')} gradients ÷ link GB/s, once per optimizer step")
+        out.append(f"  all-reduce: 2(n-1)/n × {_n(at['grad_bytes'], 'B')} gradients ÷ link GB/s, once per optimizer step"
+                   + ("; zero1 adds (n-1)/n × the parameters, broadcast after each rank's update"
+                      if strategy == "zero1" else ""))
     return "\n".join(out)
 
 

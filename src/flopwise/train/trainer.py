@@ -803,8 +803,13 @@ def write_sample(model: torch.nn.Module, data: DataDir, cfg: RunConfig, device: 
     tok = data.tokenizer
     ids = tok.encode(e.sample_prompt).ids or [data.eos_id]
     gen = torch.Generator(device=device).manual_seed(cfg.train.seed)
+    # An FSDP2-sharded model computes in its MixedPrecisionPolicy's dtype, which a KV cache
+    # sized from the (sharded, fp32) weights would not match: it recomputes the window instead.
+    from torch.distributed.fsdp import FSDPModule
+
     out = generate(model, torch.tensor([ids], device=device), e.sample_tokens, cfg.train.seq_len,
-                   temperature=e.temperature, top_k=e.top_k, generator=gen, eos_id=data.eos_id)
+                   temperature=e.temperature, top_k=e.top_k, generator=gen, eos_id=data.eos_id,
+                   use_cache=not isinstance(model, FSDPModule))
     text = tok.decode(out[0].tolist())
     if run_dir is None:
         return text
