@@ -136,14 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "export",
-        help="write a run or checkpoint as a Hugging Face model directory",
+        help="write a run or checkpoint as a Hugging Face model directory (or one consolidated file)",
         description="Export a run directory (its latest checkpoint) or a checkpoint directory as a model "
                     "transformers loads with AutoModelForCausalLM.from_pretrained(OUT): config.json, "
-                    "model.safetensors, generation_config.json, tokenizer.json.",
+                    "model.safetensors, generation_config.json, tokenizer.json. --format pt writes one "
+                    "model.pt (+ config.yaml, tokenizer.json) instead, for any architecture; both "
+                    "consolidate a checkpoint that FSDP2 ranks wrote in shards.",
     )
     p.add_argument("source", help="a run directory or a checkpoints/step-NNNNNNN directory")
     p.add_argument("out", help="the directory to write")
-    p.add_argument("--format", default="hf", choices=["hf"], help="output format (hf: Hugging Face transformers)")
+    p.add_argument("--format", default="hf", choices=["hf", "pt"],
+                   help="hf: Hugging Face transformers (default); pt: one flopwise model.pt")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
     p.set_defaults(func=cmd_export)
 
@@ -350,9 +353,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from flopwise.model.io import export_hf
+    from flopwise.model.io import export_consolidated, export_hf
 
-    export_hf(args.source, args.out, overwrite=args.overwrite, log=lambda line: print(line, flush=True))
+    write = export_consolidated if args.format == "pt" else export_hf
+    write(args.source, args.out, overwrite=args.overwrite, log=lambda line: print(line, flush=True))
     return 0
 
 

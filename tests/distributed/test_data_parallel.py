@@ -236,3 +236,33 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(base, tmp_path):
     last = int(saved[-1][5:])
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in rows) == last  # both ranks stopped after the same step, and it was saved
+
+
+def test_a_refusal_on_rank_0_stops_every_rank_with_its_message(base, tmp_path):
+    """start_run runs on rank 0 only; its ConfigError travels to rank 1 (pickled) instead of
+    leaving it waiting at the next collective."""
+    _, common = base
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    proc = torchrun(2, common + ["train.micro_batch_size=4", f"train.run_dir={blocker / 'run'}"], timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.count("is not writable") == 1
+
+
+def test_export_consolidates_a_sharded_checkpoint(two_ranks, tmp_path, cli):
+    run = two_ranks["fsdp2"][0]
+    proc = cli("export", str(run), str(tmp_path / "pt"), "--format", "pt")
+    assert proc.returncode == 0, proc.stderr
+    weights = torch.load(tmp_path / "pt" / "model.pt", weights_only=True)  # one file, whole tensors
+    for name, w in final_weights(two_ranks["ddp"][0]).items():
+        torch.testing.assert_close(weights[name], w, rtol=1e-5, atol=1e-6, msg=name)
+    proc = cli("export", str(run), str(tmp_path / "hf"))
+    assert proc.returncode == 0, proc.stderr
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    import flopwise
+
+    ours, _ = flopwise.load(tmp_path / "pt")
+    x = torch.randint(0, 512, (2, 16))
+    torch.testing.assert_close(hf(x).logits, ours(x), rtol=1e-4, atol=1e-4)

@@ -16,6 +16,7 @@ complete, so an interrupted export never leaves a directory that looks loadable.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -163,14 +164,9 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, overwrite: bool =
 
     src = resolve(path)
     check_exportable(src.cfg)  # before any work: a custom model is refused with the reason
-    out = Path(out).expanduser()
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ModelSourceError(f"{out}: exists and is not empty; pass --overwrite to replace it")
+    out = _check_out(out, overwrite)
     model, _ = load_model(src.path)
-    tmp = out.parent / f".{out.name}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with _published(out) as tmp:
         hf_cfg = hf_config(model.cfg)
         special = _special_tokens(src.tokenizer_path)
         for key in ("bos_token_id", "eos_token_id"):
@@ -192,13 +188,56 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, overwrite: bool =
             tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.cfg.max_seq_len,
                        **{k: v for k, v in special.items() if not k.endswith("_id")}}
             (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    n = sum(p.numel() for p in model.parameters())
+    log(f"export: {src.kind} {src.path} -> {out} ({model.cfg.arch}, {n:,} parameters, float32"
+        f"{', tokenizer' if src.tokenizer_path else ', no tokenizer found'})")
+    return out
+
+
+def export_consolidated(path: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
+                        log=print) -> Path:
+    """Write ``out/`` as a one-file flopwise checkpoint: ``model.pt`` (every weight, whatever
+    number of ranks wrote the source's shards), ``config.yaml``, ``state.json`` and the
+    tokenizer. ``flopwise.load(out)`` and ``torch.load(out / "model.pt")`` read it; unlike
+    ``--format hf`` it takes any architecture, custom ones included."""
+    src = resolve(path)
+    if src.kind == "hf":
+        raise ModelSourceError(f"{src.path}: already a Hugging Face directory; --format pt exports flopwise runs")
+    out = _check_out(out, overwrite)
+    model, _ = load_model(src.path)
+    state = json.loads((src.path / "state.json").read_text())
+    with _published(out) as tmp:
+        torch.save(model.state_dict(), tmp / "model.pt")
+        shutil.copyfile(src.path / "config.yaml", tmp / "config.yaml")
+        (tmp / "state.json").write_text(json.dumps({"step": state.get("step"), "tokens": state.get("tokens"),
+                                                    "consolidated_from": str(src.path)}, indent=2) + "\n")
+        if src.tokenizer_path is not None:
+            shutil.copyfile(src.tokenizer_path, tmp / "tokenizer.json")
+    n = sum(p.numel() for p in model.parameters())
+    log(f"export: {src.kind} {src.path} -> {out / 'model.pt'} (one file, {n:,} parameters, float32"
+        f"{', tokenizer' if src.tokenizer_path else ', no tokenizer found'})")
+    return out
+
+
+def _check_out(out: str | os.PathLike, overwrite: bool) -> Path:
+    out = Path(out).expanduser()
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ModelSourceError(f"{out}: exists and is not empty; pass --overwrite to replace it")
+    return out
+
+
+@contextlib.contextmanager
+def _published(out: Path):
+    """A hidden sibling directory to write into, renamed to ``out`` when the block succeeds
+    (removed when it fails): an interrupted export never looks loadable."""
+    tmp = out.parent / f".{out.name}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
-    n = sum(p.numel() for p in model.parameters())
-    log(f"export: {src.kind} {src.path} -> {out} ({model.cfg.arch}, {n:,} parameters, float32"
-        f"{', tokenizer' if src.tokenizer_path else ', no tokenizer found'})")
-    return out

@@ -46,11 +46,11 @@ from flopwise.train.precision import MasterWeights, apply_fp8
 from flopwise.train.precision import resolve as resolve_precision_full
 from flopwise.train.step import forward_backward, make_loss_fn
 from flopwise.train.timing import StepTimer, format_breakdown, nvtx, profiler
-from flopwise.train.wrap import RecompileWatch, checkpointed_blocks, wrap_model
+from flopwise.train.wrap import RecompileWatch, checkpointed_blocks, wrap_for_training
 from flopwise.measure.tracking import NullTracker
 from flopwise.train.dist_checkpoint import load_distributed, save_distributed
 from flopwise.train.distributed import DistEnv, init_distributed, resolve_device
-from flopwise.train.parallel import apply_data_parallel, clip_grad_norm, grad_sync, resolve_strategy, zero1_optimizer
+from flopwise.train.parallel import clip_grad_norm, grad_sync, resolve_strategy, zero1_optimizer
 from flopwise.train.stopping import Deadline, NonFiniteError, NonFiniteGuard, SignalStop  # noqa: F401
 
 Log = Callable[[str], None]
@@ -262,9 +262,9 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
     master = MasterWeights(model) if precision == "bf16-pure" else None
     state_model = master.master if master else model  # what the optimizer steps and checkpoints hold (fp32)
     attention_notes = configure_attention(model, device, amp_dtype or model.tok_emb.weight.dtype)
-    speed_notes += wrap_model(model, t)  # activation checkpointing, then compile (blocks) ...
-    # ... then DDP / FSDP2 (FSDP2 shards `model` in place: the optimizer must see the shards)
-    train_model, parallel_notes = apply_data_parallel(model, strategy.name, env, device, cfg, amp_dtype)
+    # FSDP2 shards `model` in place: the optimizer is built after, on the shards
+    train_model, wrap_notes, parallel_notes = wrap_for_training(model, cfg, strategy.name, env, device, amp_dtype)
+    speed_notes += wrap_notes
     loss_fn = make_loss_fn(train_model, loss_impl, t.loss_chunk_tokens,
                            compile_mode=t.compile_mode if t.compile == "model" else None)
     speed_notes.append(f"loss {loss_impl}" + (f" ({t.loss_chunk_tokens} tokens per chunk: no full logits)"

@@ -1,6 +1,7 @@
-"""What is wrapped around the model, in one place and one order: activation checkpointing,
-then torch.compile (then, in the distributed issue, DDP/FSDP). The model itself holds none
-of it, so the same module trains plain, checkpointed, compiled or sharded.
+"""What is wrapped around the model, in one place and one order (:func:`wrap_for_training`):
+activation checkpointing, then torch.compile, then DDP or FSDP2 (``train/parallel.py``).
+The model itself holds none of it, so the same module trains plain, checkpointed,
+compiled or sharded.
 
 - Activation checkpointing: ``full`` recomputes every block's forward in backward (keeps
   only each block's input); ``selective`` does it for every k-th block (0, k, 2k, ...), a
@@ -74,6 +75,20 @@ def wrap_model(model: torch.nn.Module, train_cfg) -> list[str]:
         notes.append(f"torch.compile {train_cfg.compile} (mode {train_cfg.compile_mode}); compiling steps are "
                      "left out of throughput")
     return notes
+
+
+def wrap_for_training(model: torch.nn.Module, cfg, strategy: str, env, device: torch.device,
+                      compute_dtype: torch.dtype | None) -> tuple[torch.nn.Module, list[str], list[str]]:
+    """Activation checkpointing -> compile -> DDP/FSDP2, the only order that works for all
+    three: checkpointing replaces block forwards that compile then traces, and DDP's hooks
+    and FSDP2's per-block sharding go around the compiled blocks. Returns the module the
+    training step calls (a DDP wrapper, or ``model`` itself, sharded in place by FSDP2),
+    notes on speed and notes on parallelism for the log."""
+    from flopwise.train.parallel import apply_data_parallel
+
+    speed_notes = wrap_model(model, cfg.train)
+    wrapped, parallel_notes = apply_data_parallel(model, strategy, env, device, cfg, compute_dtype)
+    return wrapped, speed_notes, parallel_notes
 
 
 def explain(model: torch.nn.Module, *example_args) -> dict[str, Any]:
