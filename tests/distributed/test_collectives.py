@@ -175,3 +175,48 @@ def test_ranks_read_disjoint_samples_that_cover_the_epoch(small_builtin, tmp_pat
     assert not set(s0) & set(s1)  # disjoint
     assert len(set(s0) | set(s1)) == len(s0) + len(s1) == n - dropped  # complete but the partial last step
     assert dropped < 16 and epoch == 1
+
+
+# ------------------------------------------------------------------ a NaN on one rank, end to end
+
+def _train_with_nan_on_rank_1(env, device, arg):
+    """The real trainer inside the 2-rank group; rank 1's loss is NaN on the 3rd step."""
+    import flopwise.train.trainer as trainer
+
+    overrides, policy = arg
+    real, calls = trainer.forward_backward, {"n": 0}
+
+    def poisoned(*a, **kw):
+        loss = real(*a, **kw)
+        calls["n"] += 1
+        return loss * float("nan") if env.rank == 1 and calls["n"] == 3 else loss
+
+    trainer.forward_backward = poisoned
+    cfg = build_config(overrides=overrides + [f"train.nonfinite={policy}"])
+    try:
+        result = trainer.train(cfg, log=lambda s: None)
+    except trainer.NonFiniteError as e:
+        return ("stopped", str(e))
+    finally:
+        trainer.forward_backward = real
+    model_sd = torch.load(result.checkpoint / "model.pt", weights_only=True)
+    return ("done", result.steps, float(model_sd["tok_emb.weight"].sum()))
+
+
+@pytest.mark.parametrize("policy", ["stop", "rollback"])
+def test_a_nan_on_one_rank_is_handled_by_every_rank(policy, tiny_overrides, tmp_path):
+    overrides = tiny_overrides + ["train.max_steps=6", "train.checkpoint_every=2", "train.micro_batch_size=4",
+                                  "eval.every=0", "eval.sample_tokens=0", "train.log_every=1",
+                                  "tracking.tensorboard=false", "train.nonfinite_patience=3"]
+    (tmp_path / "out").mkdir()
+    r0, r1 = spawn("_train_with_nan_on_rank_1", tmp_path / "out", (overrides, policy))
+    if policy == "stop":
+        assert r0[0] == r1[0] == "stopped" and "at step 3" in r0[1] and "at step 3" in r1[1]
+        assert [p.name for p in (tmp_path / "run").glob("nonfinite-*.json")] == ["nonfinite-step-0000003.json"]
+    else:
+        assert r0 == r1 and r0[:2] == ("done", 6)  # same steps, the same final weights on both ranks
+        import json
+
+        rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows if r.get("event") == "nonfinite"] == [3]  # written once, by rank 0
+        assert rows[-1].get("rollbacks") == 1
