@@ -266,3 +266,10 @@ def test_export_consolidates_a_sharded_checkpoint(two_ranks, tmp_path, cli):
     ours, _ = flopwise.load(tmp_path / "pt")
     x = torch.randint(0, 512, (2, 16))
     torch.testing.assert_close(hf(x).logits, ours(x), rtol=1e-4, atol=1e-4)
+
+
+def test_the_report_names_the_ranks_and_strategy(two_ranks, tmp_path, cli):
+    out = tmp_path / "report.html"
+    proc = cli("report", str(two_ranks["zero1"][0]), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "× 2 ranks · zero1 (gloo)" in out.read_text()

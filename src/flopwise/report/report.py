@@ -461,7 +461,8 @@ def run_card(run: Run) -> str:
     ]
     head = [
         ("directory", str(run.path)),
-        ("device", f"{rec.get('device', 'unknown')} · precision {rec.get('precision', '?')}"),
+        ("device", f"{rec.get('device', 'unknown')} · precision {rec.get('precision', '?')}"
+                   + _parallel_text(rec.get("parallel"))),
         ("versions", versions),
         ("started", str(rec.get("started", ""))),
         ("command", " ".join(map(str, rec.get("argv", []))) if isinstance(rec.get("argv"), list) else ""),
@@ -473,6 +474,13 @@ def run_card(run: Run) -> str:
     return (f'<section class="card" data-run="{esc(run.name)}" style="border-top-color:{esc(run.color)}">'
             f"<h3>{_swatch(run)}{esc(run.name)}</h3>{_dl(head)}<h3>configuration</h3>{_dl(config_summary(run))}"
             f"<h3>result</h3>{_dl(result)}{sample}</section>")
+
+
+def _parallel_text(par: Any) -> str:
+    """`` · 8 GPUs, fsdp2`` for a data-parallel run (run.json ``parallel``); nothing for one process."""
+    if not isinstance(par, dict) or (int(par.get("world_size") or 1) <= 1 and par.get("strategy") in (None, "single")):
+        return ""
+    return f" × {par.get('world_size')} ranks · {par.get('strategy')} ({par.get('backend')})"
 
 
 def wall_time_text(run: Run) -> str:
