@@ -103,7 +103,8 @@ def two_ranks(base):
     runs = {}
     for s in STRATEGIES:
         run = root / f"two-{s}"
-        proc = ok(torchrun(2, common + ["train.micro_batch_size=4", f"parallel.strategy={s}", f"train.run_dir={run}"]))
+        proc = ok(torchrun(2, common + ["train.micro_batch_size=4", "eval.batches=4",  # the same 16 val windows
+                                        f"parallel.strategy={s}", f"train.run_dir={run}"]))
         runs[s] = (run, proc)
     return runs
 
@@ -273,3 +274,37 @@ def test_the_report_names_the_ranks_and_strategy(two_ranks, tmp_path, cli):
     proc = cli("report", str(two_ranks["zero1"][0]), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     assert "× 2 ranks · zero1 (gloo)" in out.read_text()
+
+
+def test_two_nodes_of_one_process_each_train_what_one_process_trains(base, reference, tmp_path):
+    """--nnodes=2 with a c10d rendezvous, as on a cluster (both 'nodes' on this machine):
+    LOCAL_RANK is 0 on both, RANK 0 and 1."""
+    import socket
+
+    _, common = base
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=flopwise-test",
+           "-m", "flopwise", "train", *common, "train.micro_batch_size=8", "train.global_batch_size=16",
+           "parallel.strategy=ddp", f"train.run_dir={run}"]
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+             for _ in range(2)]
+    outs = [n.communicate(timeout=300) for n in nodes]
+    assert all(n.returncode == 0 for n in nodes), [o[1][-3000:] for o in outs]
+    log = next(o[0] for o in outs if "flopwise train · preset" in o[0])
+    assert "2 rank(s), 2 processes on 2 nodes" in log
+    assert_same_curve(reference, run)
+
+
+def test_the_random_loader_refuses_another_world_size_by_name(base, tmp_path):
+    _, common = base
+    run = tmp_path / "run"
+    random_loader = [o for o in common if o != "data.loader=epoch"] + ["data.loader=random", "train.max_steps=4"]
+    ok(torchrun(2, random_loader + ["train.micro_batch_size=4", f"train.run_dir={run}"]))
+    proc = one_process(random_loader + ["train.micro_batch_size=8", "train.max_steps=6", f"train.run_dir={run}"])
+    assert proc.returncode == 2
+    assert "cannot continue the data position of step-0000004 with 1 rank(s)" in proc.stderr
+    assert "use mode 'epoch'" in proc.stderr

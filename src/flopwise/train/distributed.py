@@ -103,12 +103,33 @@ class DistEnv:
         return result
 
     def main_first(self, fn: Callable[[], T]) -> T:
-        """``fn`` on rank 0, then on the other ranks: for work that creates something once
-        (preparing the embedded corpus) and can then be opened by everyone."""
+        """``fn`` on rank 0, then on the first rank of every other node, then on the rest: for
+        work that creates something once (preparing the embedded corpus into a cache) and can
+        then be opened by everyone -- once per node when each node has its own cache
+        directory, and never by two processes at once on one filesystem."""
         if not self.distributed:
             return fn()
-        value = self.on_main(fn)
-        return value if self.is_main else fn()
+        value = self.on_main(fn)  # rank 0's failure stops every rank with its message
+        later = self._in_turn(fn, not self.is_main and self.local_rank == 0)
+        last = self._in_turn(fn, self.local_rank != 0)
+        return value if self.is_main else (later if self.local_rank == 0 else last)
+
+    def _in_turn(self, fn: Callable[[], T], mine: bool) -> T | None:
+        """``fn`` on the ranks where ``mine``; a failure on any of them is raised on all."""
+        result, error = None, None
+        if mine:
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - re-raised below
+                error = e
+        errors = [None] * self.world_size
+        dist.all_gather_object(errors, (self.rank, error) if error is not None else None)
+        failed = [e for e in errors if e is not None]
+        if error is not None:
+            raise error
+        if failed:
+            raise failed[0][1]  # the first failing rank's exception, as it raised it
+        return result
 
     def _comm_device(self, device: torch.device) -> torch.device:
         return device if self.backend == "nccl" else torch.device("cpu")

@@ -252,8 +252,9 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
     train_loader = make_loader(cfg.data.loader, data, "train", t.seq_len, t.micro_batch_size, seed=t.seed,
                                device=device, doc_boundaries=m.doc_mask, rank=env.rank, world_size=world,
                                step_samples=None if ramp else t.global_batch_size)  # epochs end on a step
-    # eval.batches micro-batches on every rank: the same windows for 2 ranks x b as for 1 x 2b
-    val_windows = fixed_windows(data, "val", t.seq_len, e.batches * t.micro_batch_size * world)
+    # The held-out set does not depend on the number of ranks (they share it out), so runs on
+    # 1 and 8 GPUs report comparable validation losses; a resumed run keeps its first one.
+    val_windows = fixed_windows(data, "val", t.seq_len, e.batches * t.micro_batch_size)
     torch.manual_seed(t.seed)
     model = build_model(m, device=device, seed=t.seed)
     if m.hf_config and start.checkpoint is None:
