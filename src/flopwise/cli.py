@@ -391,7 +391,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             hint = f" (did you mean {names[[n.upper() for n in names].index(close[0])]!r}?)" if close else ""
             raise PlanError(f"--gpu {args.gpu!r} is not in the hardware table{hint}; see --list-gpus, "
                             "or give --peak-tflops and --memory-gb")
-    strategy = {"fsdp2": "fsdp"}.get(args.strategy, args.strategy) or ("ddp" if args.gpus > 1 else "single")
+    asked = args.strategy
+    if not asked and args.config and cfg.parallel.strategy not in ("auto", "single"):
+        asked = cfg.parallel.strategy  # the run config's own choice
+    strategy = {"fsdp2": "fsdp"}.get(asked, asked) or ("ddp" if args.gpus > 1 else "single")
     budget_given = args.tokens or args.hours or args.chinchilla
     inp = PlanInputs(
         model=model, model_name=name, params=args.params, gpu=gpu, peak_tflops=args.peak_tflops,
