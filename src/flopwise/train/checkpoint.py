@@ -96,20 +96,31 @@ def _file_crc(path: Path) -> int:
 
 # --------------------------------------------------------------------------- RNG
 
-def rng_state() -> dict[str, Any]:
-    """Every generator a training step may draw from: torch (CPU and each CUDA device), numpy, Python."""
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """Every generator a training step may draw from: torch (CPU and CUDA), numpy, Python.
+
+    With a CUDA ``device`` only that device's generator is saved: asking every visible GPU
+    (``get_rng_state_all``) would create a CUDA context on each of them from every rank."""
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    elif device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is None or not torch.cuda.is_available():
+        return
+    if isinstance(cuda, torch.Tensor):  # one device's generator (this rank's)
+        if device is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(cuda, device)
+    else:
+        torch.cuda.set_rng_state_all(cuda)
 
 
 # --------------------------------------------------------------------------- save

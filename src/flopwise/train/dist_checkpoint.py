@@ -39,9 +39,9 @@ def is_sharded_strategy(strategy: str) -> bool:
 
 def save_distributed(run_dir: Path, step: int, env: DistEnv, strategy: str, model: torch.nn.Module,
                      optimizer: torch.optim.Optimizer, state: dict[str, Any], config_yaml: str,
-                     loader_state: dict[str, Any]) -> Path:
+                     loader_state: dict[str, Any], device: torch.device | None = None) -> Path:
     """Write step ``step``'s checkpoint from every rank (a collective); returns its path on all."""
-    rngs = env.gather(rng_state())
+    rngs = env.gather(rng_state(device))
     loaders = env.gather(loader_state)
     state = dict(state)
     rng = None

@@ -297,7 +297,7 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
             val_windows = fixed_windows(data, "val", t.seq_len, saved["val_windows"])  # the same held-out set
         guard.load_state_dict(saved.get("guard", {}))
         if "rng" in saved:
-            set_rng_state(saved["rng"])
+            set_rng_state(saved["rng"], device)
     config_yaml = cfg.to_yaml()
     record = run_record(cfg, device, precision)
     record["parallel"] = {"strategy": strategy.name, "world_size": world, "backend": env.backend,
@@ -413,11 +413,17 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
         if prec.scaler is not None:
             state["grad_scaler"] = prec.scaler.state_dict()
         path = save_distributed(run_dir, done, env, strategy.name, state_model, optimizer, state, config_yaml,
-                                train_loader.state_dict())
+                                train_loader.state_dict(), device)
         env.on_main(lambda: apply_retention(run_dir, t.keep_checkpoints, t.milestone_every))
         deadline.record_save(time.perf_counter() - t0)
         last_saved = path
         return path
+
+    def reload(path: Path) -> dict[str, Any]:  # a rollback: every rank reloads its part
+        saved = load_distributed(path, env, strategy.name, state_model, optimizer, device)
+        if "rng" in saved:
+            set_rng_state(saved["rng"], device)
+        return saved
 
     first_step = step
     if step == 0:
@@ -482,8 +488,7 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
             if not guard.check(loss_f, gnorm_f if prec.scaler is None else 0.0):
                 step, tokens = handle_nonfinite(
                     guard, step, tokens, loss_f, gnorm_f, lr, optimizer, train_loader, run_dir, last_saved, sink, log,
-                    reload=lambda path: load_distributed(path, env, strategy.name, state_model, optimizer, device),
-                    is_main=env.is_main)
+                    reload=reload, is_main=env.is_main)
                 if master:
                     master.master_to_model()
                 if prec.scaler is not None:
@@ -631,10 +636,8 @@ def handle_nonfinite(guard: NonFiniteGuard, step: int, tokens: int, loss: float,
         return step + 1, tokens + 0  # the batch is consumed, nothing learned from it
     # rollback: the weights, optimizer and RNG of the last checkpoint; the data since it is skipped
     position = loader.state_dict()
-    saved = reload(last_saved)
+    saved = reload(last_saved)  # weights, optimizer and RNG states
     loader.load_state_dict(position)
-    if "rng" in saved:
-        set_rng_state(saved["rng"])
     guard.rollbacks += 1
     log(f"  event {what}: rolled back to {last_saved.name}, skipping the data since then")
     return saved["step"], saved["tokens"]
