@@ -1,4 +1,4 @@
-"""The training loop on one device (CPU or one CUDA GPU).
+"""The training loop: one device (CPU or one CUDA GPU), or one rank of a data-parallel run.
 
 Order of work, cheapest checks first so bad input fails before anything is allocated:
 config (already validated) -> run directory (new, or resumed from its latest complete
@@ -33,7 +33,7 @@ from flopwise.evaluate.generate import generate
 from flopwise.evaluate.loss import bits_per_byte, evaluate_loss, perplexity, target_bytes
 from flopwise.measure.meter import ThroughputMeter, format_memory, memory_stats
 from flopwise.measure.sinks import format_mfu, human
-from flopwise.measure.tracking import Tracker
+from flopwise.measure.tracking import NullTracker, Tracker
 from flopwise.model import build_model, configure_attention
 from flopwise.plan import hardware
 from flopwise.plan.budget import plan_for_run
@@ -47,7 +47,6 @@ from flopwise.train.precision import resolve as resolve_precision_full
 from flopwise.train.step import forward_backward, make_loss_fn
 from flopwise.train.timing import StepTimer, format_breakdown, nvtx, profiler
 from flopwise.train.wrap import RecompileWatch, checkpointed_blocks, wrap_for_training
-from flopwise.measure.tracking import NullTracker
 from flopwise.train.dist_checkpoint import load_distributed, save_distributed
 from flopwise.train.distributed import DistEnv, init_distributed, resolve_device
 from flopwise.train.parallel import clip_grad_norm, grad_sync, resolve_strategy, zero1_optimizer
