@@ -220,3 +220,39 @@ def test_a_nan_on_one_rank_is_handled_by_every_rank(policy, tiny_overrides, tmp_
         rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows if r.get("event") == "nonfinite"] == [3]  # written once, by rank 0
         assert rows[-1].get("rollbacks") == 1
+
+
+# ------------------------------------------------------------------ multiple-choice tasks, shared out
+
+def _task_logprobs(env, device, arg):
+    from flopwise.data.datadir import DataDir
+    from flopwise.evaluate.tasks import Example, loglikelihoods
+    from flopwise.model import build_model
+    from flopwise.train.parallel import apply_data_parallel
+
+    data_path, strategy = arg
+    cfg = build_config(overrides=["model.vocab_size=512", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+                                  "model.n_kv_heads=2", "model.ffn_hidden=192", "model.max_seq_len=64",
+                                  "data.builtin_vocab_size=512", "train.seq_len=64"])
+    model = build_model(cfg.model, device=device, seed=3)
+    words = ["def", "class", "import", "yield", "with", "try", "pass"]  # 7 examples, 2-4 choices: 20 requests
+    examples = [Example(f"question {i}: what does {w} do?",
+                        [" it runs", " a loop" * (i % 3 + 1), " nothing", "?"][: 2 + i % 3], 0)
+                for i, w in enumerate(words)]
+    tokenizer = DataDir(data_path).tokenizer
+    whole = loglikelihoods(model, tokenizer, examples, device, batch_size=2)  # every rank, unsharded
+    if strategy == "fsdp2":
+        apply_data_parallel(model, "fsdp2", env, device, cfg, None)
+    shared = loglikelihoods(model, tokenizer, examples, device, batch_size=2, shard=(env.rank, env.world_size),
+                            reduce=lambda v: env.sum(v, device))
+    return whole, shared
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_task_scoring_is_shared_out_and_every_rank_gets_the_whole_answer(strategy, small_builtin, tmp_path):
+    _, data = small_builtin
+    (whole0, shared0), (whole1, shared1) = spawn("_task_logprobs", tmp_path, (str(data), strategy))
+    assert shared0 == shared1  # the same answer on both ranks
+    assert shared0[1] == whole0[1] and shared0[2] == whole0[2]  # token counts, truncations
+    for a, b in zip(shared0[0], whole0[0]):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-5)

@@ -377,12 +377,20 @@ def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
 def loglikelihoods(model: torch.nn.Module, tokenizer, examples: list[Example], device: str | torch.device = "cpu",
                    batch_size: int = 16,
                    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                   shard: tuple[int, int] = (0, 1),
+                   reduce: Callable[[list[float]], list[float]] | None = None,
                    ) -> tuple[list[list[float]], list[list[int]], int]:
     """``(logprobs, n_tokens, truncated)``: for example i and choice j, ``logprobs[i][j]``
     = log P(choice | context) (float32 log-softmax, summed) over ``n_tokens[i][j]``
     choice tokens; ``truncated`` counts sequences that lost context on the left.
 
-    ``tokenizer`` is a ``tokenizers.Tokenizer``; conventions in the module docstring."""
+    ``tokenizer`` is a ``tokenizers.Tokenizer``; conventions in the module docstring.
+
+    Under data parallelism (``shard=(rank, world_size)``) each rank scores every
+    world_size-th batch and ``reduce`` sums the per-request results over ranks (each is
+    filled by one rank, zero elsewhere), so every rank returns the whole answer. All ranks
+    run the same number of forwards (a rank short of batches repeats one and discards it):
+    FSDP2 gathers weights collectively inside every forward."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     cfg = getattr(model, "cfg", None)
@@ -430,9 +438,13 @@ def loglikelihoods(model: torch.nn.Module, tokenizer, examples: list[Example], d
     use_hidden = hasattr(model, "forward_hidden") and hasattr(model, "head_weight")
     was_training = model.training
     model.eval()
+    rank, world = shard
+    batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+    mine = batches[rank::world]  # round robin: every rank gets long and short sequences alike
     try:
-        for start in range(0, len(order), batch_size):
-            batch = order[start : start + batch_size]
+        for turn in range(-(-len(batches) // world)):
+            counted = turn < len(mine)
+            batch = mine[turn] if counted else batches[0]
             T = max(len(seqs[k]) for k in batch) - 1
             idx = torch.zeros((len(batch), T), dtype=torch.long)  # (B, T) inputs, right-padded with id 0
             rows, cols, targets, seg = [], [], [], []  # one entry per choice token in the batch
@@ -457,10 +469,13 @@ def loglikelihoods(model: torch.nn.Module, tokenizer, examples: list[Example], d
             tok = logp.gather(1, torch.tensor(targets, device=device)[:, None]).squeeze(1)  # (N,)
             sums = torch.zeros(len(batch), dtype=torch.float64, device=device)
             sums.index_add_(0, torch.tensor(seg, device=device), tok.double())  # (B,)
-            for k, v in zip(batch, sums.tolist()):
-                result[k] = v
+            if counted:
+                for k, v in zip(batch, sums.tolist()):
+                    result[k] = v
     finally:
         model.train(was_training)
+    if reduce is not None:
+        result = reduce(result)
 
     logprobs = [[0.0] * len(ex.choices) for ex in examples]
     ntoks = [[0] * len(ex.choices) for ex in examples]
@@ -501,7 +516,8 @@ def metrics(examples: list[Example], logprobs: list[list[float]], n_tokens: list
 
 def score(model: torch.nn.Module, tokenizer, examples: list[Example], device: str | torch.device = "cpu",
           batch_size: int = 16,
-          autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> dict:
+          autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+          shard: tuple[int, int] = (0, 1), reduce: Callable[[list[float]], list[float]] | None = None) -> dict:
     """Score ``examples`` by log-probability (module docstring: tokenization, truncation,
     normalisations, stderr formula).
 
@@ -513,7 +529,8 @@ def score(model: torch.nn.Module, tokenizer, examples: list[Example], device: st
     for i, ex in enumerate(examples):
         if len(ex.choices) < 1 or not 0 <= ex.label < len(ex.choices):
             raise ValueError(f"example {i}: label {ex.label} is not an index into its {len(ex.choices)} choices")
-    logprobs, ntoks, truncated = loglikelihoods(model, tokenizer, examples, device, batch_size, autocast)
+    logprobs, ntoks, truncated = loglikelihoods(model, tokenizer, examples, device, batch_size, autocast,
+                                                shard, reduce)
     out = metrics(examples, logprobs, ntoks)
     out["truncated"] = truncated
     return out

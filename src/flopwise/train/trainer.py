@@ -391,7 +391,7 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
 
         results = evaluate_tasks(model, data.tokenizer, task_names, paths=task_paths,
                                  limit=e.tasks_limit, device=device, batch_size=t.micro_batch_size,
-                                 autocast=autocast)
+                                 autocast=autocast, shard=(env.rank, world), reduce=lambda v: env.sum(v, device))
         model.train()
         for name, r in results.items():
             log(f"  eval step {step:>6} | {name} acc {r['acc']:.4f} · acc_norm {r['acc_norm']:.4f}"
