@@ -219,39 +219,42 @@ def to_hf_state_dict(model: torch.nn.Module, moe_layout: str = "fused") -> dict[
     cfg: ModelConfig = model.cfg
     check_exportable(cfg)
     sd = {k: v.detach() for k, v in model.state_dict().items()}
-    out = _to_gpt2(sd, cfg) if cfg.arch == "gpt2" else _to_llama(sd, cfg, moe_layout)
+    out = _to_hf(sd, cfg, moe_layout)
     head = sd["tok_emb.weight"] if cfg.tie_embeddings else sd["lm_head.weight"]
     return {k: (v if v is head else v.contiguous().clone()) for k, v in {**out, "lm_head.weight": head}.items()}
 
 
-def _to_llama(sd: dict[str, torch.Tensor], cfg: ModelConfig, moe_layout: str = "fused") -> dict[str, torch.Tensor]:
+# A rule (ours, HF keys, split sizes, transposed) maps one of our tensors to one or more HF
+# tensors: ours is the HF ones concatenated on dim 0 in that order (``sizes`` None: one
+# tensor); ``transposed``: HF stores it as (in, out) (GPT-2's Conv1D). The same rules serve
+# both directions, so export and import cannot drift apart.
+Rule = tuple[str, tuple[str, ...], "list[int] | None", bool]
+
+
+def _llama_rules(cfg: ModelConfig) -> list[Rule]:
+    """Every dense tensor of the Llama / Qwen3 / Qwen3-MoE families (MoE blocks: ``_moe_*``)."""
     hd, F_ = cfg.resolved_head_dim, cfg.ffn_hidden
     qkv_split = [cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd]
-    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": sd["tok_emb.weight"]}
+    rules: list[Rule] = [("tok_emb.weight", ("model.embed_tokens.weight",), None, False),
+                         ("norm.weight", ("model.norm.weight",), None, False)]
     for i in range(cfg.n_layers):
         p, h = f"layers.{i}.", f"model.layers.{i}."
-        out[h + "input_layernorm.weight"] = sd[p + "attn_norm.weight"]
+        rules.append((p + "attn_norm.weight", (h + "input_layernorm.weight",), None, False))
         for kind in ("weight", "bias") if cfg.attn_bias else ("weight",):
-            q, k, v = sd[p + f"attn.wqkv.{kind}"].split(qkv_split, dim=0)
-            out[h + f"self_attn.q_proj.{kind}"], out[h + f"self_attn.k_proj.{kind}"] = q, k
-            out[h + f"self_attn.v_proj.{kind}"] = v
-            out[h + f"self_attn.o_proj.{kind}"] = sd[p + f"attn.wo.{kind}"]
+            rules.append((p + f"attn.wqkv.{kind}", tuple(h + f"self_attn.{x}_proj.{kind}" for x in "qkv"),
+                          qkv_split, False))  # ((H + 2*KV) * hd, D)
+            rules.append((p + f"attn.wo.{kind}", (h + f"self_attn.o_proj.{kind}",), None, False))
         if cfg.qk_norm:
-            out[h + "self_attn.q_norm.weight"] = sd[p + "attn.q_norm.weight"]
-            out[h + "self_attn.k_norm.weight"] = sd[p + "attn.k_norm.weight"]
-        out[h + "post_attention_layernorm.weight"] = sd[p + "mlp_norm.weight"]
+            rules.append((p + "attn.q_norm.weight", (h + "self_attn.q_norm.weight",), None, False))
+            rules.append((p + "attn.k_norm.weight", (h + "self_attn.k_norm.weight",), None, False))
+        rules.append((p + "mlp_norm.weight", (h + "post_attention_layernorm.weight",), None, False))
         if cfg.is_moe:
-            from flopwise.model.moe import moe_to_hf
-
-            mlp = {k[len(p + "mlp."):]: v for k, v in sd.items() if k.startswith(p + "mlp.")}
-            out.update({h + "mlp." + k: v for k, v in moe_to_hf(mlp, layout=moe_layout).items()})
             continue
         for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
-            gate, up = sd[p + f"mlp.w_gate_up.{kind}"].split([F_, F_], dim=0)
-            out[h + f"mlp.gate_proj.{kind}"], out[h + f"mlp.up_proj.{kind}"] = gate, up
-            out[h + f"mlp.down_proj.{kind}"] = sd[p + f"mlp.w_down.{kind}"]
-    out["model.norm.weight"] = sd["norm.weight"]
-    return out
+            rules.append((p + f"mlp.w_gate_up.{kind}", (h + f"mlp.gate_proj.{kind}", h + f"mlp.up_proj.{kind}"),
+                          [F_, F_], False))  # (2F, D)
+            rules.append((p + f"mlp.w_down.{kind}", (h + f"mlp.down_proj.{kind}",), None, False))
+    return rules
 
 
 # (ours, HF, transposed) per GPT-2 layer; Conv1D keeps weights as (in, out).
@@ -265,13 +268,35 @@ _GPT2_LAYER = (
 )
 
 
-def _to_gpt2(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    out = {"transformer.wte.weight": sd["tok_emb.weight"], "transformer.wpe.weight": sd["pos_emb.weight"],
-           "transformer.ln_f.weight": sd["norm.weight"], "transformer.ln_f.bias": sd["norm.bias"]}
+def _gpt2_rules(cfg: ModelConfig) -> list[Rule]:
+    rules: list[Rule] = [(ours, (theirs,), None, False) for ours, theirs in (
+        ("tok_emb.weight", "transformer.wte.weight"), ("pos_emb.weight", "transformer.wpe.weight"),
+        ("norm.weight", "transformer.ln_f.weight"), ("norm.bias", "transformer.ln_f.bias"))]
     for i in range(cfg.n_layers):
-        for ours, theirs, t in _GPT2_LAYER:
-            w = sd[f"layers.{i}.{ours}"]
-            out[f"transformer.h.{i}.{theirs}"] = w.t() if t else w
+        rules += [(f"layers.{i}.{ours}", (f"transformer.h.{i}.{theirs}",), None, t) for ours, theirs, t in _GPT2_LAYER]
+    return rules
+
+
+def _rules(cfg: ModelConfig) -> list[Rule]:
+    return _gpt2_rules(cfg) if cfg.arch == "gpt2" else _llama_rules(cfg)
+
+
+def _moe_layers(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """(our prefix, HF prefix) of each MoE block's ``mlp.``."""
+    return [(f"layers.{i}.mlp.", f"model.layers.{i}.mlp.") for i in range(cfg.n_layers)] if cfg.is_moe else []
+
+
+def _to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig, moe_layout: str = "fused") -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for ours, theirs, sizes, transposed in _rules(cfg):
+        w = sd[ours].t() if transposed else sd[ours]
+        out.update(zip(theirs, w.split(sizes, dim=0) if sizes else (w,)))
+    if _moe_layers(cfg):
+        from flopwise.model.moe import moe_to_hf
+
+        for p, h in _moe_layers(cfg):
+            mlp = {k[len(p):]: v for k, v in sd.items() if k.startswith(p)}
+            out.update({h + k: v for k, v in moe_to_hf(mlp, layout=moe_layout).items()})
     return out
 
 
@@ -282,36 +307,16 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     requires it. A missing tensor raises ``KeyError`` naming the HF key.
     """
     check_exportable(cfg)
-    if cfg.arch == "gpt2":
-        out = {"tok_emb.weight": sd["transformer.wte.weight"], "pos_emb.weight": sd["transformer.wpe.weight"],
-               "norm.weight": sd["transformer.ln_f.weight"], "norm.bias": sd["transformer.ln_f.bias"]}
-        for i in range(cfg.n_layers):
-            for ours, theirs, t in _GPT2_LAYER:
-                w = sd[f"transformer.h.{i}.{theirs}"]
-                out[f"layers.{i}.{ours}"] = w.t().contiguous() if t else w
-    else:
-        out = {"tok_emb.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
-        for i in range(cfg.n_layers):
-            p, h = f"layers.{i}.", f"model.layers.{i}."
-            out[p + "attn_norm.weight"] = sd[h + "input_layernorm.weight"]
-            for kind in ("weight", "bias") if cfg.attn_bias else ("weight",):
-                out[p + f"attn.wqkv.{kind}"] = torch.cat(
-                    [sd[h + f"self_attn.{x}_proj.{kind}"] for x in "qkv"], dim=0)  # ((H + 2*KV) * hd, D)
-                out[p + f"attn.wo.{kind}"] = sd[h + f"self_attn.o_proj.{kind}"]
-            if cfg.qk_norm:
-                out[p + "attn.q_norm.weight"] = sd[h + "self_attn.q_norm.weight"]
-                out[p + "attn.k_norm.weight"] = sd[h + "self_attn.k_norm.weight"]
-            out[p + "mlp_norm.weight"] = sd[h + "post_attention_layernorm.weight"]
-            if cfg.is_moe:
-                from flopwise.model.moe import moe_from_hf
+    out: dict[str, torch.Tensor] = {}
+    for ours, theirs, sizes, transposed in _rules(cfg):
+        w = torch.cat([sd[t] for t in theirs], dim=0) if sizes else sd[theirs[0]]
+        out[ours] = w.t().contiguous() if transposed else w
+    if _moe_layers(cfg):
+        from flopwise.model.moe import moe_from_hf
 
-                mlp = {k[len(h + "mlp."):]: v for k, v in sd.items() if k.startswith(h + "mlp.")}
-                out.update({p + "mlp." + k: v for k, v in moe_from_hf(mlp, cfg.n_experts).items()})
-                continue
-            for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
-                out[p + f"mlp.w_gate_up.{kind}"] = torch.cat(
-                    [sd[h + f"mlp.gate_proj.{kind}"], sd[h + f"mlp.up_proj.{kind}"]], dim=0)  # (2F, D)
-                out[p + f"mlp.w_down.{kind}"] = sd[h + f"mlp.down_proj.{kind}"]
+        for p, h in _moe_layers(cfg):
+            mlp = {k[len(h):]: v for k, v in sd.items() if k.startswith(h)}
+            out.update({p + k: v for k, v in moe_from_hf(mlp, cfg.n_experts).items()})
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = sd["lm_head.weight"]
     return out
