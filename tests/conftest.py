@@ -42,3 +42,25 @@ def tiny_overrides(small_builtin, tmp_path):
         "train.log_every=5", "eval.every=10", "eval.batches=2", "eval.sample_tokens=16",
         "optim.warmup_steps=5", f"train.run_dir={tmp_path / 'run'}",
     ]
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of every tensor autograd saves for backward while ``fn`` runs (no de-duplication)."""
+    import torch
+
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return total
+
+
+@pytest.fixture
+def saved_bytes():
+    """``saved_bytes(fn)``: what autograd saves for backward while ``fn`` runs, in bytes."""
+    return _saved_bytes

@@ -145,22 +145,8 @@ def test_tied_embedding_accumulates_both_gradients(grads_in_forward):
     assert not torch.allclose(head_only, got[1], atol=1e-4)
 
 
-def saved_bytes(fn) -> int:
-    """Bytes of every tensor autograd saves for backward while ``fn`` runs."""
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return total
-
-
 @pytest.mark.parametrize("grads_in_forward", MODES)
-def test_saves_o_n_plus_vd_not_n_times_v(grads_in_forward):
+def test_saves_o_n_plus_vd_not_n_times_v(grads_in_forward, saved_bytes):
     n, d, v = 2048, 16, 2048  # N x V = 4M floats against N x D + V x D = 64k
     hidden, weight, targets = make(n=n, d=d, v=v)
     plain = saved_bytes(lambda: plain_linear_cross_entropy(hidden, weight, targets))
@@ -201,7 +187,7 @@ def test_full_logits_never_exist_even_transiently(grads_in_forward):
     assert chunked.numel <= chunk * v  # one chunk's logits is the largest thing ever made
 
 
-def test_grads_in_forward_skipped_without_grad_mode_and_second_backward_refused():
+def test_grads_in_forward_skipped_without_grad_mode_and_second_backward_refused(saved_bytes):
     hidden, weight, targets = make()
     with torch.no_grad():
         nothing = saved_bytes(lambda: chunked_cross_entropy(hidden, weight, targets, grads_in_forward=True))

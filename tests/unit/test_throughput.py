@@ -45,19 +45,10 @@ def test_activation_checkpointing_gives_equal_gradients_and_keeps_names(mode, k,
         torch.testing.assert_close(gb[n], ga[n], rtol=0, atol=0)
 
 
-def test_checkpointing_saves_less_for_backward():
+def test_checkpointing_saves_less_for_backward(saved_bytes):
     def saved(model):
-        total = 0
-
-        def pack(t):
-            nonlocal total
-            total += t.numel() * t.element_size()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            x, y = batch(T=32)
-            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
-        return total
+        x, y = batch(T=32)
+        return saved_bytes(lambda: F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward())
 
     plain = saved(build_model(tiny(), seed=2))
     model = build_model(tiny(), seed=2)
@@ -175,7 +166,7 @@ def test_bf16_pure_keeps_fp32_masters():
         assert not torch.equal(m, b)  # the fp32 copy moved by updates smaller than bf16 resolution too
 
 
-def test_memory_model_of_the_chunked_loss_matches_what_autograd_saves():
+def test_memory_model_of_the_chunked_loss_matches_what_autograd_saves(saved_bytes):
     from flopwise.plan.memory import MemorySettings, _logits_bytes, estimate
     from flopwise.train.losses import linear_cross_entropy
 
@@ -183,16 +174,8 @@ def test_memory_model_of_the_chunked_loss_matches_what_autograd_saves():
     model = build_model(cfg)
     x, y = batch(B=4, T=32, V=4096)
     hidden = model.forward_hidden(x)
-    saved = 0
-
-    def pack(t):
-        nonlocal saved
-        saved += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        linear_cross_entropy(hidden.flatten(0, 1), model.head_weight, y.flatten(), impl="chunked", chunk_tokens=64,
-                             grads_in_forward=True)
+    saved = saved_bytes(lambda: linear_cross_entropy(hidden.flatten(0, 1), model.head_weight, y.flatten(),
+                                                     impl="chunked", chunk_tokens=64, grads_in_forward=True))
     predicted = _logits_bytes(cfg, 4, 32, MemorySettings(precision="fp32", loss="chunked"))
     targets = 4 * 32 * 8  # int64 targets, counted by the model, not seen as a saved tensor
     assert saved == predicted - targets
