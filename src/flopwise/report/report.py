@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 from flopwise.measure.sinks import human
 from flopwise.report import png as png_out
-from flopwise.report.compare import (Comparison, compare, measured_memory, measured_mfu, measured_tok_per_s,
+from flopwise.report.compare import (compare, measured_memory, measured_mfu, measured_tok_per_s,
                                      measured_wall_time, trained_tokens)
 from flopwise.report.runs import ReportError, Run, load_run, number, unique_names
 from flopwise.report.svg import (PALETTE, BarChart, Chart, Heatmap, HLine, LineChart, Marker, Series, esc,
@@ -166,10 +166,11 @@ def bpb_chart(runs: list[Run]) -> LineChart:
                      note="Bits per byte do not depend on the tokenizer: runs with different vocabularies compare.")
 
 
-def _prediction_lines(runs: list[Run], comparisons: dict[str, list[Comparison]], key: str) -> list[HLine]:
+def _prediction_lines(runs: list[Run], key: str) -> list[HLine]:
+    """Each run's plan and preflight predictions of ``key`` as horizontal lines."""
     lines = []
     for run in runs:
-        row = next(c for c in comparisons[run.name] if c.key == key)
+        row = next(c for c in compare(run) if c.key == key)
         if row.plan is not None:
             lines.append(HLine(row.plan, f"{run.name} · plan", run.color, "dotted"))
         if row.preflight is not None:
@@ -179,9 +180,8 @@ def _prediction_lines(runs: list[Run], comparisons: dict[str, list[Comparison]],
 
 def throughput_chart(runs: list[Run]) -> LineChart:
     series = [Series(run.name, *run.series("step", "tok_per_s"), run.color, run=run.name) for run in runs]
-    comparisons = {run.name: compare(run) for run in runs}
     return LineChart("throughput", "Throughput vs step", "step", "tokens/s", series,
-                     hlines=_prediction_lines(runs, comparisons, "tok_per_s"),
+                     hlines=_prediction_lines(runs, "tok_per_s"),
                      note="Measured over each logging window, validation and checkpoint time excluded; "
                           "horizontal lines: the plan's and the preflight's predictions.")
 
@@ -193,9 +193,8 @@ def mfu_chart(runs: list[Run]) -> LineChart:
         if run.has("mfu_6n"):
             series.append(Series(f"{run.name} · 6N", *run.series("step", "mfu_6n"), run.color, "dashed",
                                  run=run.name))
-    comparisons = {run.name: compare(run) for run in runs}
     return LineChart("mfu", "Model FLOPs utilisation vs step", "step", "MFU", series, percent=True,
-                     hlines=_prediction_lines(runs, comparisons, "mfu"),
+                     hlines=_prediction_lines(runs, "mfu"),
                      note="MFU counts the model's FLOPs (6·N_matmul + attention) against the device's dense peak; "
                           "dashed: with 6 × parameters.")
 
@@ -210,9 +209,8 @@ def memory_chart(runs: list[Run]) -> LineChart:
             if run.has(key):
                 series.append(Series(f"{run.name} · {label}", *run.series("step", key), run.color, dash,
                                      run=run.name))
-    comparisons = {run.name: compare(run) for run in runs}
     return LineChart("memory", "Memory vs step", "step", "GiB", series,
-                     hlines=_prediction_lines(runs, comparisons, "memory_gb"),
+                     hlines=_prediction_lines(runs, "memory_gb"),
                      note="CUDA: allocated, peak allocated and reserved by the caching allocator; CPU: the process's "
                           "resident set. Horizontal lines: predicted peaks.")
 
