@@ -33,18 +33,15 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import os
-import platform
 import subprocess
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
 
 
-from _results import save_result  # benchmarks/ is on sys.path when a script runs
+from _results import cores as n_cores, cpu_label, save_result  # benchmarks/ is on sys.path when a script runs
 from flopwise.train.losses import fused_linear_cross_entropy_available, linear_cross_entropy
 
 GEOMETRIES = [  # name, vocab, d_model, tokens (micro-batch x seq)
@@ -181,9 +178,9 @@ def main() -> int:
         return 0
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = n_cores()
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"cpu ({cores} cores, {platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()})"
+        cpu_label(f"torch threads {torch.get_num_threads()}")
     cands = contenders(device)
     print(f"device {dev_name} · {'fp32 inputs, bf16 autocast' if autocast else 'fp32'} · {args.repeats} timed rounds")
     print(f"{'geometry':<12} {'contender':<31} {'ms':>9} {'peak MiB':>9} {'saved MiB':>9} {'x time':>7} "
@@ -225,11 +222,6 @@ def main() -> int:
                   f"{row['loss_rel_diff']:>13.2e}")
 
     result = {
-        "benchmark": "chunked_ce",
-        "date": date.today().isoformat(),
-        "device": dev_name,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
         "dtype": "float32 inputs under bf16 autocast" if autocast else "float32",
         "repeats": args.repeats,
         "measure": {
@@ -245,7 +237,7 @@ def main() -> int:
                     "plain, same run)",
         "rows": rows,
     }
-    save_result("chunked-ce", "cuda" if device.type == "cuda" else f"cpu{cores}", result)
+    save_result("chunked-ce", "cuda" if device.type == "cuda" else f"cpu{cores}", dev_name, result)
     return 0
 
 

@@ -16,8 +16,6 @@ Prints a summary and writes benchmarks/results/fault-injection-<device>-<date>.j
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import random
 import shutil
 import signal
@@ -25,13 +23,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import torch
 
 
-from _results import save_result  # benchmarks/ is on sys.path when a script runs
+from _results import cores as n_cores, cpu_label, save_result  # benchmarks/ is on sys.path when a script runs
 from flopwise.train.checkpoint import latest_checkpoint
 
 
@@ -100,13 +97,8 @@ def main() -> int:
 
         wa, wb = weights(ref), weights(target)
         equal = wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        cores = n_cores()
         result = {
-            "benchmark": "fault_injection",
-            "date": date.today().isoformat(),
-            "device": f"cpu ({cores} cores, {platform.processor() or platform.machine()})",
-            "python": platform.python_version(),
-            "torch": torch.__version__,
             "steps": a.steps,
             "checkpoint_every": 2,
             "kills": kills,
@@ -118,7 +110,7 @@ def main() -> int:
         }
         print(f"{kills} SIGKILLs ({in_save} during a save), {restarts} processes; "
               f"final weights {'EQUAL' if equal else 'DIFFERENT'} to the uninterrupted run's")
-        save_result("fault-injection", f"cpu{cores}", result)
+        save_result("fault-injection", f"cpu{cores}", cpu_label(), result)
         return 0 if equal else 1
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

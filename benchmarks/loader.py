@@ -24,18 +24,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import platform
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
 import numpy as np
 import torch
 
 
-from _results import save_result  # benchmarks/ is on sys.path when a script runs
+from _results import cores as n_cores, cpu_label, save_result  # benchmarks/ is on sys.path when a script runs
 from flopwise.config import build_config
 from flopwise.data.builtin import prepare_builtin
 from flopwise.data.datadir import DataDir
@@ -105,9 +102,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="step share: best of this many rounds")
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = n_cores()
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else \
-        f"cpu ({cores} cores, {platform.processor() or platform.machine()}, torch threads {torch.get_num_threads()})"
+        cpu_label(f"torch threads {torch.get_num_threads()}")
 
     dd = DataDir(prepare_builtin(Path("~/.cache/flopwise").expanduser(), vocab_size=8192, max_mb=0.0,
                                  log=lambda s: None))
@@ -176,11 +173,6 @@ def main() -> int:
                 wait_share=wait / total, steps=steps, rounds=args.rounds, ratio=total / steps / base_step)
 
     result = {
-        "benchmark": "loader",
-        "date": date.today().isoformat(),
-        "device": dev_name,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
         "numpy": np.__version__,
         "data": {"path": str(dd.path), "train_tokens": dd.num_tokens("train"), "vocab_size": dd.vocab_size},
         "model": "tiny preset (max_seq_len raised to the sequence length), one forward+backward per batch",
@@ -191,7 +183,7 @@ def main() -> int:
         },
         "rows": rows,
     }
-    save_result("loader", "cuda" if device.type == "cuda" else f"cpu{cores}", result)
+    save_result("loader", "cuda" if device.type == "cuda" else f"cpu{cores}", dev_name, result)
     return 0
 
 

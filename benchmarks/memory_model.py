@@ -22,9 +22,7 @@ Without CUDA it says so and exits 0 without writing anything.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
-import platform
 import re
 import sys
 
@@ -129,13 +127,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{g(to_none['peak_allocated'])} {e(row['rel_error_set_to_none'])} {g(resident['peak_reserved'])}")
 
     result = {
-        "benchmark": "memory_model",
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "device": name,
         "device_memory_bytes": total_mem,
-        "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "python": platform.python_version(),
         "preset": args.preset,
         "settings": vars(settings),
         "model": vars(cfg),
@@ -143,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
     }
     if not args.no_save:
-        save_result("memory_model", re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-"), result)
+        save_result("memory_model", re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-"), name, result)
     return 0
 
 

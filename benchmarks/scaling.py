@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from _results import save_result  # benchmarks/ is on sys.path when a script runs
+from _results import cores as n_cores, cpu_label, save_result  # benchmarks/ is on sys.path when a script runs
 
 
 def launch(nproc: int | None, overrides: list[str], threads: int) -> float:
@@ -102,10 +101,10 @@ def main() -> None:
             out_rows.append(row)
             print(f"{strategy:>8} {n:>5} {tps:>10,.0f} {tps / n:>10,.0f} {tps / base:>8.2f} {tps / base / n:>10.2f}")
     device = (torch.cuda.get_device_name(0) if cuda else
-              f"cpu ({os.cpu_count()} cores, {platform.processor() or platform.machine()}), {args.threads} thread(s) per rank")
-    tag = (torch.cuda.get_device_name(0).split()[-1].lower() if cuda else f"cpu{os.cpu_count()}")
-    save_result("scaling", tag, {
-        "benchmark": "scaling", "device": device, "torch": torch.__version__, "preset": args.preset,
+              f"{cpu_label()}, {args.threads} thread(s) per rank")
+    tag = (torch.cuda.get_device_name(0).split()[-1].lower() if cuda else f"cpu{n_cores()}")
+    save_result("scaling", tag, device, {
+        "preset": args.preset,
         "micro_batch_per_rank": micro, "accum": args.accum, "steps": args.steps, "overrides": args.overrides,
         "baseline": {"strategy": "single", "tok_per_s": base, "runs": single},
         "rows": out_rows,

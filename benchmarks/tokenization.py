@@ -21,18 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
 import time
-from datetime import date
 from pathlib import Path
 
 import tokenizers
 
 
-from _results import save_result  # benchmarks/ is on sys.path when a script runs
+from _results import cores as n_cores, cpu_label, save_result  # benchmarks/ is on sys.path when a script runs
 from flopwise.data.builtin import list_stdlib_files, prepare_builtin, select_files
 from flopwise.data.prepare import PrepareOptions, prepare
 
@@ -43,7 +41,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, nargs="*", default=None, help="worker counts (default 1..cores)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = n_cores()
     workers = args.workers or sorted({1, 2, cores})
 
     cache = Path("~/.cache/flopwise").expanduser()
@@ -126,16 +124,12 @@ def main() -> int:
               f"{row['ratio']:>6.2f} {speedup}")
 
     result = {
-        "benchmark": "tokenization",
-        "date": date.today().isoformat(),
-        "device": f"cpu ({cores} cores, {platform.processor() or platform.machine()})",
-        "python": platform.python_version(),
         "tokenizers": tokenizers.__version__,
         "corpus": {"files": len(texts), "characters": chars, "max_mb": args.max_mb},
         "baseline": "the faster of Tokenizer.encode_batch / encode_batch_fast, in memory, all cores",
         "rows": rows,
     }
-    save_result("tokenization", f"cpu{cores}", result)
+    save_result("tokenization", f"cpu{cores}", cpu_label(), result)
     return 0
 
 

@@ -21,17 +21,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import os
-import platform
 import sys
 import time
-from datetime import date
 
 import torch
 import torch.nn.functional as F
 
 
-from _results import save_result  # benchmarks/ is on sys.path when a script runs
+from _results import cores as n_cores, save_result  # benchmarks/ is on sys.path when a script runs
 from flopwise.config import build_config
 from flopwise.data.datadir import open_data_dir
 from flopwise.data.loader import fixed_windows
@@ -81,17 +78,16 @@ def main() -> int:
               f"| baseline {r['baseline']['tok_per_s']:>10,.0f} tok/s | ratio {r['ratio']:.3f}"
               + (f" | MFU {100 * r['flopwise']['mfu']:.1f}% vs {100 * r['baseline']['mfu']:.1f}%"
                  if r['flopwise']['mfu'] is not None else ""))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cores = n_cores()
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({cores} cores)"
     import transformers
 
-    out = {"benchmark": "vs_hf", "date": date.today().isoformat(), "device": dev_name, "torch": torch.__version__,
-           "transformers": transformers.__version__, "python": platform.python_version(),
+    out = {"transformers": transformers.__version__,
            "compile": use_compile, "autocast": str(amp), "rounds": args.rounds, "steps_per_round": args.steps,
            "baseline": "transformers LlamaForCausalLM, sdpa, torch.compile (if on), AdamW (fused on CUDA), "
                        "bf16 autocast on CUDA, plain loop", "results": results}
     tag = "cuda-" + dev_name.split()[-1].lower() if device.type == "cuda" else f"cpu{cores}"
-    save_result("vs-hf", tag, out)
+    save_result("vs-hf", tag, dev_name, out)
     return 0
 
 
