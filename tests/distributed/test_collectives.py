@@ -124,7 +124,7 @@ def test_ddp_reduces_gradients_once_per_step_not_per_micro_batch(tmp_path):
 
 def _agree(env, device, case):
     from flopwise.train.stopping import Deadline
-    from flopwise.train.trainer import agree
+    from flopwise.train.trainer import global_loss, stop_reason
 
     class Signals:
         requested = case == "signal" and env.rank == 1
@@ -132,7 +132,33 @@ def _agree(env, device, case):
 
     loss = torch.tensor(float("nan") if case == "nan" and env.rank == 1 else 2.0 + env.rank)
     deadline = Deadline(0.0, 0.0, 0)
-    return agree(env, loss, torch.tensor(1.5), Signals(), deadline, None)
+    loss_f, gnorm_f = global_loss(env, loss, torch.tensor(1.5))
+    return loss_f, gnorm_f, stop_reason(env, Signals(), deadline, None, device)
+
+
+def _fit_progress(env, device, _):
+    import time
+
+    from flopwise.train.stopping import Deadline
+    from flopwise.train.trainer import TimeFit, stop_reason
+
+    class Signals:
+        requested, name = False, "SIGTERM"
+
+    deadline = Deadline(30.0 / 3600, time.perf_counter(), 0)  # a half-minute budget
+    fit = TimeFit(deadline, warmup_steps=0)
+    seen = []
+    for _ in range(3):
+        stop_reason(env, Signals(), deadline, fit, device)
+        seen.append(fit.progress())
+        time.sleep(0.2)
+    return seen
+
+
+def test_a_time_fitted_schedule_follows_rank_0s_clock_as_it_advances(tmp_path):
+    r0, r1 = spawn("_fit_progress", tmp_path)
+    assert r0 == r1  # every rank sets the same learning rate
+    assert r0[0] < r0[1] < r0[2]  # and it moves with time
 
 
 @pytest.mark.parametrize("case", ["none", "signal", "nan"])

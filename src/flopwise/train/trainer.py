@@ -445,15 +445,11 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
     # What the optimizer steps -- not model.parameters(): under FSDP2 a module whose weights
     # are gathered (the root after an evaluation) lists its unsharded copies there.
     opt_params = [p for group in optimizer.param_groups for p in group["params"]]
-    agreed_stop = ""  # under data parallelism: the stop every rank agreed on at the end of the last step
 
     with SignalStop() as signals, profiler(t.profile, run_dir / "profile", t.profile_wait, t.profile_warmup,
                                            t.profile_active) as prof:
         while step < total_steps:
-            if env.distributed:
-                stopped = agreed_stop
-            elif signals.requested or (fit is None and deadline.must_stop()):  # a fitted WSD stops itself below
-                stopped = f"{signals.name} received" if signals.requested else f"train.max_hours={t.max_hours:g} reached"
+            stopped = stop_reason(env, signals, deadline, fit, device)  # a fitted WSD stops itself below
             if stopped:
                 break
             t_step = time.perf_counter()
@@ -478,10 +474,7 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
                 if prec.scaler is not None:
                     prec.scaler.unscale_(optimizer)
                 grad_norm = clip_grad_norm(opt_params, clip)
-            if env.distributed:  # one all-reduce: the global loss, and the stop decisions every rank takes
-                loss_f, gnorm_f, agreed_stop = agree(env, loss, grad_norm, signals, deadline, fit)
-            else:
-                loss_f, gnorm_f = torch.stack([loss.float(), grad_norm.float()]).tolist()  # one transfer per step
+            loss_f, gnorm_f = global_loss(env, loss, grad_norm)  # one transfer per step
             # With fp16 loss scaling an overflowing gradient is routine: the scaler skips that
             # update and lowers its scale, so only the loss decides there.
             if not guard.check(loss_f, gnorm_f if prec.scaler is None else 0.0):
@@ -721,10 +714,12 @@ class TimeFit:
     def budget_s(self) -> float:
         return self.deadline.end - self.start - Deadline.MARGIN * self.deadline.save_s
 
-    def progress(self) -> float:
-        if self.agreed_progress is not None:
-            return self.agreed_progress
+    def measure(self) -> float:
+        """The share of the budget used by this process's clock."""
         return time_progress(time.perf_counter() - self.start, self.budget_s(), Deadline.MARGIN * self.deadline.step_s)
+
+    def progress(self) -> float:
+        return self.agreed_progress if self.agreed_progress is not None else self.measure()
 
     def done(self, step: int) -> bool:
         return step >= self.warmup_steps and self.progress() >= 1.0
@@ -768,27 +763,39 @@ def eta_text(row: dict[str, Any], deadline: Deadline) -> str:
     return text
 
 
-def agree(env: DistEnv, loss: torch.Tensor, grad_norm: torch.Tensor, signals: SignalStop, deadline: Deadline,
-          fit: "TimeFit | None") -> tuple[float, float, str]:
-    """What every rank takes from this step, in one all-reduce: the global mean loss (each
-    rank's is the mean over its share of the batch; a NaN on one rank is a NaN for all),
-    the gradient norm (already global), and whether to stop before the next step -- a
-    signal that reached any rank, the deadline by any rank's clock, or (a WSD fitted to the
-    time budget) rank 0's clock, whose progress also sets every rank's next learning rate."""
-    flags = [float(signals.requested), float(fit is None and deadline.must_stop()),
-             float(fit.progress()) if fit is not None and env.is_main else 0.0]
-    comm = loss.device if env.backend == "nccl" else torch.device("cpu")
-    packed = torch.cat([torch.stack([loss.float(), grad_norm.float().to(loss.device)]).to(comm),
-                        torch.tensor(flags, dtype=torch.float32, device=comm)])
-    loss_sum, gnorm_sum, signal, late, progress = env.sum_tensor(packed).tolist()
-    if fit is not None:
-        fit.agreed_progress = progress
-    stop = ""
+def stop_reason(env: DistEnv, signals: SignalStop, deadline: Deadline, fit: "TimeFit | None",
+                device: torch.device) -> str:
+    """Why to stop before the next step ("" to go on), the same answer on every rank: a
+    signal that reached any rank, ``train.max_hours`` by any rank's clock. Under data
+    parallelism a WSD fitted to the time budget follows rank 0's clock, so every rank sets
+    the same learning rate: its progress travels in the same (one, tiny) all-reduce."""
+    signal, late = signals.requested, fit is None and deadline.must_stop()
+    if env.distributed:
+        progress = fit.measure() if fit is not None and env.is_main else 0.0
+        n_signals, n_late, progress = env.sum([float(signal), float(late), progress], device)
+        if fit is not None:
+            fit.agreed_progress = progress
+        if n_signals and not signal:
+            return "a signal received by another rank"
+        signal, late = bool(n_signals), bool(n_late)
     if signal:
-        stop = (f"{signals.name} received" if signals.requested else "a signal received by another rank")
-    elif late:
-        stop = f"train.max_hours={deadline.max_hours:g} reached (by the slowest rank's clock)"
-    return loss_sum / env.world_size, gnorm_sum / env.world_size, stop
+        return f"{signals.name} received"
+    if late:
+        return f"train.max_hours={deadline.max_hours:g} reached" + (" (by the slowest rank's clock)"
+                                                                    if env.distributed else "")
+    return ""
+
+
+def global_loss(env: DistEnv, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
+    """The step's loss and gradient norm as floats, in one device-to-host transfer. Under data
+    parallelism the loss is the mean of the ranks' (each over its share of the batch), so a
+    NaN on one rank is a NaN on all and every rank takes the same non-finite decision; the
+    gradient norm is already global."""
+    packed = torch.stack([loss.float(), grad_norm.float().to(loss.device)])
+    if env.distributed:
+        packed = env.sum_tensor(packed.to(loss.device if env.backend == "nccl" else "cpu")) / env.world_size
+    loss_f, gnorm_f = packed.tolist()
+    return loss_f, gnorm_f
 
 
 def _read_json(path: Path) -> dict:
