@@ -49,12 +49,12 @@ def _find_tokenizer(*candidates: Path) -> Path | None:
 
 def resolve(path: str | os.PathLike) -> ModelSource:
     """What ``path`` holds: a run, a checkpoint or a Hugging Face model directory."""
-    from flopwise.train.checkpoint import latest_checkpoint
+    from flopwise.train.checkpoint import SHARDED, latest_checkpoint
 
     p = Path(path).expanduser()
     if not p.is_dir():
         raise ModelSourceError(f"{p}: no such directory (expected a run, a checkpoint or a Hugging Face model directory)")
-    is_checkpoint = (p / "model.pt").is_file() or (p / "sharded").is_dir()  # sharded: written by FSDP2 ranks
+    is_checkpoint = (p / "model.pt").is_file() or (p / SHARDED).is_dir()  # sharded: written by FSDP2 ranks
     if (p / "config.json").is_file() and not is_checkpoint:
         cfg = config_from_hf(json.loads((p / "config.json").read_text()))
         return ModelSource("hf", p, cfg, _find_tokenizer(p / "tokenizer.json"))

@@ -373,6 +373,18 @@ def _settings_dict(s: MemorySettings) -> dict[str, Any]:
 NOMINAL_MFU = 0.40
 
 
+def memory_settings_for_run(cfg: "RunConfig", precision: str, loss: str = "plain", strategy: str = "single",
+                            gpus: int = 1) -> MemorySettings:
+    """The memory model's settings for a run as the trainer resolved it: ``precision`` its
+    name (bf16, bf16-pure, float32, ...), ``loss`` plain or chunked, ``strategy`` a
+    ``parallel.strategy`` (fsdp2 is the model's fsdp) over ``gpus``."""
+    return MemorySettings(
+        precision={"bf16": "bf16-amp", "bf16-pure": "bf16"}.get(precision, "fp32"),
+        activation_checkpointing="full" if cfg.train.activation_checkpointing == "full" else "none",
+        strategy={"fsdp2": "fsdp"}.get(strategy, strategy), n_gpus=gpus,
+        loss="chunked" if loss == "chunked" else "plain", loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+
+
 def plan_for_run(cfg: "RunConfig", device_name: str | None, precision: str, peak_tflops: float = 0.0,
                  mfu: float = NOMINAL_MFU, loss: str = "plain", gpus: int = 1,
                  strategy: str = "single") -> dict[str, Any]:
@@ -391,11 +403,7 @@ def plan_for_run(cfg: "RunConfig", device_name: str | None, precision: str, peak
         gpus=gpus, mfu=mfu,
         tokens=cfg.total_steps() * cfg.tokens_per_step, seq_len=cfg.train.seq_len,
         micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.grad_accum_steps(gpus),
-        memory=MemorySettings(
-            precision={"bf16": "bf16-amp", "bf16-pure": "bf16"}.get(precision, "fp32"),
-            activation_checkpointing="full" if cfg.train.activation_checkpointing == "full" else "none",
-            strategy={"fsdp2": "fsdp"}.get(strategy, strategy), n_gpus=gpus,
-            loss="chunked" if loss == "chunked" else "plain", loss_chunk_tokens=cfg.train.loss_chunk_tokens),
+        memory=memory_settings_for_run(cfg, precision, loss, strategy, gpus),
     )
     plan = build_plan(inp)
     plan["device"] = device_name or "cpu"

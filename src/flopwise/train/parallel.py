@@ -39,21 +39,12 @@ class Strategy:
     why: str  # one line for the log
 
 
-def _memory_settings(cfg: RunConfig, strategy: str, world: int, precision: str, loss: str):
-    from flopwise.plan.memory import MemorySettings
-
-    return MemorySettings(
-        precision={"bf16": "bf16-amp", "bf16-pure": "bf16"}.get(precision, "fp32"),
-        activation_checkpointing="full" if cfg.train.activation_checkpointing == "full" else "none",
-        strategy={"fsdp2": "fsdp"}.get(strategy, strategy), n_gpus=world,
-        loss="chunked" if loss == "chunked" else "plain", loss_chunk_tokens=cfg.train.loss_chunk_tokens)
-
-
 def predicted_peak(cfg: RunConfig, strategy: str, world: int, precision: str, loss: str) -> int:
     """The memory model's per-GPU peak bytes for one training step under ``strategy``."""
+    from flopwise.plan.budget import memory_settings_for_run
     from flopwise.plan.memory import estimate
 
-    settings = _memory_settings(cfg, strategy, world, precision, loss)
+    settings = memory_settings_for_run(cfg, precision, loss, strategy, world)
     return estimate(cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len, settings).total
 
 

@@ -32,6 +32,7 @@ import yaml
 from flopwise.config import RunConfig
 from flopwise.measure.sinks import human
 from flopwise.plan.flops import flops_per_token
+from flopwise.plan.budget import memory_settings_for_run
 from flopwise.plan.memory import MemorySettings, estimate
 
 Log = Callable[[str], None]
@@ -179,9 +180,7 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     from flopwise.train.trainer import resolve_loss_impl
 
     loss = resolve_loss_impl(cfg.train.loss, cfg.model, cfg.train, device)
-    settings = MemorySettings(precision={"bf16": "bf16-amp", "bf16-pure": "bf16"}.get(precision, "fp32"),
-                              loss="chunked" if loss == "chunked" else "plain",
-                              loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+    settings = memory_settings_for_run(cfg, precision, loss)  # activation checkpointing: tried both below
     trials: list[Trial] = []
     for ckpt in ("none", "full"):
         for b in candidates(cfg):
