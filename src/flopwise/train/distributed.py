@@ -169,6 +169,20 @@ def read_launch_env(environ: dict[str, str] | None = None) -> tuple[int, int, in
     return rank, local, world
 
 
+def _import_before_the_group() -> None:
+    """Import ``torch.distributed.nn.functional`` while no process group exists.
+
+    Its collectives take ``group=group.WORLD`` as a default argument, evaluated at import:
+    imported after ``init_process_group`` (torch._dynamo imports it on first use -- a
+    compile, or even ``nn.init`` on the meta device), ten function defaults hold the default
+    group, so ``destroy_process_group`` cannot free it and gloo's worker threads outlive it.
+    At interpreter exit such a thread may then release a finished collective that holds a
+    Python tensor, take the GIL during finalisation and abort the process ("terminate
+    called without an active exception", SIGABRT) after a run that succeeded. Imported
+    first, the defaults are None and the group is freed at :meth:`DistEnv.close`."""
+    import torch.distributed.nn.functional  # noqa: F401 - for its side effect, see above
+
+
 def init_distributed(strategy: str, device_name: str, backend: str = "auto", timeout_min: float = 30.0,
                      environ: dict[str, str] | None = None) -> tuple[DistEnv, torch.device]:
     """Join the process group the launcher describes (or none) and pick this rank's device.
@@ -200,6 +214,7 @@ def init_distributed(strategy: str, device_name: str, backend: str = "auto", tim
     if chosen == "nccl" and device.type != "cuda":
         raise ConfigError(["parallel.backend=nccl needs CUDA devices; use gloo (or auto) on CPU"])
     timeout = timedelta(minutes=timeout_min)
+    _import_before_the_group()
     if dist.is_initialized():  # a caller (a test, a notebook) set the group up already
         return DistEnv(dist.get_rank(), local, dist.get_world_size(), dist.get_backend(), "existing group"), device
     if launch is None:  # a strategy that needs a group, in one plain process: a group of one
