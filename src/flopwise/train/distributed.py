@@ -179,8 +179,12 @@ def _import_before_the_group() -> None:
     At interpreter exit such a thread may then release a finished collective that holds a
     Python tensor, take the GIL during finalisation and abort the process ("terminate
     called without an active exception", SIGABRT) after a run that succeeded. Imported
-    first, the defaults are None and the group is freed at :meth:`DistEnv.close`."""
-    import torch.distributed.nn.functional  # noqa: F401 - for its side effect, see above
+    first, the defaults are None and the group is freed at :meth:`DistEnv.close`. (Where the
+    module cannot be imported, torch._dynamo cannot import it either.)"""
+    try:
+        import torch.distributed.nn.functional  # noqa: F401 - for its side effect, see above
+    except ImportError:
+        pass
 
 
 def init_distributed(strategy: str, device_name: str, backend: str = "auto", timeout_min: float = 30.0,
