@@ -132,6 +132,7 @@ def test_kill_9_at_random_moments_of_saving_never_leaves_a_partial_checkpoint(tm
         model = torch.nn.Linear(512, 1024)
         last = latest_checkpoint(sys.argv[1])
         step = int(last.name[5:]) if last else 0
+        print("ready", flush=True)
         while True:
             step += 1
             with torch.no_grad():
@@ -141,11 +142,16 @@ def test_kill_9_at_random_moments_of_saving_never_leaves_a_partial_checkpoint(tm
     """)
     rng = random.Random(0)
     kills = 0
-    for _ in range(12):
-        proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)])
-        time.sleep(0.4 + rng.random() * 0.6)  # past interpreter start-up, then anywhere in the save loop
+    for i in range(12):
+        proc = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "ready\n"  # imports done (however slow the machine), saving starts now
+        deadline = time.time() + 60
+        while i == 0 and latest_checkpoint(tmp_path) is None and time.time() < deadline:
+            time.sleep(0.01)  # the first child saves once before its kill: a checkpoint to find afterwards
+        time.sleep(rng.random() * 0.5)  # then anywhere in the save loop
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        proc.stdout.close()
         kills += 1
         last = latest_checkpoint(tmp_path)
         if last is None:

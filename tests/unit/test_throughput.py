@@ -116,21 +116,29 @@ def test_profiler_writes_a_trace(tmp_path):
     assert list((tmp_path / "profile").glob("*.json"))
 
 
-def test_step_timer_splits_a_step():
-    timer = StepTimer(torch.device("cpu"))
-    import time
+def test_step_timer_splits_a_step(monkeypatch):
+    from types import SimpleNamespace
 
+    from flopwise.train import timing
+
+    now = [0.0]  # a fake clock: the test says how long each part took, whatever the machine's load
+
+    def spend(seconds):
+        now[0] += seconds
+
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    timer = StepTimer(torch.device("cpu"))
     for _ in range(2):
         with timer.part("fwd_bwd"):
-            for _b in timer.timed_batches(lambda: time.sleep(0.002), 2):
-                time.sleep(0.003)
+            for _b in timer.timed_batches(lambda: spend(0.002), 2):
+                spend(0.003)
         with timer.part("optim"):
-            time.sleep(0.002)
+            spend(0.002)
         timer.end_step(0.02)
     parts = timer.window()
-    assert parts["time_data_s"] == pytest.approx(0.004, abs=0.003)
-    assert parts["time_fwd_bwd_s"] == pytest.approx(0.006, abs=0.004)
-    assert parts["time_optim_s"] == pytest.approx(0.002, abs=0.002)
+    assert parts["time_data_s"] == pytest.approx(0.004)  # 2 fetches of 2 ms per step
+    assert parts["time_fwd_bwd_s"] == pytest.approx(0.006)  # the part's 10 ms less its data time
+    assert parts["time_optim_s"] == pytest.approx(0.002)
     assert "data" in format_breakdown(parts, 0.02) and timer.steps == 0
 
 
