@@ -181,6 +181,25 @@ def test_a_sharded_checkpoint_resumes_at_another_world_size_under_fsdp2(base, tw
     assert (run / "checkpoints" / f"step-{STEPS:07d}" / "sharded" / ".metadata").is_file()
 
 
+def test_a_batch_ramp_under_ddp_trains_what_one_process_trains(base, tmp_path):
+    """Steps of 1, then 2 micro-batches per rank (train.batch_ramp_tokens): the gradients are
+    reduced on each step's own last micro-batch, not on the last of a full-size step."""
+    _, common = base
+    ramp = [o for o in common if not o.startswith("train.max_steps")] + [
+        "train.max_tokens=8192", "train.batch_ramp_tokens=4096", "train.batch_ramp_start=1"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    ok(one_process(ramp + ["train.micro_batch_size=8", f"train.run_dir={one}"]))
+    proc = ok(torchrun(2, ramp + ["train.micro_batch_size=4", "eval.batches=4", "parallel.strategy=ddp",
+                                  f"train.run_dir={two}"]))
+    assert "batch ramp 1 -> 2 micro-batches per step" in proc.stdout
+    steps = sorted(curve(one))
+    assert len(steps) > STEPS and sorted(curve(two)) == steps
+    assert_same_curve(one, two, steps)
+    ddp_weights = final_weights(two)
+    for name, w in final_weights(one).items():
+        torch.testing.assert_close(ddp_weights[name], w, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_a_global_batch_that_does_not_split_over_the_ranks_is_refused_once(base, tmp_path):
     _, common = base
     proc = torchrun(2, common + ["train.micro_batch_size=16", f"train.run_dir={tmp_path / 'run'}"])

@@ -149,7 +149,8 @@ def zero1_optimizer(plain: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def grad_sync(wrapped: torch.nn.Module, strategy: str, accum: int) -> Callable[[int], contextlib.AbstractContextManager]:
-    """``sync(i)`` for ``forward_backward``: gradients are reduced only on the last micro-batch."""
+    """``sync(i)`` for ``forward_backward`` of a step of ``accum`` micro-batches: gradients are
+    reduced only on its last one. Made per step: under a batch ramp ``accum`` changes."""
 
     def sync(i: int) -> contextlib.AbstractContextManager:
         last = i == accum - 1

@@ -272,7 +272,6 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
     optimizer = build_optimizer(state_model, o, device)
     if strategy.name == "zero1":
         optimizer = zero1_optimizer(optimizer)
-    sync = grad_sync(train_model, strategy.name, accum) if strategy.name != "single" else None
     guard = NonFiniteGuard(t.nonfinite, t.nonfinite_patience, t.spike_factor)
 
     step, tokens, val_start = 0, 0, float("nan")
@@ -466,7 +465,9 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
                 set_lr(optimizer, lr)
             with timer.part("fwd_bwd"), nvtx(t.nvtx, "forward_backward"):
                 micro = timer.timed_batches(train_loader.next_batch, accum)
-                # Each rank divides by its own share of the tokens; DDP/FSDP average over ranks.
+                # Each rank divides by its own share of the tokens; DDP/FSDP average over ranks,
+                # on this step's last micro-batch (a batch ramp changes their number per step).
+                sync = grad_sync(train_model, strategy.name, accum) if strategy.name != "single" else None
                 loss = forward_backward(train_model, micro, step_tokens // world, autocast, loss_fn, prec.scaler, sync)
             with timer.part("optim"), nvtx(t.nvtx, "optimizer"):
                 if master:
