@@ -435,6 +435,19 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return parts[0], parts[1], value
 
 
+def batch_split_problems(t: "TrainConfig", world_size: int) -> list[str]:
+    """Why the global batch cannot be cut into micro-batches on ``world_size`` ranks (empty
+    when it can): it must be micro x accumulation x ranks."""
+    if t.global_batch_size % (t.micro_batch_size * world_size) == 0:
+        return []
+    if world_size == 1:
+        return [f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
+                f"train.micro_batch_size ({t.micro_batch_size})"]
+    return [f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
+            f"({t.micro_batch_size}) x {world_size} ranks = {t.micro_batch_size * world_size}: the global batch is "
+            "micro x accumulation x ranks"]
+
+
 def build_config(
     preset: str | None = None,
     config_file: str | Path | None = None,
@@ -588,11 +601,8 @@ def validate(cfg: RunConfig) -> list[str]:
     positive("train", "peak_tflops", t.peak_tflops, allow_zero=True)
     if t.seq_len > m.max_seq_len > 0:
         p.append(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
-    if t.micro_batch_size > 0 and t.global_batch_size % t.micro_batch_size:
-        p.append(
-            f"train.global_batch_size ({t.global_batch_size}) must be divisible by "
-            f"train.micro_batch_size ({t.micro_batch_size})"
-        )
+    if t.micro_batch_size > 0:
+        p += batch_split_problems(t, 1)
     if t.max_steps <= 0 and t.max_tokens <= 0:
         p.append("set train.max_steps or train.max_tokens (both are 0)")
     if t.precision not in ("auto", "bf16", "bf16-pure", "fp16", "float32"):

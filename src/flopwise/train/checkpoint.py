@@ -266,6 +266,11 @@ def load_checkpoint(
         if not (path / "optimizer.pt").is_file():
             raise FileNotFoundError(f"{path}: no optimizer.pt to resume the optimizer from")
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True))
+    return read_state(path)
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's ``state.json``, with its RNG states under ``"rng"`` when it has them."""
     state = json.loads((path / "state.json").read_text())
     if (path / "rng.pt").is_file():
         state["rng"] = torch.load(path / "rng.pt", weights_only=False)  # numpy/python states are plain tuples

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from flopwise.config import ConfigError
-from flopwise.train.checkpoint import (SHARDED, begin_save, file_entry, load_checkpoint, rng_state, save_checkpoint,
-                                       verify_checkpoint)
+from flopwise.train.checkpoint import (SHARDED, begin_save, file_entry, load_checkpoint, read_state, rng_state,
+                                       save_checkpoint, verify_checkpoint)
 from flopwise.train.distributed import DistEnv
 
 
@@ -123,8 +123,6 @@ def load_sharded(directory: Path, model: torch.nn.Module, optimizer: torch.optim
 def _load_full_into_fsdp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """A full checkpoint (model.pt, index-keyed optimizer.pt) into an FSDP2-sharded model:
     every rank reads the whole files and keeps its shards."""
-    import json
-
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
@@ -132,10 +130,7 @@ def _load_full_into_fsdp(path: Path, model: torch.nn.Module, optimizer: torch.op
     set_model_state_dict(model, torch.load(path / "model.pt", map_location="cpu", weights_only=True), options=full)
     saved_optim = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
     set_optimizer_state_dict(model, optimizer, _by_name(saved_optim, model, optimizer), options=full)
-    state = json.loads((path / "state.json").read_text())
-    if (path / "rng.pt").is_file():
-        state["rng"] = torch.load(path / "rng.pt", weights_only=False)
-    return state
+    return read_state(path)
 
 
 def _by_name(saved: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

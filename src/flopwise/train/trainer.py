@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from flopwise import __version__
-from flopwise.config import ConfigError, RunConfig
+from flopwise.config import ConfigError, RunConfig, batch_split_problems
 from flopwise.data.datadir import DataDir, open_data_dir
 from flopwise.data.loader import fixed_windows, make_loader
 from flopwise.evaluate.generate import generate
@@ -216,10 +216,9 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
     autocast = autocast_factory(device, amp_dtype)
     world = env.world_size
     m, t, o, e, tr = cfg.model, cfg.train, cfg.optim, cfg.eval, cfg.tracking
-    if t.global_batch_size % (t.micro_batch_size * world):
-        raise ConfigError([f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
-                           f"train.micro_batch_size ({t.micro_batch_size}) x {world} ranks = "
-                           f"{t.micro_batch_size * world}: the global batch is micro x accumulation x ranks"])
+    split = batch_split_problems(t, world)  # the config checked one rank; this is the launch's count
+    if split:
+        raise ConfigError(split)
     loss_impl = resolve_loss_impl(t.loss, m, t, device)
     strategy = resolve_strategy(cfg, env, device, precision, loss_impl)  # refusals before any work
     start = env.on_main(lambda: start_run(cfg, fresh))
