@@ -1,9 +1,11 @@
 """Shared fixtures: a small prepared slice of the embedded corpus, made once per session,
-and the command line as a user runs it."""
+the command line as a user runs it, and a real small filesystem to fill."""
 
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +66,52 @@ def _saved_bytes(fn) -> int:
 def saved_bytes():
     """``saved_bytes(fn)``: what autograd saves for backward while ``fn`` runs, in bytes."""
     return _saved_bytes
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """``small_fs("256k")`` mounts a tmpfs of that size and returns its path: a real filesystem
+    that fills up -- ENOSPC from ``write``, torch.save's zip-writer RuntimeError -- not an
+    imitation of a full disk. Skips the test where mounting is not permitted (not root, no
+    CAP_SYS_ADMIN, no ``mount``); unmounts everything at teardown."""
+    mounted: list[Path] = []
+
+    def mount(size: str = "1m") -> Path:
+        if shutil.which("mount") is None or os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root and the mount command")
+        point = tmp_path / f"small_fs{len(mounted)}"
+        point.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(point)],
+                           capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
+        mounted.append(point)
+        return point
+
+    try:
+        yield mount
+    finally:
+        for point in reversed(mounted):
+            if subprocess.run(["umount", str(point)], capture_output=True, timeout=60).returncode != 0:
+                subprocess.run(["umount", "-l", str(point)], capture_output=True, timeout=60)
+
+
+@pytest.fixture
+def nan_at(monkeypatch):
+    """``nan_at({3, 5})``: the loss of the 3rd and 5th ``forward_backward`` calls of a training
+    run becomes NaN, as a divergence would (a rollback trains a step again: calls, not steps,
+    are counted)."""
+    from flopwise.train import trainer as trainer_module
+
+    def install(calls: set[int]) -> None:
+        real = trainer_module.forward_backward
+        n = {"calls": 0}
+
+        def forward_backward(*a, **kw):
+            n["calls"] += 1
+            loss = real(*a, **kw)
+            return loss * float("nan") if n["calls"] in calls else loss
+
+        monkeypatch.setattr(trainer_module, "forward_backward", forward_backward)
+
+    return install
