@@ -137,6 +137,20 @@ def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
     assert entries(tmp_path) == []
 
 
+def test_a_killed_build_is_cleaned_up_by_the_next_one_at_once(tmp_path):
+    """kill -9 during a build leaves its hidden directory; the next build (holding the lock, so
+    no build of the same inputs can be running) removes it without waiting for it to age."""
+    files = select_files(list_stdlib_files(), 0.02)
+    fp = fingerprint(files, 300, 0.02)
+    left = tmp_path / f".builtin-{fp[:12]}.tmp-killed"
+    left.mkdir()
+    (left / "train-00000.bin").write_bytes(b"x" * 1000)
+    other = tmp_path / ".builtin-0123456789ab.tmp-running"  # another fingerprint's build: not ours to judge
+    other.mkdir()
+    out = prepare_builtin(tmp_path, vocab_size=300, max_mb=0.02, log=quiet)
+    assert entries(tmp_path) == sorted([other.name, out.name])
+
+
 def test_incomplete_directory_is_rebuilt(tmp_path):
     files = select_files(list_stdlib_files(), 0.02)
     out = tmp_path / f"builtin-{fingerprint(files, 300, 0.02)[:12]}"
@@ -172,7 +186,7 @@ def test_concurrent_prepares(tmp_path):
 
 
 def test_publish_race_keeps_the_winner(prepared, tmp_path):
-    """Without the lock (non-POSIX, or another cache on a shared FS) the loser discards its copy."""
+    """Without the lock (two machines sharing a cache on a filesystem without flock) the loser discards its copy."""
     import shutil
 
     _, out = prepared

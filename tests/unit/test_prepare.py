@@ -1,7 +1,11 @@
-"""flopwise prepare: routing, budgets, framing, determinism, atomicity, tokenizers."""
+"""flopwise prepare: routing, budgets, framing, determinism, atomicity, kills and failures, tokenizers."""
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -238,3 +242,94 @@ def test_source_exhausted_before_budget_warns(tmp_path):
     out = prepare(opts(tmp_path, train_tokens=10**7), log=lines.append)
     assert any("ran out before the budget" in line for line in lines)
     assert DataDir(out).num_tokens("train") < 10**7
+
+
+# ---------------------------------------------------------------- kills, failures, links
+
+def test_a_prepare_killed_between_the_two_renames_of_a_replacement_is_undone_by_the_next(tmp_path):
+    write_corpus(tmp_path / "corpus")
+    out = prepare(opts(tmp_path, train_tokens=1000), log=quiet)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    os.rename(out, tmp_path / ".data.old")  # the old data set aside, the new not yet renamed in: kill -9 here
+    lines = []
+    prepare(opts(tmp_path, train_tokens=1000), log=lines.append)
+    assert any("restored" in line for line in lines) and any("nothing to do" in line for line in lines)
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # the old data, not a rebuild
+    assert not (tmp_path / ".data.old").exists()
+
+
+def test_a_failed_rename_into_place_puts_the_old_data_back(tmp_path, monkeypatch):
+    write_corpus(tmp_path / "corpus")
+    out = prepare(opts(tmp_path, train_tokens=1000), log=quiet)
+    before = (out / "train-00000.bin").read_bytes()
+    real_rename = os.rename
+
+    def failing(src, dst):
+        if str(src).endswith(".data.partial"):
+            raise OSError(28, "No space left on device", str(dst))
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing)
+    with pytest.raises(PrepareError, match=r"cannot write .*data: no space left on the device; the partial output "
+                                           r"was removed and .*data was left as it was"):
+        prepare(opts(tmp_path, train_tokens=2000, overwrite=True), log=quiet)
+    monkeypatch.setattr(os, "rename", real_rename)
+    assert (out / "train-00000.bin").read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".data") and not p.name.endswith(".lock")] == []
+
+
+def test_follow_links_does_not_change_the_fingerprint_of_a_folder_without_links(tmp_path):
+    write_corpus(tmp_path / "corpus")
+    out = prepare(opts(tmp_path, train_tokens=1000), log=quiet)
+    lines = []
+    prepare(opts(tmp_path, train_tokens=1000, follow_links=True), log=lines.append)
+    assert any("nothing to do" in line for line in lines) and out.is_dir()
+
+
+WORKER = """
+import os, sys, time
+from flopwise.data import prepare
+prepare.PARENT_POLL_S = 0.05
+prepare.die_with_parent(os.getppid(), prctl=False)
+print("armed", flush=True)
+time.sleep(600)
+"""
+PARENT = """
+import subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE, text=True)
+print(worker.pid, worker.stdout.readline().strip() or f"failed: exit {worker.wait()}", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_worker_dies_with_its_parent_where_prctl_is_unavailable_too():
+    """The portable fallback of die_with_parent: a watcher thread (prctl is tested end to end
+    in tests/integration/test_data_trust.py)."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, WORKER], stdout=subprocess.PIPE, text=True)
+    worker = None
+    try:
+        pid, state = parent.stdout.readline().split(maxsplit=1)
+        worker = int(pid)
+        assert state.strip() == "armed"
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 60
+        while _alive(worker):
+            assert time.monotonic() < deadline, "the worker outlived its parent"
+            time.sleep(0.02)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        if worker is not None and _alive(worker):
+            os.kill(worker, signal.SIGKILL)
+        parent.stdout.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            raw = f.read()
+    except OSError:
+        return False
+    return raw[raw.rindex(")") + 2] not in "ZX"

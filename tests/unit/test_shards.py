@@ -18,6 +18,7 @@ from flopwise.data.shards import (
     dtype_for_vocab,
     read_header,
     read_shard,
+    scan_tokens,
     shard_name,
     write_shard,
 )
@@ -146,6 +147,23 @@ def test_checksum_mismatch(tmp_path):
         read_shard(p, verify=True)
 
 
+def test_scan_names_the_first_bad_id_with_its_position_and_a_bad_checksum_too(tmp_path):
+    p = _good(tmp_path, n=5000)
+    assert scan_tokens(p) == 299  # the largest id
+    ids = np.arange(5000, dtype=np.uint16) % 300
+    ids[4321] = 60_000
+    raw = bytearray(p.read_bytes())
+    _patch(p, HEADER_SIZE, ids.tobytes())  # header kept: its crc no longer matches either
+    with pytest.raises(ShardError, match=r"train-00000\.bin: token id 60000 at position 4,321 is not below the "
+                                         r"vocabulary size 300; checksum mismatch"):
+        scan_tokens(p)
+    head = bytearray(raw[:HEADER_SIZE])
+    struct.pack_into("<I", head, 32, zlib.crc32(ids.tobytes()))  # a matching crc: the id alone is reported
+    _patch(p, 0, bytes(head))
+    with pytest.raises(ShardError, match=r"position 4,321 is not below the vocabulary size 300 \(the file"):
+        read_shard(p, verify=True)
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ShardError, match=r"nope\.bin.*does not exist"):
         read_shard(tmp_path / "nope.bin")
@@ -181,6 +199,27 @@ def test_failed_first_write_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="simulated"):
         write_shard(final, np.arange(100), 300)
     assert not final.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_write_names_the_shard_and_discarding_never_raises_again(tmp_path, monkeypatch):
+    """A full disk: the write fails, and so does the flush when the file is closed to discard it."""
+    final = tmp_path / "train-00003.bin"
+    w = ShardWriter(final, 300)
+
+    class FullDisk:
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            raise OSError(28, "No space left on device")
+
+    real, w._f = w._f, FullDisk()
+    with pytest.raises(OSError, match=r"No space left on device: '.*train-00003\.bin'") as e:
+        w.write(np.arange(10))
+    assert e.value.errno == 28
+    w.abort()  # does not raise
+    real.close()
     assert list(tmp_path.iterdir()) == []
 
 

@@ -414,3 +414,33 @@ def test_large_gzip_jsonl_is_streamed(tmp_path):
         tracemalloc.stop()
     assert first == "word " * 200
     assert peak < 2_000_000
+
+
+def test_links_leading_out_of_the_folder_are_not_followed_unless_asked(tmp_path):
+    root, outside = tmp_path / "corpus", tmp_path / "outside"
+    (root / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (root / "a.txt").write_text("A")
+    (root / "sub" / "b.txt").write_text("B")
+    (outside / "secret.txt").write_text("SECRET")
+    (root / "host.txt").symlink_to(outside / "secret.txt")  # a file link out (like /etc/hostname)
+    (root / "ext").symlink_to(outside, target_is_directory=True)  # a folder link out
+    (root / "up").symlink_to("..", target_is_directory=True)  # a link to the folder's parent
+    (root / "alias.txt").symlink_to("sub/b.txt")  # links inside the folder are read
+    (root / "same").symlink_to("sub", target_is_directory=True)
+    src = open_source(str(root))
+    assert docs(src) == ["A", "B", "B"]  # a.txt, alias.txt, b.txt once (sub and its link same are one folder)
+    assert "3 link(s) leading out of the folder not followed" in src.description
+    assert len(src.notes) == 1 and "--follow-links" in src.notes[0]
+    for shown in ("ext -> ", "host.txt -> ", "up -> .."):
+        assert shown in src.notes[0]
+    assert "SECRET" in docs(open_source(str(root), follow_links=True))
+    assert open_source(str(root / "host.txt")).identity["files"][0][0] == "host.txt"  # SOURCE itself: named, read
+
+
+def test_a_folder_with_only_links_out_says_so(tmp_path):
+    (tmp_path / "outside.txt").write_text("x")
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "o.txt").symlink_to(tmp_path / "outside.txt")
+    with pytest.raises(SourceError, match=r"is empty \(1 link\(s\) leading out of it not followed; --follow-links"):
+        open_source(str(tmp_path / "corpus"))

@@ -13,10 +13,11 @@ _EXPORTS = {
     "DataDir": ".datadir", "DataDirError": ".datadir", "open_data_dir": ".datadir", "resolve_data_dir": ".datadir",
     "RandomWindowLoader": ".loader", "EpochLoader": ".loader", "make_loader": ".loader",
     "document_ids": ".loader", "fixed_windows": ".loader",
-    "ShardError": ".shards", "ShardWriter": ".shards", "read_header": ".shards", "read_shard": ".shards",
-    "shard_name": ".shards", "write_shard": ".shards",
+    "ShardError": ".shards", "ShardWriter": ".shards", "SplitWriter": ".shards", "read_header": ".shards",
+    "read_shard": ".shards", "scan_tokens": ".shards", "shard_name": ".shards", "write_shard": ".shards",
     "Source": ".sources", "SourceError": ".sources", "open_source": ".sources",
-    "EOS_TOKEN": ".tokenizer", "eos_id": ".tokenizer", "load_tokenizer": ".tokenizer", "train_bpe": ".tokenizer",
+    "EOS_TOKEN": ".tokenizer", "encode_documents": ".tokenizer", "eos_id": ".tokenizer",
+    "load_tokenizer": ".tokenizer", "train_bpe": ".tokenizer",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -23,11 +23,18 @@ in a hidden temporary directory next to it and renamed into place at the end, so
 directory under the final name is always complete.  Concurrent prepares (every rank
 under torchrun) serialise on a lock file, so one builds and the others find the cache;
 even without the lock they could not corrupt each other (the loser discards its copy).
+The lock is a blocking ``flock`` (not :class:`flopwise.fsio.DirLock`, which refuses a
+second holder): a second process should wait for the corpus, not fail. The kernel drops it
+when its holder dies, so a build killed with ``kill -9`` never blocks the next one, and
+the next one removes the killed build's temporary directory (under the lock, no build of
+the same fingerprint can be running). A failed build (a full disk) removes its temporary
+directory and raises the ``OSError``, naming the file.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -44,8 +51,9 @@ from pathlib import Path
 
 import tokenizers
 
-from .shards import FORMAT_VERSION, ShardError, ShardWriter, _fsync_dir, _umask, dtype_for_vocab, read_header, shard_name
-from .tokenizer import eos_id, file_sha256, train_bpe
+from ..fsio import atomic_write, fsync_dir, umask
+from .shards import FORMAT_VERSION, ShardError, SplitWriter, dtype_for_vocab, read_header
+from .tokenizer import encode_documents, eos_id, file_sha256, train_bpe
 
 RECIPE_VERSION = 1
 VAL_PERCENT = 5
@@ -187,8 +195,6 @@ def _batches(files: list[SourceFile]) -> Iterator[list[str]]:
 
 def _write_split(tok, files: list[SourceFile], split: str, out: Path, vocab_size: int, eos: int) -> dict:
     """Tokenize ``files`` (EOS after each) into ``split-NNNNN.bin`` shards under ``out``."""
-    from .prepare import SplitWriter, encode_documents
-
     writer = SplitWriter(out, split, vocab_size, MAX_SHARD_TOKENS)
     try:
         for batch in _batches(files):
@@ -201,11 +207,13 @@ def _write_split(tok, files: list[SourceFile], split: str, out: Path, vocab_size
         raise
 
 
-def _clean_stale(cache_dir: Path) -> None:
+def _clean_stale(cache_dir: Path, fp: str) -> None:
+    """Remove what killed builds left: this fingerprint's temporary directories at once (the
+    caller holds its lock, so none of them is being written), any other one after an hour."""
     now = time.time()
     for p in cache_dir.glob(".builtin-*.tmp*"):
         try:
-            if now - p.stat().st_mtime > STALE_TMP_SECONDS:
+            if p.name.startswith(f".builtin-{fp[:12]}.tmp") or now - p.stat().st_mtime > STALE_TMP_SECONDS:
                 shutil.rmtree(p, ignore_errors=True)
         except OSError:
             pass
@@ -232,7 +240,7 @@ def prepare_builtin(
         if is_complete(out, fp):  # another process built it while we waited for the lock
             log(f"data: embedded corpus cached at {out}")
             return out
-        _clean_stale(cache_dir)
+        _clean_stale(cache_dir, fp)
         _build(files, fp, out, vocab_size, max_mb, log)
     log(f"data: ready in {time.perf_counter() - t0:.1f}s: {out}")
     return out
@@ -241,13 +249,8 @@ def prepare_builtin(
 @contextlib.contextmanager
 def _build_lock(path: Path) -> Iterator[None]:
     """An exclusive advisory lock so concurrent prepares (e.g. every rank under torchrun)
-    wait for one build instead of repeating it.  Correctness does not depend on it: the
-    atomic publish below is safe without a lock (and where ``fcntl`` is missing)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX
-        yield
-        return
+    wait for one build instead of repeating it. The publish is atomic whatever happens;
+    the lock is what makes removing this fingerprint's leftover build directories safe."""
     with open(path, "a") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
@@ -269,8 +272,7 @@ def _build(files: list[SourceFile], fp: str, out: Path, vocab_size: int, max_mb:
     try:
         t = time.perf_counter()
         tok = train_bpe((_read_text(f) for f in train_files), vocab_size)
-        tok.save(str(tmp / "tokenizer.json"))
-        _fsync_file(tmp / "tokenizer.json")
+        atomic_write(tmp / "tokenizer.json", tok.to_str(pretty=True))  # the bytes tok.save() writes
         real_vocab = tok.get_vocab_size()
         eos = eos_id(tok)
         log(f"data: trained byte-level BPE, vocab {real_vocab}, in {time.perf_counter() - t:.1f}s")
@@ -303,32 +305,19 @@ def _build(files: list[SourceFile], fp: str, out: Path, vocab_size: int, max_mb:
                 "source_bytes": nbytes,
             },
         }
-        _write_json_durable(tmp / "meta.json", meta)
-        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; give the usual mode
+        atomic_write(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700; give the usual mode
         _publish(tmp, out, fp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _write_json_durable(path: Path, obj: dict) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
 def _publish(tmp: Path, out: Path, fp: str) -> None:
     """Rename the finished ``tmp`` to ``out``; if another prepare won the race, keep theirs."""
     try:
         os.rename(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
         return
     except OSError:
         if not out.exists():

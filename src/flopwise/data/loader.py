@@ -433,6 +433,7 @@ class EpochLoader(_BatchLoader):
         self.shuffle = bool(shuffle)
         T = self.seq_len
         self._counts = datadir.shard_token_counts(split)
+        _check_enough(datadir, split, T, _usable(self._counts, T))  # not even one window: say so, as random does
         per_shard = np.array([(n - 1) // T if n > T else 0 for n in self._counts], dtype=np.int64)
         self._bounds = np.cumsum(per_shard)  # sample g lies in shard searchsorted(bounds, g, "right")
         self._first = self._bounds - per_shard  # global index of each shard's first sample
@@ -440,8 +441,8 @@ class EpochLoader(_BatchLoader):
         self.remainder_tokens = int(sum(n - (k * T + 1) if k else n for n, k in zip(self._counts, per_shard)))
         if self.num_samples < self.step_samples:
             raise DataDirError(
-                f"split {split!r} of {datadir.path} is too small for one global batch: {self.num_samples} "
-                f"packed samples of {T + 1} tokens (seq_len={T}, none across a shard boundary, "
+                f"split {split!r} of {datadir.path} is too small for seq_len={T} with this batch: {self.num_samples} "
+                f"packed samples of {T + 1} tokens (none across a shard boundary, "
                 f"{sum(self._counts)} tokens in {len(self._counts)} shard(s)) but a global batch takes "
                 f"{self.batch_size} x {self.world_size} rank(s)"
                 + (f" x {self.step_samples // G} micro-batches" if self.step_samples != G else "")

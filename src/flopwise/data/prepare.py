@@ -27,20 +27,37 @@ Pipeline (bounded memory whatever the corpus size)::
   documents; results are consumed in submission order, so the output is deterministic
   and independent of the worker count. At most ``2 x workers`` batches are in flight.
   The default worker count is the usable cores, lowered so that the per-worker memory
-  estimate fits in half the available memory.
+  estimate fits in half the available memory. Workers die with the prepare that started
+  them, however it ends (``kill -9`` included: see :func:`die_with_parent`), so a killed
+  prepare leaves no process holding cores and memory.
 - **Atomic**: everything is written into a hidden sibling directory ``.NAME.partial`` and
   renamed to ``--out`` at the end, ``meta.json`` included; an interrupted prepare leaves
   no directory that looks prepared, and a rerun starts over cleanly. A rerun with the same
-  inputs on a finished directory is a no-op; different inputs need ``--overwrite``.
+  inputs on a finished directory is a no-op; different inputs need ``--overwrite``. A
+  replaced directory is renamed aside (``.NAME.old``) just before the new one takes its
+  name; a kill between those two renames is undone by the next prepare.
+- **Failures**: a write that fails (a full disk, a read-only or vanished folder) removes
+  the partial output and stops with one line naming the file and the reason; an earlier
+  complete ``--out`` is untouched.
+- **One writer**: a prepare holds a lock (:func:`output_lock`) for its whole run; a second
+  prepare into the same ``--out`` is refused with the holder's pid and command. The kernel
+  drops the lock when its holder dies, so a killed prepare never blocks the next one.
+- **Links**: a folder SOURCE's symbolic links are read only while they stay inside it
+  unless ``follow_links`` (``--follow-links``); links not followed are listed in the log
+  (see :mod:`flopwise.data.sources`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
+import multiprocessing as mp
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -48,12 +65,15 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 import numpy as np
+from tokenizers import Tokenizer
 
-from .shards import FORMAT_VERSION, ShardWriter, _fsync_dir, dtype_for_vocab, shard_name
-from .tokenizer import file_sha256, load_tokenizer, special_ids, train_bpe
+from ..fsio import DirLock, LockedError, atomic_write, describe_write_error, fsync_dir, is_disk_full
+from .datadir import DataDir
+from .shards import FORMAT_VERSION, SplitWriter, dtype_for_vocab
+from .sources import open_source
+from .tokenizer import encode_documents, file_sha256, load_tokenizer, special_ids, train_bpe
 
 Log = Callable[[str], None]
 RECIPE_VERSION = 2  # 2: documents longer than ROUTE_PIECE_TOKENS are routed in pieces
@@ -86,6 +106,7 @@ class PrepareOptions:
     batch_docs: int = 1024
     overwrite: bool = False
     data_files: list[str] = field(default_factory=list)  # hf: local data files (hf:json etc.)
+    follow_links: bool = False  # folder SOURCE: also read symbolic links that lead out of it
 
     def validate(self) -> None:
         p = []
@@ -177,34 +198,47 @@ def resolve_tokenizer(opts: PrepareOptions, documents: Iterator[str], log: Log):
 
 _WORKER_TOK = None
 _WORKER_SPECIAL: tuple[int | None, int, np.dtype] | None = None
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PARENT_POLL_S = 1.0  # the fallback watcher's period where prctl is unavailable
 
 
-def _worker_init(tokenizer_json: str, bos: int | None, eos: int, dtype: str) -> None:
+def die_with_parent(parent_pid: int, prctl: bool = True) -> None:
+    """End this process when ``parent_pid`` (the prepare that started it) ends, however it ends.
+
+    A worker blocked on its task queue never sees its parent die: the queue's pipe is
+    also held open by the other forked workers, so no EOF comes, and a ``kill -9``ed
+    prepare would leave every worker running. On Linux the kernel delivers SIGKILL to
+    this process when its parent exits (``prctl(PR_SET_PDEATHSIG)``); the parent may
+    already be gone before that call, hence the check of ``getppid()`` after it.
+    Elsewhere (or if prctl fails, or with ``prctl=False``) a daemon thread checks the
+    parent once a second.
+    """
+    armed = False
+    if prctl and sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            armed = libc.prctl(ctypes.c_int(_PR_SET_PDEATHSIG), ctypes.c_ulong(signal.SIGKILL),
+                               ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)) == 0
+        except (OSError, AttributeError):  # no libc symbol table, no prctl
+            armed = False
+    if os.getppid() != parent_pid:  # orphaned before the death signal was armed
+        os._exit(1)
+    if not armed:
+        threading.Thread(target=_watch_parent, args=(parent_pid,), name="flopwise-parent-watch", daemon=True).start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)
+
+
+def _worker_init(tokenizer_json: str, bos: int | None, eos: int, dtype: str, parent_pid: int) -> None:
     global _WORKER_TOK, _WORKER_SPECIAL
+    die_with_parent(parent_pid)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker process
-    from tokenizers import Tokenizer
-
     _WORKER_TOK = Tokenizer.from_str(tokenizer_json)
     _WORKER_SPECIAL = (bos, eos, np.dtype(dtype))
-
-
-def encode_documents(tok, texts: list[str], bos: int | None, eos: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """Encode ``texts``; return (all ids with BOS/EOS framing each document, per-document lengths)."""
-    encode = getattr(tok, "encode_batch_fast", None) or tok.encode_batch  # no offsets: faster
-    # Each ``Encoding.ids`` access builds a new Python list: read it once per document.
-    ids = [e.ids for e in encode(texts, add_special_tokens=False)]
-    n = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    lengths = n + 1 + (bos is not None)
-    out = np.empty(int(lengths.sum()), dtype=dtype)
-    pos = 0
-    for doc, k in zip(ids, n.tolist()):
-        if bos is not None:
-            out[pos] = bos
-            pos += 1
-        out[pos : pos + k] = doc
-        out[pos + k] = eos
-        pos += k + 1
-    return out, lengths
 
 
 def _worker_encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -270,8 +304,6 @@ def encoded_stream(documents: Iterable[str], tok, bos: int | None, eos: int, dty
             ids, lengths = encode_documents(tok, batch, bos, eos, dtype)
             yield ids, lengths, sum(map(len, batch))
         return
-    import multiprocessing as mp
-
     # fork where the platform has it: workers start in milliseconds and need not re-import
     # the caller's __main__ (spawn cannot even do that for `python -`). The tokenizers
     # library marks a fork after its thread pool was used and turns parallelism off in
@@ -279,7 +311,7 @@ def encoded_stream(documents: Iterable[str], tok, bos: int | None, eos: int, dty
     # explicitly, which also keeps its warning quiet).
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context(method), initializer=_worker_init,
-                               initargs=(tok.to_str(), bos, eos, dtype.name))
+                               initargs=(tok.to_str(), bos, eos, dtype.name, os.getpid()))
     pending: deque[tuple[Future, int]] = deque()
     try:
         for batch in batches:
@@ -297,46 +329,6 @@ def encoded_stream(documents: Iterable[str], tok, bos: int | None, eos: int, dty
 
 
 # --------------------------------------------------------------------------- writing
-
-class SplitWriter:
-    """Token stream of one split -> ``SPLIT-NNNNN.bin`` shards of at most ``shard_tokens``."""
-
-    def __init__(self, out: Path, split: str, vocab_size: int, shard_tokens: int):
-        self.out, self.split, self.vocab_size, self.shard_tokens = out, split, vocab_size, shard_tokens
-        self.shards: list[str] = []
-        self.tokens = 0
-        self.documents = 0
-        self._writer: ShardWriter | None = None
-
-    def write(self, ids: np.ndarray) -> None:
-        pos = 0
-        while pos < len(ids):  # a document may straddle two shards
-            if self._writer is None:
-                self._writer = ShardWriter(self.out / shard_name(self.split, len(self.shards)), self.vocab_size)
-            take = min(len(ids) - pos, self.shard_tokens - self._writer.n_tokens)
-            self._writer.write(ids[pos : pos + take])
-            pos += take
-            self.tokens += take
-            if self._writer.n_tokens >= self.shard_tokens:
-                self._close_shard()
-
-    def _close_shard(self) -> None:
-        self.shards.append(self._writer.close().name)
-        self._writer = None
-
-    def close(self) -> dict[str, Any]:
-        if self._writer is not None and self._writer.n_tokens:
-            self._close_shard()
-        elif self._writer is not None:
-            self._writer.abort()
-            self._writer = None
-        return {"shards": self.shards, "tokens": self.tokens, "documents": self.documents}
-
-    def abort(self) -> None:
-        if self._writer is not None:
-            self._writer.abort()
-            self._writer = None
-
 
 class Router:
     """Sends each document to the split furthest behind its share; cuts at exact budgets.
@@ -449,7 +441,8 @@ class Progress:
 def fingerprint(opts: PrepareOptions, source_identity: dict, tokenizer_sha: str | None) -> str:
     """Hash of every input that changes the output (not the worker count: it does not)."""
     keys = asdict(opts)
-    for k in ("out", "workers", "overwrite", "batch_chars", "batch_docs"):
+    # follow_links changes which files are read, and the source identity lists those.
+    for k in ("out", "workers", "overwrite", "batch_chars", "batch_docs", "follow_links"):
         keys.pop(k)
     keys["tokenizer"] = tokenizer_sha  # the file's content, not its path
     blob = json.dumps({"options": keys, "source": source_identity, "format": FORMAT_VERSION,
@@ -464,18 +457,49 @@ def _existing_fingerprint(out: Path) -> str | None:
         return None
 
 
-def prepare(opts: PrepareOptions, log: Log = print) -> Path:
-    """Run the pipeline; return the data directory. Raises PrepareError / SourceError on bad input."""
-    from .sources import open_source  # optional packages are imported by the source that needs them
+def output_lock(out: Path) -> DirLock:
+    """The lock one prepare holds on ``out``: a small hidden directory beside it, ``.NAME.lock``.
 
+    Not a lock inside ``out``: prepare builds ``.NAME.partial`` and renames it over
+    ``out``, so a lock file inside ``out`` would move away with the replaced directory and
+    the next prepare would lock a fresh file while the first still runs. The sibling is
+    never renamed, guards ``.NAME.partial``, ``.NAME.old`` and ``NAME`` alike, and only
+    prepares of the same output contend for it (not every output of one parent folder).
+    """
+    return DirLock(out.parent / f".{out.name}.lock", "flopwise prepare")
+
+
+def prepare(opts: PrepareOptions, log: Log = print) -> Path:
+    """Run the pipeline; return the data directory. Raises PrepareError / SourceError on bad input,
+    and PrepareError naming the file and the reason when a write fails (a full disk)."""
     t_start = time.perf_counter()
     opts.validate()
     out = Path(opts.out).expanduser()
     source = open_source(opts.source, text_field=opts.text_field, split=opts.hf_split,
-                         shuffle_buffer=opts.shuffle_buffer, seed=opts.seed, data_files=opts.data_files or None)
+                         shuffle_buffer=opts.shuffle_buffer, seed=opts.seed, data_files=opts.data_files or None,
+                         follow_links=opts.follow_links)
+    for note in source.notes:
+        log(f"prepare: {note}")
     tok_sha = file_sha256(opts.tokenizer) if opts.tokenizer else None
     fp = fingerprint(opts, source.identity, tok_sha)
+    lock = output_lock(out)
+    try:
+        lock.acquire()
+    except LockedError as e:
+        raise PrepareError(f"--out {str(out)!r} is being written by another flopwise prepare: {e}") from None
+    except OSError as e:
+        raise PrepareError(f"cannot write {lock.path}: {describe_write_error(e)}") from e
+    try:
+        return _prepare_locked(opts, out, source, fp, log, t_start)
+    finally:
+        lock.release()
+
+
+def _prepare_locked(opts: PrepareOptions, out: Path, source, fp: str, log: Log, t_start: float) -> Path:
+    _finish_interrupted_publish(out, log)
     if out.exists():
+        if not out.is_dir():
+            raise PrepareError(f"--out {str(out)!r} is a file, not a directory")
         if _existing_fingerprint(out) == fp and (out / "meta.json").is_file():
             log(f"prepare: {out} already holds this data (same inputs, fingerprint {fp[:12]}); nothing to do")
             return out
@@ -483,14 +507,14 @@ def prepare(opts: PrepareOptions, log: Log = print) -> Path:
             what = "a prepared data directory with other inputs" if (out / "meta.json").is_file() else "files"
             raise PrepareError(f"--out {str(out)!r} already holds {what}; pass --overwrite to replace it "
                                "(it is only replaced once the new data is complete)")
+    had_out = out.exists()
     partial = out.parent / f".{out.name}.partial"
-    if partial.exists():
+    if partial.exists():  # we hold the lock: whoever wrote it is gone
         log(f"prepare: removing {partial} left by an interrupted prepare")
         shutil.rmtree(partial)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial.mkdir()
     writers: dict[str, SplitWriter] = {}
     try:
+        partial.mkdir()
         tok = resolve_tokenizer(opts, source.documents(), log)
         specials = special_ids(tok)
         bos, eos = specials["bos_id"], specials["eos_id"]
@@ -499,7 +523,7 @@ def prepare(opts: PrepareOptions, log: Log = print) -> Path:
                                f"(looked for {', '.join(specials['eos_candidates'])})")
         vocab = tok.get_vocab_size()
         dtype = dtype_for_vocab(vocab)
-        tok.save(str(partial / "tokenizer.json"))
+        _write_text(partial / "tokenizer.json", tok.to_str(pretty=True))  # the bytes tok.save() writes
 
         targets, weights = opts.targets(), opts.weights()
         budget = sum(v for v in targets.values() if v) if opts.train_tokens else None
@@ -574,29 +598,23 @@ def prepare(opts: PrepareOptions, log: Log = print) -> Path:
                 "seed": opts.seed,
             },
         }
-        with open(partial / "meta.json", "w") as f:
-            json.dump(meta, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(partial)
-    except BaseException:
+        _write_text(partial / "meta.json", json.dumps(meta, indent=2) + "\n")
+        _publish(partial, out)
+    except BaseException as e:
         for w in writers.values():
             w.abort()
         shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(e, OSError) or is_disk_full(e):
+            where = e.filename if isinstance(e, OSError) and e.filename else partial
+            kept = f"{out} was left as it was" if had_out else f"nothing was written to {out}"
+            raise PrepareError(f"cannot write {where}: {describe_write_error(e)}; "
+                               f"the partial output was removed and {kept}") from e
         raise
+    try:  # make the rename durable; the data is in place either way
+        fsync_dir(out.parent)
+    except OSError as e:
+        log(f"prepare: WARNING: could not sync {out.parent} after the rename: {describe_write_error(e)}")
 
-    # Publish: the old directory (if replaced) is set aside first, so `out` is either the
-    # old complete data or the new complete data, never a mix.
-    if out.exists():
-        old = out.parent / f".{out.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(out, old)
-        os.rename(partial, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(partial, out)
-    _fsync_dir(out.parent)
     total = sum(s["tokens"] for s in splits.values())
     log(f"prepare: done in {time.perf_counter() - t_start:.1f}s · {progress.line()}")
     for s, info in splits.items():
@@ -606,10 +624,49 @@ def prepare(opts: PrepareOptions, log: Log = print) -> Path:
     return out
 
 
+def _write_text(path: Path, text: str) -> None:
+    """``atomic_write``, its errors naming ``path`` (not the temporary file beside it)."""
+    try:
+        atomic_write(path, text)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+
+
+def _publish(partial: Path, out: Path) -> None:
+    """Rename the finished ``partial`` to ``out``. A replaced ``out`` is set aside first and
+    removed after, so ``out`` is the old complete data or the new, never a mix; a rename
+    that fails puts the old one back, and a kill between the two renames is undone by the
+    next prepare (:func:`_finish_interrupted_publish`)."""
+    if out.exists():
+        old = out.parent / f".{out.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(out, old)
+        try:
+            os.rename(partial, out)
+        except BaseException:
+            os.rename(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(partial, out)
+
+
+def _finish_interrupted_publish(out: Path, log: Log) -> None:
+    """A prepare killed inside :func:`_publish` left ``.NAME.old``: put it back if ``out`` is
+    missing (killed between the renames), else remove it (killed before the clean-up)."""
+    old = out.parent / f".{out.name}.old"
+    if not old.exists():
+        return
+    if out.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    os.rename(old, out)
+    fsync_dir(out.parent)
+    log(f"prepare: restored {out} from {old} (a prepare was stopped while replacing it)")
+
+
 def verify(path: str | os.PathLike, log: Log = print) -> None:
     """Full check of a data directory: headers, sizes, checksums and every id < vocab size."""
-    from .datadir import DataDir
-
     t = time.perf_counter()
     dd = DataDir(path, verify=True)
     for split in dd.splits:

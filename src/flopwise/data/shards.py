@@ -18,7 +18,15 @@ so opening a shard costs nothing and the page cache is shared between processes.
 
 Writes are atomic: tokens go to a temporary file in the same directory, which is
 fsynced and then renamed over the final name, so a shard under its final name is
-always complete.
+always complete. A failed write (a full disk) removes the temporary file and raises an
+``OSError`` naming the shard's final path; discarding never raises a second error.
+
+:func:`scan_tokens` is the one full read of a shard: its crc32 against the header and
+its largest id against the header's vocabulary, a bad id reported with its position.
+``flopwise prepare --verify`` and the check a run makes when it opens its data
+(:mod:`flopwise.data.datadir`) both use it. :class:`SplitWriter` rolls one split's token
+stream over numbered shards (``flopwise prepare`` and the embedded corpus both write
+through it).
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from ..fsio import fsync_dir, umask
 
 MAGIC = b"FLOPWSHD"
 FORMAT_VERSION = 1
@@ -94,11 +104,18 @@ class ShardWriter:
         self.dtype = dtype_for_vocab(self.vocab_size)
         self.n_tokens = 0
         self._crc = 0
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")
+        except OSError as e:
+            raise _naming(e, self.path) from e
         self._tmp = Path(tmp)
         self._f = os.fdopen(fd, "wb")
-        self._f.write(b"\0" * HEADER_SIZE)  # placeholder; the real header is written on close
+        try:
+            self._f.write(b"\0" * HEADER_SIZE)  # placeholder; the real header is written on close
+        except OSError as e:
+            self.abort()
+            raise _naming(e, self.path) from e
 
     def write(self, tokens: Any) -> None:
         arr = np.asarray(tokens)
@@ -117,7 +134,10 @@ class ShardWriter:
             )
         data = np.ascontiguousarray(arr, dtype=self.dtype).tobytes()
         self._crc = zlib.crc32(data, self._crc)
-        self._f.write(data)
+        try:
+            self._f.write(data)
+        except OSError as e:
+            raise _naming(e, self.path) from e
         self.n_tokens += arr.size
 
     def close(self) -> Path:
@@ -129,18 +149,24 @@ class ShardWriter:
             f.flush()
             os.fsync(f.fileno())
             f.close()
-            os.chmod(self._tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual mode
+            os.chmod(self._tmp, 0o666 & ~umask())  # mkstemp makes 0600; give the usual mode
             os.replace(self._tmp, self.path)
+            fsync_dir(self.path.parent)
+        except OSError as e:
+            self.abort()
+            raise _naming(e, self.path) from e
         except BaseException:
             self.abort()
             raise
-        _fsync_dir(self.path.parent)
         return self.path
 
     def abort(self) -> None:
-        """Discard what was written; the final name is left untouched."""
+        """Discard what was written; the final name is left untouched. Never raises: closing
+        flushes the buffer, which on a full disk fails again -- and the data is discarded anyway."""
         try:
             self._f.close()
+        except OSError:
+            pass
         finally:
             self._tmp.unlink(missing_ok=True)
 
@@ -154,24 +180,9 @@ class ShardWriter:
             self.abort()
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename durable (best effort: not every platform can open a directory)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def _naming(e: OSError, path: Path) -> OSError:
+    """The same error, naming the file the caller knows (not the hidden temporary one)."""
+    return OSError(e.errno, e.strerror or str(e), str(path)) if e.errno else e
 
 
 def write_shard(path: str | os.PathLike, tokens: Any, vocab_size: int) -> Path:
@@ -236,23 +247,83 @@ def read_shard(path: str | os.PathLike, verify: bool = False) -> np.ndarray:
     path = Path(path)
     h = read_header(path)
     if h.n_tokens == 0:
-        empty = np.empty(0, dtype=h.dtype)
-        empty.flags.writeable = False
-        return empty
-    tokens = np.memmap(path, dtype=h.dtype, mode="r", offset=HEADER_SIZE, shape=(h.n_tokens,))
+        tokens = np.empty(0, dtype=h.dtype)
+        tokens.flags.writeable = False
+    else:
+        tokens = np.memmap(path, dtype=h.dtype, mode="r", offset=HEADER_SIZE, shape=(h.n_tokens,))
     if verify:
-        crc = 0
-        step = max(1, _CRC_CHUNK // h.dtype.itemsize)
-        top = 0
-        for i in range(0, h.n_tokens, step):
-            chunk = tokens[i : i + step]
-            crc = zlib.crc32(chunk.tobytes(), crc)
-            top = max(top, int(chunk.max()))
-        if crc != h.crc32:
-            raise ShardError(
-                f"{path}: checksum mismatch: crc32 of the tokens is {crc:#010x}, "
-                f"header says {h.crc32:#010x} (the file is corrupted)"
-            )
-        if top >= h.vocab_size:
-            raise ShardError(f"{path}: token id {top} is >= the header's vocab_size {h.vocab_size}")
+        scan_tokens(path, h, tokens)
     return tokens
+
+
+def scan_tokens(path: str | os.PathLike, header: ShardHeader | None = None, tokens: np.ndarray | None = None) -> int:
+    """Read every token of a shard once: check the crc32 against the header and every id
+    against the header's vocab_size. Returns the largest id (-1 for an empty shard).
+
+    Raises :class:`ShardError` naming the file; an id out of range is given with its
+    position, and both problems are reported when both are there (a shard overwritten
+    with garbage usually has both). Memory stays bounded: the file is read in chunks.
+    """
+    path = Path(path)
+    h = header if header is not None else read_header(path)
+    if tokens is None:
+        tokens = read_shard(path)
+    crc, top, bad = 0, -1, None
+    step = max(1, _CRC_CHUNK // h.dtype.itemsize)
+    for i in range(0, h.n_tokens, step):
+        chunk = tokens[i : i + step]
+        crc = zlib.crc32(chunk, crc)  # a C-contiguous slice of the map: no copy
+        high = int(chunk.max())
+        if high >= h.vocab_size and bad is None:
+            j = int(np.argmax(chunk >= h.vocab_size))
+            bad = (int(chunk[j]), i + j)
+        top = max(top, high)
+    problems = []
+    if bad is not None:
+        problems.append(f"token id {bad[0]} at position {bad[1]:,} is not below the vocabulary size {h.vocab_size:,}")
+    if crc != h.crc32:
+        problems.append(f"checksum mismatch: crc32 of the tokens is {crc:#010x}, header says {h.crc32:#010x}")
+    if problems:
+        raise ShardError(f"{path}: " + "; ".join(problems) + " (the file is corrupted)")
+    return top
+
+
+class SplitWriter:
+    """Token stream of one split -> ``SPLIT-NNNNN.bin`` shards of at most ``shard_tokens``."""
+
+    def __init__(self, out: Path, split: str, vocab_size: int, shard_tokens: int):
+        self.out, self.split, self.vocab_size, self.shard_tokens = out, split, vocab_size, shard_tokens
+        self.shards: list[str] = []
+        self.tokens = 0
+        self.documents = 0
+        self._writer: ShardWriter | None = None
+
+    def write(self, ids: np.ndarray) -> None:
+        pos = 0
+        while pos < len(ids):  # a document may straddle two shards
+            if self._writer is None:
+                self._writer = ShardWriter(self.out / shard_name(self.split, len(self.shards)), self.vocab_size)
+            take = min(len(ids) - pos, self.shard_tokens - self._writer.n_tokens)
+            self._writer.write(ids[pos : pos + take])
+            pos += take
+            self.tokens += take
+            if self._writer.n_tokens >= self.shard_tokens:
+                self._close_shard()
+
+    def _close_shard(self) -> None:
+        self.shards.append(self._writer.close().name)
+        self._writer = None
+
+    def close(self) -> dict[str, Any]:
+        if self._writer is not None and self._writer.n_tokens:
+            self._close_shard()
+        elif self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+        return {"shards": self.shards, "tokens": self.tokens, "documents": self.documents}
+
+    def abort(self) -> None:
+        """Discard the shard being written (never raises)."""
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None

@@ -9,10 +9,15 @@ SOURCE is one of:
 
 - ``builtin``: the Python standard library's ``.py`` files (the embedded corpus of
   :mod:`flopwise.data.builtin`), one document per file, sorted by relative path.
-- a file or a folder. Folders are walked recursively (symlinked folders followed
-  once), files sorted by relative path (``/`` separators), hidden files and folders
-  (names starting with ``.``) skipped, files with other extensions skipped (and
-  counted in the description). Recognised files:
+- a file or a folder. Folders are walked recursively, files sorted by relative path
+  (``/`` separators), hidden files and folders (names starting with ``.``) skipped,
+  files with other extensions skipped (and counted in the description). Symbolic
+  links are followed only while they stay inside the folder (each folder read once);
+  a link that leads out of it -- to ``/etc/hostname``, to ``..``, to a home directory --
+  is not read unless ``follow_links=True`` (``--follow-links``): a folder of text is
+  what the user pointed at, not whatever its links reach. Links not followed are
+  counted in the description and listed in :attr:`Source.notes`. SOURCE itself may be
+  a link (the user named it). Recognised files:
 
   - ``.txt``: the whole file is one document, except that a file over
     ``TXT_DOC_CHARS`` (1M characters) is split into several: a document ends at the
@@ -98,6 +103,7 @@ class Source:
     description: str  # for people and meta.json
     identity: dict  # JSON-able identity of the inputs (part of the data fingerprint)
     _documents: Callable[[], Iterator[str]] = field(repr=False, compare=False)
+    notes: list[str] = field(default_factory=list)  # for the user (e.g. links not followed)
 
     def documents(self) -> Iterator[str]:
         """One string per document, in a deterministic order, streamed."""
@@ -113,6 +119,7 @@ def open_source(
     seed: int = 0,
     data_files: list[str] | None = None,
     revision: str | None = None,
+    follow_links: bool = False,
 ) -> Source:
     """Open and check SOURCE (see the module docstring); raises :class:`SourceError`."""
     if not isinstance(spec, str) or not spec:
@@ -131,7 +138,7 @@ def open_source(
             f"SOURCE {spec!r} is not builtin, an hf: dataset or an existing file/folder"
             + (" (it is a broken symbolic link)" if path.is_symlink() else "")
         )
-    return _open_files(spec, path, text_field)
+    return _open_files(spec, path, text_field, follow_links)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -264,20 +271,40 @@ def _stat_file(path: Path, rel: str, kind: tuple[str, str]) -> _File:
     return _File(rel, path, st.st_size, st.st_mtime_ns, kind[0], kind[1])
 
 
-def _list_folder(root: Path) -> tuple[list[_File], int]:
-    """Recognised files under ``root`` (sorted by relative path) and the count of skipped ones."""
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _list_folder(root: Path, follow_links: bool = False) -> tuple[list[_File], int, list[str]]:
+    """Recognised files under ``root`` (sorted by relative path), the count of skipped ones,
+    and the links not followed because they lead out of ``root`` ("rel -> target")."""
     files: list[_File] = []
     skipped = 0
+    outside: list[str] = []
     seen_dirs: set[str] = set()
+    root_real = os.path.realpath(root)
+
+    def leads_out(p: str) -> bool:
+        if follow_links or not os.path.islink(p):
+            return False
+        if _inside(os.path.realpath(p), root_real):
+            return False
+        try:
+            target = os.readlink(p)
+        except OSError:  # replaced while we looked: it still led out
+            target = "?"
+        outside.append(f"{Path(p).relative_to(root).as_posix()} -> {target}")
+        return True
+
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         real = os.path.realpath(dirpath)
         if real in seen_dirs:  # a symlink loop or a folder linked twice
             dirnames[:] = []
             continue
         seen_dirs.add(real)
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        dirnames[:] = [d for d in sorted(dirnames) if not d.startswith(".") and not leads_out(os.path.join(dirpath, d))]
         for name in filenames:
-            if name.startswith("."):
+            if name.startswith(".") or leads_out(os.path.join(dirpath, name)):
                 continue
             p = Path(dirpath) / name
             kind = _classify(name)
@@ -286,14 +313,17 @@ def _list_folder(root: Path) -> tuple[list[_File], int]:
                 continue
             files.append(_stat_file(p, p.relative_to(root).as_posix(), kind))
     files.sort(key=lambda f: f.rel)
-    return files, skipped
+    return files, skipped, sorted(outside)
 
 
-def _open_files(spec: str, path: Path, text_field: str) -> Source:
+def _open_files(spec: str, path: Path, text_field: str, follow_links: bool = False) -> Source:
+    outside: list[str] = []
     if path.is_dir():
-        files, skipped = _list_folder(path)
+        files, skipped, outside = _list_folder(path, follow_links)
         if not files:
             what = "is empty" if not skipped else f"has no recognised file ({skipped} other file(s))"
+            if outside:
+                what += f" ({len(outside)} link(s) leading out of it not followed; --follow-links reads them)"
             raise SourceError(f"SOURCE folder {path} {what}; accepted extensions: {ACCEPTED}")
     else:
         kind = _classify(path.name)
@@ -308,7 +338,15 @@ def _open_files(spec: str, path: Path, text_field: str) -> Source:
 
     nbytes = sum(f.size for f in files)
     desc = f"files:{path.resolve()} ({len(files)} file{'s' if len(files) != 1 else ''}, {_human_bytes(nbytes)}"
-    desc += f"; {skipped} other file(s) skipped)" if skipped else ")"
+    extra = [f"{skipped} other file(s) skipped"] if skipped else []
+    if outside:
+        extra.append(f"{len(outside)} link(s) leading out of the folder not followed")
+    desc += f"; {'; '.join(extra)})" if extra else ")"
+    notes = []
+    if outside:
+        shown = ", ".join(outside[:10]) + (f", ... ({len(outside)} in all)" if len(outside) > 10 else "")
+        notes.append(f"not following {len(outside)} symbolic link(s) that lead out of {path}: {shown} "
+                     "(--follow-links reads them)")
     identity = {
         "kind": "files",
         "recipe": SOURCES_VERSION,
@@ -321,7 +359,7 @@ def _open_files(spec: str, path: Path, text_field: str) -> Source:
         for f in files:
             yield from _file_documents(f, text_field)
 
-    return Source("files", desc, identity, documents)
+    return Source("files", desc, identity, documents, notes)
 
 
 @contextmanager

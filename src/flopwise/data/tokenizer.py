@@ -4,6 +4,9 @@ Byte-level (GPT-2 style): text is split by the GPT-2 regex into words, each word
 mapped to its UTF-8 bytes, and BPE merges are learned over those bytes.  The initial
 alphabet holds all 256 bytes, so any text encodes and ``decode(encode(s)) == s``.
 One special token, ``<|endoftext|>``, separates documents (it is the EOS id).
+
+:func:`encode_documents` frames every document the same way whatever the tokenizer (BOS
+where it has one, EOS after); ``flopwise prepare`` and the embedded corpus both call it.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS_TOKEN = "<|endoftext|>"
@@ -100,3 +104,23 @@ def special_ids(tok: Tokenizer) -> dict:
     eos = first(EOS_CANDIDATES)
     bos = first(BOS_CANDIDATES)
     return {"eos_id": eos, "bos_id": bos if bos != eos else None, "eos_candidates": EOS_CANDIDATES}
+
+
+def encode_documents(tok: Tokenizer, texts: list[str], bos: int | None, eos: int,
+                     dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Encode ``texts``; return (all ids with BOS/EOS framing each document, per-document lengths)."""
+    encode = getattr(tok, "encode_batch_fast", None) or tok.encode_batch  # no offsets: faster
+    # Each ``Encoding.ids`` access builds a new Python list: read it once per document.
+    ids = [e.ids for e in encode(texts, add_special_tokens=False)]
+    n = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+    lengths = n + 1 + (bos is not None)
+    out = np.empty(int(lengths.sum()), dtype=dtype)
+    pos = 0
+    for doc, k in zip(ids, n.tolist()):
+        if bos is not None:
+            out[pos] = bos
+            pos += 1
+        out[pos : pos + k] = doc
+        out[pos + k] = eos
+        pos += k + 1
+    return out, lengths
