@@ -8,6 +8,7 @@ import sys
 
 from flopwise import __version__
 from flopwise.config import DEFAULT_PRESET, ConfigError, build_config, preset_names
+from flopwise.fsio import LockedError, is_disk_full
 
 OVERRIDE_HELP = "section.key=value overrides, e.g. model.n_layers=4 optim.lr=1e-3 data.path=DIR"
 
@@ -64,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-files", nargs="*", default=[], help="hf: data files (e.g. hf:json --data-files a.jsonl)")
     g.add_argument("--shuffle-buffer", type=count, default=0, help="hf: streaming shuffle buffer (default off)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--follow-links", action="store_true",
+                   help="also read symbolic links that lead out of a SOURCE folder (default: skipped and listed)")
     g = p.add_argument_group("performance and output")
     g.add_argument("--workers", type=int, default=0, help="tokenizer processes (default: from cores and memory)")
     g.add_argument("--shard-tokens", type=count, default=100_000_000, help="tokens per shard (default 100M)")
@@ -151,6 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser(
+        "checkpoint",
+        help="verify a checkpoint against its manifest, or adopt one that has none",
+        description="verify: check every file of a checkpoint against its COMPLETE manifest (sizes, CRC32s, "
+                    "state.json, tensors only). adopt: a checkpoint without the marker (written by a flopwise "
+                    "older than markers) is not loaded until you vouch for it; adopt checks its state.json and "
+                    "tensors (no code can run from them) and writes its manifest.",
+    )
+    p.add_argument("action", choices=["verify", "adopt"])
+    p.add_argument("path", help="a checkpoints/step-NNNNNNN directory")
+    p.set_defaults(func=cmd_checkpoint)
+
+    p = sub.add_parser(
         "plan",
         help="FLOPs, memory, time, cost, Chinchilla sizing and scaling, before any GPU time is spent",
         description="Plan a run: parameters, FLOPs, memory per GPU, time, cost, Chinchilla, batch, scaling.",
@@ -223,6 +238,35 @@ def cmd_train(args: argparse.Namespace) -> int:
     except CheckpointError as e:
         print(f"flopwise train: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a full disk outside a save (metrics, TensorBoard, samples): same one line
+        if not is_disk_full(e):
+            raise
+        from flopwise.train.checkpoint import latest_checkpoint
+
+        last = latest_checkpoint(cfg.train.run_dir) if cfg.train.run_dir else None
+        kept = f"; the checkpoint {last} is intact" if last else ""
+        print(f"flopwise train: could not write {e.filename or cfg.train.run_dir}: no space left on the device{kept}",
+              file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from flopwise.train.checkpoint import adopt_checkpoint, read_state, verify_checkpoint
+
+    path = Path(args.path)
+    if not path.is_dir():
+        raise ConfigError([f"{path}: no such checkpoint directory"])
+    if args.action == "adopt":
+        manifest = adopt_checkpoint(path)
+        print(f"adopted {path}: {len(manifest['files'])} files checked and recorded in its manifest")
+        return 0
+    manifest = verify_checkpoint(path)
+    state = read_state(path)
+    print(f"{path}: {len(manifest['files'])} files match the manifest · step {state['step']:,} · "
+          f"{state['tokens']:,} tokens")
     return 0
 
 
@@ -264,6 +308,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         val_fraction=args.val_fraction, workers=args.workers, text_field=args.text_field, hf_split=args.hf_split,
         shuffle_buffer=args.shuffle_buffer, seed=args.seed, tokenizer_sample_mb=args.tokenizer_sample_mb,
         shard_tokens=args.shard_tokens, overwrite=args.overwrite, data_files=args.data_files,
+        follow_links=args.follow_links,
     )
     out = prepare(opts, log=log)
     print(f"train on it with: flopwise train data.path={out}")
@@ -438,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         if os.environ.get("RANK", "0") in ("", "0"):  # every rank raises it; rank 0 says it once
             print(f"flopwise {args.command}: {e}", file=sys.stderr)
+        return 2
+    except LockedError as e:  # a second writer of a run or a data directory
+        print(f"flopwise {args.command}: {e}", file=sys.stderr)
         return 2
     except ValueError as e:  # data and plan errors name the file, field or flag and the problem
         from flopwise.data.datadir import DataDirError

@@ -1,7 +1,7 @@
 """Crash-safe checkpoints: atomic publication, manifest checksums, retention, disk-full saves, kill -9."""
 
-import errno
 import json
+import os
 import random
 import signal
 import subprocess
@@ -12,15 +12,19 @@ import time
 import pytest
 import torch
 
+from flopwise.fsio import describe_write_error
 from flopwise.train.checkpoint import (
     CheckpointError,
+    adopt_checkpoint,
     apply_retention,
+    file_entry,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
+    unmarked_checkpoints,
     verify_checkpoint,
 )
 
@@ -85,24 +89,37 @@ def test_damaged_files_are_named(tmp_path, damage):
         load_checkpoint(path, *model_and_opt(seed=2))
 
 
-def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+def _fill(path, leave_bytes):
+    """Fill the filesystem of ``path`` until ``leave_bytes`` or fewer are free."""
+    free = os.statvfs(path).f_bavail * os.statvfs(path).f_frsize
+    with open(path / "ballast", "wb") as f:
+        f.write(b"\0" * max(0, free - leave_bytes))
+
+
+@pytest.mark.parametrize("leave_kb", [0, 12, 32])  # full inside model.pt, rng.pt, or the small files
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(small_fs, leave_kb):
+    """On a real tmpfs: the disk fills during the save (torch.save's own error, not an imitation)."""
     model, opt = model_and_opt()
-    previous = save_checkpoint(tmp_path, 10, model, opt, {"tokens": 1}, "")
-    real_save = torch.save
-
-    def full_disk(obj, f, *a, **kw):
-        if isinstance(obj, dict) and "state" in obj:  # the optimizer file: half written, then the disk is full
-            f.write(b"\0" * 1000)
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_save(obj, f, *a, **kw)
-
-    monkeypatch.setattr(torch, "save", full_disk)
-    with pytest.raises(CheckpointError, match=r"step 20 .*No space left on device.*step-0000010 is intact"):
-        save_checkpoint(tmp_path, 20, model, opt, {"tokens": 2}, "")
-    monkeypatch.undo()
-    assert latest_checkpoint(tmp_path) == previous
-    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    fs = small_fs("512k")
+    previous = save_checkpoint(fs, 10, model, opt, {"tokens": 1}, "model: {}\n", rng=rng_state())
+    _fill(fs, leave_kb * 1024)
+    with pytest.raises(CheckpointError) as err:
+        save_checkpoint(fs, 20, model, opt, {"tokens": 2}, "model: {}\n", rng=rng_state())
+    assert "could not save checkpoint step 20" in str(err.value)
+    assert "no space left on the device" in str(err.value)
+    assert f"{previous} is intact" in str(err.value)
+    assert latest_checkpoint(fs) == previous
+    assert not list((fs / "checkpoints").glob(".tmp-*")), "the partial save was left on the full disk"
     assert load_checkpoint(previous, *model_and_opt(seed=3))["tokens"] == 1
+
+
+def test_a_full_disk_error_from_torch_save_is_recognised(small_fs):
+    """torch.save into a path on a full disk raises RuntimeError (no errno): still a full disk."""
+    fs = small_fs("128k")
+    _fill(fs, 4096)
+    with pytest.raises(RuntimeError) as err:
+        torch.save({"w": torch.zeros(100_000)}, fs / "x.pt")
+    assert describe_write_error(err.value) == "no space left on the device", str(err.value)
 
 
 def test_retention_keeps_the_newest_and_milestones(tmp_path):
@@ -165,9 +182,58 @@ def test_kill_9_at_random_moments_of_saving_never_leaves_a_partial_checkpoint(tm
     json.loads((latest_checkpoint(tmp_path) / "COMPLETE").read_text())
 
 
-def test_checkpoints_from_before_markers_are_still_found(tmp_path):
+def test_a_checkpoint_without_its_marker_is_refused_until_adopted(tmp_path):
+    """Deleting COMPLETE must not switch verification off: unmarked directories are not
+    checkpoints until the user vouches for them with adopt (which checks them first)."""
     model, opt = model_and_opt()
-    path = save_checkpoint(tmp_path, 3, model, opt, {"tokens": 5}, "model: {}\n")
-    (path / "COMPLETE").unlink()  # what flopwise 0.1 wrote: the same files, no manifest
+    path = save_checkpoint(tmp_path, 3, model, opt, {"tokens": 5}, "model: {}\n", rng=rng_state())
+    (path / "COMPLETE").unlink()  # what flopwise 0.1 wrote -- or what an attacker leaves
+    assert latest_checkpoint(tmp_path) is None and unmarked_checkpoints(tmp_path) == [path]
+    with pytest.raises(CheckpointError, match="no COMPLETE marker.*flopwise checkpoint adopt"):
+        load_checkpoint(path, *model_and_opt(seed=4))
+    manifest = adopt_checkpoint(path)
+    assert manifest["adopted"] and set(manifest["files"]) >= {"model.pt", "optimizer.pt", "rng.pt", "state.json"}
     assert latest_checkpoint(tmp_path) == path
     assert load_checkpoint(path, *model_and_opt(seed=4))["tokens"] == 5
+
+
+def test_adopt_refuses_nan_weights_and_bad_state(tmp_path):
+    model, opt = model_and_opt()
+    path = save_checkpoint(tmp_path, 3, model, opt, {"tokens": 5}, "")
+    (path / "COMPLETE").unlink()
+    sd = model.state_dict()
+    sd["0.weight"] = torch.full_like(sd["0.weight"], float("nan"))
+    torch.save(sd, path / "model.pt")
+    with pytest.raises(CheckpointError, match="non-finite weights in 0.weight"):
+        adopt_checkpoint(path)
+    assert not (path / "COMPLETE").exists()
+
+
+@pytest.mark.parametrize("content, match", [
+    ('{"step": 3, "tokens": -1}', "'tokens' = -1: must be >= 0"),
+    ('{"step": 4, "tokens": 1}', "'step' = 4 but the directory is step-0000003"),
+    ('{"step": 3, "tokens": "many"}', "'tokens' = 'many': expected int"),
+    ('{"step": 3}', "'tokens' is missing"),
+    ('{"step": 3, "tokens": 1, "loader": 7}', "'loader' = 7: expected dict"),
+    ('{"step": 3, "tokens"', "not valid JSON"),
+    ("[1, 2]", "expected a JSON object"),
+])
+def test_a_malformed_state_json_is_named(tmp_path, content, match):
+    """Even with a manifest that matches (rewritten by whoever edited the file)."""
+    model, opt = model_and_opt()
+    path = save_checkpoint(tmp_path, 3, model, opt, {"tokens": 5}, "")
+    (path / "state.json").write_text(content)
+    (path / "COMPLETE").unlink()
+    adopt = pytest.raises(CheckpointError, match=f"state.json: .*{match}")
+    with adopt:
+        adopt_checkpoint(path)  # adopt checks state.json before it writes a manifest
+    rewrite_manifest(path)
+    with pytest.raises(CheckpointError, match=f"state.json: .*{match}"):
+        load_checkpoint(path, *model_and_opt(seed=4))
+
+
+def rewrite_manifest(path):
+    """What an attacker (or a careless edit tool) does: a manifest that matches the files as they are."""
+    files = {str(p.relative_to(path)): file_entry(p) for p in sorted(path.rglob("*"))
+             if p.is_file() and p.name != "COMPLETE"}
+    (path / "COMPLETE").write_text(json.dumps({"format": 1, "step": 0, "files": files}))

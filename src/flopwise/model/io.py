@@ -49,7 +49,7 @@ def _find_tokenizer(*candidates: Path) -> Path | None:
 
 def resolve(path: str | os.PathLike) -> ModelSource:
     """What ``path`` holds: a run, a checkpoint or a Hugging Face model directory."""
-    from flopwise.train.checkpoint import SHARDED, latest_checkpoint
+    from flopwise.train.checkpoint import SHARDED, latest_checkpoint, unmarked_checkpoints
 
     p = Path(path).expanduser()
     if not p.is_dir():
@@ -63,6 +63,11 @@ def resolve(path: str | os.PathLike) -> ModelSource:
         kind = "checkpoint"
     elif (p / "checkpoints").is_dir() or (p / "config.yaml").is_file():
         ckpt = latest_checkpoint(p)
+        newer = [u for u in unmarked_checkpoints(p) if ckpt is None or int(u.name[5:]) > int(ckpt.name[5:])]
+        if newer:  # taking an older step silently would evaluate (or export) another model than asked
+            raise ModelSourceError(f"{newer[-1]}: the run's newest checkpoint has no COMPLETE marker, so it is not "
+                                   f"loaded unverified; `flopwise checkpoint adopt {newer[-1]}` if you trust it, or "
+                                   f"name an older checkpoint directory")
         if ckpt is None:
             raise ModelSourceError(f"{p}: a run directory without a complete checkpoint (checkpoints/step-*/)")
         run, kind = p, "run"
@@ -204,8 +209,10 @@ def export_consolidated(path: str | os.PathLike, out: str | os.PathLike, overwri
     if src.kind == "hf":
         raise ModelSourceError(f"{src.path}: already a Hugging Face directory; --format pt exports flopwise runs")
     out = _check_out(out, overwrite)
-    model, _ = load_model(src.path)
-    state = json.loads((src.path / "state.json").read_text())
+    from flopwise.train.checkpoint import read_state, write_manifest
+
+    model, _ = load_model(src.path)  # verified
+    state = read_state(src.path)
     with _published(out) as tmp:
         torch.save(model.state_dict(), tmp / "model.pt")
         shutil.copyfile(src.path / "config.yaml", tmp / "config.yaml")
@@ -213,6 +220,7 @@ def export_consolidated(path: str | os.PathLike, out: str | os.PathLike, overwri
                                                     "consolidated_from": str(src.path)}, indent=2) + "\n")
         if src.tokenizer_path is not None:
             shutil.copyfile(src.tokenizer_path, tmp / "tokenizer.json")
+        write_manifest(tmp, exported=True)  # loaded like any checkpoint: verified against its manifest first
     n = sum(p.numel() for p in model.parameters())
     log(f"export: {src.kind} {src.path} -> {out / 'model.pt'} (one file, {n:,} parameters, float32"
         f"{', tokenizer' if src.tokenizer_path else ', no tokenizer found'})")

@@ -11,9 +11,18 @@ Python generator states), ``state.json`` (step, tokens, loader position, ...) an
 3. the directory is renamed to ``step-NNNNNNN`` (atomic) and the parent fsynced.
 
 So a directory named ``step-*`` with a ``COMPLETE`` inside is whole; anything else (a
-``.tmp-*`` left by a kill, a directory without the marker) is never picked by
-:func:`latest_checkpoint` and is swept away by the next save. Loading verifies every
-file against the manifest: a flipped byte is an error naming the file.
+``.tmp-*`` left by a kill or a full disk, a directory without the marker) is never picked
+by :func:`latest_checkpoint`, and ``.tmp-*`` is swept away by the next save. Loading
+verifies every file against the manifest first: a flipped byte is an error naming the
+file, and a directory without the marker is refused -- it is either tampered with or was
+written by a flopwise too old to write markers; ``flopwise checkpoint adopt PATH`` vouches
+for such a one explicitly (:func:`adopt_checkpoint`).
+
+Nothing read from a checkpoint can run code: tensors are read with ``torch.load(...,
+weights_only=True)``, the RNG states are stored as tensors and numbers (not numpy or
+Python objects, which only a full unpickler reads), ``state.json`` is JSON whose fields
+are checked, and a sharded checkpoint's DCP metadata goes through an allow-list
+(``dist_checkpoint.py``).
 
 Retention (:func:`apply_retention`) renames a checkpoint to ``.deleting-step-*`` before
 removing its files, so a half-deleted checkpoint never looks complete either.
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -32,6 +42,8 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+
+from flopwise.fsio import describe_write_error, fsync_dir
 
 CHECKPOINT_DIR = "checkpoints"
 MARKER = "COMPLETE"
@@ -47,17 +59,6 @@ class CheckpointError(RuntimeError):
 
 def checkpoint_path(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / CHECKPOINT_DIR / f"step-{step:07d}"
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _ChecksummedFile:
@@ -97,11 +98,19 @@ def _file_crc(path: Path) -> int:
 # --------------------------------------------------------------------------- RNG
 
 def rng_state(device: torch.device | None = None) -> dict[str, Any]:
-    """Every generator a training step may draw from: torch (CPU and CUDA), numpy, Python.
+    """Every generator a training step may draw from: torch (CPU and CUDA), numpy, Python --
+    as tensors, numbers and strings only, so ``rng.pt`` loads with ``weights_only=True``.
 
     With a CUDA ``device`` only that device's generator is saved: asking every visible GPU
     (``get_rng_state_all``) would create a CUDA context on each of them from every rank."""
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, mt, gauss_next = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "python": {"version": int(version), "state": torch.tensor(mt, dtype=torch.int64), "gauss_next": gauss_next},
+    }
     if device is not None and device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     elif device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -110,9 +119,13 @@ def rng_state(device: torch.device | None = None) -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
+    """Restore what :func:`rng_state` saved."""
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    npy = state["numpy"]
+    np.random.set_state((npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
+                         npy["cached_gaussian"]))
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss_next"]))
     cuda = state.get("cuda")
     if cuda is None or not torch.cuda.is_available():
         return
@@ -121,6 +134,21 @@ def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> 
             torch.cuda.set_rng_state(cuda, device)
     else:
         torch.cuda.set_rng_state_all(cuda)
+
+
+def _check_rng(state: Any, where: Path) -> dict[str, Any]:
+    """``rng.pt``'s content has the shape :func:`set_rng_state` reads (else a named error, not a KeyError)."""
+    try:
+        ok = (isinstance(state["torch"], torch.Tensor) and isinstance(state["numpy"]["keys"], torch.Tensor)
+              and state["numpy"]["keys"].numel() == 624 and isinstance(state["python"]["state"], torch.Tensor)
+              and state["python"]["state"].numel() == 625)
+    except (KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{where}: not the generator states flopwise writes (torch, numpy, python)")
+    for i, rank in enumerate(state.get("ranks") or []):
+        _check_rng(rank, Path(f"{where} (rank {i})"))
+    return state
 
 
 # --------------------------------------------------------------------------- save
@@ -160,17 +188,33 @@ def save_checkpoint(
         files["config.yaml"] = _write(tmp / "config.yaml", lambda f: f.write(config_yaml.encode()))
         manifest = json.dumps({"format": FORMAT_VERSION, "step": step, "files": files}, indent=2).encode()
         _write(tmp / MARKER, lambda f: f.write(manifest))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():  # re-saving the same step: the old copy goes first (older steps stay)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(root)
-    except OSError as e:
+        fsync_dir(root)
+    except BaseException as e:
+        # A full disk surfaces as OSError from our writes but as RuntimeError from torch.save's zip
+        # writer; either way nothing of this save may stay behind, and the message is the same.
         shutil.rmtree(tmp, ignore_errors=True)
-        previous = latest_checkpoint(run_dir)
-        kept = f"; the previous checkpoint {previous} is intact" if previous else ""
-        raise CheckpointError(f"could not save checkpoint step {step} in {root}: {e.strerror or e}{kept}") from e
+        if not isinstance(e, Exception):  # KeyboardInterrupt, SystemExit: cleaned up, not re-worded
+            raise
+        raise save_failed(run_dir, step, e) from e
     return final
+
+
+def save_failed(run_dir: str | Path, step: int, error: BaseException) -> CheckpointError:
+    """The error a failed save raises: what failed, why, and which checkpoint is still there."""
+    previous = latest_checkpoint(run_dir)
+    kept = f"; the previous checkpoint {previous} is intact" if previous else "; no earlier checkpoint exists"
+    root = Path(run_dir) / CHECKPOINT_DIR
+    return CheckpointError(f"could not save checkpoint step {step} in {root}: {describe_write_error(error)}{kept}")
+
+
+def discard_save(run_dir: str | Path, step: int) -> None:
+    """Remove the hidden directory of a save that failed part-way (a sharded save's ranks)."""
+    final = checkpoint_path(run_dir, step)
+    shutil.rmtree(final.parent / f".tmp-{final.name}", ignore_errors=True)
 
 
 def begin_save(run_dir: str | Path, step: int) -> Path:
@@ -193,14 +237,17 @@ def file_entry(path: Path) -> dict[str, int]:
 # --------------------------------------------------------------------------- find, verify, load
 
 def is_complete(path: Path) -> bool:
-    """A ``step-*`` directory with its marker -- or one written before markers existed (flopwise
-    0.1's checkpoints, complete by their own rename, hold model.pt, state.json and config.yaml:
-    a partial save of this version never sits under a ``step-*`` name)."""
-    if not _STEP_RE.match(path.name):
-        return False
-    if (path / MARKER).is_file():
-        return True
-    return all((path / f).is_file() for f in ("model.pt", "state.json", "config.yaml"))
+    """A ``step-*`` directory with its marker: the only kind :func:`list_checkpoints` returns."""
+    return bool(_STEP_RE.match(path.name)) and (path / MARKER).is_file()
+
+
+def unmarked_checkpoints(run_dir: str | Path) -> list[Path]:
+    """``step-*`` directories without the marker (tampered with, or written before markers existed)."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if _STEP_RE.match(p.name) and p.is_dir() and not (p / MARKER).exists()),
+                  key=lambda p: int(p.name[5:]))
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -221,13 +268,22 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     marker = path / MARKER
     if not marker.is_file():
-        raise CheckpointError(f"{path}: incomplete checkpoint (no {MARKER} marker)")
+        raise CheckpointError(f"{path}: no {MARKER} marker, so nothing vouches for its files (a checkpoint is "
+                              f"published with its manifest; this one was altered or written by a flopwise older "
+                              f"than markers). If you trust it: `flopwise checkpoint adopt {path}`")
     try:
         manifest = json.loads(marker.read_text())
         files = manifest["files"]
-    except (ValueError, KeyError, TypeError) as e:
+        if not isinstance(files, dict) or not all(isinstance(w, dict) and isinstance(w.get("bytes"), int)
+                                                   and isinstance(w.get("crc32"), int) for w in files.values()):
+            raise TypeError("'files' is not a map of name -> {bytes, crc32}")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{marker}: unreadable manifest ({e})") from None
+    if "state.json" not in files:
+        raise CheckpointError(f"{marker}: the manifest lists no state.json")
     for name, want in files.items():
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointError(f"{marker}: the manifest names a file outside the checkpoint: {name!r}")
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"{f}: missing from the checkpoint")
@@ -249,32 +305,129 @@ def load_checkpoint(
     verify: bool = True,
 ) -> dict[str, Any]:
     """Load weights (and optimizer state) in place after verifying checksums; return
-    ``state.json`` with the RNG states under ``"rng"`` when the checkpoint has them."""
+    ``state.json`` with the RNG states under ``"rng"`` when the checkpoint has them.
+
+    ``verify=False`` only when the caller has just verified it (every rank of a data-parallel
+    run loads what rank 0 verified once)."""
     path = Path(path)
     sharded = (path / SHARDED).is_dir()
     if not sharded and not (path / "model.pt").is_file():
         raise FileNotFoundError(f"{path}: not a checkpoint (no model.pt or {SHARDED}/)")
-    if verify and (path / MARKER).is_file():
+    if verify:
         verify_checkpoint(path)
+    state = read_state(path)  # malformed state is named before any tensor is read
     if sharded:  # written by FSDP2 ranks (torch.distributed.checkpoint); read at any world size
         from flopwise.train.dist_checkpoint import load_sharded
 
         load_sharded(path / SHARDED, model, optimizer)
     else:
-        model.load_state_dict(torch.load(path / "model.pt", map_location=map_location, weights_only=True))
+        model.load_state_dict(load_tensors(path / "model.pt", map_location))
     if optimizer is not None and not sharded:
         if not (path / "optimizer.pt").is_file():
             raise FileNotFoundError(f"{path}: no optimizer.pt to resume the optimizer from")
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True))
-    return read_state(path)
+        optimizer.load_state_dict(load_tensors(path / "optimizer.pt", map_location))
+    return state
+
+
+def load_tensors(path: Path, map_location: str | torch.device = "cpu") -> Any:
+    """``torch.load`` restricted to tensors and plain containers (``weights_only=True``): a file
+    that asks for anything else -- a pickled callable -- is refused, never run."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path}: holds objects other than tensors, numbers and strings; refused "
+                              f"(loading them could run code): {str(e).splitlines()[0][:200]}") from None
+    except (RuntimeError, EOFError) as e:
+        raise CheckpointError(f"{path}: not a readable torch file ({str(e).splitlines()[0][:200]})") from None
+
+
+# state.json: field -> (allowed types, must be >= 0)
+_STATE_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
+    "step": ((int,), True), "tokens": ((int,), True), "val_loss_start": ((float, int, type(None)), False),
+    "loader": ((dict,), False), "loader_ranks": ((list,), False), "guard": ((dict,), False),
+    "data_fingerprint": ((str, type(None)), False), "grad_scaler": ((dict,), False),
+    "val_windows": ((int,), True),
+}
 
 
 def read_state(path: Path) -> dict[str, Any]:
-    """A checkpoint's ``state.json``, with its RNG states under ``"rng"`` when it has them."""
-    state = json.loads((path / "state.json").read_text())
+    """A checkpoint's ``state.json``, checked field by field, with its RNG states under ``"rng"``."""
+    f = path / "state.json"
+    try:
+        state = json.loads(f.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{f}: missing from the checkpoint") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f}: not valid JSON ({e})") from None
+    problems = state_problems(state, path)
+    if problems:
+        raise CheckpointError(f"{f}: " + "; ".join(problems))
     if (path / "rng.pt").is_file():
-        state["rng"] = torch.load(path / "rng.pt", weights_only=False)  # numpy/python states are plain tuples
+        state["rng"] = _check_rng(load_tensors(path / "rng.pt"), path / "rng.pt")
     return state
+
+
+def state_problems(state: Any, path: Path) -> list[str]:
+    """What is wrong with a ``state.json`` (empty when nothing is): types, signs, the step of its name."""
+    if not isinstance(state, dict):
+        return [f"expected a JSON object, found {type(state).__name__}"]
+    out = []
+    for name, (types, non_negative) in _STATE_FIELDS.items():
+        if name not in state:
+            if name in ("step", "tokens"):
+                out.append(f"field {name!r} is missing")
+            continue
+        v = state[name]
+        if isinstance(v, bool) or not isinstance(v, types):
+            out.append(f"field {name!r} = {v!r}: expected {' or '.join(t.__name__ for t in types)}")
+        elif non_negative and v < 0:
+            out.append(f"field {name!r} = {v!r}: must be >= 0")
+    m = _STEP_RE.match(path.name)
+    if m and isinstance(state.get("step"), int) and state["step"] != int(m.group(1)):
+        out.append(f"field 'step' = {state['step']} but the directory is {path.name}")
+    return out
+
+
+def adopt_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Vouch for a checkpoint without a marker (written before markers existed): check that
+    ``state.json`` is sound and every tensor file loads as plain tensors, then write its
+    manifest, after which it is verified like any other. Returns the manifest."""
+    path = Path(path)
+    if (path / MARKER).is_file():
+        return verify_checkpoint(path)
+    if not (path / "model.pt").is_file() and not (path / SHARDED).is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint (no model.pt or {SHARDED}/)")
+    read_state(path)  # sound state.json, safe rng.pt
+    for name in ("model.pt", "optimizer.pt"):
+        if (path / name).is_file():
+            tensors = load_tensors(path / name)
+            bad = [k for k, v in _flat_tensors(tensors) if v.is_floating_point() and not torch.isfinite(v).all()]
+            if bad and name == "model.pt":
+                raise CheckpointError(f"{path / name}: non-finite weights in {', '.join(bad[:5])}: not adopted")
+    write_manifest(path, adopted=True)
+    return verify_checkpoint(path)
+
+
+def write_manifest(path: Path, **extra: Any) -> None:
+    """Seal a directory of checkpoint files written by other means (an export, an adopted
+    checkpoint): the sizes and CRC32s of every file, written atomically as its ``COMPLETE``."""
+    files = {str(p.relative_to(path)): file_entry(p) for p in sorted(path.rglob("*"))
+             if p.is_file() and p.name != MARKER}
+    step = json.loads((path / "state.json").read_text()).get("step")
+    manifest = json.dumps({"format": FORMAT_VERSION, "step": step, "files": files, **extra}, indent=2).encode()
+    _write(path / f".{MARKER}.tmp", lambda f: f.write(manifest))
+    os.replace(path / f".{MARKER}.tmp", path / MARKER)
+    fsync_dir(path)
+
+
+def _flat_tensors(obj: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        return [(prefix, obj)]
+    if isinstance(obj, dict):
+        return [x for k, v in obj.items() for x in _flat_tensors(v, f"{prefix}.{k}" if prefix else str(k))]
+    if isinstance(obj, (list, tuple)):
+        return [x for i, v in enumerate(obj) for x in _flat_tensors(v, f"{prefix}.{i}")]
+    return []
 
 
 # --------------------------------------------------------------------------- retention

@@ -5,10 +5,18 @@ configuration changed in a way that would make the continuation a different trai
 (architecture, vocabulary, sequence length, global batch, loader, data): then it refuses,
 naming the field, and ``--fresh`` starts over (the old run is kept, renamed aside).
 Everything is decided before data is read or a model is built.
+
+One writer per run: :func:`start_run` takes the run directory's lock (``fsio.DirLock``)
+before it looks inside, and the caller holds it until the run ends. A second ``flopwise
+train`` on the same directory is refused with the holder's pid and command; the lock of a
+killed run dies with its process, so resuming after ``kill -9`` just works. The run's
+``config.yaml`` is written atomically; if it is unreadable anyway (a copy edited by hand,
+a file from an older version written in place), the latest checkpoint's own copy decides.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -17,7 +25,8 @@ from datetime import datetime
 from pathlib import Path
 
 from flopwise.config import ConfigError, RunConfig, load_run_config
-from flopwise.train.checkpoint import latest_checkpoint
+from flopwise.fsio import DirLock, LockedError, atomic_write, describe_write_error
+from flopwise.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint, unmarked_checkpoints
 
 # Model fields that may change between a run and its resumption: the kernel choice and
 # training-only knobs. Every other model field shapes the weights or their meaning.
@@ -47,7 +56,9 @@ def resume_conflicts(old: RunConfig, new: RunConfig) -> list[str]:
     for section, name in BREAKING_FIELDS:
         a, b = getattr(getattr(old, section), name), getattr(getattr(new, section), name)
         if a != b:
-            out.append(f"{section}.{name}: {a!r} -> {b!r}")
+            hint = (" (the default became epoch: add data.loader=random to continue this run)"
+                    if (section, name) == ("data", "loader") and a == "random" else "")
+            out.append(f"{section}.{name}: {a!r} -> {b!r}{hint}")
     return out
 
 
@@ -55,14 +66,15 @@ def _check_writable(run_dir: Path) -> None:
     """Prove the run directory can be written, leaving no trace: directories this check
     creates are removed again (a run that fails on its data must not leave an empty run)."""
     created = [p for p in [run_dir, *run_dir.parents] if not p.exists()]
+    probe = run_dir / f".write-test-{os.getpid()}"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"ok")
-        probe.unlink()
+        probe.write_bytes(b"ok" * 2048)  # a few KiB: a disk with no room for a file fails here, not at step 1000
     except OSError as e:
-        raise ConfigError([f"train.run_dir {str(run_dir)!r} is not writable: {e.strerror or e}"]) from None
+        raise ConfigError([f"train.run_dir {str(run_dir)!r} is not writable: {describe_write_error(e)}"]) from None
     finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()  # also when the write failed half-way (a full disk)
         for p in created:  # deepest first
             try:
                 p.rmdir()
@@ -70,27 +82,46 @@ def _check_writable(run_dir: Path) -> None:
                 break
 
 
-def start_run(cfg: RunConfig, fresh: bool = False) -> RunStart:
-    """Decide where the run starts; ``cfg.train.run_dir`` is filled in when empty."""
+def start_run(cfg: RunConfig, fresh: bool = False, locks: contextlib.ExitStack | None = None) -> RunStart:
+    """Decide where the run starts; ``cfg.train.run_dir`` is filled in when empty.
+
+    The run directory's lock is taken first and handed to ``locks`` (released when the caller
+    closes it); without ``locks`` it is released on return (a dry decision, e.g. ``--explain``)."""
     if not cfg.train.run_dir:
         cfg.train.run_dir = str(Path("runs") / f"{cfg.preset or 'run'}-{datetime.now():%Y%m%d-%H%M%S}")
     run_dir = Path(cfg.train.run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError([f"train.run_dir {str(run_dir)!r} exists and is not a directory"])
-    holds_run = (run_dir / "config.yaml").is_file()
+    with contextlib.ExitStack() as held:
+        held.enter_context(_lock(run_dir))
+        start = _decide(cfg, run_dir, fresh, held)
+        if locks is not None:
+            locks.push(held.pop_all())
+        return start
+
+
+def _lock(run_dir: Path) -> DirLock:
+    lock = DirLock(run_dir, "flopwise train")
+    try:
+        return lock.acquire()
+    except LockedError as e:
+        raise ConfigError([f"train.run_dir: {e}"]) from None
+    except OSError as e:
+        raise ConfigError([f"train.run_dir {str(run_dir)!r} is not writable: {describe_write_error(e)}"]) from None
+
+
+def _decide(cfg: RunConfig, run_dir: Path, fresh: bool, held: contextlib.ExitStack) -> RunStart:
+    holds_run = (run_dir / "config.yaml").is_file() or (run_dir / CHECKPOINT_DIR).is_dir()
     if holds_run and fresh:
         aside = run_dir.with_name(f"{run_dir.name}.replaced-{datetime.now():%Y%m%d-%H%M%S}")
-        os.replace(run_dir, aside)
+        os.replace(run_dir, aside)  # the lock moves with it: nobody else can have started writing there
+        held.enter_context(_lock(run_dir))
         _check_writable(run_dir)
         return RunStart(run_dir, None, False, f"--fresh: the previous run was moved to {aside}")
     if not holds_run:
         _check_writable(run_dir)
         return RunStart(run_dir, None, False, "new run")
-    try:
-        old = load_run_config(run_dir / "config.yaml")
-    except ConfigError as e:
-        raise ConfigError([f"train.run_dir {str(run_dir)!r} holds a run whose config.yaml cannot be read "
-                           f"({'; '.join(e.problems)}); pass --fresh to start over"]) from None
+    old, note = _previous_config(run_dir)
     conflicts = resume_conflicts(old, cfg)
     if conflicts:
         raise ConfigError([f"train.run_dir {str(run_dir)!r} holds a run that this configuration cannot "
@@ -98,9 +129,34 @@ def start_run(cfg: RunConfig, fresh: bool = False) -> RunStart:
                            for c in conflicts])
     _check_writable(run_dir)
     ckpt = latest_checkpoint(run_dir)
+    unmarked = [p for p in unmarked_checkpoints(run_dir) if ckpt is None or int(p.name[5:]) > int(ckpt.name[5:])]
+    if unmarked:  # resuming from an older step (or step 0) would silently train over them
+        raise ConfigError([f"train.run_dir {str(run_dir)!r}: {unmarked[-1]} has no COMPLETE marker, so it is "
+                           "not loaded unverified (tampered with, or written by a flopwise older than markers); "
+                           f"if you trust it, `flopwise checkpoint adopt {unmarked[-1]}`, else remove it "
+                           "or pass --fresh"])
     if ckpt is None:
-        return RunStart(run_dir, None, True, "the run directory has no complete checkpoint: starting at step 0")
-    return RunStart(run_dir, ckpt, True, f"resuming from {ckpt}")
+        return RunStart(run_dir, None, True, note + "the run directory has no complete checkpoint: starting at step 0")
+    return RunStart(run_dir, ckpt, True, f"{note}resuming from {ckpt}")
+
+
+def _previous_config(run_dir: Path) -> tuple[RunConfig, str]:
+    """The configuration the run was trained with: its ``config.yaml``, or when that cannot be
+    read, the copy inside its latest checkpoint (written with the checkpoint, so it is what the
+    weights were trained with). Returns it and a note for the log ("" when the run's own copy served)."""
+    try:
+        return load_run_config(run_dir / "config.yaml"), ""
+    except (ConfigError, OSError) as e:
+        problem = "; ".join(e.problems) if isinstance(e, ConfigError) else describe_write_error(e)
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is not None:
+        try:
+            return load_run_config(ckpt / "config.yaml"), (f"{run_dir / 'config.yaml'} is unreadable ({problem}): "
+                                                           f"using {ckpt / 'config.yaml'}; ")
+        except ConfigError:
+            pass
+    raise ConfigError([f"train.run_dir {str(run_dir)!r} holds a run whose config.yaml cannot be read "
+                       f"({problem}) and no checkpoint with a readable one; pass --fresh to start over"])
 
 
 def truncate_metrics(path: Path, step: int) -> None:
@@ -116,6 +172,4 @@ def truncate_metrics(path: Path, step: int) -> None:
             continue
         if isinstance(row, dict) and row.get("step", 0) <= step:
             kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic_write(path, "".join(f"{line}\n" for line in kept))  # a full disk leaves the old file, no .tmp
