@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -157,9 +158,11 @@ class DataConfig:
     cache_dir: str = "~/.cache/flopwise"
     builtin_vocab_size: int = 8192  # BPE vocabulary trained for the embedded corpus
     builtin_max_mb: float = 0.0  # cap on the embedded corpus' source text (0 = all of it)
-    # random: seeded random windows (fast start, sampled with replacement);
-    # epoch: a shuffled pass over packed sequences, every token a target once per epoch.
-    loader: str = "random"
+    # epoch: a shuffled pass over packed sequences, every token a target once per epoch, the
+    # same samples per step on any number of ranks (resumes at another world size);
+    # random: seeded random windows sampled with replacement (the nanoGPT way), per-rank streams.
+    # The default since both assemble batches at the same speed (benchmarks/loader.py).
+    loader: str = "epoch"
 
 
 @dataclass
@@ -201,6 +204,14 @@ class TrainConfig:
     max_hours: float = 0.0  # wall-clock budget of this process; stops in time with a final checkpoint
     nonfinite: str = "stop"  # non-finite loss or gradients: stop | skip (the update) | rollback (to the last checkpoint)
     nonfinite_patience: int = 3  # skips or rollbacks in a row before the run stops anyway
+    # Bounds over the whole run (kept in checkpoints, so they hold across resumes): a run that
+    # keeps diverging stops with its diagnostics instead of skipping or rolling back forever.
+    nonfinite_max_skips: int = 20  # skipped updates in the run
+    nonfinite_max_rollbacks: int = 5  # rollbacks in the run
+    nonfinite_max_rollbacks_per_checkpoint: int = 2  # rollbacks to one and the same checkpoint
+    # A collapse: the gradient norm ~0 (exactly 0, or below 1e-6 with the loss at ln V, the
+    # uniform prediction's) for this many steps in a row; handled as a non-finite step. 0 = off.
+    collapse_steps: int = 5
     spike_factor: float = 3.0  # a loss above this x its running mean is logged as an event; 0 = off
     # Throughput (see README "Throughput"): wrappers applied in a fixed order, checkpointing -> compile.
     compile: str = "off"  # off | model | blocks (each transformer block compiled on its own)
@@ -366,14 +377,21 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool):
             raise ValueError(f"{where}: expected a number, got {value!r}")
+        number = None
         if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise ValueError(f"{where}: expected a number, got {value!r}")
+        if number is None:
+            raise ValueError(f"{where}: expected a number, got {value!r}")
+        # YAML's .inf/.nan, "inf"/"nan" and overflowing literals (1e999) all parse as floats;
+        # no field has a use for them (0 is the "off" of the fields that can be off).
+        if not math.isfinite(number):
+            raise ValueError(f"{where}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, bool):  # YAML reads "true" as a bool; keep the word
             return "true" if value else "false"
@@ -529,8 +547,14 @@ def apply_hf_config(m: ModelConfig, problems: list[str]) -> None:
 
 
 def load_run_config(path: str | Path) -> RunConfig:
-    """Read a resolved ``config.yaml`` (as written into a run directory) back."""
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    """Read a resolved ``config.yaml`` (as written into a run directory) back. An empty or
+    cut file is an error naming it, never an all-defaults configuration."""
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError([f"{path}: not valid YAML ({str(e).splitlines()[0]})"]) from None
+    if not isinstance(data, dict) or "model" not in data:
+        raise ConfigError([f"{path}: not a resolved run configuration (no 'model' section)"])
     cfg = RunConfig()
     problems: list[str] = []
     _apply_mapping(cfg, data, str(path), problems)
@@ -542,12 +566,28 @@ def load_run_config(path: str | Path) -> RunConfig:
 
 # --------------------------------------------------------------------------- validation
 
+def nonfinite_fields(cfg: RunConfig) -> dict[str, float]:
+    """``{"section.name": value}`` for every float field of every section holding inf or NaN."""
+    out = {}
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        for name, tp in _field_types(type(obj)).items():
+            value = getattr(obj, name)
+            if tp is float and isinstance(value, float) and not math.isfinite(value):
+                out[f"{section}.{name}"] = value
+    return out
+
+
 def validate(cfg: RunConfig) -> list[str]:
     """Every problem in the config, as readable strings naming the fields involved."""
     p: list[str] = []
     m, t, o, e, d = cfg.model, cfg.train, cfg.optim, cfg.eval, cfg.data
+    nonfinite = nonfinite_fields(cfg)  # set in Python (files and overrides refuse them when read)
+    p += [f"{name} must be a finite number, got {value}" for name, value in nonfinite.items()]
 
     def positive(section: str, name: str, value: float, allow_zero: bool = False) -> bool:
+        if f"{section}.{name}" in nonfinite:  # named once, above
+            return False
         ok = value >= 0 if allow_zero else value > 0
         if not ok:
             p.append(f"{section}.{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
@@ -592,8 +632,10 @@ def validate(cfg: RunConfig) -> list[str]:
     for name in ("seq_len", "micro_batch_size", "global_batch_size", "log_every"):
         positive("train", name, getattr(t, name))
     for name in ("max_steps", "max_tokens", "checkpoint_every", "keep_checkpoints", "milestone_every",
-                 "warmup_log_steps", "seed", "nonfinite_patience"):
+                 "warmup_log_steps", "seed", "nonfinite_patience", "collapse_steps"):
         positive("train", name, getattr(t, name), allow_zero=True)
+    for name in ("nonfinite_max_skips", "nonfinite_max_rollbacks", "nonfinite_max_rollbacks_per_checkpoint"):
+        positive("train", name, getattr(t, name))  # a bound of 0 would forbid what the policy asks for
     positive("train", "max_hours", t.max_hours, allow_zero=True)
     positive("train", "spike_factor", t.spike_factor, allow_zero=True)
     if t.nonfinite not in ("stop", "skip", "rollback"):

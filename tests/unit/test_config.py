@@ -1,9 +1,13 @@
 """Config: presets, layering, coercion, unknown keys, validation errors reported together."""
 
+import dataclasses
+import typing
+
 import pytest
 import yaml
 
-from flopwise.config import ConfigError, build_config, load_run_config, parse_override, preset_names
+from flopwise.config import (SECTIONS, ConfigError, RunConfig, build_config, load_run_config, parse_override,
+                             preset_names, validate)
 
 
 def test_every_issue_preset_is_shipped():
@@ -128,5 +132,69 @@ def test_resolved_config_round_trips(tmp_path):
 
 def test_configs_of_earlier_versions_still_load(tmp_path):
     old = tmp_path / "config.yaml"
-    old.write_text("train:\n  save_every: 250\n  max_steps: 1000\n")
+    old.write_text("model:\n  d_model: 128\ntrain:\n  save_every: 250\n  max_steps: 1000\n")
     assert load_run_config(old).train.checkpoint_every == 250
+
+
+def problems_of(overrides: list[str]) -> list[str]:
+    with pytest.raises(ConfigError) as err:
+        build_config(overrides=overrides)
+    return err.value.problems
+
+
+def _float_fields() -> list[str]:
+    cfg = RunConfig()
+    return [f"{s}.{f.name}" for s in SECTIONS for f in dataclasses.fields(getattr(cfg, s))
+            if typing.get_type_hints(type(getattr(cfg, s)))[f.name] is float]
+
+
+def test_every_float_field_refuses_inf_and_nan_by_name_with_the_other_errors():
+    fields = _float_fields()
+    assert "optim.lr" in fields and "model.rope_theta" in fields and "parallel.timeout_min" in fields
+    values = ["inf", "-inf", "nan", ".inf", "1e999", "-.inf"]  # words, YAML's spellings, an overflow
+    overrides = [f"{name}={values[i % len(values)]}" for i, name in enumerate(fields)]
+    with pytest.raises(ConfigError) as err:
+        build_config(overrides=overrides + ["train.seq_len=4096"])
+    problems = err.value.problems
+    assert len(problems) == len(fields) + 1 and "train.seq_len (4096) exceeds model.max_seq_len" in problems[-1]
+    for name, text, problem in zip(fields, overrides, problems):
+        assert f"override {text!r}: {name}: expected a finite number, got " in problem
+    assert problems_of(["optim.lr=inf"]) == ["override 'optim.lr=inf': optim.lr: expected a finite number, got 'inf'"]
+
+
+def test_inf_and_nan_in_a_yaml_file_are_refused_naming_the_file(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("optim:\n  lr: .inf\n  eps: .nan\nmodel:\n  rope_theta: -.inf\ntrain:\n  max_hours: 1.0e+999\n")
+    with pytest.raises(ConfigError) as err:
+        build_config(config_file=f)
+    joined = "\n".join(err.value.problems)
+    assert len(err.value.problems) == 4
+    assert f"{f}: optim.lr: expected a finite number, got inf" in joined
+    assert f"{f}: optim.eps: expected a finite number, got nan" in joined
+    assert f"{f}: model.rope_theta: expected a finite number, got -inf" in joined
+    assert f"{f}: train.max_hours: expected a finite number, got inf" in joined
+
+
+def test_inf_set_in_python_is_refused_once_by_validate():
+    cfg = build_config()
+    cfg.optim.lr, cfg.eval.temperature = float("inf"), float("nan")
+    problems = validate(cfg)
+    assert problems == ["optim.lr must be a finite number, got inf",
+                        "eval.temperature must be a finite number, got nan"]
+
+
+def test_nonfinite_bounds_and_collapse_steps_are_validated():
+    problems = problems_of(["train.nonfinite_max_skips=0", "train.nonfinite_max_rollbacks=-1",
+                                     "train.nonfinite_max_rollbacks_per_checkpoint=0", "train.collapse_steps=-2"])
+    assert problems == ["train.collapse_steps must be >= 0, got -2", "train.nonfinite_max_skips must be > 0, got 0",
+                        "train.nonfinite_max_rollbacks must be > 0, got -1",
+                        "train.nonfinite_max_rollbacks_per_checkpoint must be > 0, got 0"]
+    t = build_config(overrides=["train.collapse_steps=0"]).train  # 0 = the collapse check off
+    assert (t.nonfinite_max_skips, t.nonfinite_max_rollbacks, t.nonfinite_max_rollbacks_per_checkpoint) == (20, 5, 2)
+
+
+def test_the_epoch_loader_is_the_default_and_a_run_written_with_random_keeps_it(tmp_path):
+    assert RunConfig().data.loader == "epoch" and build_config().data.loader == "epoch"
+    old = tmp_path / "config.yaml"  # what an older run directory holds: every field, written out
+    old.write_text(build_config(overrides=["data.loader=random"]).to_yaml())
+    assert load_run_config(old).data.loader == "random"

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from flopwise.config import load_run_config
-from flopwise.data.datadir import DataDir, open_data_dir
+from flopwise.config import DataConfig, load_run_config
+from flopwise.data.datadir import DataDir, check_cache_path, open_data_dir
 from flopwise.data.loader import fixed_windows
 from flopwise.evaluate.loss import bits_per_byte, evaluate_loss, perplexity, target_bytes
 from flopwise.model.io import load_model, resolve
@@ -54,8 +54,9 @@ def evaluate(path: str | os.PathLike, data: str = "", tasks: list[str] | None = 
         out.update(step=state["step"], tokens=state.get("tokens"))
         run_cfg = load_run_config(src.path / "config.yaml")
     dd: DataDir | None = None
-    if data:
+    if data:  # checked like a run's own data: checksums and id range, remembered per shard
         dd = DataDir(data)
+        dd.check_shards(check_cache_path((run_cfg.data if run_cfg else DataConfig()).cache_dir, dd.path))
     elif run_cfg is not None:
         dd = open_data_dir(run_cfg.data, log=lambda s: None)
     if dd is not None:
@@ -120,10 +121,17 @@ def run_finished(run_dir: Path) -> bool:
 
 
 def watch(run_dir: str | os.PathLike, poll_s: float = 30.0, timeout_s: float = 0.0, log: Log = print,
-          **kwargs) -> int:
+          before_eval: Callable[[Path], None] | None = None, **kwargs) -> int:
     """Evaluate every complete checkpoint of ``run_dir`` not yet in ``evals.jsonl``, as they
     land, until the run has finished and its last checkpoint is evaluated (or ``timeout_s``).
-    Returns the number of checkpoints evaluated."""
+    Returns the number of checkpoints evaluated.
+
+    Training prunes old checkpoints (``train.keep_checkpoints``) while this runs, so one
+    listed a moment ago may be gone when it is read: whatever error that gives (a missing
+    directory or file, a half-deleted file failing its checksum) the checkpoint is skipped
+    with a note when it no longer exists under its name; one that still exists and fails is
+    a real error and raised. ``before_eval(checkpoint)`` runs between the listing and the
+    loading of each one (the moment of that race; tests delete a checkpoint there)."""
     run = Path(run_dir)
     start = time.monotonic()
     n = 0
@@ -134,10 +142,16 @@ def watch(run_dir: str | os.PathLike, poll_s: float = 30.0, timeout_s: float = 0
             step = int(ckpt.name[5:])
             if step in done:
                 continue
+            if before_eval is not None:
+                before_eval(ckpt)
             log(f"eval: {ckpt}")
             try:
                 result = evaluate(ckpt, log=log, **kwargs)
-            except FileNotFoundError:  # deleted by retention while we looked: the next one will come
+            except Exception as err:  # noqa: BLE001 - which error a deletion gives depends on its timing
+                if not vanished(ckpt):
+                    raise
+                log(f"eval: {ckpt.name} was deleted while it was read (train.keep_checkpoints pruned it): "
+                    f"skipped ({type(err).__name__})")
                 continue
             record(run, result)
             n += 1
@@ -147,3 +161,10 @@ def watch(run_dir: str | os.PathLike, poll_s: float = 30.0, timeout_s: float = 0
             log(f"eval: --timeout {timeout_s:g}s reached")
             return n
         time.sleep(poll_s)
+
+
+def vanished(ckpt: Path) -> bool:
+    """Whether ``ckpt`` no longer exists under its name. Retention renames a checkpoint (to
+    ``.deleting-step-N``) before deleting it, so the name is gone at once, whatever is left
+    of its files elsewhere; a directory still there is not retention's doing."""
+    return not ckpt.exists()

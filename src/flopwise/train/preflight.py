@@ -225,8 +225,10 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     # 4. data starvation
     report["data_share"] = best.data_share
     if best.data_share is not None and best.data_share > STARVATION_WARN:
-        log(f"preflight: WARNING: {100 * best.data_share:.1f}% of step time waits for data: use data.loader=epoch "
-            "(no random sampling), a faster disk, or data.prefetch")
+        remedies = (["data.loader=epoch (no random sampling)"] if cfg.data.loader == "random" else []) + [
+            "a faster disk", "data.prefetch"]
+        log(f"preflight: WARNING: {100 * best.data_share:.1f}% of step time waits for data: try "
+            f"{', '.join(remedies[:-1])} or {remedies[-1]}")
 
     # 5. prediction
     tuned = _copy(cfg)

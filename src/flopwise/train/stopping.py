@@ -8,7 +8,9 @@
   from the bytes to write before the first save).
 - :class:`NonFiniteGuard`: the step's loss and gradient norm are checked before the
   optimizer update (one scalar transfer per step); the policy decides what happens, and
-  loss spikes against a running mean are reported as events.
+  loss spikes against a running mean are reported as events. A collapse -- the gradient
+  norm at ~0 for several steps, typically with the loss at ln V -- is a bad step too: a
+  diverged run often sits there, finite and learning nothing, before its first NaN.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import os
 import signal
 import threading
 import time
+
+from flopwise.config import TrainConfig
 
 
 class NonFiniteError(RuntimeError):
@@ -84,18 +88,55 @@ class Deadline:
 
 
 class NonFiniteGuard:
-    """Policy for non-finite steps (``stop`` | ``skip`` | ``rollback``) and loss-spike events."""
+    """What to do about bad steps (``stop`` | ``skip`` | ``rollback``), within bounds; loss spikes.
 
-    def __init__(self, policy: str, patience: int, spike_factor: float, warmup: int = 10):
+    A bad step is a non-finite loss or gradient norm, or the ``collapse_steps``-th step in a
+    row of a collapse (:meth:`collapsed`). ``skip`` drops the update, ``rollback`` reloads the
+    last checkpoint; either stops the run instead -- with the diagnostics the ``stop`` policy
+    writes -- once :meth:`refusal` names a bound:
+
+    - ``patience``: bad steps in a row. A finite step in between resets it, so on its own it
+      does not end a run that alternates (a learning rate far too high rolled back 700 times
+      in 5 minutes), hence the totals:
+    - ``max_skips``: skipped updates in the run;
+    - ``max_rollbacks``: rollbacks in the run, and ``max_rollbacks_per_checkpoint`` to one and
+      the same checkpoint (rolling back to it again replays the same weights).
+
+    The counts travel in :meth:`state_dict` (saved in every checkpoint), so the totals hold
+    across resumes. A rollback reloads weights, optimizer and RNG only, never this state: the
+    checkpoint's older counts must not undo the rollback being counted.
+    """
+
+    COLLAPSE_GRAD_NORM = 1e-6  # "~0": below any healthy run's global norm (O(0.1-10)) by 5 orders
+    COLLAPSE_LOSS_TOL = 1e-4  # "at ln V": the uniform prediction's loss, to this much
+
+    def __init__(self, policy: str, patience: int, spike_factor: float, warmup: int = 10, *,
+                 max_skips: int = 20, max_rollbacks: int = 5, max_rollbacks_per_checkpoint: int = 2,
+                 collapse_steps: int = 5, uniform_loss: float | None = None):
         self.policy = policy
         self.patience = patience
         self.spike_factor = spike_factor
         self.warmup = warmup
+        self.max_skips = max_skips
+        self.max_rollbacks = max_rollbacks
+        self.max_rollbacks_per_checkpoint = max_rollbacks_per_checkpoint
+        self.collapse_steps = collapse_steps
+        self.uniform_loss = uniform_loss
         self.in_a_row = 0
         self.skipped = 0
         self.rollbacks = 0
+        self.rollbacks_to: dict[str, int] = {}  # checkpoint name -> rollbacks to it
+        self.collapsed_in_a_row = 0
         self.mean: float | None = None  # running mean of the loss (EMA)
         self.seen = 0
+
+    @classmethod
+    def from_config(cls, t: TrainConfig, uniform_loss: float | None = None) -> "NonFiniteGuard":
+        """The guard of a ``TrainConfig``; ``uniform_loss`` = ln(model vocabulary size)."""
+        return cls(t.nonfinite, t.nonfinite_patience, t.spike_factor, max_skips=t.nonfinite_max_skips,
+                   max_rollbacks=t.nonfinite_max_rollbacks,
+                   max_rollbacks_per_checkpoint=t.nonfinite_max_rollbacks_per_checkpoint,
+                   collapse_steps=t.collapse_steps, uniform_loss=uniform_loss)
 
     def check(self, loss: float, grad_norm: float) -> bool:
         """True when the step is finite (and resets the streak)."""
@@ -103,10 +144,66 @@ class NonFiniteGuard:
             self.in_a_row = 0
             return True
         self.in_a_row += 1
+        self.collapsed_in_a_row = 0  # not a flat step: a collapse is counted in consecutive finite steps
         return False
+
+    def collapsed(self, loss: float, grad_norm: float) -> bool:
+        """Whether this finite step completes a collapse: ``collapse_steps`` steps in a row, after
+        the first ``warmup`` steps, whose gradient norm is exactly 0, or below
+        ``COLLAPSE_GRAD_NORM`` with the loss within ``COLLAPSE_LOSS_TOL`` of ln V. Counted as one
+        more bad step in a row (patience) when it fires; the streak starts over after it."""
+        if self.collapse_steps <= 0:
+            return False
+        at_uniform = self.uniform_loss is not None and abs(loss - self.uniform_loss) <= self.COLLAPSE_LOSS_TOL
+        flat = grad_norm == 0.0 or (at_uniform and abs(grad_norm) < self.COLLAPSE_GRAD_NORM)
+        if not flat or self.seen < self.warmup:
+            self.collapsed_in_a_row = 0
+            return False
+        self.collapsed_in_a_row += 1
+        if self.collapsed_in_a_row < self.collapse_steps:
+            return False
+        self.collapsed_in_a_row = 0
+        self.in_a_row += 1
+        return True
 
     def exhausted(self) -> bool:
         return self.in_a_row > self.patience
+
+    def refusal(self, checkpoint: str | None, collapse: bool = False) -> str:
+        """Why this bad step stops the run instead of being skipped or rolled back ("" when the
+        policy applies); ``checkpoint`` names the one a rollback would go to (None: none).
+
+        A collapse is never skipped: skipping drops one update, but the weights are already
+        collapsed and the next steps would be the same; only a rollback undoes it."""
+        if collapse and self.policy != "rollback":
+            return (f"train.nonfinite={self.policy}: a collapse is not skipped (the weights are already collapsed); "
+                    "train.nonfinite=rollback goes back to the last checkpoint, train.collapse_steps=0 turns "
+                    "the check off")
+        if self.policy == "stop":
+            return "train.nonfinite=skip or rollback continues past it"
+        if self.exhausted():
+            return f"{self.in_a_row} in a row exceeds train.nonfinite_patience={self.patience}"
+        if self.policy == "skip" and self.skipped >= self.max_skips:
+            return (f"{self.skipped} update(s) already skipped in this run: the bound "
+                    f"train.nonfinite_max_skips={self.max_skips} is reached")
+        if self.policy == "rollback":
+            if checkpoint is None:
+                return "no checkpoint to roll back to"
+            if self.rollbacks >= self.max_rollbacks:
+                return (f"{self.rollbacks} rollback(s) already in this run: the bound "
+                        f"train.nonfinite_max_rollbacks={self.max_rollbacks} is reached")
+            n = self.rollbacks_to.get(checkpoint, 0)
+            if n >= self.max_rollbacks_per_checkpoint:
+                return (f"already rolled back to {checkpoint} {n} time(s): the bound "
+                        f"train.nonfinite_max_rollbacks_per_checkpoint={self.max_rollbacks_per_checkpoint} is reached")
+        return ""
+
+    def record_skip(self) -> None:
+        self.skipped += 1
+
+    def record_rollback(self, checkpoint: str) -> None:
+        self.rollbacks += 1
+        self.rollbacks_to[checkpoint] = self.rollbacks_to.get(checkpoint, 0) + 1
 
     def spike(self, loss: float) -> float | None:
         """The loss / running-mean ratio when this finite loss is a spike, else None; updates the mean."""
@@ -119,10 +216,13 @@ class NonFiniteGuard:
         return ratio
 
     def state_dict(self) -> dict:
-        return {"skipped": self.skipped, "rollbacks": self.rollbacks, "mean": self.mean, "seen": self.seen}
+        return {"skipped": self.skipped, "rollbacks": self.rollbacks, "rollbacks_to": dict(self.rollbacks_to),
+                "mean": self.mean, "seen": self.seen}
 
     def load_state_dict(self, state: dict) -> None:
+        """Resume the counts of a checkpoint (a resumed run; never a rollback, see the class)."""
         self.skipped = int(state.get("skipped", 0))
         self.rollbacks = int(state.get("rollbacks", 0))
+        self.rollbacks_to = {str(k): int(v) for k, v in state.get("rollbacks_to", {}).items()}
         self.mean = state.get("mean")
         self.seen = int(state.get("seen", 0))

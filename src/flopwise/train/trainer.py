@@ -31,6 +31,7 @@ from flopwise.data.datadir import DataDir, open_data_dir
 from flopwise.data.loader import fixed_windows, make_loader
 from flopwise.evaluate.generate import generate
 from flopwise.evaluate.loss import bits_per_byte, evaluate_loss, perplexity, target_bytes
+from flopwise.fsio import atomic_write
 from flopwise.measure.meter import ThroughputMeter, format_memory, memory_stats
 from flopwise.measure.sinks import format_mfu, human
 from flopwise.measure.tracking import NullTracker, Tracker
@@ -199,7 +200,8 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
     env, device = init_distributed(cfg.parallel.strategy, cfg.train.device, cfg.parallel.backend,
                                    cfg.parallel.timeout_min)
     try:
-        result = _train(cfg, log if env.is_main else _quiet, fresh, env, device, t_start)
+        with contextlib.ExitStack() as locks:  # rank 0 holds the run directory's lock until the run ends
+            result = _train(cfg, log if env.is_main else _quiet, fresh, env, device, t_start, locks)
         env.barrier()  # ranks leave together: tearing the group down under a rank still using it aborts
         return result
     finally:
@@ -210,7 +212,8 @@ def _quiet(_: str) -> None:
     """The log of ranks other than 0."""
 
 
-def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.device, t_start: float) -> TrainResult:
+def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.device, t_start: float,
+           locks: contextlib.ExitStack) -> TrainResult:
     prec = resolve_precision_full(cfg.train.precision, device)
     precision, amp_dtype = prec.name, prec.autocast_dtype
     autocast = autocast_factory(device, amp_dtype)
@@ -221,7 +224,7 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
         raise ConfigError(split)
     loss_impl = resolve_loss_impl(t.loss, m, t, device)
     strategy = resolve_strategy(cfg, env, device, precision, loss_impl)  # refusals before any work
-    start = env.on_main(lambda: start_run(cfg, fresh))
+    start = env.on_main(lambda: start_run(cfg, fresh, locks))
     cfg.train.run_dir = str(start.run_dir)  # rank 0 named it (a timestamp): every rank uses that name
     run_dir = start.run_dir
     data = env.main_first(lambda: open_data(cfg, log))  # the embedded corpus is prepared once, by rank 0
@@ -271,7 +274,7 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
     optimizer = build_optimizer(state_model, o, device)
     if strategy.name == "zero1":
         optimizer = zero1_optimizer(optimizer)
-    guard = NonFiniteGuard(t.nonfinite, t.nonfinite_patience, t.spike_factor)
+    guard = NonFiniteGuard.from_config(t, uniform_loss=math.log(m.vocab_size))  # the logits' uniform loss
 
     step, tokens, val_start = 0, 0, float("nan")
     if start.checkpoint is not None:
@@ -306,12 +309,12 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
         if start.resumed_run:
             truncate_metrics(run_dir / "metrics.jsonl", step)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(config_yaml)
+        atomic_write(run_dir / "config.yaml", config_yaml)  # a kill mid-write leaves the old copy, never half
         previous = _read_json(run_dir / "run.json") if start.resumed_run else {}
         record["starts"] = previous.get("starts", []) + [{"at_step": step, "started": record["started"],
                                                           "world_size": world}]
-        (run_dir / "plan.json").write_text(json.dumps(plan, indent=2))
-        (run_dir / "run.json").write_text(json.dumps(record, indent=2))
+        atomic_write(run_dir / "plan.json", json.dumps(plan, indent=2))
+        atomic_write(run_dir / "run.json", json.dumps(record, indent=2))
         shutil.copyfile(data.path / "tokenizer.json", run_dir / "tokenizer.json")  # the run is self-contained
         if t.preflight and Path(t.preflight).is_file():  # plan vs preflight vs actual, in the report
             shutil.copyfile(t.preflight, run_dir / "preflight.json")
@@ -476,11 +479,13 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
                 grad_norm = clip_grad_norm(opt_params, clip)
             loss_f, gnorm_f = global_loss(env, loss, grad_norm)  # one transfer per step
             # With fp16 loss scaling an overflowing gradient is routine: the scaler skips that
-            # update and lowers its scale, so only the loss decides there.
-            if not guard.check(loss_f, gnorm_f if prec.scaler is None else 0.0):
+            # update and lowers its scale, so only the loss decides there. A collapse (gradient
+            # norm ~0 for train.collapse_steps steps) is handled as a bad step too, from the same floats.
+            finite = guard.check(loss_f, gnorm_f if prec.scaler is None else 0.0)
+            if not finite or guard.collapsed(loss_f, gnorm_f):
                 step, tokens = handle_nonfinite(
                     guard, step, tokens, loss_f, gnorm_f, lr, optimizer, train_loader, run_dir, last_saved, sink, log,
-                    reload=reload, is_main=env.is_main)
+                    reload=reload, is_main=env.is_main, collapse=finite)
                 if master:
                     master.master_to_model()
                 if prec.scaler is not None:
@@ -584,7 +589,7 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
                          avg["tok_per_s"], avg["mfu"], wall, last_saved, sample, stopped or None)
     summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(result).items()}
     if env.is_main:
-        (run_dir / "run.json").write_text(json.dumps({**record, "result": summary, "train_time_s": train_time},
+        atomic_write(run_dir / "run.json", json.dumps({**record, "result": summary, "train_time_s": train_time},
                                                      indent=2))
 
     avg_tps = "n/a" if avg["tok_per_s"] is None else f"{human(avg['tok_per_s'])} tok/s"
@@ -601,37 +606,50 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
 
 def handle_nonfinite(guard: NonFiniteGuard, step: int, tokens: int, loss: float, grad_norm: float, lr: float,
                      optimizer: torch.optim.Optimizer, loader, run_dir: Path, last_saved: Path | None, sink,
-                     log: Log, reload: Callable[[Path], dict[str, Any]], is_main: bool = True) -> tuple[int, int]:
-    """Apply ``train.nonfinite`` to a step whose loss or gradients are not finite (the update
-    has not happened). Returns the (step, tokens) the loop continues from; raises
-    :class:`NonFiniteError` when the policy is ``stop`` or its patience is used up."""
+                     log: Log, reload: Callable[[Path], dict[str, Any]], is_main: bool = True,
+                     collapse: bool = False) -> tuple[int, int]:
+    """Apply ``train.nonfinite`` to a bad step: a loss or gradients that are not finite, or
+    (``collapse``) the last step of a collapse (:meth:`NonFiniteGuard.collapsed`); the update
+    has not happened. Returns the (step, tokens) the loop continues from; raises
+    :class:`NonFiniteError`, after writing ``nonfinite-step-N.json``, when the policy is
+    ``stop`` or one of its bounds is reached (:meth:`NonFiniteGuard.refusal` says which)."""
     bad_step = step + 1
     optimizer.zero_grad(set_to_none=True)
-    what = f"non-finite loss or gradients at step {bad_step} (loss {loss}, grad norm {grad_norm})"
-    sink.write({"step": bad_step, "event": "nonfinite", "loss": loss, "grad_norm": grad_norm, "policy": guard.policy})
-    if guard.policy == "rollback" and last_saved is None:
-        log(f"  event {what}: no checkpoint to roll back to, stopping")
-    if guard.policy == "stop" or guard.exhausted() or (guard.policy == "rollback" and last_saved is None):
+    if collapse:
+        what = (f"collapse at step {bad_step}: gradient norm {grad_norm:.3g} for {guard.collapse_steps} steps in a "
+                f"row (loss {loss:.6f}, uniform ln V = {guard.uniform_loss:.6f})")
+    else:
+        what = f"non-finite loss or gradients at step {bad_step} (loss {loss}, grad norm {grad_norm})"
+    event = "collapse" if collapse else "nonfinite"
+    sink.write({"step": bad_step, "event": event, "loss": loss, "grad_norm": grad_norm, "policy": guard.policy})
+    checkpoint = last_saved.name if last_saved is not None else None
+    refusal = guard.refusal(checkpoint, collapse)
+    if refusal:
+        if guard.policy != "stop":
+            log(f"  event {what}: stopping: {refusal}")
         diag = run_dir / f"nonfinite-step-{bad_step:07d}.json"
         if is_main:
             diag.write_text(json.dumps({
-                "step": bad_step, "loss": loss, "grad_norm": grad_norm, "lr": lr, "policy": guard.policy,
-                "in_a_row": guard.in_a_row, "loader_after_step": loader.state_dict(),
-                "last_checkpoint": str(last_saved) if last_saved else None,
+                "step": bad_step, "event": event, "loss": loss, "grad_norm": grad_norm, "lr": lr,
+                "policy": guard.policy, "stopped_because": refusal, "in_a_row": guard.in_a_row,
+                "skipped": guard.skipped, "rollbacks": guard.rollbacks, "rollbacks_to": guard.rollbacks_to,
+                "loader_after_step": loader.state_dict(), "last_checkpoint": str(last_saved) if last_saved else None,
             }, indent=2, default=str))
-        hint = ("train.nonfinite=skip or rollback continues past it" if guard.policy == "stop"
-                else f"{guard.in_a_row} in a row exceeds train.nonfinite_patience={guard.patience}")
-        raise NonFiniteError(f"{what}; diagnostics in {diag}; last checkpoint {last_saved}; {hint}")
+        raise NonFiniteError(f"{what}; diagnostics in {diag}; last checkpoint {last_saved}; {refusal}")
     if guard.policy == "skip":
-        guard.skipped += 1
-        log(f"  event {what}: update skipped ({guard.in_a_row} in a row)")
+        guard.record_skip()
+        log(f"  event {what}: update skipped ({guard.in_a_row} in a row, {guard.skipped} of at most "
+            f"{guard.max_skips} in the run)")
         return step + 1, tokens + 0  # the batch is consumed, nothing learned from it
-    # rollback: the weights, optimizer and RNG of the last checkpoint; the data since it is skipped
+    # rollback: the weights, optimizer and RNG of the last checkpoint; the data since it is skipped.
+    # The guard keeps its own counts (reload does not touch it): the one being made included.
     position = loader.state_dict()
     saved = reload(last_saved)  # weights, optimizer and RNG states
     loader.load_state_dict(position)
-    guard.rollbacks += 1
-    log(f"  event {what}: rolled back to {last_saved.name}, skipping the data since then")
+    guard.record_rollback(checkpoint)
+    log(f"  event {what}: rolled back to {checkpoint}, skipping the data since then ({guard.rollbacks} of at most "
+        f"{guard.max_rollbacks} in the run, {guard.rollbacks_to[checkpoint]} of "
+        f"{guard.max_rollbacks_per_checkpoint} to this checkpoint)")
     return saved["step"], saved["tokens"]
 
 
