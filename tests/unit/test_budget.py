@@ -144,3 +144,70 @@ def test_raw_params_need_6n_and_one_model_description():
         build_plan(PlanInputs(params=10**9, flops_formula="palm"))
     with pytest.raises(PlanError, match="give one"):
         build_plan(PlanInputs(model=SMOLLM_360M, params=10**9))
+
+
+# --- issue 19: a set-up that does not fit is not priced as if it ran --------------------------------------------
+
+def _eight_b(strategy="ddp", auto=False):
+    return PlanInputs(params=8_000_000_000, gpu=H100, gpus=8, tokens=160 * 10**9, flops_formula="6n",
+                      price_per_gpu_hour=2.0, memory=MemorySettings(strategy=strategy, n_gpus=8),
+                      auto_strategy=auto)
+
+
+def test_ddp_that_does_not_fit_is_marked_not_runnable_and_fsdp_proposed():
+    plan = build_plan(_eight_b("ddp"))
+    # 16 bytes per parameter replicated: 8e9 * 16 B = 119.2 GiB > 0.9 * 80 GiB
+    assert plan["memory_gb"] == pytest.approx(8e9 * 16 / 2**30) and plan["fits"] is False
+    assert plan["runnable"] is False
+    fit = plan["fit"]
+    assert fit["asked"] == "ddp" and fit["asked_fits"] is False and fit["proposed"] == "fsdp"
+    assert not fit["switched"] and fit["states_only"]
+    assert fit["per_strategy"]["fsdp"]["memory_gb"] == pytest.approx(8e9 * 16 / 8 / 2**30)
+    assert fit["per_strategy"]["fsdp"]["fits"] and fit["per_strategy"]["zero1"]["fits"]
+    assert plan["scaling"]["strategy"] == "ddp"  # as asked, but marked
+
+
+def test_default_strategy_switches_to_the_one_that_fits():
+    plan = build_plan(_eight_b("ddp", auto=True))
+    assert plan["fits"] is True and plan["runnable"] is True
+    assert plan["fit"]["switched"] and plan["fit"]["asked"] == "ddp" and plan["fit"]["strategy"] == "fsdp"
+    assert plan["memory"]["settings"]["strategy"] == "fsdp" and plan["scaling"]["strategy"] == "fsdp"
+    assert plan["memory_gb"] == pytest.approx(8e9 * 16 / 8 / 2**30)  # 14.9 GiB per GPU
+    # the time and cost do not depend on the strategy; the communication does
+    asked = build_plan(_eight_b("ddp"))
+    assert plan["hours"] == pytest.approx(asked["hours"]) and plan["cost"] == pytest.approx(asked["cost"])
+    assert plan["scaling"]["hours_with_comm"] != pytest.approx(asked["scaling"]["hours_with_comm"])
+    # --params counts states only, and says so
+    assert plan["memory"]["activations"] is None and "NOT counted" in plan["memory"]["counted"]
+
+
+def test_a_plan_that_fits_is_left_alone():
+    plan = build_plan(PlanInputs(model=SMOLLM_360M, gpu=A100, gpus=8, tokens=6e9, auto_strategy=True,
+                                 memory=MemorySettings(strategy="ddp", n_gpus=8)))
+    assert plan["fits"] and plan["runnable"] and not plan["fit"]["switched"]
+    assert plan["fit"]["proposed"] is None and plan["scaling"]["strategy"] == "ddp"
+
+
+def test_with_a_model_the_first_strategy_that_fits_is_taken():
+    # llama3.2-1b on 4 x 24 GiB: ddp needs ~28 GiB even at micro-batch 1, zero1 fits.
+    model = build_config(preset="llama3.2-1b").model
+    rtx = hardware.find("rtx 4090")
+    inp = dict(model=model, gpu=rtx, gpus=4, chinchilla=True, seq_len=2048)
+    plan = build_plan(PlanInputs(**inp, memory=MemorySettings(strategy="ddp", n_gpus=4), auto_strategy=True))
+    assert plan["fit"]["asked_fits"] is False and plan["fit"]["strategy"] == "zero1" and plan["fits"]
+    one = build_plan(PlanInputs(**{**inp, "gpus": 1}))  # one GPU: nothing to switch to
+    assert one["fits"] is False and one["runnable"] is False and one["fit"]["proposed"] is None
+
+
+def test_memory_gb_overrides_the_table():
+    plan = build_plan(PlanInputs(model=SMOLLM_360M, gpu=H100, memory_gb=16, seq_len=2048))
+    assert plan["gpu"]["memory_gb"] == 16 and plan["gpu"]["memory_source"] == "--memory-gb"
+    assert plan["gpu"]["peak_tflops"] == 989.4  # the peak stays the card's
+    full = build_plan(PlanInputs(model=SMOLLM_360M, gpu=H100, seq_len=2048))
+    assert plan["max_micro_batch"] < full["max_micro_batch"]
+
+
+def test_a100_40gb_plans_against_40_gib():
+    plan = build_plan(PlanInputs(model=SMOLLM_360M, gpu=hardware.find("a100-40gb"), seq_len=2048))
+    assert plan["gpu"]["name"] == "A100 SXM 40GB" and plan["gpu"]["memory_gb"] == 40
+    assert plan["gpu"]["peak_tflops"] == 312.0

@@ -11,8 +11,15 @@ from flopwise.plan import hardware
     ("NVIDIA H100 PCIe", "H100 PCIe", 756.5),
     ("NVIDIA H100 NVL", "H100 NVL", 835.0),
     ("NVIDIA H200", "H200", 989.4),
-    ("NVIDIA A100-SXM4-80GB", "A100", 312.0),
-    ("NVIDIA A100 80GB PCIe", "A100", 312.0),
+    ("NVIDIA A100-SXM4-80GB", "A100 SXM 80GB", 312.0),
+    ("NVIDIA A100 80GB PCIe", "A100 PCIe 80GB", 312.0),
+    ("NVIDIA A100-SXM4-40GB", "A100 SXM 40GB", 312.0),
+    ("NVIDIA A100-PCIE-40GB", "A100 PCIe 40GB", 312.0),
+    ("NVIDIA L4", "L4", 121.0),
+    ("NVIDIA GeForce RTX 5090", "RTX 5090", 209.5),
+    ("NVIDIA H200 NVL", "H200 NVL", 835.0),
+    ("NVIDIA GH200 480GB", "GH200", 989.4),
+    ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "RTX PRO 6000 Blackwell", 500.0),
     ("NVIDIA GeForce RTX 4090", "RTX 4090", 165.2),
     ("NVIDIA GeForce RTX 3090", "RTX 3090", 71.0),
     ("NVIDIA RTX A6000", "RTX A6000", 154.8),
@@ -24,6 +31,57 @@ def test_device_names_map_to_dense_peaks(device_name, table_name, bf16):
     spec = hardware.lookup(device_name)
     assert spec is not None and spec.name == table_name
     assert hardware.peak_tflops(device_name, "bf16") == bf16
+
+
+@pytest.mark.parametrize("typed, table_name, memory_gb, bf16", [
+    # issue 19: "a100-40gb" used to be taken for the 80 GB A100
+    ("a100-40gb", "A100 SXM 40GB", 40, 312.0),
+    ("a100 40gb", "A100 SXM 40GB", 40, 312.0),
+    ("A100 40 GB", "A100 SXM 40GB", 40, 312.0),
+    ("a100_sxm4_40GiB", "A100 SXM 40GB", 40, 312.0),
+    ("a100 pcie 40gb", "A100 PCIe 40GB", 40, 312.0),
+    ("a100", "A100 SXM 80GB", 80, 312.0),
+    ("a100-80gb", "A100 SXM 80GB", 80, 312.0),
+    ("A100 PCIe 80GB", "A100 PCIe 80GB", 80, 312.0),
+    ("h100", "H100 SXM", 80, 989.4),
+    ("H100-SXM5", "H100 SXM", 80, 989.4),
+    ("h100 pcie", "H100 PCIe", 80, 756.5),
+    ("h100-nvl", "H100 NVL", 94, 835.0),
+    ("h200", "H200", 141, 989.4),
+    ("l4", "L4", 24, 121.0),
+    ("L40S", "L40S", 48, 362.05),
+    ("rtx 3090", "RTX 3090", 24, 71.0),
+    ("RTX4090", "RTX 4090", 24, 165.2),
+    ("geforce rtx 5090", "RTX 5090", 32, 209.5),
+])
+def test_typed_names_map_to_the_right_card(typed, table_name, memory_gb, bf16):
+    spec = hardware.find(typed)
+    assert spec is not None and spec.name == table_name, typed
+    assert spec.memory_gb == memory_gb and spec.bf16 == bf16
+
+
+@pytest.mark.parametrize("name", ["a100x", "h100x", "a100 30gb", "l40", "rtx 4080", "h1000", "GH100", "A1000",
+                                  "NVIDIA A100-SXM4-40GB MIG 1g.5gb", "NVIDIA GeForce RTX 4090 D", "NVIDIA H800"])
+def test_names_not_in_the_table_are_unknown_not_a_similar_card(name):
+    # No prefix or substring match: these used to become an A100, H100, L4, ... (or a full
+    # GPU's peak for a MIG slice).
+    assert hardware.find(name) is None and hardware.lookup(name) is None
+
+
+def test_unknown_name_message_has_a_did_you_mean_and_the_known_names():
+    msg = hardware.unknown_gpu_message("a100x")
+    assert "--gpu 'a100x' is not in the hardware table" in msg and "did you mean 'a100'?" in msg
+    for spec in hardware.DEVICES:
+        assert spec.name in msg
+    assert "did you mean 'h100'?" in hardware.unknown_gpu_message("h100x")
+
+
+def test_every_alias_names_one_entry():
+    seen = {}
+    for spec in hardware.DEVICES:
+        for alias in (spec.name, *spec.aliases):
+            assert seen.setdefault(hardware.name_key(alias), spec.name) == spec.name, alias
+            assert hardware.find(alias) is spec
 
 
 def test_table_holds_dense_not_sparse_numbers():

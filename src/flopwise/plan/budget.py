@@ -73,6 +73,9 @@ class PlanInputs:
     memory: MemorySettings = field(default_factory=MemorySettings)
     interconnect: str = ""  # within a node; "" = the GPU's usual link
     network: str = "ib-ndr"  # between nodes
+    # The strategy was not chosen by the user (plan's default): when it does not fit in
+    # memory and another one does, the plan switches to that one and says so at the top.
+    auto_strategy: bool = False
 
     def validate(self) -> None:
         """Raise :class:`PlanError` listing every bad flag."""
@@ -248,9 +251,52 @@ def scaling(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: int, mi
     return out
 
 
+STRATEGY_ORDER = ("ddp", "zero1", "fsdp")  # least communication first, least memory last
+
+
 def build_plan(inp: PlanInputs) -> dict[str, Any]:
-    """Every quantity of the plan as a JSON-able dict (see :mod:`flopwise.plan.budget`)."""
+    """Every quantity of the plan as a JSON-able dict (see :mod:`flopwise.plan.budget`).
+
+    When the set-up does not fit in memory, ``plan["fit"]`` says so and names the
+    strategy that would (``proposed``): with a model, the first of zero1, fsdp (in that
+    order, after the one asked) whose memory fits; with ``--params`` only fsdp, because
+    only the states are counted there and fsdp leaves the most room for the uncounted
+    activations. With ``auto_strategy`` (the user did not choose one) the whole plan --
+    memory, time, cost, scaling -- is then that strategy's, and ``fit["switched"]`` is
+    True; otherwise the plan stays as asked and ``plan["runnable"]`` is False.
+    """
     inp.validate()
+    plan = _build_plan(inp)
+    asked = inp.memory.strategy
+    fit: dict[str, Any] = {
+        "asked": asked, "asked_memory_gb": plan["memory_gb"], "asked_fits": plan["fits"],
+        "strategy": asked, "states_only": inp.model is None, "per_strategy": {}, "proposed": None,
+        "switched": False,
+    }
+    if plan["fits"] is False and inp.gpus > 1:
+        fit["per_strategy"][asked] = {"memory_gb": plan["memory_gb"], "fits": False,
+                                      "max_micro_batch": plan["max_micro_batch"]}
+        start = STRATEGY_ORDER.index(asked) + 1 if asked in STRATEGY_ORDER else 1  # single: like ddp
+        others = {}
+        for strategy in STRATEGY_ORDER[start:]:
+            others[strategy] = _build_plan(replace(inp, memory=replace(inp.memory, strategy=strategy)))
+            fit["per_strategy"][strategy] = {"memory_gb": others[strategy]["memory_gb"],
+                                             "fits": others[strategy]["fits"],
+                                             "max_micro_batch": others[strategy]["max_micro_batch"]}
+        fitting = [s for s, alt in others.items() if alt["fits"]]
+        if inp.model is None:
+            fit["proposed"] = "fsdp" if "fsdp" in fitting else None
+        else:
+            fit["proposed"] = fitting[0] if fitting else None
+        if fit["proposed"] and inp.auto_strategy:
+            plan = others[fit["proposed"]]
+            fit.update(strategy=fit["proposed"], switched=True)
+    plan["fit"] = fit
+    plan["runnable"] = plan["fits"] is not False
+    return plan
+
+
+def _build_plan(inp: PlanInputs) -> dict[str, Any]:
     m = inp.model
     plan: dict[str, Any] = {"model": inp.model_name or ("custom" if m else f"{_h(inp.params)} parameters")}
 
@@ -280,6 +326,7 @@ def build_plan(inp: PlanInputs) -> dict[str, Any]:
         "peak_tflops": peak / 1e12 if peak else None,
         "peak_source": "--peak-tflops" if inp.peak_tflops > 0 else ("hardware table" if peak else None),
         "memory_gb": inp.gpu_memory_bytes / GIB if inp.gpu_memory_bytes else None,
+        "memory_source": "--memory-gb" if inp.memory_gb > 0 else ("hardware table" if inp.gpu else None),
     }
     plan["gpus"] = inp.gpus
     plan["mfu"] = inp.mfu
@@ -338,7 +385,10 @@ def build_plan(inp: PlanInputs) -> dict[str, Any]:
         states = state_bytes(n_params, inp.memory)
         mem_total = sum(states.values())
         plan["memory"] = {"settings": _settings_dict(inp.memory), **{k: v / GIB for k, v in states.items()},
-                          "activations": None, "total": mem_total / GIB}
+                          "activations": None, "total": mem_total / GIB,
+                          "counted": "parameters, gradients, optimizer states and master weights only: "
+                                     "activations, logits and FSDP gather buffers are NOT counted (--params "
+                                     "gives no model shape; give --model or --config to count them)"}
         plan["memory_variants"] = None
         plan["max_micro_batch"] = None
         batch = recommend_batch(inp, None)

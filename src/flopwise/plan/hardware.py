@@ -7,10 +7,22 @@ bf16 entries are the fp32-accumulate numbers.
 
 An unknown device has no entry: MFU is then reported as n/a, never computed against a
 guessed denominator. ``train.peak_tflops`` (or ``--peak-tflops``) supplies one.
+
+Names are matched exactly, never by prefix or substring: a name (what a user types
+for ``plan --gpu``, or what ``torch.cuda.get_device_name()`` returns) is reduced by
+:func:`name_key` to a sorted tuple of tokens -- lower case, vendor words (NVIDIA,
+GeForce, Tesla, "Generation", "Edition", ...) dropped, spaces, dashes and underscores
+ignored, ``40GB``/``40 GB``/``40GiB`` read as one memory token, ``SXM2/4/5`` read as
+``SXM``, letters split from digits (``rtx4090`` = ``RTX 4090``) -- and that key must equal
+the key of an entry's name or of one of its aliases. So ``a100-40gb``, ``A100 40GB`` and
+``NVIDIA A100-SXM4-40GB`` are the 40 GB A100, while ``a100x``, ``h100x``, ``l40`` or a MIG
+slice (``... MIG 1g.5gb``) are unknown. A bare family name means the current SXM part
+(``a100`` = A100 SXM 80GB, ``h100`` = H100 SXM); the plan prints the entry it took.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass
 
@@ -25,7 +37,7 @@ class DeviceSpec:
     fp32: float | None  # non-tensor FP32
     memory_gb: float  # as marketed; an "80GB" card holds 80 GiB of HBM (~79.6 GiB usable)
     bandwidth_tbs: float  # memory bandwidth, TB/s
-    pattern: str  # regex matched against torch.cuda.get_device_name()
+    aliases: tuple[str, ...] = ()  # other names (user spellings, torch.cuda.get_device_name() strings)
 
     @property
     def memory_bytes(self) -> int:
@@ -34,54 +46,129 @@ class DeviceSpec:
         return int(self.memory_gb * 1024**3)
 
 
-# Sources: NVIDIA datasheets (A100, H100, H200, B200/HGX B200, L40S, L4, A10, RTX 6000 Ada,
-# RTX PRO 6000 Blackwell) and architecture whitepapers (GA102, AD102, GB202) for the GeForce
-# and workstation cards; each datasheet value marked "with sparsity" was halved. Blackwell
-# workstation bf16 is derived from the fp4 figure (4 PFLOPS sparse fp4 -> 500 dense bf16).
-# Ordered: the first matching pattern wins, so specific variants precede generic ones.
+# Sources (dense = the datasheet's "with sparsity" figure halved, rounded as printed):
+# - A100 (all four): NVIDIA A100 datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4):
+#   bf16/fp16 312 (624 sparse), tf32 156, fp32 19.5 for 40GB and 80GB, SXM and PCIe alike;
+#   bandwidth 1,555 GB/s (40GB), 1,935 GB/s (80GB PCIe), 2,039 GB/s (80GB SXM).
+# - H100 SXM / PCIe / NVL: NVIDIA H100 datasheet: bf16 1,979 / 1,513 / 1,671 sparse -> 989.4
+#   (whitepaper's 989.4) / 756.5 / 835 (NVL per GPU, 1,671/2 rounded); 80 / 80 / 94 GB;
+#   3.35 / 2.0 / 3.9 TB/s. H200, H200 NVL: NVIDIA H200 datasheet (1,979 / 1,671 sparse).
+# - GH200 (96 GB HBM3, "GH200 480GB"), B200 (HGX B200 datasheet, per GPU: 4.5 PF sparse bf16).
+# - L4: L4 datasheet bf16 242 sparse -> 121, fp8 485 -> 242.5, tf32 120 -> 60, fp32 30.3.
+# - L40S: L40S datasheet bf16 "362.05 | 733" (dense | sparse), fp8 733 dense, tf32 183.
+# - A10, A10G (AWS), RTX 6000 Ada, RTX A6000, RTX PRO 6000 Blackwell: their datasheets;
+#   Blackwell workstation bf16 derived from the fp4 figure (4 PFLOPS sparse fp4 -> 500 dense bf16).
+# - RTX 3090 / 4090 / 5090: GA102 / AD102 / GB202 whitepapers, fp16-with-fp32-accumulate
+#   tensor rate (71 / 165.2 / 209.5), what bf16 training runs at on GeForce cards.
+# - V100 SXM2 (fp16 125, fp32 15.7; no bf16), T4 (fp16 65): their datasheets.
+# Each entry matches only its own name and aliases (see name_key); order does not matter.
 DEVICES: tuple[DeviceSpec, ...] = (
-    #          name                  bf16    fp16    fp8     tf32    fp32  GB    TB/s
-    DeviceSpec("H200 NVL",           835.0,  835.0,  1670.0, 417.5,  60.0, 141, 4.8, r"H200.*NVL"),
-    DeviceSpec("H200",               989.4,  989.4,  1978.9, 494.7,  66.9, 141, 4.8, r"H200"),
-    DeviceSpec("GH200",              989.4,  989.4,  1978.9, 494.7,  66.9, 96, 4.0, r"GH200"),
-    DeviceSpec("H100 NVL",           835.0,  835.0,  1670.0, 417.5,  60.0, 94, 3.9, r"H100.*NVL"),
-    DeviceSpec("H100 PCIe",          756.5,  756.5,  1513.0, 378.0,  51.2, 80, 2.0, r"H100.*PCIe"),
-    DeviceSpec("H100 SXM",           989.4,  989.4,  1978.9, 494.7,  66.9, 80, 3.35, r"H100"),
-    DeviceSpec("B200",               2250.0, 2250.0, 4500.0, 1100.0, 75.0, 180, 8.0, r"B200"),
-    DeviceSpec("A100",               312.0,  312.0,  None,   156.0,  19.5, 80, 2.039, r"A100"),
-    DeviceSpec("A10G",               70.0,   70.0,   None,   35.0,   31.2, 24, 0.6, r"A10G"),
-    DeviceSpec("A10",                125.0,  125.0,  None,   62.5,   31.2, 24, 0.6, r"\bA10\b"),
-    DeviceSpec("L40S",               362.05, 362.05, 733.0,  183.0,  91.6, 48, 0.864, r"L40S"),
-    DeviceSpec("L4",                 121.0,  121.0,  242.5,  60.0,   30.3, 24, 0.3, r"\bL4\b"),
-    DeviceSpec("RTX PRO 6000 Blackwell", 500.0, 500.0, 1000.0, 250.0, 125.0, 96, 1.792, r"RTX PRO 6000"),
-    DeviceSpec("RTX 6000 Ada",       364.2,  364.2,  728.5,  182.1,  91.1, 48, 0.96, r"RTX 6000 Ada"),
-    DeviceSpec("RTX A6000",          154.8,  154.8,  None,   77.4,   38.7, 48, 0.768, r"A6000"),
-    DeviceSpec("RTX 5090",           209.5,  209.5,  419.0,  104.8,  104.8, 32, 1.792, r"RTX 5090"),
-    DeviceSpec("RTX 4090",           165.2,  165.2,  330.3,  82.6,   82.6, 24, 1.008, r"RTX 4090"),
-    DeviceSpec("RTX 3090",           71.0,   71.0,   None,   35.6,   35.6, 24, 0.936, r"RTX 3090"),
-    DeviceSpec("V100",               None,   125.0,  None,   None,   15.7, 32, 0.9, r"V100"),
-    DeviceSpec("T4",                 None,   65.0,   None,   None,   8.1, 16, 0.32, r"\bT4\b"),
+    #          name              bf16    fp16    fp8     tf32    fp32  GB    TB/s
+    DeviceSpec("H200 NVL",       835.0,  835.0,  1670.0, 417.5,  60.0, 141, 4.8, ("h200 nvl 141gb",)),
+    DeviceSpec("H200",           989.4,  989.4,  1978.9, 494.7,  66.9, 141, 4.8,
+               ("h200 sxm", "h200 141gb", "h200 sxm 141gb")),
+    DeviceSpec("GH200",          989.4,  989.4,  1978.9, 494.7,  66.9, 96, 4.0, ("gh200 96gb", "GH200 480GB")),
+    DeviceSpec("H100 NVL",       835.0,  835.0,  1670.0, 417.5,  60.0, 94, 3.9, ("h100 nvl 94gb", "h100 94gb")),
+    DeviceSpec("H100 PCIe",      756.5,  756.5,  1513.0, 378.0,  51.2, 80, 2.0, ("h100 pcie 80gb",)),
+    DeviceSpec("H100 SXM",       989.4,  989.4,  1978.9, 494.7,  66.9, 80, 3.35,
+               ("h100", "h100 80gb", "h100 sxm 80gb", "NVIDIA H100 80GB HBM3")),
+    DeviceSpec("B200",           2250.0, 2250.0, 4500.0, 1100.0, 75.0, 180, 8.0, ("b200 180gb", "b200 192gb")),
+    DeviceSpec("A100 SXM 80GB",  312.0,  312.0,  None,   156.0,  19.5, 80, 2.039,
+               ("a100", "a100 80gb", "a100 sxm", "NVIDIA A100-SXM4-80GB")),
+    DeviceSpec("A100 PCIe 80GB", 312.0,  312.0,  None,   156.0,  19.5, 80, 1.935,
+               ("a100 pcie", "NVIDIA A100 80GB PCIe")),
+    DeviceSpec("A100 SXM 40GB",  312.0,  312.0,  None,   156.0,  19.5, 40, 1.555,
+               ("a100 40gb", "NVIDIA A100-SXM4-40GB")),
+    DeviceSpec("A100 PCIe 40GB", 312.0,  312.0,  None,   156.0,  19.5, 40, 1.555,
+               ("NVIDIA A100-PCIE-40GB",)),
+    DeviceSpec("A10G",           70.0,   70.0,   None,   35.0,   31.2, 24, 0.6, ("a10g 24gb",)),
+    DeviceSpec("A10",            125.0,  125.0,  None,   62.5,   31.2, 24, 0.6, ("a10 24gb",)),
+    DeviceSpec("L40S",           362.05, 362.05, 733.0,  183.0,  91.6, 48, 0.864, ("l40s 48gb",)),
+    DeviceSpec("L4",             121.0,  121.0,  242.5,  60.0,   30.3, 24, 0.3, ("l4 24gb",)),
+    DeviceSpec("RTX PRO 6000 Blackwell", 500.0, 500.0, 1000.0, 250.0, 125.0, 96, 1.792,
+               ("rtx pro 6000", "rtx pro 6000 96gb", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition",
+                "NVIDIA RTX PRO 6000 Blackwell Server Edition")),
+    DeviceSpec("RTX 6000 Ada",   364.2,  364.2,  728.5,  182.1,  91.1, 48, 0.96,
+               ("rtx 6000 ada 48gb", "NVIDIA RTX 6000 Ada Generation")),
+    DeviceSpec("RTX A6000",      154.8,  154.8,  None,   77.4,   38.7, 48, 0.768, ("a6000", "rtx a6000 48gb")),
+    DeviceSpec("RTX 5090",       209.5,  209.5,  419.0,  104.8,  104.8, 32, 1.792, ("5090", "rtx 5090 32gb")),
+    DeviceSpec("RTX 4090",       165.2,  165.2,  330.3,  82.6,   82.6, 24, 1.008, ("4090", "rtx 4090 24gb")),
+    DeviceSpec("RTX 3090",       71.0,   71.0,   None,   35.6,   35.6, 24, 0.936, ("3090", "rtx 3090 24gb")),
+    DeviceSpec("V100 SXM2 32GB", None,   125.0,  None,   None,   15.7, 32, 0.9,
+               ("v100", "v100 32gb", "Tesla V100-SXM2-32GB")),
+    DeviceSpec("V100 SXM2 16GB", None,   125.0,  None,   None,   15.7, 16, 0.9, ("v100 16gb", "Tesla V100-SXM2-16GB")),
+    DeviceSpec("T4",             None,   65.0,   None,   None,   8.1, 16, 0.32, ("t4 16gb", "Tesla T4")),
 )
 
 DTYPES = ("bf16", "fp16", "fp8", "tf32", "fp32")
 
+# Words that say nothing about which card it is.
+_NOISE = frozenset({"nvidia", "geforce", "tesla", "generation", "edition", "workstation", "server", "gpu",
+                    "graphics", "card"})
+
+
+def name_key(name: str) -> tuple[str, ...]:
+    """The matching key of a GPU name: sorted tokens, see the module docstring.
+
+    >>> name_key("NVIDIA A100-SXM4-40GB") == name_key("a100 sxm 40 gb") == ('100', '40gb', 'a', 'sxm')
+    True
+    """
+    s = re.sub(r"(\d+)\s*gi?b\b", r" \1gb ", name.lower())  # "40 GB", "40GiB" -> one "40gb" token
+    tokens = re.findall(r"\d+gb|[a-z]+|\d+", s)
+    out: list[str] = []
+    for i, tok in enumerate(tokens):
+        if tok in _NOISE:
+            continue
+        if tok.isdigit() and i > 0 and tokens[i - 1] == "sxm":  # SXM2/SXM4/SXM5 -> SXM
+            continue
+        out.append(tok)
+    return tuple(sorted(out))
+
+
+def _index() -> dict[tuple[str, ...], DeviceSpec]:
+    index: dict[tuple[str, ...], DeviceSpec] = {}
+    for spec in DEVICES:
+        for alias in (spec.name, *spec.aliases):
+            key = name_key(alias)
+            other = index.setdefault(key, spec)
+            if other is not spec:  # a table mistake, caught at import (and by the tests)
+                raise AssertionError(f"GPU alias {alias!r} of {spec.name} also names {other.name}")
+    return index
+
+
+_INDEX = _index()
+
 
 def lookup(device_name: str) -> DeviceSpec | None:
-    """The table entry for a device name such as ``"NVIDIA H100 80GB HBM3"``, or None."""
-    for spec in DEVICES:
-        # Whole model numbers only: "H100" must not match "GH100" or "H1000".
-        if re.search(rf"(?<![0-9a-z]){spec.pattern}(?![0-9])", device_name, flags=re.IGNORECASE):
-            return spec
-    return None
+    """The table entry for a name such as ``"NVIDIA H100 80GB HBM3"`` or ``"a100 40gb"``, or None.
+
+    Exact on the normalised name (:func:`name_key`): a name that is not an entry's name or
+    alias is unknown, never taken for a card with a similar name.
+    """
+    return _INDEX.get(name_key(device_name))
 
 
 def find(name: str) -> DeviceSpec | None:
-    """Look up by table name (``"h100 sxm"``, ``"a100"``) or by a device-name string."""
-    key = name.strip().lower()
-    for spec in DEVICES:
-        if spec.name.lower() == key:
-            return spec
+    """Look up by table name (``"h100 sxm"``, ``"a100 40gb"``) or by a device-name string."""
     return lookup(name)
+
+
+def accepted_names(spec: DeviceSpec) -> list[str]:
+    """The spellings a user is shown for an entry: its name and its short aliases."""
+    return [spec.name] + [a for a in spec.aliases if not a.lower().startswith(("nvidia", "tesla"))]
+
+
+def unknown_gpu_message(name: str, flag: str = "--gpu") -> str:
+    """Why ``name`` is refused: a did-you-mean and every known name."""
+    def compact(s: str) -> str:  # "NVIDIA A100-40GB" -> "a10040gb": what the user typed, in order
+        return "".join(w for w in re.findall(r"[a-z]+|\d+", s.lower()) if w not in _NOISE)
+
+    candidates = {compact(a): a for spec in DEVICES for a in accepted_names(spec)}
+    close = difflib.get_close_matches(compact(name), list(candidates), n=1, cutoff=0.5)
+    hint = f" (did you mean {candidates[close[0]]!r}?)" if close else ""
+    known = ", ".join(spec.name for spec in DEVICES)
+    return (f"{flag} {name!r} is not in the hardware table{hint}; known GPUs: {known} (see --list-gpus for "
+            "the accepted spellings), or give --peak-tflops and --memory-gb")
 
 
 def peak_tflops(device_name: str, precision: str) -> float | None:
@@ -130,5 +217,6 @@ def default_link(spec: DeviceSpec | None) -> str:
     if spec is None:
         return "pcie4"
     return {"H200": "nvlink4", "GH200": "nvlink4", "H100 SXM": "nvlink4", "B200": "nvlink5",
-            "A100": "nvlink3", "H100 PCIe": "pcie5", "H100 NVL": "pcie5", "H200 NVL": "pcie5",
+            "A100 SXM 80GB": "nvlink3", "A100 SXM 40GB": "nvlink3", "H100 PCIe": "pcie5", "H100 NVL": "pcie5",
+            "H200 NVL": "pcie5",
             "L40S": "pcie4", "RTX 5090": "pcie5", "RTX PRO 6000 Blackwell": "pcie5"}.get(spec.name, "pcie4")

@@ -52,6 +52,7 @@ def format_plan(plan: dict[str, Any]) -> str:
         out.append(f"  {label:<26} {value:<18} {how}".rstrip())
 
     out.append(f"flopwise plan · {plan['model']}")
+    out.extend(_fit_banner(plan))
 
     section("Parameters")
     b = plan["params_breakdown"]
@@ -90,18 +91,22 @@ def format_plan(plan: dict[str, Any]) -> str:
     peak = g["peak_tflops"]
     row("GPU", f"{g['name'] or 'unspecified'} × {plan['gpus']}",
         f"dense {g['dtype']} peak {peak:g} TFLOP/s ({g['peak_source']})" if peak else "no peak: give --gpu or --peak-tflops")
+    if g.get("memory_gb"):
+        row("GPU memory", f"{g['memory_gb']:g} GiB", f"per GPU ({g.get('memory_source') or 'hardware table'})")
+    not_runnable = "  NOT runnable: does not fit in memory (see the top)" if plan.get("runnable") is False else ""
     row("MFU", f"{100 * plan['mfu']:.1f}%", "assumed model FLOPs utilisation")
     if plan["effective_flops"]:
         row("effective", _n(plan["effective_flops"], "FLOP/s"), f"{peak:g}T × {plan['gpus']} GPUs × {plan['mfu']:g}")
     if plan["hours"] is not None:
-        row("wall time", _hours(plan["hours"]), "total FLOPs ÷ effective FLOP/s")
+        row("wall time", _hours(plan["hours"]), "total FLOPs ÷ effective FLOP/s" + not_runnable)
         row("GPU-hours", f"{plan['gpu_hours']:,.1f}", f"{_hours(plan['hours'])} × {plan['gpus']}")
         if plan["cost"] is not None:
-            row("cost", f"${plan['cost']:,.2f}", f"GPU-hours × ${plan['price_per_gpu_hour']:g}/GPU-hour")
+            row("cost", f"${plan['cost']:,.2f}",
+                f"GPU-hours × ${plan['price_per_gpu_hour']:g}/GPU-hour" + not_runnable)
         sc = plan["scaling"]
         if plan["gpus"] > 1 and sc["hours_with_comm"]:
             row("with communication", _hours(sc["hours_with_comm"]),
-                f"÷ scaling efficiency {100 * sc['at_gpus']['efficiency']:.1f}% (see Scaling)")
+                f"÷ scaling efficiency {100 * sc['at_gpus']['efficiency']:.1f}% (see Scaling)" + not_runnable)
     elif plan["tokens"] is None:
         out.append("  (no --tokens, --hours or --chinchilla: no time estimate)")
 
@@ -129,6 +134,9 @@ def format_plan(plan: dict[str, Any]) -> str:
     if mem.get("activations") is not None:
         row("activations", _gb(mem["activations"]), f"saved for backward, micro-batch {batch['micro_batch']} × seq {T}")
         row("logits + loss", _gb(mem.get("logits")), "LM-head output and float32 log-softmax")
+    else:
+        row("activations", "NOT counted", "--params gives no model shape: activations, logits and FSDP buffers "
+            "are left out (give --model or --config to count them)")
     for key, label, how in (("weight_copies", "autocast weight copies", "bf16 copies of the matmul weights"),
                             ("transient", "backward transients", "peak temporaries of the loss/attention backward"),
                             ("fsdp_buffers", "FSDP gather buffers", "unsharded params/grads in flight"),
@@ -139,8 +147,10 @@ def format_plan(plan: dict[str, Any]) -> str:
     mem_gb = g["memory_gb"]
     verdict = ""
     if plan["fits"] is not None:
-        verdict = (f"fits under {100 * plan['headroom']:.0f}% of {mem_gb:.0f} GiB" if plan["fits"]
-                   else f"does NOT fit under {100 * plan['headroom']:.0f}% of {mem_gb:.0f} GiB")
+        verdict = (f"fits under {100 * plan['headroom']:.0f}% of {mem_gb:g} GiB" if plan["fits"]
+                   else f"does NOT fit under {100 * plan['headroom']:.0f}% of {mem_gb:g} GiB")
+    if mem.get("activations") is None:
+        verdict = "states only, activations NOT counted" + (f"; {verdict} before activations" if verdict else "")
     row("total", _gb(plan["memory_gb"]), verdict)
     if plan["max_micro_batch"] is not None:
         row("largest micro-batch", str(plan["max_micro_batch"]), f"at seq {T} under the headroom")
@@ -159,7 +169,7 @@ def format_plan(plan: dict[str, Any]) -> str:
 
     strategy = plan["scaling"]["strategy"]
     section(f"Scaling ({'ddp' if strategy == 'single' else strategy} at n GPUs, same global batch; "
-            f"{plan['scaling']['assumption']})")
+            f"{plan['scaling']['assumption']})" + (" -- NOT runnable: does not fit" if not_runnable else ""))
     out.append(f"  {'GPUs':>5} {'link':<9} {'comm/step':>10} {'compute/step':>13} {'comm share':>11} {'efficiency':>11}")
     for r in plan["scaling"]["table"]:
         comp = "n/a" if r["compute_s"] is None else f"{1000 * r['compute_s']:.1f} ms"
@@ -177,6 +187,35 @@ def format_plan(plan: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _fit_banner(plan: dict[str, Any]) -> list[str]:
+    """The lines under the title when the set-up as asked does not fit in memory."""
+    fit = plan.get("fit")
+    if not fit or fit["asked_fits"] is not False:
+        return []
+    mem_gb, headroom = plan["gpu"]["memory_gb"], 100 * plan["headroom"]
+    states = ", states only: activations not counted" if fit["states_only"] else ""
+    asked = fit["asked"]
+    over = "already over" if states else "over"
+    lines = [f"  ! {asked} does NOT fit: {_gb(fit['asked_memory_gb'])} per GPU ({over} {headroom:.0f}% of "
+             f"{mem_gb:g} GiB{states})."]
+    if fit["per_strategy"]:
+        lines.append("  ! per GPU: " + " · ".join(
+            f"{s} {_gb(v['memory_gb'])} ({'fits' if v['fits'] else 'does not fit'})"
+            for s, v in fit["per_strategy"].items()))
+    proposed = fit["proposed"]
+    if fit["switched"]:
+        lines.append(f"  ! planned with {proposed} instead ({_gb(plan['memory_gb'])} per GPU{states}): the memory, "
+                     f"time, cost and scaling below are for {proposed}; --strategy {asked} to see it as asked.")
+    elif proposed:
+        lines.append(f"  ! {proposed} fits ({_gb(fit['per_strategy'][proposed]['memory_gb'])} per GPU{states}): "
+                     f"rerun with --strategy {proposed}. The time, cost and scaling below are NOT runnable as set up "
+                     f"({asked}).")
+    else:
+        lines.append("  ! no strategy fits as set up: the time, cost and scaling below are NOT runnable "
+                     "(try more GPUs, --checkpointing full, a smaller --micro-batch or --seq-len).")
+    return lines
+
+
 def format_gpu_table() -> str:
     lines = [f"{'GPU':<24} {'bf16':>8} {'fp16':>8} {'fp8':>8} {'tf32':>8} {'fp32':>7} {'memory':>8} {'TB/s':>6}",
              "  (dense TFLOP/s: sparse datasheet figures halved)"]
@@ -185,6 +224,11 @@ def format_gpu_table() -> str:
             return "-" if v is None else f"{v:g}"
         lines.append(f"{d.name:<24} {f(d.bf16):>8} {f(d.fp16):>8} {f(d.fp8):>8} {f(d.tf32):>8} {f(d.fp32):>7}"
                      f" {d.memory_gb:>5g} GB {d.bandwidth_tbs:>6g}")
+    lines.append("")
+    lines.append("Names --gpu accepts (exact; case, spaces, dashes and 'GB' do not matter; a bare family name is "
+                 "the SXM part):")
+    for d in hardware.DEVICES:
+        lines.append(f"  {d.name:<24} {', '.join(hardware.accepted_names(d)[1:]) or '-'}")
     lines.append("")
     lines.append("Links (--interconnect within a node, --network between nodes), GB/s per GPU one way:")
     for link in hardware.LINKS.values():
