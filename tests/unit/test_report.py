@@ -176,6 +176,47 @@ def test_report_of_two_synthetic_runs(two_runs, tmp_path):
         assert "PNG copies of the 12 figures" in html
 
 
+def comparison_bases(html):
+    """{(run, key, column): "measured" | "assumed" | ""} of the plan-vs-measured table."""
+    out = {}
+    for row in re.finditer(r'<tr data-run="([^"]*)" data-key="([^"]+)">(.*?)</tr>', html, re.S):
+        for col, basis in re.findall(r'data-col="([^"]+)" data-value="[^"]*" data-basis="([^"]*)"', row.group(3)):
+            out[(row.group(1), row.group(2), col)] = basis
+    return out
+
+
+def test_preflight_assumptions_are_never_shown_as_measurements(tmp_path):
+    """Issue 19: on a CPU preflight measures no MFU (no device peak) and no peak memory; its
+    preflight.json still holds the planner's nominal 40% MFU and the planner's memory estimate.
+    The report showed 40.0% in the preflight column as if measured."""
+    cpu, old = write_run(tmp_path, "cpu", lr=1e-3, cuda=False), write_run(tmp_path, "old", lr=1e-3, cuda=False)
+    trials = [{"micro_batch": 8, "checkpointing": "none", "status": "ok", "tok_per_s": 4500.0, "mfu": None,
+               "peak_gb": None, "predicted_gb": 0.3}]
+    prediction = {"tokens": 40960, "tok_per_s": 4500.0, "mfu": None, "memory_gb": 0.3, "memory_basis": "assumed",
+                  "wall_time_s": 40960 / 4500.0, "hours": 40960 / 4500.0 / 3600,
+                  "planner": {"mfu": 0.40, "hours": None, "note": "cpu: no peak"}}
+    doc = {"device": "cpu", "trials": trials, "data_share": 0.01, "prediction": prediction,
+           "chosen": {"micro_batch_size": 8, "activation_checkpointing": "none"}}
+    (cpu / "preflight.json").write_text(json.dumps(doc))
+    del prediction["memory_basis"]  # a preflight.json written before the basis was recorded
+    (old / "preflight.json").write_text(json.dumps(doc))
+    html = build_report([cpu, old], out=tmp_path / "r.html").read_text()
+    cells, bases = comparison_cells(html), comparison_bases(html)
+    for run in ("cpu", "old"):
+        assert cells[(run, "mfu", "preflight")] is None  # n/a stays n/a, not the planner's 40%
+        assert bases[(run, "mfu", "preflight")] == ""
+        assert cells[(run, "tok_per_s", "preflight")] == pytest.approx(4500.0)
+        assert bases[(run, "tok_per_s", "preflight")] == "measured"
+        assert cells[(run, "memory_gb", "preflight")] == pytest.approx(0.3)
+        assert bases[(run, "memory_gb", "preflight")] == "assumed"  # the planner's estimate, so labelled
+        assert bases[(run, "mfu", "plan")] == "assumed"  # the plan's MFU is its assumption
+    assert "cpu · preflight (assumed)" in figures(html)["memory"]
+    assert "cpu · preflight" not in figures(html)["mfu"]  # no preflight MFU line at all
+    row = re.search(r'<tr data-run="cpu" data-key="mfu">(.*?)</tr>', html, re.S).group(1)
+    assert "40.0%" in row.split('data-col="preflight"')[0]  # the plan's assumption, in the plan column
+    assert "40.0%" not in row.split('data-col="preflight"')[1]
+
+
 def test_png_figures_with_matplotlib(two_runs, tmp_path):
     pytest.importorskip("matplotlib")
     out = build_report(two_runs[:1])  # default place: <first run>/report.html

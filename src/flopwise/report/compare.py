@@ -10,6 +10,11 @@ What is read (every value optional; a missing one shows as n/a):
 - preflight.json, at any depth (the shallowest match wins): ``tok_per_s`` |
   ``tokens_per_s``, ``mfu``, ``memory_gb`` | ``peak_memory_gb`` | ``mem_peak_gb``,
   ``wall_time_s`` | ``hours`` (for ``tokens``, if given, else for the run's tokens).
+  Never under a ``planner`` / ``plan`` / ``assumed`` key: those hold assumptions (the planner's
+  nominal 40% MFU), and a measured null (MFU on a device with no known peak) stays n/a rather
+  than falling through to them. Each preflight value carries its basis: ``measured``, or
+  ``assumed`` where preflight.json says so (``memory_basis``) or where the chosen trial
+  measured no peak memory (a CPU: the memory is the planner's estimate).
 - measured: run.json ``result.tok_per_s`` and ``result.mfu`` (post-warm-up averages), else
   the metrics rows; peak memory = max ``mem_peak_gb`` (CUDA) or max ``mem_rss_peak_gb`` /
   ``mem_rss_gb`` (CPU); wall time = the last ``elapsed_s`` of each process start, summed
@@ -36,6 +41,8 @@ class Comparison:
     actual: float | None
     note: str = ""
     comparable: bool = True  # False: the measurement is not what was predicted (CPU RSS vs tensors)
+    plan_basis: str = ""  # "assumed" where the plan's figure is an assumption, not a model of this run
+    preflight_basis: str = ""  # measured | assumed ("" when there is no value)
 
     @staticmethod
     def error(predicted: float | None, actual: float | None) -> float | None:
@@ -53,17 +60,36 @@ class Comparison:
         return self.error(self.preflight, self.actual)
 
 
+ASSUMPTIONS = frozenset({"planner", "plan", "assumed"})  # preflight.json subtrees that hold no measurement
+
+
 def find(tree: dict[str, Any] | None, *names: str) -> float | None:
-    """The first finite number under one of ``names`` at any depth of ``tree``, shallowest first."""
+    """The first finite number under one of ``names`` at any depth of ``tree``, shallowest first,
+    outside the ``ASSUMPTIONS`` subtrees."""
     if not tree:
         return None
-    flat = flatten(tree)
+    flat = {k: v for k, v in flatten(tree).items() if not ASSUMPTIONS & set(k.split(".")[:-1])}
     for depth in range(1, 1 + max((k.count(".") + 1 for k in flat), default=1)):
         for name in names:
             for key, value in flat.items():
                 if key.count(".") + 1 == depth and key.rsplit(".", 1)[-1] == name and number(value) is not None:
                     return number(value)
     return None
+
+
+def preflight_memory_basis(pre: dict[str, Any] | None) -> str:
+    """``assumed`` when preflight's memory figure is the planner's estimate, else ``measured``."""
+    pre = pre or {}
+    said = next((v for k, v in flatten(pre).items() if k.rsplit(".", 1)[-1] == "memory_basis"), None)
+    if isinstance(said, str):
+        return "assumed" if said == "assumed" else "measured"
+    chosen, trials = pre.get("chosen"), pre.get("trials")
+    if isinstance(chosen, dict) and isinstance(trials, list):  # a preflight.json from before memory_basis
+        for t in trials:
+            if (isinstance(t, dict) and t.get("micro_batch") == chosen.get("micro_batch_size")
+                    and t.get("checkpointing") == chosen.get("activation_checkpointing")):
+                return "measured" if number(t.get("peak_gb")) is not None else "assumed"
+    return "measured"
 
 
 def trained_tokens(run: Run) -> float | None:
@@ -158,17 +184,28 @@ def compare(run: Run) -> list[Comparison]:
     mem_note = mem_what
     if mem_what.startswith("process RSS"):
         mem_note += " (includes the Python and torch runtime, which the plan's model of tensors leaves out)"
+    mem_basis = preflight_memory_basis(pre)
+    if pre_mem is not None and mem_basis == "assumed":
+        mem_note += ("; " if mem_note else "") + "preflight: the planner's estimate (no peak measured on its device)"
     time_note = "predictions scaled to the tokens trained" if tokens else ""
     if plan_tps is None and plan:
         plan_note = "no device peak in the plan: no time prediction"
         time_note = "; ".join(x for x in (time_note, plan_note) if x)
 
+    def basis(value: float | None, what: str = "measured") -> str:
+        return "" if value is None else what
+
+    mfu_note = "plan: the MFU it assumes" if plan_tps is not None else "no device peak: MFU n/a in the plan"
+    if pre is not None and pre_mfu is None:
+        mfu_note += "; preflight: n/a (no device peak)"
     return [
         Comparison("tok_per_s", "tokens/s", "tok/s", plan_tps, pre_tps, measured_tok_per_s(run),
-                   "measured: average after warm-up"),
+                   "measured: average after warm-up", preflight_basis=basis(pre_tps)),
         Comparison("mfu", "MFU", "%", plan_mfu if plan_tps is not None else None, pre_mfu, measured_mfu(run),
-                   "plan: the MFU it assumes" if plan_tps is not None else "no device peak: MFU n/a in the plan"),
+                   mfu_note, plan_basis=basis(plan_mfu if plan_tps is not None else None, "assumed"),
+                   preflight_basis=basis(pre_mfu)),
         Comparison("memory_gb", "peak memory", "GiB", number(plan.get("memory_gb")), pre_mem, mem, mem_note,
-                   comparable=not mem_what.startswith("process RSS")),
-        Comparison("wall_time_s", "wall time", "s", plan_time, pre_time, measured_wall_time(run), time_note),
+                   comparable=not mem_what.startswith("process RSS"), preflight_basis=basis(pre_mem, mem_basis)),
+        Comparison("wall_time_s", "wall time", "s", plan_time, pre_time, measured_wall_time(run), time_note,
+                   preflight_basis=basis(pre_time)),
     ]

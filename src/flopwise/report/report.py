@@ -7,7 +7,8 @@ colour per run. When matplotlib is installed the same charts are also written as
 files into ``<stem>_figures/`` next to the page.
 
 Sections: a header per run (device, versions, configuration, result), the
-plan-vs-preflight-vs-measured table (relative errors first-class), the training charts
+plan-vs-preflight-vs-measured table (relative errors first-class; each plan and preflight
+figure is labelled measured or assumed, and what preflight could not measure stays n/a), the training charts
 (loss against tokens, throughput, MFU, memory, learning rate, gradient norm, step-time
 breakdown, bits per byte), evaluation tasks against tokens with their random baseline,
 per-layer gradient norms, events (loss spikes, non-finite steps), and the configuration
@@ -174,7 +175,8 @@ def _prediction_lines(runs: list[Run], key: str) -> list[HLine]:
         if row.plan is not None:
             lines.append(HLine(row.plan, f"{run.name} · plan", run.color, "dotted"))
         if row.preflight is not None:
-            lines.append(HLine(row.preflight, f"{run.name} · preflight", run.color, "dashdot"))
+            assumed = " (assumed)" if row.preflight_basis == "assumed" else ""
+            lines.append(HLine(row.preflight, f"{run.name} · preflight{assumed}", run.color, "dashdot"))
     return lines
 
 
@@ -504,9 +506,13 @@ def comparison_table(runs: list[Run]) -> str:
                 missing = f'<br><span class="note">no {" or ".join(files)}</span>' if files else ""
                 cells.append(f'<td rowspan="{len(rows)}">{_swatch(run)}{esc(run.name)}{missing}</td>')
             cells.append(f"<td>{esc(c.label)}</td>")
-            for col, value in (("plan", c.plan), ("preflight", c.preflight), ("actual", c.actual)):
-                cells.append(f'<td class="num" data-col="{col}" data-value="{"" if value is None else repr(value)}">'
-                             f"{esc(fmt_value(value, c.unit))}</td>")
+            for col, value, basis in (("plan", c.plan, c.plan_basis), ("preflight", c.preflight, c.preflight_basis),
+                                      ("actual", c.actual, "")):
+                # a figure says whether it was measured or assumed; n/a stays n/a
+                label = f' <span class="note basis">{esc(basis)}</span>' if basis and value is not None else ""
+                cells.append(f'<td class="num" data-col="{col}" data-value="{"" if value is None else repr(value)}"'
+                             f' data-basis="{esc(basis) if value is not None else ""}">'
+                             f"{esc(fmt_value(value, c.unit))}{label}</td>")
             for col, err in (("plan_error", c.plan_error), ("preflight_error", c.preflight_error)):
                 klass = _error_class(err) if c.comparable else "err-na"
                 cells.append(f'<td class="num {klass}" data-col="{col}" data-value="{"" if err is None else repr(err)}"'

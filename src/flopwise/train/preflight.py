@@ -7,7 +7,10 @@
    largest fitting micro-batch, each timed after warm-up (tokens/s, MFU, peak memory); an
    out-of-memory is caught and noted; sizes the memory model says cannot fit under the
    headroom are not run (on a CPU, ``--memory-gb`` simulates a device). Activation
-   checkpointing is tried where it makes a larger micro-batch fit. The fastest that fits wins.
+   checkpointing is tried where it makes a larger micro-batch fit. Each trial times at least
+   ``MIN_WINDOWS`` windows (one optimizer step each) and keeps their median and spread; a line
+   is printed as each trial finishes. :func:`choose` picks among the trials that fit: the
+   fastest median, unless a simpler configuration is within the measured noise of it.
 4. **Data starvation**: the share of step time spent waiting for data, with a warning.
 5. **Prediction**: the full run's wall time, cost and final-checkpoint time from the
    measured throughput, next to the planner's from the nominal MFU.
@@ -37,6 +40,10 @@ from flopwise.plan.memory import MemorySettings, estimate
 
 Log = Callable[[str], None]
 STARVATION_WARN = 0.05  # waiting for data above 5% of step time deserves a look
+MIN_WINDOWS = 3  # timed windows per trial: fewer give no spread
+# Differences below this share of tok/s are noise whatever a trial's own spread says: a few
+# windows under-estimate the run-to-run variation (issue 19 saw a choice flip on 1.5%).
+MIN_NOISE = 0.02
 
 
 @dataclass
@@ -44,7 +51,9 @@ class Trial:
     micro_batch: int
     checkpointing: str
     status: str  # ok | oom | no-fit (planner) | error
-    tok_per_s: float | None = None
+    tok_per_s: float | None = None  # median over the timed windows
+    spread: float | None = None  # half the range of the windows' tok/s, as a share of the median
+    windows: int = 0
     mfu: float | None = None
     peak_gb: float | None = None
     predicted_gb: float | None = None
@@ -57,9 +66,12 @@ def _oom(e: BaseException) -> bool:
 
 
 def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, steps: int,
-            device: torch.device) -> dict[str, float]:
+            device: torch.device) -> dict[str, Any]:
     """Tokens/s, peak memory and data share of ``steps`` optimizer steps after ``warmup``, with
-    the trainer's own step (loss function, wrappers, precision, optimizer) at this micro-batch."""
+    the trainer's own step (loss function, wrappers, precision, optimizer) at this micro-batch.
+
+    Each step is timed on its own (a window): ``tok_per_s`` is the median of the windows'
+    rates, ``tok_per_s_windows`` lists them all."""
     from flopwise.data.datadir import open_data_dir
     from flopwise.data.loader import make_loader
     from flopwise.model import build_model, configure_attention
@@ -106,19 +118,73 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-        data_s = 0.0
-        t0 = time.perf_counter()
+        data_s, windows = 0.0, []
         for _ in range(steps):
+            t0 = time.perf_counter()
             step()
-        if cuda:
-            torch.cuda.synchronize(device)
-        wall = time.perf_counter() - t0
+            if cuda:
+                torch.cuda.synchronize(device)
+            windows.append(time.perf_counter() - t0)
+        wall = sum(windows)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
     finally:
         del model, opt
         if cuda:
             torch.cuda.empty_cache()
-    return {"tok_per_s": steps * cfg.tokens_per_step / wall, "peak_gb": peak, "data_share": data_s / wall}
+    rates = [cfg.tokens_per_step / w for w in windows]
+    return {"tok_per_s": _median(rates), "tok_per_s_windows": rates, "peak_gb": peak, "data_share": data_s / wall}
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+
+
+def spread(rates: list[float]) -> float | None:
+    """Half the range of the windows' rates as a share of their median; None below two windows."""
+    if len(rates) < 2:
+        return None
+    return (max(rates) - min(rates)) / 2 / _median(rates)
+
+
+def _label(t: Trial) -> str:
+    return f"micro-batch {t.micro_batch} {'with' if t.checkpointing != 'none' else 'without'} checkpointing"
+
+
+def choose(trials: list[Trial], min_noise: float = MIN_NOISE) -> tuple[Trial, str]:
+    """The trial to run and why, from the trials' median tok/s and spread alone (pure: no timing).
+
+    The noise between two trials is the sum of their spreads (their ranges overlap), and never
+    less than ``min_noise``, both as shares of the fastest median. Among the trials whose median
+    is within that noise of the fastest, the simplest wins: no activation checkpointing first
+    (it recomputes the forward pass and is one more thing that can go wrong), then the smaller
+    micro-batch (less memory, more headroom against an out-of-memory later in the run; the
+    global batch, hence the optimisation, is the same). A trial is only chosen for speed when it
+    is faster than every simpler one by more than the noise."""
+    ok = [t for t in trials if t.status == "ok" and t.tok_per_s]
+    if not ok:
+        raise ValueError("no trial fits")
+    fastest = max(ok, key=lambda t: t.tok_per_s)
+
+    def noise(t: Trial) -> float:
+        return max(min_noise, (fastest.spread or 0.0) + (t.spread or 0.0))
+
+    tied = [t for t in ok if fastest.tok_per_s - t.tok_per_s <= noise(t) * fastest.tok_per_s]
+    best = min(tied, key=lambda t: (t.checkpointing != "none", t.micro_batch))
+    if best is fastest:
+        others = [t for t in ok if t is not fastest]
+        if not others:
+            return best, "the only configuration that fits"
+        runner = max(others, key=lambda t: t.tok_per_s)
+        gap = 1 - runner.tok_per_s / fastest.tok_per_s
+        simplest = "" if len(tied) == 1 else " and the simplest of those within the noise"
+        return best, (f"fastest{simplest}: {gap:.1%} ahead of {_label(runner)} "
+                      f"(noise {noise(runner):.1%})")
+    gap = 1 - best.tok_per_s / fastest.tok_per_s
+    why = ("no activation checkpointing" if fastest.checkpointing != "none" and best.checkpointing == "none"
+           else "the smaller micro-batch")
+    return best, (f"within the noise of the fastest ({_label(fastest)}, {gap:.1%} faster, noise "
+                  f"{noise(best):.1%}): the simpler configuration wins ({why})")
 
 
 def candidates(cfg: RunConfig) -> list[int]:
@@ -181,46 +247,45 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
 
     loss = resolve_loss_impl(cfg.train.loss, cfg.model, cfg.train, device)
     settings = memory_settings_for_run(cfg, precision, loss)  # activation checkpointing: tried both below
+    windows = max(steps, MIN_WINDOWS)
+    sizes = candidates(cfg)
+    log(f"preflight: micro-batch search: {len(sizes)} sizes without activation checkpointing, then with it "
+        f"where a larger one does not fit; each {warmup} warm-up + {windows} timed steps")
     trials: list[Trial] = []
     for ckpt in ("none", "full"):
-        for b in candidates(cfg):
+        todo = [b for b in sizes if not (ckpt == "full" and any(
+            x.status == "ok" and x.checkpointing == "none" and x.micro_batch >= b for x in trials))]
+        # checkpointing only where it lets a larger micro-batch fit
+        for i, b in enumerate(todo, 1):
             s = MemorySettings(**{**settings.__dict__, "activation_checkpointing": ckpt})
             pred = estimate(cfg.model, b, cfg.train.seq_len, s).gb()["total"]
             trial = Trial(b, ckpt, "ok", predicted_gb=pred)
-            if ckpt == "full" and any(x.status == "ok" and x.checkpointing == "none" and x.micro_batch >= b
-                                      for x in trials):
-                continue  # checkpointing only where it lets a larger micro-batch fit
             if memory_gb and pred > headroom * memory_gb:
                 trial.status, trial.note = "no-fit", f"planner: {pred:.2f} GiB > {headroom:.0%} of {memory_gb:.1f} GiB"
-                trials.append(trial)
-                continue
-            try:
-                m = measure_fn(_copy(cfg), b, ckpt, warmup, steps, device)
-            except Exception as e:  # an OOM is a result, anything else too, but named
-                trial.status = "oom" if _oom(e) else "error"
-                trial.note = str(e).splitlines()[0][:200]
-                trials.append(trial)
-                continue
-            trial.tok_per_s, trial.peak_gb, trial.data_share = m["tok_per_s"], m["peak_gb"], m["data_share"]
-            trial.mfu = trial.tok_per_s * fpt / peak if peak else None
-            if trial.peak_gb is not None and memory_gb and trial.peak_gb > headroom * memory_gb:
-                trial.status, trial.note = "no-fit", f"measured {trial.peak_gb:.2f} GiB > {headroom:.0%} headroom"
+            else:
+                _run_trial(trial, lambda: measure_fn(_copy(cfg), b, ckpt, warmup, windows, device), fpt, peak,
+                           memory_gb, headroom)
             trials.append(trial)
+            log(f"preflight: trial {i}/{len(todo)} {'without' if ckpt == 'none' else 'with'} checkpointing: "
+                + _trial_line(trial))
     ok = [x for x in trials if x.status == "ok"]
     if not ok:
         raise RuntimeError("preflight: no micro-batch fits: " + "; ".join(f"{x.micro_batch}: {x.note}" for x in trials))
-    best = max(ok, key=lambda x: x.tok_per_s)
+    best, reason = choose(trials)
     report["trials"] = [x.__dict__ for x in trials]
     report["chosen"] = {"micro_batch_size": best.micro_batch, "activation_checkpointing": best.checkpointing}
-    log(f"{'micro-batch':>11} {'ckpt':>5} {'status':>7} {'tok/s':>10} {'MFU':>6} {'peak GiB':>9} {'plan GiB':>9}"
-        f" {'data':>6}")
+    report["choice_reason"] = reason
+    log(f"{'micro-batch':>11} {'ckpt':>5} {'status':>7} {'tok/s':>10} {'±':>6} {'MFU':>6} {'peak GiB':>9}"
+        f" {'plan GiB':>9} {'data':>6}")
     for x in trials:
         log(f"{x.micro_batch:>11} {x.checkpointing:>5} {x.status:>7} "
             f"{human(x.tok_per_s) if x.tok_per_s else '-':>10} "
+            f"{f'{100 * x.spread:.1f}%' if x.spread is not None else '-':>6} "
             f"{f'{100 * x.mfu:.1f}%' if x.mfu is not None else 'n/a':>6} "
             f"{f'{x.peak_gb:.2f}' if x.peak_gb is not None else 'n/a':>9} {x.predicted_gb:>9.2f} "
             f"{f'{100 * x.data_share:.1f}%' if x.data_share is not None else '-':>6}"
             f"{'  <- chosen' if x is best else ''}{'  ' + x.note if x.note else ''}")
+    log(f"preflight: chose {_label(best)}: {reason}")
 
     # 4. data starvation
     report["data_share"] = best.data_share
@@ -242,8 +307,11 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     # micro-batch, so the same rate carries the whole run.
     wall_s = budget_tokens / best.tok_per_s
     report["prediction"] = {
-        "tokens": budget_tokens, "tok_per_s": best.tok_per_s, "mfu": best.mfu, "memory_gb": best.peak_gb or
-        best.predicted_gb, "wall_time_s": wall_s, "hours": wall_s / 3600,
+        # measured values, or None (n/a); memory falls back to the planner's estimate, and says so
+        "tokens": budget_tokens, "tok_per_s": best.tok_per_s, "tok_per_s_spread": best.spread, "mfu": best.mfu,
+        "memory_gb": best.peak_gb if best.peak_gb is not None else best.predicted_gb,
+        "memory_basis": "measured" if best.peak_gb is not None else "assumed",
+        "wall_time_s": wall_s, "hours": wall_s / 3600,
         "cost": wall_s / 3600 * price_per_gpu_hour if price_per_gpu_hour else None,
         "final_checkpoint_s": report["end_to_end"]["save_s"],
         "planner": {"mfu": 0.40, "hours": budget_tokens * fpt / (0.40 * peak) / 3600 if peak else None,
@@ -265,6 +333,36 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     log(f"preflight: wrote {out / 'preflight.json'} and {out / 'preflight.yaml'} "
         f"(flopwise train --config {out / 'preflight.yaml'})")
     return report
+
+
+def _run_trial(trial: Trial, run: Callable[[], dict[str, Any]], fpt: float, peak: float | None,
+               memory_gb: float, headroom: float) -> None:
+    """Time one trial into ``trial``; an out-of-memory (or any error) is a result, named."""
+    try:
+        m = run()
+    except Exception as e:
+        trial.status = "oom" if _oom(e) else "error"
+        trial.note = str(e).splitlines()[0][:200]
+        return
+    rates = m.get("tok_per_s_windows") or [m["tok_per_s"]]
+    trial.tok_per_s, trial.spread, trial.windows = m["tok_per_s"], spread(rates), len(rates)
+    trial.peak_gb, trial.data_share = m["peak_gb"], m["data_share"]
+    trial.mfu = trial.tok_per_s * fpt / peak if peak else None
+    if trial.peak_gb is not None and memory_gb and trial.peak_gb > headroom * memory_gb:
+        trial.status, trial.note = "no-fit", f"measured {trial.peak_gb:.2f} GiB > {headroom:.0%} headroom"
+
+
+def _trial_line(t: Trial) -> str:
+    """One finished trial, as printed while the search runs."""
+    head = f"micro-batch {t.micro_batch} · "
+    if t.tok_per_s is None:
+        return head + f"{t.status}: {t.note}"
+    sp = f" ± {100 * t.spread:.1f}%" if t.spread is not None else ""
+    mfu = f"{100 * t.mfu:.1f}%" if t.mfu is not None else "n/a"
+    mem = f"{t.peak_gb:.2f} GiB" if t.peak_gb is not None else "n/a"
+    tail = f" · {t.status}: {t.note}" if t.status != "ok" else ""
+    return (head + f"{human(t.tok_per_s)} tok/s{sp} (median of {t.windows}) · MFU {mfu} · peak {mem} "
+            f"(plan {t.predicted_gb:.2f} GiB){tail}")
 
 
 def _finite(x: float) -> bool:
