@@ -137,7 +137,9 @@ def test_a_single_long_text_file_is_shared_between_splits(tmp_path):
     meta = json.loads((out / "meta.json").read_text())
     val, train = meta["splits"]["val"]["tokens"], meta["splits"]["train"]["tokens"]
     assert 0 < val <= 4096 and train > 10 * val
-    assert meta["splits"]["val"]["documents"] == meta["splits"]["train"]["documents"] == 1
+    # one document: counted once, where it starts (val), and as continued in train
+    assert meta["splits"]["val"]["documents"] == 1 and meta["splits"]["train"]["documents"] == 0
+    assert meta["splits"]["train"]["continued_documents"] == 1 and meta["documents"] == 1
 
 
 def test_output_does_not_depend_on_worker_count(tmp_path):
@@ -236,12 +238,80 @@ def test_bad_input_is_named_before_any_work(tmp_path):
     assert not (tmp_path / "data").exists()
 
 
+def test_every_missing_optional_package_is_named_before_anything_is_written(tmp_path):
+    """Issue 19: pyarrow and zstandard made unimportable for real (a fresh interpreter whose
+    first import finder refuses them); prepare names both, with the install command, and
+    writes nothing (no --out, no lock, no partial directory)."""
+    corpus = tmp_path / "corpus"
+    write_corpus(corpus)
+    (corpus / "b.parquet").write_bytes(b"PAR1 not read")
+    (corpus / "c.jsonl.zst").write_bytes(b"not read either")
+    code = f"""
+import sys
+class Missing:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("pyarrow", "zstandard", "datasets"):
+            raise ModuleNotFoundError(name, name=name)
+sys.meta_path.insert(0, Missing())
+from flopwise.data.prepare import PrepareError, PrepareOptions, prepare
+for source in ({str(corpus)!r}, "hf:roneneldan/TinyStories"):
+    try:
+        prepare(PrepareOptions(source=source, out={str(tmp_path / "data")!r}, vocab_size=300), log=print)
+    except PrepareError as e:
+        print("REFUSED", e)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    refused = [line for line in r.stdout.splitlines() if line.startswith("REFUSED")]
+    assert len(refused) == 2, r.stdout
+    assert "needs the pyarrow package: pip install 'flopwise[data]'" in refused[0]
+    assert "needs the zstandard package: pip install 'flopwise[data]'" in refused[0]
+    assert "hf:roneneldan/TinyStories (a Hugging Face dataset) needs the datasets package" in refused[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+
+
 def test_source_exhausted_before_budget_warns(tmp_path):
     write_corpus(tmp_path / "corpus", n_docs=20)
     lines = []
     out = prepare(opts(tmp_path, train_tokens=10**7), log=lines.append)
     assert any("ran out before the budget" in line for line in lines)
     assert DataDir(out).num_tokens("train") < 10**7
+
+
+def _summary_docs(lines):
+    """(documents in the 'done' line, {split: documents} from the per-split lines) of the printed summary."""
+    import re
+
+    done = next(line for line in lines if line.startswith("prepare: done"))
+    total = int(re.search(r"· ([\d,]+) docs,", done).group(1).replace(",", ""))
+    per = {m.group(1): int(m.group(2).replace(",", ""))
+           for m in (re.match(r"\s+(\w+)\s+[\d,]+ tokens · \s*([\d,]+) documents", line) for line in lines) if m}
+    return total, per
+
+
+def test_document_counts_add_up_when_a_long_document_spans_two_splits(tmp_path):
+    """Issue 19: the summary said 830 documents in all but 35 + 796 by split."""
+    rng = np.random.default_rng(1)
+    write_corpus(tmp_path / "corpus", n_docs=60)
+    (tmp_path / "corpus" / "a-book.txt").write_text(" ".join(rng.choice(WORDS, size=30_000)))  # read first
+    lines = []
+    out = prepare(opts(tmp_path, val_fraction=0.02), log=lines.append)
+    meta = json.loads((out / "meta.json").read_text())
+    by_split = {s: info["documents"] for s, info in meta["splits"].items()}
+    total, printed = _summary_docs(lines)
+    assert printed == by_split and sum(by_split.values()) == total == 61  # the book once, the 60 records once
+    assert meta["documents"] == 61 and meta["splits"]["train"]["continued_documents"] == 1
+
+
+def test_document_counts_add_up_when_the_budget_stops_mid_batch(tmp_path):
+    write_corpus(tmp_path / "corpus", n_docs=300)
+    lines = []
+    out = prepare(opts(tmp_path, train_tokens=2000, val_tokens=300, batch_docs=1024), log=lines.append)
+    meta = json.loads((out / "meta.json").read_text())
+    by_split = {s: info["documents"] for s, info in meta["splits"].items()}
+    total, printed = _summary_docs(lines)
+    assert printed == by_split and total == sum(by_split.values()) < 300
+    assert meta["documents"] == total
 
 
 # ---------------------------------------------------------------- kills, failures, links

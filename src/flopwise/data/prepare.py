@@ -16,7 +16,12 @@ Pipeline (bounded memory whatever the corpus size)::
   whole stream evenly rather than its beginning, and the first document always goes to
   validation. A document over ``ROUTE_PIECE_TOKENS`` (4,096) is routed in pieces of that
   size, so a source of a few long documents (a book in one ``.txt``) is shared out too;
-  the pieces of one long document may then land in different splits. Without a train budget the whole source is used and validation gets
+  the pieces of one long document may then land in different splits. Such a document is
+  counted once, in the split holding its first token (``documents`` per split in
+  ``meta.json``), and as ``continued_documents`` in the others, so the splits' document
+  counts add up to the documents used (``meta.json`` ``documents``, and the count in the
+  final summary; documents read but left out once the budget is met are not counted).
+  Without a train budget the whole source is used and validation gets
   ``--val-fraction`` of the tokens, spread along the stream; an explicit ``--val-tokens``
   or ``--test-tokens`` is then taken from the head of the stream, the only way to meet it
   without knowing the source's size in advance. Tokens per
@@ -42,6 +47,10 @@ Pipeline (bounded memory whatever the corpus size)::
 - **One writer**: a prepare holds a lock (:func:`output_lock`) for its whole run; a second
   prepare into the same ``--out`` is refused with the holder's pid and command. The kernel
   drops the lock when its holder dies, so a killed prepare never blocks the next one.
+- **Optional packages**: the ones the source needs (``hf:`` -> datasets, ``.parquet`` ->
+  pyarrow, ``.zst`` -> zstandard) are all checked, and all named with the command that
+  installs them, before the source is opened or anything is written
+  (:func:`flopwise.deps.missing_for_source`).
 - **Links**: a folder SOURCE's symbolic links are read only while they stay inside it
   unless ``follow_links`` (``--follow-links``); links not followed are listed in the log
   (see :mod:`flopwise.data.sources`).
@@ -69,6 +78,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from ..deps import missing_for_source
 from ..fsio import DirLock, LockedError, atomic_write, describe_write_error, fsync_dir, is_disk_full
 from .datadir import DataDir
 from .shards import FORMAT_VERSION, SplitWriter, dtype_for_vocab
@@ -474,6 +484,9 @@ def prepare(opts: PrepareOptions, log: Log = print) -> Path:
     and PrepareError naming the file and the reason when a write fails (a full disk)."""
     t_start = time.perf_counter()
     opts.validate()
+    missing = missing_for_source(opts.source)  # every optional package the source needs, named together
+    if missing:
+        raise PrepareError("; ".join(missing))
     out = Path(opts.out).expanduser()
     source = open_source(opts.source, text_field=opts.text_field, split=opts.hf_split,
                          shuffle_buffer=opts.shuffle_buffer, seed=opts.seed, data_files=opts.data_files or None,
@@ -538,6 +551,7 @@ def _prepare_locked(opts: PrepareOptions, out: Path, source, fp: str, log: Log, 
         stream = encoded_stream(source.documents(), tok, bos, eos, dtype, workers, opts.batch_docs, opts.batch_chars)
         try:
             per_doc = None
+            continued = {s: 0 for s in writers}  # documents begun in another split that go on here
             for ids, lengths, _ in stream:
                 if per_doc is None:  # the first batch is the sample: no text is encoded twice
                     per_doc = summarize_document_lengths(lengths)
@@ -546,6 +560,7 @@ def _prepare_locked(opts: PrepareOptions, out: Path, source, fp: str, log: Log, 
                         f"from the first {per_doc['documents']:,} documents){need}")
                 pos = 0
                 written = 0
+                routed = 0  # documents of this batch that got a split (not those after the budget was met)
                 for n in lengths.tolist():
                     pieces = router.route_document(n)
                     if not pieces:
@@ -553,17 +568,22 @@ def _prepare_locked(opts: PrepareOptions, out: Path, source, fp: str, log: Log, 
                     for split, offset, keep in pieces:
                         writers[split].write(ids[pos + offset : pos + offset + keep])
                         written += keep
-                    for split in {p[0] for p in pieces}:
-                        writers[split].documents += 1
+                    # counted once, in the split holding its first token, so the splits' counts
+                    # add up to the documents used; the other splits it reaches count it as continued
+                    first = pieces[0][0]
+                    writers[first].documents += 1
+                    for split in {p[0] for p in pieces} - {first}:
+                        continued[split] += 1
+                    routed += 1
                     pos += n
-                progress.update(len(lengths), written)
+                progress.update(routed, written)
                 if opts.train_tokens and router.done():
                     break
         finally:
             stream.close()
             progress.close()
 
-        splits = {s: w.close() for s, w in writers.items()}
+        splits = {s: {**w.close(), "continued_documents": continued[s]} for s, w in writers.items()}
         splits = {s: info for s, info in splits.items() if info["tokens"] > 0}
         if "val" not in splits:
             raise PrepareError(f"SOURCE {opts.source!r} gave no validation tokens (too few documents?); "
@@ -584,6 +604,7 @@ def _prepare_locked(opts: PrepareOptions, out: Path, source, fp: str, log: Log, 
             "eos_id": eos,
             "bos_id": bos,
             "splits": splits,
+            "documents": sum(info["documents"] for info in splits.values()),  # each counted once
             "fingerprint": fp,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "recipe": {
@@ -618,7 +639,9 @@ def _prepare_locked(opts: PrepareOptions, out: Path, source, fp: str, log: Log, 
     total = sum(s["tokens"] for s in splits.values())
     log(f"prepare: done in {time.perf_counter() - t_start:.1f}s · {progress.line()}")
     for s, info in splits.items():
-        log(f"  {s:<5} {info['tokens']:>14,} tokens · {info['documents']:>10,} documents · "
+        cont = info["continued_documents"]
+        more = f" (+{cont:,} continued from another split)" if cont else ""
+        log(f"  {s:<5} {info['tokens']:>14,} tokens · {info['documents']:>10,} documents{more} · "
             f"{len(info['shards'])} shard(s)")
     log(f"  {out} ({total * dtype.itemsize / 1e6:,.1f} MB of {dtype.name} tokens)")
     return out

@@ -5,16 +5,18 @@ of numbers with a ``step``; nested dicts (``eval``: task -> scores, ``grad_norms
 norm) become slash-separated names (``eval/arc_easy/acc``). Non-numeric values are left to
 ``metrics.jsonl``. Only rank 0 tracks. TensorBoard is on by default when the
 ``tensorboard`` package is installed; W&B only when asked (``tracking.wandb=true``),
-``tracking.wandb_mode=offline`` writing locally for a later ``wandb sync``.
+``tracking.wandb_mode=offline`` writing locally for a later ``wandb sync``. A sink asked
+for explicitly whose package is missing is refused with the install command
+(:mod:`flopwise.deps`; ``flopwise train`` checks before it creates the run directory).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 from typing import Any
 
+from flopwise.deps import available, missing_for_tracking, require
 from flopwise.measure.sinks import JsonlSink
 
 
@@ -78,18 +80,17 @@ class Tracker:
     """``metrics.jsonl`` always; TensorBoard and W&B as configured."""
 
     def __init__(self, run_dir: Path, tracking, config: dict[str, Any], name: str):
+        require(missing_for_tracking(tracking))  # before metrics.jsonl is opened (train checks earlier still)
         self.sinks: list[Any] = [JsonlSink(run_dir / "metrics.jsonl")]
         tb = tracking.tensorboard
-        if tb == "true" or (tb == "auto" and importlib.util.find_spec("tensorboard") is not None):
+        if tb == "true" or (tb == "auto" and available("tensorboard")):
             try:
                 self.sinks.append(TensorBoardSink(run_dir / "tensorboard"))
             except ImportError as e:
                 if tb == "true":
                     raise ValueError(f"tracking.tensorboard=true but TensorBoard is not usable: {e} "
-                                     "(pip install tensorboard)") from None
+                                     "(pip install 'flopwise[track]')") from None
         if tracking.wandb:
-            if importlib.util.find_spec("wandb") is None:
-                raise ValueError("tracking.wandb=true but the wandb package is not installed (pip install wandb)")
             self.sinks.append(WandbSink(run_dir, tracking.wandb_project, tracking.wandb_mode, config, name))
         labels = {"JsonlSink": "metrics.jsonl", "TensorBoardSink": "TensorBoard", "WandbSink": "W&B"}
         self.names = [labels[type(s).__name__] for s in self.sinks]
