@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from flopwise import __version__
+from flopwise import __version__, deps
 from flopwise.config import DEFAULT_PRESET, ConfigError, build_config, preset_names
 from flopwise.fsio import LockedError, is_disk_full
 
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device memory to fit into (default: the GPU's; on a CPU, simulates one)")
     p.add_argument("--headroom", type=float, default=0.9, help="fraction of the memory a micro-batch may use")
     p.add_argument("--warmup", type=int, default=2, help="steps before timing each micro-batch")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per micro-batch")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per micro-batch (at least 3, each timed on its own)")
     p.add_argument("--price-per-gpu-hour", type=float, default=0.0)
     p.add_argument("--out", default="", help="where preflight.json/.yaml go (default runs/PRESET-preflight)")
     p.set_defaults(func=cmd_preflight)
@@ -100,13 +100,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "directory. Results of runs are appended to the run's evals.jsonl, which the report shows.",
     )
     p.add_argument("source", help="a run directory, a checkpoints/step-N directory or a Hugging Face model directory")
-    p.add_argument("--tasks", default="", help="comma-separated: arc_easy, arc_challenge, openbookqa, hellaswag, piqa")
+    p.add_argument("--tasks", default="", help="comma-separated: arc_easy, arc_challenge, openbookqa, hellaswag, piqa, "
+                   "and any custom task named in --task-data")
     p.add_argument("--task-data", nargs="*", default=[], metavar="TASK=PATH",
-                   help="local files of a task in its Hugging Face format instead of the hub")
+                   help="local files of a task instead of the hub: a built-in task's files in its Hugging Face "
+                        "format, or a custom task of any NAME (JSONL: context/choices/label, or a built-in's form); "
+                        "a custom task given here is evaluated even if --tasks does not name it")
     p.add_argument("--limit", type=int, default=0, help="first N examples of each task (0 = all)")
     p.add_argument("--data", default="", help="data directory for the validation loss (default: the run's)")
-    p.add_argument("--windows", type=int, default=0, help="validation windows (default: the run's eval.batches)")
-    p.add_argument("--seq-len", type=int, default=0, help="validation window length (default: the run's seq_len)")
+    p.add_argument("--windows", type=int, default=0,
+                   help="validation windows (default: the run's eval.batches x train.micro_batch_size, also for a "
+                        "Hugging Face directory flopwise exported; else 64)")
+    p.add_argument("--seq-len", type=int, default=0,
+                   help="validation window length (default: the run's train.seq_len; else min(max_seq_len, 1024))")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", default="auto")
     p.add_argument("--watch", action="store_true",
@@ -142,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a run or checkpoint as a Hugging Face model directory (or one consolidated file)",
         description="Export a run directory (its latest checkpoint) or a checkpoint directory as a model "
                     "transformers loads with AutoModelForCausalLM.from_pretrained(OUT): config.json, "
-                    "model.safetensors, generation_config.json, tokenizer.json. --format pt writes one "
+                    "model.safetensors, generation_config.json, tokenizer.json, and flopwise.json (the run's "
+                    "step and validation windows, which flopwise eval reuses). --format pt writes one "
                     "model.pt (+ config.yaml, tokenizer.json) instead, for any architecture; both "
                     "consolidate a checkpoint that FSDP2 ranks wrote in shards.",
     )
@@ -175,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--config", help="a run config YAML (its seq_len, batch and token budget are used too)")
     g.add_argument("--params", type=count, default=0, help="a raw parameter count, e.g. 8e9 or 8B (6N FLOPs only)")
     g = p.add_argument_group("hardware")
-    g.add_argument("--gpu", help="a GPU from the table (--list-gpus), e.g. a100, h100, 'rtx 4090'")
+    g.add_argument("--gpu", help="a GPU from the table (--list-gpus), e.g. h100, 'h100 pcie', 'a100 40gb', l4, "
+                   "'rtx 4090'; matched exactly (case, spaces, dashes, 'GB' ignored), unknown names are refused")
     g.add_argument("--peak-tflops", type=float, default=0.0, help="dense peak TFLOP/s of one GPU (overrides --gpu)")
     g.add_argument("--memory-gb", type=float, default=0.0, help="memory of one GPU in GiB (overrides --gpu)")
     g.add_argument("--dtype", default="bf16", help="which peak: bf16 (default), fp16, fp8, tf32, fp32")
@@ -201,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention", default="sdpa", help="sdpa (flash/efficient, default) or eager (S×S scores)")
     g.add_argument("--checkpointing", default="none", help="activation checkpointing: none or full")
     g.add_argument("--strategy", default="", help="single, ddp, zero1, fsdp (or fsdp2, as parallel.strategy names it; default: single, "
-                        "ddp with --gpus>1)")
+                        "ddp with --gpus>1, or the first of zero1/fsdp that fits when ddp does not)")
     g = p.add_argument_group("scaling")
     g.add_argument("--interconnect", default="", help="link within a node (default: the GPU's usual one)")
     g.add_argument("--network", default="ib-ndr", help="link between nodes (default ib-ndr)")
@@ -337,9 +345,22 @@ def cmd_eval(args: argparse.Namespace) -> int:
     task_paths = {}
     for item in args.task_data:
         name, sep, path = item.partition("=")
-        if not sep:
-            raise ValueError(f"--task-data {item!r}: expected TASK=PATH")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise ValueError(f"--task-data {item!r}: expected TASK=PATH (a built-in task or a name of your own)")
         task_paths[name] = path
+        if name not in tasks:  # a file given is a task to evaluate
+            tasks.append(name)
+    deps.require(deps.missing_for_eval(tasks, task_paths))  # before the model is loaded or the validation runs
+    if task_paths:
+        import difflib
+
+        from flopwise.evaluate.tasks import TASKS
+
+        for name in task_paths:
+            close = difflib.get_close_matches(name, list(TASKS), n=1, cutoff=0.8)
+            if name not in TASKS and close:
+                log(f"eval: {name!r} is a custom task (read from {task_paths[name]}); did you mean {close[0]!r}?")
     kwargs = dict(data=args.data, tasks=tasks, task_paths=task_paths, limit=args.limit, windows=args.windows,
                   seq_len=args.seq_len, batch_size=args.batch_size, device=args.device)
     if args.watch:
@@ -427,15 +448,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             tokens = cfg.total_steps() * cfg.tokens_per_step
     gpu = None
     if args.gpu:
-        gpu = hardware.find(args.gpu)
+        gpu = hardware.find(args.gpu)  # exact on the normalised name: never a similar card
         if gpu is None:
-            import difflib
-
-            names = [d.name for d in hardware.DEVICES]
-            close = difflib.get_close_matches(args.gpu.upper(), [n.upper() for n in names], n=1, cutoff=0.5)
-            hint = f" (did you mean {names[[n.upper() for n in names].index(close[0])]!r}?)" if close else ""
-            raise PlanError(f"--gpu {args.gpu!r} is not in the hardware table{hint}; see --list-gpus, "
-                            "or give --peak-tflops and --memory-gb")
+            raise PlanError(hardware.unknown_gpu_message(args.gpu))
     asked = args.strategy
     if not asked and args.config and cfg.parallel.strategy not in ("auto", "single"):
         asked = cfg.parallel.strategy  # the run config's own choice
@@ -454,7 +469,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             precision=args.precision, master_weights=not args.no_master_weights, attention=args.attention,
             activation_checkpointing=args.checkpointing, strategy=strategy, n_gpus=args.gpus,
         ),
-        interconnect=args.interconnect, network=args.network,
+        interconnect=args.interconnect, network=args.network, auto_strategy=not asked,
     )
     plan = build_plan(inp)
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))

@@ -127,3 +127,62 @@ def test_hf_config_gives_the_architecture_and_the_weights_for_training(tmp_path)
     (tmp_path / "bad.json").write_text(json.dumps({"model_type": "mamba"}))
     with pytest.raises(ValueError, match="model_type 'mamba' is not supported"):
         build_config(overrides=[f"model.hf_config={tmp_path / 'bad.json'}", "train.seq_len=32"])
+
+
+# --------------------------------------------------------------------------- issue 19
+
+def test_export_special_tokens_come_from_the_tokenizer(tmp_path):
+    """A tokenizer without BOS gives bos_token_id null (not Llama's default 1, an ordinary
+    token here); generate() then starts from EOS, as flopwise generate does. With a BOS
+    token, its id is exported and generate() needs no input."""
+    run, _, _ = make_run(tmp_path, "llama-untied")
+    out = tmp_path / "hf"
+    assert cli_main(["export", str(run), str(out)]) == 0
+    eos = flopwise.load(run)[1].token_to_id("<|endoftext|>")
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((out / name).read_text())
+        assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (None, eos, None), name
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    gen = hf.generate(torch.tensor([[eos]]), max_new_tokens=4, do_sample=False)
+    assert gen.shape == (1, 5) and gen[0, 0] == eos
+    with pytest.raises(ValueError, match="bos_token_id"):  # no BOS: transformers asks for a prompt
+        hf.generate(max_new_tokens=4, do_sample=False)
+
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(run / "tokenizer.json"))
+    tok.add_special_tokens(["<|begin_of_text|>", "<pad>"])
+    tok.save(str(run / "tokenizer.json"))
+    bos, pad = tok.token_to_id("<|begin_of_text|>"), tok.token_to_id("<pad>")
+    assert cli_main(["export", str(run), str(out), "--overwrite"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (bos, eos, pad)
+    assert json.loads((out / "tokenizer_config.json").read_text())["bos_token"] == "<|begin_of_text|>"
+    gen = AutoModelForCausalLM.from_pretrained(out).eval().generate(max_new_tokens=3, do_sample=False)
+    assert gen.shape == (1, 4) and gen[0, 0] == bos
+
+
+def test_export_files_get_the_usual_mode(tmp_path):
+    """Not the 0600 of safetensors' temporary file: 0666 & ~umask, like any new file."""
+    import os
+
+    run, _, _ = make_run(tmp_path, "gpt2-tied")
+    old = os.umask(0o002)
+    try:
+        assert cli_main(["export", str(run), str(tmp_path / "hf")]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert modes["model.safetensors"] == 0o664 and set(modes.values()) == {0o664}, modes
+
+
+def test_export_records_the_runs_validation_windows(tmp_path):
+    run, _, _ = make_run(tmp_path, "qwen3-hd24-tied")
+    out = tmp_path / "hf"
+    assert cli_main(["export", str(run), str(out)]) == 0
+    rec = json.loads((out / "flopwise.json").read_text())
+    cfg = valid_run(CONFIGS["qwen3-hd24-tied"])
+    assert rec["step"] == 5 and rec["validation"]["seq_len"] == 32
+    assert rec["validation"]["windows"] == cfg.eval.batches * cfg.train.micro_batch_size
+    assert rec["validation"]["data"]["builtin_vocab_size"] == 300
+    AutoModelForCausalLM.from_pretrained(out)  # an extra file transformers ignores

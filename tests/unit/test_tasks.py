@@ -444,3 +444,54 @@ def test_evaluate_tasks_local_files(real, tmp_path):
         assert r["acc"] in (0.0, 1.0)  # identical examples: all right or all wrong
     with pytest.raises(TaskError, match="valid tasks"):
         evaluate_tasks(model, tok, ["arc_easy", "mmlu"], paths={"arc_easy": str(arc_p)})
+
+
+# --------------------------------------------------------------------------- custom tasks (issue 19)
+
+def test_custom_task_plain_and_builtin_forms(tmp_path):
+    """Any name with a file is a task: the plain form (choices appended as written) and a
+    built-in's form, recognised per record; no `datasets` needed for JSON Lines."""
+    p = write_jsonl(tmp_path / "mine.jsonl", [
+        {"context": "2 + 2 =", "choices": [" 4", " 5"], "label": 0},
+        {"context": "Capital of France:", "choices": [" Paris", " Rome", " Oslo"], "label": "0"},
+        arc(3, "Q?", ["a", "b"], "B"),
+        piqa("g", "s", "t", 1),
+    ])
+    ex = load_task("my_quiz", p)
+    assert [e.choices for e in ex[:2]] == [[" 4", " 5"], [" Paris", " Rome", " Oslo"]]
+    assert [e.label for e in ex] == [0, 0, 1, 1] and ex[2].context == "Question: Q?\nAnswer:"
+    assert len(load_task("my_quiz", p, limit=1)) == 1
+
+
+@pytest.mark.parametrize("text,want", [
+    ('{"context": "a", "choices": [" x", " y"], "label": 0}\n\n{not json\n', ["line 3", "not valid JSON"]),
+    ('{"context": "a", "choices": [" x", " y"], "label": 0}\n{"context": "b", "choices": [" x"], "label": 0}\n',
+     ["line 2", "'choices'", "at least 2"]),
+    ('{"context": "a", "choices": [" x", " y"], "label": 2}\n', ["line 1", "'label'", "range"]),
+    ('{"question_text": "a"}\n', ["line 1", "not a multiple-choice record", "question_text"]),
+    ('[1, 2]\n', ["line 1", "not an object"]),
+])
+def test_custom_task_errors_name_file_and_line(tmp_path, text, want):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(text)
+    with pytest.raises(TaskError) as e:
+        load_task("my_quiz", p)
+    msg = str(e.value)
+    assert str(p) in msg and all(w in msg for w in want), msg
+
+
+def test_custom_task_missing_file_and_unknown_name(tmp_path):
+    with pytest.raises(TaskError) as e:
+        load_task("my_quiz", tmp_path / "nope.jsonl")
+    assert "my_quiz" in str(e.value) and str(tmp_path / "nope.jsonl") in str(e.value) and "no such file" in str(e.value)
+    with pytest.raises(TaskError, match="--task-data my_quiz=FILE.jsonl"):
+        load_task("my_quiz")
+
+
+def test_evaluate_tasks_custom_task(real, tmp_path):
+    tok, model = real
+    p = write_jsonl(tmp_path / "q.jsonl", [{"context": "hello", "choices": [" world", " dog"], "label": 0}] * 3)
+    res = evaluate_tasks(model, tok, ["my_quiz"], paths={"my_quiz": str(p)}, batch_size=2)
+    assert res["my_quiz"]["n"] == 3 and res["my_quiz"]["source"] == str(p) and res["my_quiz"]["random"] == 0.5
+    with pytest.raises(TaskError, match="needs its file"):
+        evaluate_tasks(model, tok, ["my_quiz"])

@@ -6,11 +6,20 @@ Results of runs and checkpoints are appended to the run's ``evals.jsonl`` (one J
 per evaluated checkpoint, keyed by step), which ``flopwise report`` shows next to the
 training metrics. A separate file from ``metrics.jsonl``: the evaluator may run on another
 machine sharing the run directory, and a resumed training run rewrites its own file.
+
+Validation windows (count x length) are chosen, in this order, by ``--windows`` /
+``--seq-len``; the run's own (``eval.batches * train.micro_batch_size`` windows of
+``train.seq_len`` tokens, the set the trainer validates on) for a run or checkpoint; the
+same, read from ``flopwise.json``, for a Hugging Face directory flopwise exported (whose
+data directory is then the run's too, unless ``--data`` names one); else 64 windows of
+``min(max_seq_len, 1024)`` tokens. The log line says which, and where each came from, so a
+loss is never compared across different windows unknowingly.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import time
@@ -20,11 +29,11 @@ from typing import Any
 
 import torch
 
-from flopwise.config import DataConfig, load_run_config
+from flopwise.config import DataConfig, RunConfig, load_run_config
 from flopwise.data.datadir import DataDir, check_cache_path, open_data_dir
 from flopwise.data.loader import fixed_windows
 from flopwise.evaluate.loss import bits_per_byte, evaluate_loss, perplexity, target_bytes
-from flopwise.model.io import load_model, resolve
+from flopwise.model.io import EXPORT_RECORD, ModelSource, load_model, read_export_record, resolve
 from flopwise.train.checkpoint import latest_checkpoint, list_checkpoints
 
 Log = Callable[[str], None]
@@ -41,7 +50,8 @@ def evaluate(path: str | os.PathLike, data: str = "", tasks: list[str] | None = 
              task_paths: dict[str, str] | None = None, limit: int = 0, windows: int = 0, seq_len: int = 0,
              batch_size: int = 8, device: str = "auto", log: Log = print) -> dict[str, Any]:
     """Evaluate the model at ``path``; return ``{"step", "tokens", "checkpoint", "val_loss",
-    "val_ppl", "val_bpb", "eval": {task: scores}}`` (keys present when measured)."""
+    "val_ppl", "val_bpb", "val_windows", "val_seq_len", "eval": {task: scores}}`` (keys
+    present when measured). Which windows: the module docstring."""
     dev = _device(device)
     src = resolve(path)
     model, src = load_model(src.path, device=dev)
@@ -53,22 +63,35 @@ def evaluate(path: str | os.PathLike, data: str = "", tasks: list[str] | None = 
         state = json.loads((src.path / "state.json").read_text())
         out.update(step=state["step"], tokens=state.get("tokens"))
         run_cfg = load_run_config(src.path / "config.yaml")
+    geometry = _run_geometry(run_cfg, src)
     dd: DataDir | None = None
+    said = False  # why validation is skipped, once said
     if data:  # checked like a run's own data: checksums and id range, remembered per shard
         dd = DataDir(data)
         dd.check_shards(check_cache_path((run_cfg.data if run_cfg else DataConfig()).cache_dir, dd.path))
     elif run_cfg is not None:
         dd = open_data_dir(run_cfg.data, log=lambda s: None)
+    elif geometry is not None and geometry["data"] is not None:  # an export of a run: the run's data
+        try:
+            dd = open_data_dir(geometry["data"], log=lambda s: None)
+        except (OSError, ValueError) as e:
+            log(f"  val        skipped: the run's data directory (from {EXPORT_RECORD}) is not usable here: {e}; "
+                "give --data DIR")
+            said = True
     if dd is not None:
-        T = seq_len or (run_cfg.train.seq_len if run_cfg else min(model.cfg.max_seq_len, 1024))
-        n = windows or (run_cfg.eval.batches * run_cfg.train.micro_batch_size if run_cfg else 64)
+        n, T, why = _windows(windows, seq_len, geometry, model.cfg.max_seq_len)
+        if geometry is not None and geometry["fingerprint"] and \
+                dd.meta.get("fingerprint") not in (None, geometry["fingerprint"]):
+            log(f"  val        note: {dd.path} is not the data the run was validated on (fingerprint "
+                f"{dd.meta.get('fingerprint', '')[:12]}, the run's {geometry['fingerprint'][:12]})")
         w = fixed_windows(dd, "val", T, n)
         loss = evaluate_loss(model, w, batch_size, dev, autocast, dd.eos_id, dd.bos_id)
         out.update(val_loss=loss, val_ppl=perplexity(loss),
-                   val_bpb=bits_per_byte(loss, w[:, 1:].numel(), target_bytes(w, dd.tokenizer)))
+                   val_bpb=bits_per_byte(loss, w[:, 1:].numel(), target_bytes(w, dd.tokenizer)),
+                   val_windows=n, val_seq_len=T)
         log(f"  val        loss {loss:.4f} · ppl {out['val_ppl']:,.1f} · bpb {out['val_bpb']:.4f} "
-            f"({n} windows of {T} tokens, {dd.path})")
-    elif not tasks:
+            f"({n} windows x {T} tokens: {why}; {dd.path})")
+    elif not tasks and not said:
         log("  val        skipped: no data directory (give --data DIR)")
     if tasks:
         from flopwise.evaluate.tasks import evaluate_tasks
@@ -85,6 +108,40 @@ def evaluate(path: str | os.PathLike, data: str = "", tasks: list[str] | None = 
             log(f"  {name:<14} acc {r['acc']:.4f} · acc_norm {r['acc_norm']:.4f} · acc_token {r['acc_token']:.4f}"
                 f" (± {r['stderr']['acc']:.4f}; random {r['random']:.4f}; n {r['n']})")
     return out
+
+
+def _run_geometry(run_cfg: RunConfig | None, src: ModelSource) -> dict[str, Any] | None:
+    """The run's validation set: ``{"windows", "seq_len", "data" (DataConfig or None),
+    "fingerprint", "origin"}`` from its config, or from ``flopwise.json`` in a Hugging Face
+    directory flopwise exported; None for a Hugging Face directory from elsewhere."""
+    if run_cfg is not None:
+        return {"windows": run_cfg.eval.batches * run_cfg.train.micro_batch_size, "seq_len": run_cfg.train.seq_len,
+                "data": run_cfg.data, "fingerprint": None, "origin": "the run's config"}
+    val = (read_export_record(src.path) or {}).get("validation")
+    if not isinstance(val, dict):
+        return None
+    known = {f.name for f in dataclasses.fields(DataConfig)}
+    data_rec = val.get("data")
+    data_cfg = DataConfig(**{k: v for k, v in data_rec.items() if k in known}) if isinstance(data_rec, dict) else None
+    return {"windows": int(val["windows"]), "seq_len": int(val["seq_len"]), "data": data_cfg,
+            "fingerprint": val.get("data_fingerprint"), "origin": f"{src.path / EXPORT_RECORD}"}
+
+
+def _windows(windows: int, seq_len: int, geometry: dict[str, Any] | None, max_seq_len: int) -> tuple[int, int, str]:
+    """``(count, length, why)`` of the validation windows; ``why`` says where each came from."""
+    if geometry is not None:
+        n = windows or geometry["windows"]
+        T = seq_len or geometry["seq_len"]
+        run = f"the run's eval.batches x train.micro_batch_size and train.seq_len, from {geometry['origin']}"
+        if not windows and not seq_len:
+            return n, T, run
+        given = " and ".join(x for x, v in (("--windows", windows), ("--seq-len", seq_len)) if v)
+        return n, T, f"{given} given, the rest {run}" if not (windows and seq_len) else f"{given} given"
+    n = windows or 64
+    T = seq_len or min(max_seq_len, 1024)
+    parts = ["--windows" if windows else "64 windows by default",
+             "--seq-len" if seq_len else "min(model max_seq_len, 1024) tokens by default"]
+    return n, T, ", ".join(parts) + " (a Hugging Face directory without flopwise.json: no run to take them from)"
 
 
 def record(run_dir: Path, result: dict[str, Any]) -> None:

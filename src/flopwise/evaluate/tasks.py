@@ -25,6 +25,17 @@ for parquet the row), the field and the value.
 - ``piqa``: ``baber/piqa``, no config, split ``validation``;
   context ``"Question: {goal}\\nAnswer:"``, choices ``" {sol1}"``, ``" {sol2}"``.
 
+Custom tasks: any other name, given with a local file or folder (``--task-data
+NAME=PATH``, ``paths={NAME: PATH}``), is a task of one's own. Each record is either the
+plain form ``{"context": str, "choices": [str, ...], "label": int}`` -- the choices are
+appended to the context exactly as written, so give them their leading space (``" Paris"``)
+-- or the form of a built-in task (ARC/OpenBookQA, HellaSwag or PIQA fields, recognised per
+record by ``choices`` being an object, ``endings``, ``goal``), parsed as that task is.
+
+``.jsonl`` files are read line by line with :mod:`json` (no ``datasets`` needed), so a
+malformed line or record is named by its line number; blank lines are skipped.
+``.json`` and ``.parquet`` go through datasets' builders.
+
 ARC and OpenBookQA answers are ``answerKey``, one of ``choices.label`` (letters, or
 digits "1".."5" in some ARC records); HellaSwag's ``label`` is a digit string ("2") and
 PIQA's an integer 0/1 (either form is accepted for both).
@@ -81,6 +92,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import math
 import os
 import re
@@ -243,6 +255,29 @@ def _parse_piqa(rec: dict) -> Example:
     return Example(f"Question: {goal}\nAnswer:", [" " + s for s in sols], label)
 
 
+def _parse_custom(rec: dict) -> Example:
+    """A custom task's record: the plain form, or a built-in task's (module docstring)."""
+    ch = rec.get("choices")
+    if isinstance(ch, dict):
+        return _parse_openbookqa(rec) if "question_stem" in rec and "question" not in rec else _parse_arc(rec)
+    if "endings" in rec:
+        return _parse_hellaswag(rec)
+    if "goal" in rec:
+        return _parse_piqa(rec)
+    if "context" not in rec and "choices" not in rec:
+        have = ", ".join(sorted(map(str, rec))) or "none"
+        raise _Bad("context", f"not a multiple-choice record: expected {{\"context\", \"choices\", \"label\"}} "
+                   f"(or a built-in task's fields); fields present: {have}")
+    context = _text(rec, "context", empty_ok=True)
+    choices = _texts(_field(rec, "choices"), "choices")
+    return Example(context, choices, _index(rec, "label", len(choices)))
+
+
+def custom_spec(name: str) -> TaskSpec:
+    """The spec of a custom task ``name`` (local files only: no hub dataset)."""
+    return TaskSpec(name, "", None, "", _parse_custom, "a custom task from a local file")
+
+
 TASKS: dict[str, TaskSpec] = {
     t.name: t
     for t in (
@@ -305,13 +340,39 @@ def _records(ds: Iterable, where: str) -> Iterator[tuple[int, Any]]:
         yield n, rec
 
 
-def _parse(spec: TaskSpec, rec: Any, where: str, n: int) -> Example:
+def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """(where, record) for each non-blank line of a JSON Lines file; ``where`` names the file,
+    the line and the record number; a line that is not JSON is an error naming both."""
+    n = 0
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise TaskError(f"{path}: cannot read: {e.strerror or e}") from None
+    with f:
+        try:
+            for line_no, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                n += 1
+                where = f"{path} line {line_no} (record {n})"
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise TaskError(f"{where}: not valid JSON: {e.msg} at column {e.colno}: "
+                                    f"{_short(line.strip())}") from None
+                yield where, rec
+        except UnicodeDecodeError as e:
+            raise TaskError(f"{path}: not UTF-8 text after record {n}: {e.reason}") from None
+
+
+def _parse(spec: TaskSpec, rec: Any, where: str, n: int | None) -> Example:
+    where = where if n is None else f"{where} record {n}"
     if not isinstance(rec, dict):
-        raise TaskError(f"{where} record {n}: is {_kind(rec)} ({_short(rec)}), not an object")
+        raise TaskError(f"{where}: is {_kind(rec)} ({_short(rec)}), not an object")
     try:
         return spec.parse(rec)
     except _Bad as e:
-        raise TaskError(f"{where} record {n}: {spec.name}: {e.message}") from None
+        raise TaskError(f"{where}: {spec.name}: {e.message}") from None
 
 
 def load_task(name: str, path: str | os.PathLike | None = None, split: str | None = None,
@@ -321,15 +382,16 @@ def load_task(name: str, path: str | os.PathLike | None = None, split: str | Non
     ``path`` None reads the hub dataset (``TASKS[name].hub_path`` / ``hub_config``, split
     ``split`` or the task's default). ``path`` set reads a local file or folder of
     records in the hub's form (see the module docstring); ``split`` must then be None (a
-    local file is read whole). ``limit > 0`` keeps the first ``limit`` examples and stops
-    reading there. Raises :class:`TaskError`.
+    local file is read whole). A ``name`` not in :data:`TASKS` is a custom task and needs
+    ``path``. ``limit > 0`` keeps the first ``limit`` examples and stops reading there.
+    Raises :class:`TaskError`.
     """
-    if name not in TASKS:
-        raise TaskError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}")
+    if name not in TASKS and path is None:
+        raise TaskError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}; a task of your own needs its "
+                        f"file: --task-data {name}=FILE.jsonl")
     if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
         raise TaskError(f"limit must be an integer >= 0 (0 = all examples), got {limit!r}")
-    spec = TASKS[name]
-    datasets = _datasets()
+    spec = TASKS[name] if name in TASKS else custom_spec(name)
     out: list[Example] = []
 
     def take(ds: Iterable, where: str) -> bool:
@@ -342,7 +404,17 @@ def load_task(name: str, path: str | os.PathLike | None = None, split: str | Non
                 return True
         return False
 
+    def take_jsonl(f: Path) -> bool:
+        if limit and len(out) >= limit:
+            return True
+        for where, rec in _jsonl_records(f):
+            out.append(_parse(spec, rec, where, None))
+            if limit and len(out) >= limit:
+                return True
+        return False
+
     if path is None:
+        datasets = _datasets()
         split = split or spec.split
         where = f"{spec.hub_path}" + (f":{spec.hub_config}" if spec.hub_config else "") + f" split={split}"
         try:
@@ -354,8 +426,17 @@ def load_task(name: str, path: str | os.PathLike | None = None, split: str | Non
         if split is not None:
             raise TaskError(f"task {name}: split={split!r} applies to the hub dataset only; "
                             f"the local path {path} is read whole")
-        for f in _local_files(Path(path).expanduser()):
+        try:
+            files = _local_files(Path(path).expanduser())
+        except TaskError as e:
+            raise TaskError(f"task {name}: {e}") from None
+        for f in files:
             builder = LOCAL_FORMATS[f.suffix.lower()]
+            if f.suffix.lower() == ".jsonl":
+                if take_jsonl(f):
+                    break
+                continue
+            datasets = _datasets()
             try:
                 ds = datasets.load_dataset(builder, data_files=[str(f)], split="train", streaming=True)
             except Exception as e:
@@ -540,17 +621,19 @@ def evaluate_tasks(model: torch.nn.Module, tokenizer, names: list[str], paths: d
                    limit: int = 0, **score_kwargs) -> dict[str, dict]:
     """``{task: score(...) + {"source"}}`` for each task in ``names``.
 
-    ``paths`` maps a task to a local file or folder (others come from the hub). Every task
+    ``paths`` maps a task to a local file or folder (others come from the hub); a name in
+    ``names`` that is not a built-in task must have one (a custom task). Every task
     is loaded, and so checked, before any is scored: a bad file fails in seconds, not
     after an hour of scoring."""
     paths = dict(paths or {})
-    unknown = [n for n in list(names) + list(paths) if n not in TASKS]
+    unknown = [n for n in names if n not in TASKS and n not in paths]
     if unknown:
-        raise TaskError(f"unknown task(s) {', '.join(map(repr, unknown))}; valid tasks: {', '.join(TASKS)}")
+        raise TaskError(f"unknown task(s) {', '.join(map(repr, unknown))}; valid tasks: {', '.join(TASKS)}; "
+                        f"a task of your own needs its file: --task-data NAME=FILE.jsonl")
     loaded = {}
     for name in names:
         path = paths.get(name)
-        spec = TASKS[name]
+        spec = TASKS.get(name)
         source = str(path) if path is not None else (
             spec.hub_path + (f":{spec.hub_config}" if spec.hub_config else "") + f" split={spec.split}")
         loaded[name] = (load_task(name, path, limit=limit), source)

@@ -61,8 +61,24 @@ def check_exportable(cfg: ModelConfig) -> None:
 
 # --------------------------------------------------------------------------- configs
 
-def hf_config(cfg: ModelConfig) -> Any:
-    """The ``transformers`` config of ``cfg``'s family, equivalent to ``cfg``."""
+SPECIAL_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def hf_config(cfg: ModelConfig, special: dict[str, int | None] | None = None) -> Any:
+    """The ``transformers`` config of ``cfg``'s family, equivalent to ``cfg``.
+
+    ``special``: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``, from the tokenizer
+    (see ``flopwise.model.io``); each one not given is None. A ``ModelConfig`` does not know its
+    tokenizer, so the families' defaults (Llama: bos 1, eos 2; GPT-2: 50256) are never
+    kept: in another vocabulary they are ordinary tokens, and ``generate()`` would start
+    every text from one."""
+    hf = _hf_config(cfg)
+    for key in SPECIAL_KEYS:
+        setattr(hf, key, (special or {}).get(key))
+    return hf
+
+
+def _hf_config(cfg: ModelConfig) -> Any:
     import transformers
 
     check_exportable(cfg)

@@ -11,12 +11,23 @@ Three kinds of directory hold a model:
   in :mod:`flopwise.model.hf`.
 
 Exports are written into a hidden sibling directory and renamed into place when
-complete, so an interrupted export never leaves a directory that looks loadable.
+complete, so an interrupted export never leaves a directory that looks loadable. Their
+files get the usual mode of new files (``0666 & ~umask``), not a temporary file's 0600.
+
+An HF export's special token ids (``bos_token_id``, ``eos_token_id``, ``pad_token_id`` in
+``config.json`` and ``generation_config.json``) are the tokenizer's, ``null`` where it has
+none (never a family's default: Llama's ``bos_token_id: 1`` is an ordinary token of most
+BPEs). An export of a run also writes ``flopwise.json`` (:data:`EXPORT_RECORD`): the step,
+and the run's validation geometry (``eval.batches * train.micro_batch_size`` windows of
+``train.seq_len`` tokens, the run's data section and the data directory's fingerprint), so
+``flopwise eval`` on the export measures the same held-out windows as on the run. A file
+of its own rather than a key of ``config.json``: transformers never reads it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -27,7 +38,8 @@ from typing import Any
 import torch
 
 from flopwise.config import ModelConfig, load_run_config
-from flopwise.model.hf import check_exportable, config_from_hf, from_hf_state_dict, hf_config, to_hf_state_dict
+from flopwise.model.hf import (SPECIAL_KEYS, check_exportable, config_from_hf, from_hf_state_dict, hf_config,
+                               to_hf_state_dict)
 from flopwise.model.transformer import Transformer, build_model, configure_attention
 
 
@@ -144,27 +156,92 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: tor
 
 # --------------------------------------------------------------------------- export
 
+EXPORT_RECORD = "flopwise.json"  # what flopwise knows about an export that transformers does not
+PAD_CANDIDATES = ("<pad>", "<|pad|>", "[PAD]", "<|padding|>", "<|finetune_right_pad_id|>")
+
+
 def _special_tokens(tokenizer_path: Path | None) -> dict[str, Any]:
+    """``{bos,eos,pad}_token_id`` (None where the tokenizer has no such token) and, for those
+    it has, ``{bos,eos,pad}_token`` (the strings, for ``tokenizer_config.json``)."""
     if tokenizer_path is None:
         return {}
     from flopwise.data.tokenizer import load_tokenizer, special_ids
 
     tok = load_tokenizer(tokenizer_path)
     ids = special_ids(tok)
+    specials = {t.content: int(i) for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    ids["pad_id"] = next((specials[t] for t in PAD_CANDIDATES if t in specials), None)
     out: dict[str, Any] = {}
-    for name in ("bos", "eos"):
+    for name in ("bos", "eos", "pad"):
         i = ids.get(f"{name}_id")
+        out[f"{name}_token_id"] = i
         if i is not None:
-            out[f"{name}_token_id"] = i
             out[f"{name}_token"] = tok.id_to_token(i)
     return out
+
+
+def _source_special_ids(src: ModelSource) -> dict[str, Any]:
+    """Without a tokenizer: a Hugging Face source's own ids, else None for each (unknown)."""
+    if src.kind == "hf":
+        hf = json.loads((src.path / "config.json").read_text())
+        return {k: hf.get(k) for k in SPECIAL_KEYS}
+    return dict.fromkeys(SPECIAL_KEYS)
+
+
+def _export_record(src: ModelSource) -> dict[str, Any] | None:
+    """``flopwise.json`` of an export of a run or checkpoint: where it came from and the run's
+    validation geometry (None for a Hugging Face source, which has no run)."""
+    if src.kind == "hf":
+        return None
+    cfg = load_run_config(src.path / "config.yaml")
+    try:
+        state = json.loads((src.path / "state.json").read_text())
+    except (OSError, ValueError):
+        state = {}
+    fingerprint = None
+    if cfg.data.path:  # the embedded corpus' directory is named by its fingerprint already
+        with contextlib.suppress(OSError, ValueError):
+            fingerprint = json.loads((Path(cfg.data.path).expanduser() / "meta.json").read_text()).get("fingerprint")
+    return {
+        "format": 1,
+        "exported_from": str(src.path),
+        "step": state.get("step"),
+        "tokens": state.get("tokens"),
+        "validation": {
+            "windows": cfg.eval.batches * cfg.train.micro_batch_size,
+            "seq_len": cfg.train.seq_len,
+            "batch_size": cfg.train.micro_batch_size,
+            "eval_batches": cfg.eval.batches,
+            "data": dataclasses.asdict(cfg.data),
+            "data_fingerprint": fingerprint,
+        },
+    }
+
+
+def read_export_record(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The ``flopwise.json`` of a Hugging Face directory flopwise exported (None when absent
+    or unreadable: a directory from elsewhere)."""
+    try:
+        rec = json.loads((Path(path) / EXPORT_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def _file_mode() -> int:
+    """The mode ``open()`` gives a new file: 0666 minus the process umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def export_hf(path: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
               log=print) -> Path:
     """Write ``out/`` loadable by ``transformers.AutoModelForCausalLM.from_pretrained``:
-    ``config.json``, ``model.safetensors``, ``generation_config.json`` and, when the run
-    has one, ``tokenizer.json`` with ``tokenizer_config.json`` (bos/eos tokens)."""
+    ``config.json``, ``model.safetensors``, ``generation_config.json``, ``flopwise.json``
+    (a run's or checkpoint's step and validation geometry) and, when the run has one,
+    ``tokenizer.json`` with ``tokenizer_config.json`` (bos/eos/pad tokens it has). Special
+    token ids come from the tokenizer (None where it has no such token)."""
     from safetensors.torch import save_file
 
     src = resolve(path)
@@ -172,11 +249,8 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, overwrite: bool =
     out = _check_out(out, overwrite)
     model, _ = load_model(src.path)
     with _published(out) as tmp:
-        hf_cfg = hf_config(model.cfg)
-        special = _special_tokens(src.tokenizer_path)
-        for key in ("bos_token_id", "eos_token_id"):
-            if key in special:
-                setattr(hf_cfg, key, special[key])
+        special = _special_tokens(src.tokenizer_path) or _source_special_ids(src)
+        hf_cfg = hf_config(model.cfg, special)  # the tokenizer's ids, never the family's defaults
         hf_cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
                                  "qwen3_moe": "Qwen3MoeForCausalLM", "gpt2": "GPT2LMHeadModel"}[model.cfg.arch]]
         # transformers 5 names it dtype (torch_dtype is deprecated there); 4.x torch_dtype.
@@ -186,13 +260,19 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, overwrite: bool =
         if model.cfg.tie_embeddings:
             sd.pop("lm_head.weight")  # the same tensor as the embedding; transformers re-ties it
         save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        gen = {k: v for k, v in special.items() if k.endswith("_id")}
+        gen = {k: special[k] for k in SPECIAL_KEYS}
         (tmp / "generation_config.json").write_text(json.dumps({**gen, "_from_model_config": True}, indent=2) + "\n")
+        record = _export_record(src)
+        if record is not None:
+            (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
         if src.tokenizer_path is not None:
             shutil.copyfile(src.tokenizer_path, tmp / "tokenizer.json")
             tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.cfg.max_seq_len,
                        **{k: v for k, v in special.items() if not k.endswith("_id")}}
             (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+        mode = _file_mode()  # safetensors writes through a 0600 temporary file
+        for f in tmp.iterdir():
+            f.chmod(mode)
     n = sum(p.numel() for p in model.parameters())
     log(f"export: {src.kind} {src.path} -> {out} ({model.cfg.arch}, {n:,} parameters, float32"
         f"{', tokenizer' if src.tokenizer_path else ', no tokenizer found'})")
