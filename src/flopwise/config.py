@@ -238,7 +238,7 @@ class EvalConfig:
     every: int = 50  # validation every N steps (and at the end); 0 = only at the end
     batches: int = 8  # fixed held-out subset: batches x micro_batch_size windows
     sample_tokens: int = 120  # length of the text sample written at the end; 0 = none
-    sample_prompt: str = "def "
+    sample_prompt: str = ""  # "" = the first tokens of a validation document (in the corpus's language)
     temperature: float = 0.8
     top_k: int = 50
     # Multiple-choice tasks during training (comma-separated: arc_easy, arc_challenge,
@@ -335,6 +335,25 @@ def _did_you_mean(word: str, choices: list[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _key_hint(cfg: "RunConfig", section: str, key: str, own: list[str]) -> str:
+    """The did-you-mean of an unknown ``section.key``: the same key in another section first
+    (``train.lr`` -> ``optim.lr``), then a close key in its own section, then a close key in
+    any section, named with it (``train.min_lr`` -> ``optim.min_lr_ratio``)."""
+    others = [s for s in SECTIONS if s != section]
+    exact = [f"{s}.{key}" for s in others if key in _field_types(type(getattr(cfg, s)))]
+    if exact:
+        return f" (did you mean {' or '.join(repr(x) for x in exact)}?)"
+    hint = _did_you_mean(key, own)
+    if hint:
+        return hint
+    qualified = {f"{s}.{k}": k for s in others for k in _field_types(type(getattr(cfg, s)))}
+    where = [q for q, k in qualified.items() if k.startswith(key + "_")]  # train.min_lr -> optim.min_lr_ratio
+    if not where:
+        close = difflib.get_close_matches(key, list(qualified.values()), n=1, cutoff=0.75)
+        where = [q for q, k in qualified.items() if close and k == close[0]]
+    return f" (did you mean {' or '.join(repr(x) for x in where[:3])}?)" if where else ""
+
+
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
@@ -429,8 +448,7 @@ def _set(cfg: RunConfig, section: str, key: str, value: Any, source: str, proble
     obj = getattr(cfg, section)
     types_ = _field_types(type(obj))
     if key not in types_:
-        hint = _did_you_mean(key, list(types_))
-        problems.append(f"{source}: unknown key {section}.{key}{hint}")
+        problems.append(f"{source}: unknown key {section}.{key}{_key_hint(cfg, section, key, list(types_))}")
         return
     try:
         setattr(obj, key, _coerce(value, types_[key], f"{source}: {section}.{key}"))

@@ -143,3 +143,17 @@ def test_ramp_plan_adds_up(total):
 def test_ramp_plan_without_ramp_matches_fixed_batch():
     steps, accums = ramp_plan(10_000, 10, 8, 0)
     assert steps == -(-10_000 // 80) and set(accums[:-1]) == {8} and sum(accums) == 1000
+
+
+def test_a_changed_length_continues_the_rate_from_where_it_was():
+    from flopwise.train.schedule import continue_schedule
+
+    cosine = SimpleNamespace(schedule="cosine", decay_shape="linear")
+    assert continue_schedule(10, 20, 1e-3, 1e-3, cosine) is None  # the same rate: the new schedule joins
+    held = continue_schedule(80, 100, 3e-4, 3e-4 + 1e-9, cosine)
+    assert [held.at(s, 3e-4) for s in (80, 90, 99)] == [3e-4] * 3  # a finished cosine stays at its floor
+    c = continue_schedule(6, 16, 2e-3, 2.5e-3, cosine)
+    rates = [c.at(s, 3e-4) for s in range(6, 16)]
+    assert rates[0] < 2e-3 and all(a > b for a, b in zip(rates, rates[1:])) and rates[-1] == pytest.approx(3e-4)
+    wsd = continue_schedule(6, 16, 2e-3, 2.5e-3, SimpleNamespace(schedule="wsd", decay_shape="sqrt"))
+    assert wsd.shape == "sqrt" and wsd.at(15, 3e-4) == pytest.approx(3e-4)

@@ -21,6 +21,18 @@ wall-clock budget: with progress = elapsed / budget the decay starts at
 ``(1 - decay_fraction) * budget`` (:func:`wsd_decay_start`) and reaches the floor exactly
 when the budget is spent, so a run that stops on time stops with its decay finished.
 
+Changing the length of a run on resume
+--------------------------------------
+A cosine (or a WSD in its decay) depends on the run's total length, so recomputing it
+for a new ``train.max_steps`` moves the rate of the step being resumed: extending a
+finished 80-step cosine to 100 steps would put it back up from the floor. Instead the
+rate *continues from where it was* (:class:`Continuation`): from the rate of the last
+step taken, the schedule's decay curve (cosine, or the WSD's ``decay_shape``) down to
+the floor at the new last step -- held at the floor when the old schedule had already
+reached it. When the new length's schedule gives the last step taken the same rate
+(a constant schedule, a WSD still in its stable phase, a run still warming up) the new
+schedule is simply used: it joins without a jump, and a WSD's decay moves to the new end.
+
 Batch-size warm-up
 ------------------
 :func:`accum_at` ramps gradient accumulation (hence the global batch) linearly in tokens
@@ -116,6 +128,37 @@ def lr_factor(progress: float, cfg, warmup_fraction: float) -> float:
     if warmup_fraction > 0 and progress < warmup_fraction:
         return progress / warmup_fraction
     return blend(1.0, cfg.min_lr_ratio, shape_after_warmup(progress, min(warmup_fraction, 1.0), 1.0, cfg))
+
+
+class Continuation(NamedTuple):
+    """The rate of a run whose length changed on resume, from step ``from_step`` (0-based,
+    the first step after the checkpoint) to ``total - 1``: ``lr`` (the rate of step
+    ``from_step - 1`` under the previous schedule) decaying along ``shape`` to the floor at
+    the last step. Saved in checkpoints, so a later resume at the same length follows it."""
+
+    from_step: int
+    lr: float
+    total: int
+    shape: str  # a decay_curve shape
+
+    def at(self, step: int, floor: float) -> float:
+        """The rate of ``step`` (``>= from_step``): end-of-step convention, so the first step
+        is a little below ``lr`` and the last one exactly ``floor``."""
+        if self.lr <= floor:
+            return self.lr  # held (the old schedule had reached its floor)
+        x = (step - self.from_step + 1) / max(self.total - self.from_step, 1)
+        return floor + (self.lr - floor) * decay_curve(x, self.shape)
+
+
+def continue_schedule(from_step: int, total: int, previous_rate: float, new_rate: float, cfg) -> Continuation | None:
+    """How the rate goes on when a run resumed at ``from_step`` steps now has ``total``:
+    ``None`` when the new length's schedule gives the last step taken (``from_step - 1``)
+    the same rate as before (``previous_rate == new_rate``: it joins seamlessly), else a
+    :class:`Continuation` from ``previous_rate``. ``cfg``: the optimizer config
+    (``schedule``, ``decay_shape``)."""
+    if from_step <= 0 or previous_rate == new_rate:
+        return None
+    return Continuation(from_step, previous_rate, total, cfg.decay_shape if cfg.schedule == "wsd" else "cosine")
 
 
 def accum_at(tokens_seen: int, full_accum: int, ramp_tokens: int, start_accum: int = 1) -> int:

@@ -6,7 +6,12 @@ checkpoint: see ``resume.py``) -> data directory -> model -> optimizer -> loop. 
 logs every ``train.log_every`` steps, validates every ``eval.every`` steps on a fixed
 held-out subset, checkpoints every ``train.checkpoint_every`` steps and at the end
 (keeping ``train.keep_checkpoints``), stops early and cleanly on a signal, on
-``train.max_hours`` or on a non-finite step (``stopping.py``), then writes a text sample.
+``train.max_hours`` or on a non-finite step (``stopping.py``), then writes a text sample
+(prompted by the start of a validation document unless ``eval.sample_prompt`` is set).
+
+A run directory whose checkpoint already holds the steps asked for is left untouched
+(:func:`finished_run`); one resumed with a different length keeps its learning rate where
+it was rather than recomputing the schedule for the new length (:func:`resumed_schedule`).
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from typing import Any, Callable
 import torch
 
 from flopwise import __version__
-from flopwise.config import ConfigError, RunConfig, batch_split_problems
+from flopwise.config import ConfigError, RunConfig, batch_split_problems, load_run_config
 from flopwise.data.datadir import DataDir, open_data_dir
 from flopwise.data.loader import fixed_windows, make_loader
+from flopwise.deps import missing_for_run, require
 from flopwise.evaluate.generate import generate
 from flopwise.evaluate.loss import bits_per_byte, evaluate_loss, perplexity, target_bytes
 from flopwise.fsio import atomic_write
@@ -41,7 +47,7 @@ from flopwise.plan.budget import plan_for_run
 from flopwise.plan.flops import flops_per_token, flops_per_token_6n, hardware_flops_per_token, param_counts
 from flopwise.train.checkpoint import apply_retention, set_rng_state
 from flopwise.train.optim import CombinedOptimizer, build_optimizer, describe_optimizer, lr_at, set_lr, set_lr_factor
-from flopwise.train.schedule import lr_factor, ramp_plan, time_progress
+from flopwise.train.schedule import Continuation, continue_schedule, lr_factor, ramp_plan, time_progress
 from flopwise.train.resume import start_run, truncate_metrics
 from flopwise.train.precision import MasterWeights, apply_fp8
 from flopwise.train.precision import resolve as resolve_precision_full
@@ -196,6 +202,7 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False) -> TrainResult:
 
     Under ``torchrun`` every rank calls this; they train in lockstep and rank 0 alone logs
     and writes the run's files (``train/distributed.py``, ``train/parallel.py``)."""
+    require(missing_for_run(cfg))  # optional packages the config asks for: refused before any work
     t_start = time.perf_counter()
     env, device = init_distributed(cfg.parallel.strategy, cfg.train.device, cfg.parallel.backend,
                                    cfg.parallel.timeout_min)
@@ -246,6 +253,9 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
     peak, peak_note = device_peak(device, precision, t.peak_tflops)
     uniform = math.log(data.vocab_size)
     data_fingerprint = data.meta.get("fingerprint")
+    done = int(start.checkpoint.name[5:]) if start.checkpoint is not None else 0
+    if start.checkpoint is not None and done >= total_steps:  # nothing to train: touch nothing
+        return finished_run(run_dir, start.checkpoint, done, total_steps, uniform, t_start, log)
 
     task_names = [x.strip() for x in e.tasks.split(",") if x.strip()]
     task_paths = task_files(e.task_dir, task_names)  # a missing task file is named before any work
@@ -277,6 +287,8 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
     guard = NonFiniteGuard.from_config(t, uniform_loss=math.log(m.vocab_size))  # the logits' uniform loss
 
     step, tokens, val_start = 0, 0, float("nan")
+    cont: Continuation | None = None  # the rate of a run whose length changed on resume
+    schedule_note = ""
     if start.checkpoint is not None:
         saved = load_distributed(start.checkpoint, env, strategy.name, state_model, optimizer, device)
         if master:
@@ -298,6 +310,7 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
         guard.load_state_dict(saved.get("guard", {}))
         if "rng" in saved:
             set_rng_state(saved["rng"], device)
+        cont, schedule_note = resumed_schedule(start.checkpoint, saved, step, total_steps, cfg, ramp is not None)
     config_yaml = cfg.to_yaml()
     record = run_record(cfg, device, precision)
     record["parallel"] = {"strategy": strategy.name, "world_size": world, "backend": env.backend,
@@ -373,6 +386,8 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
                     + (", fitted to train.max_hours" if o.fit_to_time else "")}[o.schedule]
     log(f"  optimizer  {describe_optimizer(optimizer)} · warmup {o.warmup_steps}, {sched}"
         f" · weight decay {o.weight_decay:g} · clip {o.grad_clip:g}")
+    if schedule_note:
+        log(f"  schedule   {schedule_note}")
     if ramp is not None:
         log(f"  batch ramp {t.batch_ramp_start} -> {accum} micro-batches per step over the first "
             f"{human(t.batch_ramp_tokens)} tokens · {ramp.steps:,} steps for {human(t.max_tokens)} tokens")
@@ -410,6 +425,8 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
         state = {"tokens": tokens, "loader": train_loader.state_dict(), "val_loss_start": val_start,
                  "val_windows": len(val_windows),
                  "data_fingerprint": data_fingerprint, "guard": guard.state_dict()}
+        if cont is not None:
+            state["lr_continuation"] = cont._asdict()
         if prec.scaler is not None:
             state["grad_scaler"] = prec.scaler.state_dict()
         path = save_distributed(run_dir, done, env, strategy.name, state_model, optimizer, state, config_yaml,
@@ -457,7 +474,7 @@ def _train(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.de
             if ramp is not None:
                 accum = ramp.accums[step]
                 step_tokens = accum * micro_tokens
-            lr = lr_for_step(step, total_steps, tokens + step_tokens, o, t, ramp, fit)
+            lr = lr_for_step(step, total_steps, tokens + step_tokens, o, t, ramp, fit, cont)
             if fit is not None and fit.done(step):
                 stopped = "the time budget is used with the decay finished"
                 break
@@ -743,9 +760,99 @@ class TimeFit:
         return step >= self.warmup_steps and self.progress() >= 1.0
 
 
-def lr_for_step(step: int, total_steps: int, tokens_after: int, o, t, ramp, fit: TimeFit | None) -> float:
+def finished_run(run_dir: Path, checkpoint: Path, done: int, total_steps: int, uniform: float, t_start: float,
+                 log: Log) -> TrainResult:
+    """A run directory whose latest checkpoint already holds ``total_steps`` steps (or more):
+    say so and change nothing -- no run.json, metrics, config or checkpoint is rewritten.
+    The result is the one the run recorded when it finished (run.json), where there is one."""
+    prev = _read_json(run_dir / "run.json").get("result") or {}
+    if not isinstance(prev, dict) or prev.get("steps") != done:
+        prev = {}
+    if done == total_steps:
+        log(f"finished: {run_dir} already holds all {total_steps:,} steps ({checkpoint}); nothing to train, "
+            "nothing changed. To train longer, raise train.max_steps (or train.max_tokens); --fresh starts over")
+    else:
+        log(f"nothing to train: {run_dir} already holds {done:,} steps ({checkpoint}), more than the "
+            f"{total_steps:,} asked; nothing changed. Raise train.max_steps (or train.max_tokens) to train "
+            "longer; --fresh starts a new run")
+    nan = float("nan")
+    return TrainResult(run_dir, done, int(prev.get("tokens") or 0), _num(prev.get("final_loss")),
+                       _num(prev.get("val_loss_start")), _num(prev.get("val_loss_end")), uniform,
+                       prev.get("tok_per_s"), prev.get("mfu"), time.perf_counter() - t_start, checkpoint,
+                       prev.get("sample") or "", None) if prev else TrainResult(
+        run_dir, done, 0, nan, nan, nan, uniform, None, None, time.perf_counter() - t_start, checkpoint, "", None)
+
+
+def _num(x: Any) -> float:
+    return float(x) if isinstance(x, (int, float)) else float("nan")
+
+
+def resumed_schedule(checkpoint: Path, saved: dict[str, Any], step: int, total_steps: int, cfg: RunConfig,
+                     ramped: bool) -> tuple[Continuation | None, str]:
+    """The learning rate of a resumed run whose length (``train.max_steps``/``max_tokens``)
+    may have changed since ``checkpoint`` (its own config.yaml holds the length its steps were
+    taken under): ``(continuation or None, a note for the log, "" when nothing changed)``.
+
+    An unchanged length keeps the schedule as it was (bit-identical to an uninterrupted run).
+    A changed one goes on from the rate of the last step taken (``schedule.continue_schedule``)
+    instead of recomputing the schedule for the new length, which would move the rate
+    (extending a finished cosine would raise it from its floor)."""
+    o, t = cfg.optim, cfg.train
+    before = saved.get("lr_continuation")
+    before = Continuation(**before) if isinstance(before, dict) else None
+    try:
+        old = load_run_config(checkpoint / "config.yaml")
+    except (ConfigError, OSError):
+        old = None
+    if o.fit_to_time:
+        return None, ""  # progress is the share of train.max_hours used, not of the steps
+    if ramped:
+        if old is not None and (old.train.max_tokens, old.train.max_steps) != (t.max_tokens, t.max_steps):
+            raise ConfigError([f"train.run_dir {t.run_dir!r}: a batch-ramped run's schedule follows its tokens, so "
+                               f"its length cannot change on resume (train.max_tokens {old.train.max_tokens} -> "
+                               f"{t.max_tokens}, train.max_steps {old.train.max_steps} -> {t.max_steps}): keep "
+                               f"train.max_tokens={old.train.max_tokens} train.max_steps={old.train.max_steps}, "
+                               "or pass --fresh to start over"])
+        return None, ""
+    old_total = before.total if before is not None else (old.total_steps() if old is not None else total_steps)
+    floor = o.lr * o.min_lr_ratio
+    if old_total == total_steps:
+        if before is None:
+            return None, ""
+        return before, (f"the rate follows the continuation set at step {before.from_step:,} when the run's length "
+                        f"changed: {_continuation_text(before, floor)}")
+
+    def previous(k: int) -> float:  # the rate step k had
+        return before.at(k, floor) if before is not None and k >= before.from_step else lr_at(k, old_total, o)
+
+    last = step - 1
+    prev_rate, new_rate = previous(last), lr_at(last, total_steps, o)
+    cont = continue_schedule(step, total_steps, prev_rate, new_rate, o)
+    change = f"length {old_total:,} -> {total_steps:,} steps"
+    if cont is None:
+        end = f" (its decay now ends at step {total_steps:,})" if o.schedule == "wsd" else ""
+        return None, (f"{change}: step {step:,}'s rate is the same under both ({new_rate:.3g}), so the {o.schedule} "
+                      f"schedule of {total_steps:,} steps goes on from there{end}")
+    restart = lr_at(step, total_steps, o)
+    return cont, (f"{change}: {_continuation_text(cont, floor)}, where the {old_total:,}-step schedule left it "
+                  f"(recomputing the {o.schedule} schedule for {total_steps:,} steps would set {restart:.3g} "
+                  f"at step {step + 1:,})")
+
+
+def _continuation_text(c: Continuation, floor: float) -> str:
+    if c.lr <= floor:
+        return f"the rate is held at {c.lr:.3g} from step {c.from_step + 1:,} to {c.total:,}"
+    return (f"the rate continues from {c.lr:.3g} at step {c.from_step:,} and decays ({c.shape}) to {floor:.3g} "
+            f"at step {c.total:,}")
+
+
+def lr_for_step(step: int, total_steps: int, tokens_after: int, o, t, ramp, fit: TimeFit | None,
+                cont: Continuation | None = None) -> float:
     """The learning rate of the next step: by steps (``lr_at``), by tokens during a batch ramp
-    (steps differ in size), or by time for a WSD fitted to ``train.max_hours``."""
+    (steps differ in size), by time for a WSD fitted to ``train.max_hours``, or along ``cont``
+    after a resume that changed the run's length (:func:`resumed_schedule`)."""
+    if cont is not None and step >= cont.from_step:
+        return cont.at(step, o.lr * o.min_lr_ratio)
     if fit is not None:
         if step < o.warmup_steps:
             return o.lr * (step + 1) / o.warmup_steps
@@ -823,13 +930,37 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
+SAMPLE_PROMPT_TOKENS = 12  # the default prompt: this many tokens from the start of a validation document
+
+
+def validation_prompt(data: DataDir, n_tokens: int = SAMPLE_PROMPT_TOKENS) -> list[int]:
+    """The first ``n_tokens`` tokens of the first validation document (one that starts after an
+    EOS and is at least twice as long as the prompt, so the model has something to continue):
+    a prompt in the corpus's own language, the same every time. Falls back to the split's
+    first tokens when no such document is among its first tokens."""
+    eos = data.eos_id
+    head = data.shards("val")[0][: 1 << 20]  # documents start soon: no need to read a whole shard
+    ends = [-1, *(int(i) for i in (head == eos).nonzero()[0]), len(head)]
+    for a, b in zip(ends[1:], ends[2:]):  # a document: after the EOS at a, up to the next one at b
+        if b - a - 1 >= 2 * n_tokens:
+            return [int(x) for x in head[a + 1 : a + 1 + n_tokens]]
+    ids = [int(x) for x in head[:n_tokens] if int(x) != eos]
+    return ids or [eos]
+
+
 def write_sample(model: torch.nn.Module, data: DataDir, cfg: RunConfig, device: torch.device,
                  run_dir: Path | None) -> str:
-    """Sample ``eval.sample_tokens`` tokens after ``eval.sample_prompt``; save to samples.txt
-    (``run_dir`` None: on ranks other than 0, which generate in step with it, write nothing)."""
+    """Sample ``eval.sample_tokens`` tokens after ``eval.sample_prompt`` -- when that is empty
+    (the default), after the start of a validation document (:func:`validation_prompt`); save
+    to samples.txt (``run_dir`` None: on ranks other than 0, which generate in step with it,
+    write nothing)."""
     e = cfg.eval
     tok = data.tokenizer
-    ids = tok.encode(e.sample_prompt).ids or [data.eos_id]
+    if e.sample_prompt:
+        ids, shown, source = tok.encode(e.sample_prompt).ids or [data.eos_id], e.sample_prompt, "eval.sample_prompt"
+    else:
+        ids, source = validation_prompt(data), "the start of a validation document"
+        shown = tok.decode(ids)
     gen = torch.Generator(device=device).manual_seed(cfg.train.seed)
     # An FSDP2-sharded model computes in its MixedPrecisionPolicy's dtype, which a KV cache
     # sized from the (sharded, fp32) weights would not match: it recomputes the window instead.
@@ -842,5 +973,6 @@ def write_sample(model: torch.nn.Module, data: DataDir, cfg: RunConfig, device: 
     if run_dir is None:
         return text
     with open(run_dir / "samples.txt", "a", encoding="utf-8") as f:
-        f.write(f"--- prompt {e.sample_prompt!r} · temperature {e.temperature:g} · top-k {e.top_k}\n{text}\n")
+        f.write(f"--- prompt {shown!r} ({source}) · temperature {e.temperature:g} · top-k {e.top_k}\n"
+                f"{text}\n")
     return text
