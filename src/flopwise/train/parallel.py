@@ -5,7 +5,8 @@
   all-reduce (``parallel.bucket_mb``), overlapped with the backward. Only the last
   micro-batch of an accumulation synchronises (``no_sync`` on the others).
 - ``zero1``: DDP for the gradients, and ``ZeroRedundancyOptimizer``: each rank keeps the
-  AdamW state of ~1/N of the parameters, steps those and broadcasts them.
+  AdamW state of ~1/N of the parameters, steps those and broadcasts them (one flat bucket
+  per rank: ``parameters_as_bucket_view``).
 - ``fsdp2``: ``fully_shard`` on every transformer block and then on the root (embedding,
   final norm, head): parameters, gradients and optimizer state are all sharded; a block's
   weights are gathered just before it runs. Under bf16 a ``MixedPrecisionPolicy``
@@ -14,6 +15,10 @@
   backward (less communication, more memory).
 - ``auto``: single with one process; otherwise the first of ddp, zero1, fsdp2 whose
   memory model (``plan/memory.py``) fits the GPU, with the reason logged.
+
+DDP does not broadcast buffers before each forward (``broadcast_buffers=False``, named
+``forward_sync_buffers`` from torch 2.13): the RoPE tables are computed from the config,
+the same on every rank.
 
 Wrapping order, in one place (``wrap.py`` then :func:`apply_data_parallel`): activation
 checkpointing -> compile -> DDP/FSDP. Checkpoint formats: see ``train/dist_checkpoint.py``.
@@ -111,10 +116,18 @@ def apply_data_parallel(model: torch.nn.Module, strategy: str, env: DistEnv, dev
     if strategy == "single":
         return model, []
     if strategy in ("ddp", "zero1"):
+        import inspect
+
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        # No buffer broadcast before each forward: the only buffers are the RoPE cos/sin tables,
+        # a deterministic function of the config (non-persistent), identical on every rank, so
+        # broadcasting them from rank 0 would be a wasted collective per micro-batch. torch
+        # >= 2.13 names the switch forward_sync_buffers (broadcast_buffers is deprecated there).
+        no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                   else {"broadcast_buffers": False})
         wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                      bucket_cap_mb=pc.bucket_mb, gradient_as_bucket_view=True)
+                      bucket_cap_mb=pc.bucket_mb, gradient_as_bucket_view=True, **no_sync)
         return wrapped, [f"DDP: gradients all-reduced in {pc.bucket_mb:g} MB buckets during backward, once per "
                          "step (no_sync on the earlier micro-batches)"]
     if strategy == "fsdp2":
@@ -145,7 +158,12 @@ def zero1_optimizer(plain: torch.optim.Optimizer) -> torch.optim.Optimizer:
     groups = [dict(g) for g in plain.param_groups]
     keys = ("lr", "betas", "eps", "weight_decay", "fused", "foreach")
     defaults = {k: plain.defaults[k] for k in keys if plain.defaults.get(k) is not None}
-    return ZeroRedundancyOptimizer(groups, optimizer_class=type(plain), **defaults)
+    # parameters_as_bucket_view: each rank's parameters live in one flat bucket per device, so
+    # the post-step parameter sync is one broadcast per rank instead of one per tensor. Correct
+    # here: every parameter it sees has one dtype (fp32; under bf16-pure it steps the fp32
+    # master copy), all are trainable, and checkpoints load with load_state_dict's in-place
+    # copy, which writes into the bucket views (an assignment of .data would detach them).
+    return ZeroRedundancyOptimizer(groups, optimizer_class=type(plain), parameters_as_bucket_view=True, **defaults)
 
 
 def grad_sync(wrapped: torch.nn.Module, strategy: str, accum: int) -> Callable[[int], contextlib.AbstractContextManager]:

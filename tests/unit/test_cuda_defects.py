@@ -1,0 +1,184 @@
+"""CPU stand-ins for defects that would show on a CUDA machine (issue 15).
+
+- The declared torch floor covers the newest torch API the code calls.
+- DDP does not broadcast buffers every forward (the RoPE tables are the same on every
+  rank), and ZeRO-1 keeps each rank's parameters in one bucket (one broadcast per rank).
+- ``generate`` on fp32 weights runs whatever attention backend training chose: flash-attn
+  refuses fp32, so a model configured for flash must fall back for sampling (the run's
+  final ``write_sample`` crashed on a machine with flash-attn installed).
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flopwise.config import ModelConfig
+from flopwise.evaluate.generate import generate
+from flopwise.model import attention as A
+from flopwise.model import build_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# torch API -> the first torch release that has it (where the code calls it unguarded).
+NEWER_API = {
+    "get_total_norm": (2, 6),
+    "clip_grads_with_norm_": (2, 6),
+    "from torch.distributed.fsdp import": (2, 6),  # the public fully_shard / MixedPrecisionPolicy / FSDPModule
+    "torch.get_autocast_dtype": (2, 4),
+    "rms_norm": (2, 4),
+    "torch.compiler.is_compiling": (2, 3),
+}
+
+
+def _version(text: str) -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", text).groups()
+    return int(major), int(minor)
+
+
+def test_the_declared_torch_floor_covers_the_api_the_code_calls():
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch_req,) = [d for d in deps if re.match(r"torch\b", d)]
+    floor = _version(re.search(r">=\s*([\d.]+)", torch_req).group(1))
+    source = "\n".join(p.read_text() for p in (ROOT / "src" / "flopwise").rglob("*.py"))
+    used = {api: v for api, v in NEWER_API.items() if api in source}
+    assert {"get_total_norm", "clip_grads_with_norm_", "from torch.distributed.fsdp import"} <= set(used)
+    needed = max(used.values())
+    assert floor >= needed, f"pyproject says {torch_req!r}; the code calls {sorted(used)} (needs >= {needed})"
+    assert _version(torch.__version__) >= floor
+
+
+# --------------------------------------------------------------------------- DDP / ZeRO-1 wrappers
+
+@pytest.fixture
+def one_rank_gloo(tmp_path):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _tiny_run():
+    from flopwise.config import RunConfig
+
+    cfg = RunConfig()
+    m = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=16)
+    return cfg, build_model(m, seed=0)
+
+
+def test_ddp_does_not_broadcast_the_rope_buffers(one_rank_gloo):
+    from flopwise.train.distributed import DistEnv
+    from flopwise.train.parallel import apply_data_parallel
+
+    cfg, model = _tiny_run()
+    assert model.rope_cos.numel() > 0  # there are buffers it would broadcast
+    for strategy in ("ddp", "zero1"):
+        wrapped, _ = apply_data_parallel(model, strategy, DistEnv(world_size=1, backend="gloo"),
+                                         torch.device("cpu"), cfg, None)
+        assert wrapped.broadcast_buffers is False
+        assert wrapped.require_forward_param_sync is True  # still the (no-op at 1 rank) param check
+
+
+def test_zero1_keeps_each_ranks_parameters_in_one_bucket_and_steps_like_adamw(one_rank_gloo):
+    from flopwise.config import OptimConfig
+    from flopwise.train.optim import build_optimizer
+    from flopwise.train.parallel import zero1_optimizer
+
+    _, model = _tiny_run()
+    _, ref = _tiny_run()
+    ocfg = OptimConfig()
+    zero = zero1_optimizer(build_optimizer(model, ocfg, torch.device("cpu")))
+    plain = build_optimizer(ref, ocfg, torch.device("cpu"))
+    assert zero.parameters_as_bucket_view is True
+    (bucket,) = [b for dev in zero._buckets for b in dev]
+    base = bucket.untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == base for p in model.parameters())  # views of the bucket
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        for m, opt in ((model, zero), (ref, plain)):
+            opt.zero_grad()
+            m(idx).float().logsumexp(-1).mean().backward()
+            opt.step()
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+    zero.consolidate_state_dict(to=0)  # what dist_checkpoint does before saving
+    assert len(zero.state_dict()["state"]) == len(list(model.parameters()))
+
+
+# --------------------------------------------------------------------------- generate vs flash-attn
+
+class _FlashRefusesFp32:
+    """flash-attn's behaviour as far as dtype goes: fp16/bf16 only (RuntimeError otherwise)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def _check(self, q):
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
+        self.calls += 1
+
+    def func(self, q, k, v, causal=False):  # (B, T, H|KV, hd)
+        self._check(q)
+        n_rep = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             is_causal=causal)
+        return out.transpose(1, 2)
+
+    def varlen(self, *args, **kwargs):  # pragma: no cover - generate never passes documents
+        raise AssertionError("no documents in generate")
+
+
+@pytest.fixture
+def flash_on_cpu(monkeypatch):
+    """flash "installed": kernels that refuse fp32, and availability as on a CUDA machine
+    (usable for fp16/bf16 only)."""
+    fake = _FlashRefusesFp32()
+    kernels = A._FlashKernels("FA2", "stand-in", fake.func, fake.varlen)
+    monkeypatch.setattr(A, "_flash_kernels", lambda device: kernels)
+    real = A.available_backends
+
+    def available(device, dtype):
+        out = dict(real(device, dtype))
+        out["flash"] = None if dtype in (torch.float16, torch.bfloat16) else "needs fp16/bf16"
+        return out
+
+    monkeypatch.setattr(A, "available_backends", available)
+    return fake
+
+
+def _tiny_lm(seed=3):
+    return build_model(ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48,
+                                   max_seq_len=24), seed=seed)
+
+
+@pytest.mark.parametrize("use_cache", [True, False], ids=["cache", "recompute"])
+def test_generate_on_fp32_weights_trained_with_flash_falls_back_to_sdpa(flash_on_cpu, use_cache):
+    model, reference = _tiny_lm(), _tiny_lm()
+    model.set_attention_backend("flash")  # what training under bf16 autocast chose
+    prompt = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=30, max_seq_len=24, temperature=0.0, use_cache=use_cache)  # slides past the window
+    out = generate(model, prompt, **kw)  # the old code: RuntimeError from the fp32-refusing kernel
+    assert torch.equal(out, generate(reference, prompt, **kw))
+    assert flash_on_cpu.calls == 0
+    assert model.attention_backend == "flash" and all(b.attn.backend == "flash" for b in model.layers)
+
+
+def test_generate_keeps_flash_when_it_computes_in_bf16(flash_on_cpu):
+    model = _tiny_lm()
+    model.set_attention_backend("flash")
+    prompt = torch.randint(0, 96, (1, 4), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = generate(model, prompt, max_new_tokens=3, max_seq_len=24, temperature=0.0)
+    assert out.shape == (1, 7) and flash_on_cpu.calls > 0  # the prompt went through the "flash" kernel
