@@ -115,3 +115,16 @@ def nan_at(monkeypatch):
         monkeypatch.setattr(trainer_module, "forward_backward", forward_backward)
 
     return install
+
+
+def _fill(path, leave_bytes: int) -> None:
+    st = os.statvfs(path)
+    with open(Path(path) / "ballast", "wb") as f:
+        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave_bytes))
+
+
+@pytest.fixture
+def fill_fs():
+    """``fill_fs(path, leave_bytes)``: fill the filesystem of ``path`` with a file named
+    ``ballast`` until at most ``leave_bytes`` are free (a small_fs, usually)."""
+    return _fill

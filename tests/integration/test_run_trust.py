@@ -188,17 +188,11 @@ def test_the_lock_refuses_a_second_holder_in_another_process(tmp_path):
             pass
 
 
-def _fill(path: Path, leave_bytes: int) -> None:
-    st = os.statvfs(path)
-    with open(path / "ballast", "wb") as f:
-        f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - leave_bytes))
-
-
 def _du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def test_a_full_disk_during_a_training_save(cli, tiny_overrides, small_fs, tmp_path):
+def test_a_full_disk_during_a_training_save(cli, tiny_overrides, small_fs, tmp_path, fill_fs):
     """The run directory on a real tmpfs with room for one checkpoint: the second save fails with
     the real error; the message says so and names the intact checkpoint; nothing partial is left;
     with space freed, the same command resumes from it."""
@@ -211,7 +205,7 @@ def test_a_full_disk_during_a_training_save(cli, tiny_overrides, small_fs, tmp_p
     run = fs / "run"
     first = cli("train", *args, "train.max_steps=3", f"train.run_dir={run}")
     assert first.returncode == 0, first.stderr
-    _fill(fs, one // 2)  # room for half a checkpoint
+    fill_fs(fs, one // 2)  # room for half a checkpoint
     full = cli("train", *args, "train.max_steps=6", f"train.run_dir={run}")
     assert full.returncode == 2, full.stdout + full.stderr
     assert "could not save checkpoint step 6" in full.stderr and "no space left on the device" in full.stderr
@@ -226,19 +220,19 @@ def test_a_full_disk_during_a_training_save(cli, tiny_overrides, small_fs, tmp_p
     assert latest_checkpoint(run).name == "step-0000006"
 
 
-def test_a_full_disk_before_the_run_is_refused_and_leaves_nothing(tiny_overrides, small_fs):
+def test_a_full_disk_before_the_run_is_refused_and_leaves_nothing(tiny_overrides, small_fs, fill_fs):
     fs = small_fs("256k")
-    _fill(fs, 0)
+    fill_fs(fs, 0)
     cfg = build_config(overrides=tiny_overrides + QUIET + ["train.max_steps=2", f"train.run_dir={fs / 'run'}"])
     with pytest.raises(ConfigError, match="is not writable: no space left on the device"):
         train(cfg, log=lambda s: None)
     assert sorted(p.name for p in fs.iterdir()) == ["ballast"]  # no run dir, no .write-test-*, no .lock
 
 
-def test_an_atomic_write_on_a_full_disk_keeps_the_old_file(small_fs):
+def test_an_atomic_write_on_a_full_disk_keeps_the_old_file(small_fs, fill_fs):
     fs = small_fs("128k")
     atomic_write(fs / "config.yaml", "model: {old: 1}\n")
-    _fill(fs, 0)
+    fill_fs(fs, 0)
     with pytest.raises(OSError):
         atomic_write(fs / "config.yaml", "x" * 200_000)
     assert (fs / "config.yaml").read_text() == "model: {old: 1}\n"

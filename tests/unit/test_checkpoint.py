@@ -1,7 +1,6 @@
 """Crash-safe checkpoints: atomic publication, manifest checksums, retention, disk-full saves, kill -9."""
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -89,20 +88,13 @@ def test_damaged_files_are_named(tmp_path, damage):
         load_checkpoint(path, *model_and_opt(seed=2))
 
 
-def _fill(path, leave_bytes):
-    """Fill the filesystem of ``path`` until ``leave_bytes`` or fewer are free."""
-    free = os.statvfs(path).f_bavail * os.statvfs(path).f_frsize
-    with open(path / "ballast", "wb") as f:
-        f.write(b"\0" * max(0, free - leave_bytes))
-
-
 @pytest.mark.parametrize("leave_kb", [0, 12, 32])  # full inside model.pt, rng.pt, or the small files
-def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(small_fs, leave_kb):
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(small_fs, leave_kb, fill_fs):
     """On a real tmpfs: the disk fills during the save (torch.save's own error, not an imitation)."""
     model, opt = model_and_opt()
     fs = small_fs("512k")
     previous = save_checkpoint(fs, 10, model, opt, {"tokens": 1}, "model: {}\n", rng=rng_state())
-    _fill(fs, leave_kb * 1024)
+    fill_fs(fs, leave_kb * 1024)
     with pytest.raises(CheckpointError) as err:
         save_checkpoint(fs, 20, model, opt, {"tokens": 2}, "model: {}\n", rng=rng_state())
     assert "could not save checkpoint step 20" in str(err.value)
@@ -113,10 +105,10 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(small_fs, leave
     assert load_checkpoint(previous, *model_and_opt(seed=3))["tokens"] == 1
 
 
-def test_a_full_disk_error_from_torch_save_is_recognised(small_fs):
+def test_a_full_disk_error_from_torch_save_is_recognised(small_fs, fill_fs):
     """torch.save into a path on a full disk raises RuntimeError (no errno): still a full disk."""
     fs = small_fs("128k")
-    _fill(fs, 4096)
+    fill_fs(fs, 4096)
     with pytest.raises(RuntimeError) as err:
         torch.save({"w": torch.zeros(100_000)}, fs / "x.pt")
     assert describe_write_error(err.value) == "no space left on the device", str(err.value)

@@ -17,11 +17,11 @@ keys in which the runs differ.
 
 from __future__ import annotations
 
-import os
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable
 
+from flopwise.fsio import atomic_write
 from flopwise.measure.sinks import human
 from flopwise.report import png as png_out
 from flopwise.report.compare import (compare, measured_memory, measured_mfu, measured_tok_per_s,
@@ -78,19 +78,8 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None, png:
             png_note = f"PNG figures not written: matplotlib failed ({type(e).__name__}: {e})."
 
     page = render_page(runs, sections, png_note)
-    _write_atomically(out, page)
+    atomic_write(out, page)  # a browser refreshing never sees half a page
     return out
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write beside ``path`` and rename: a reader (a browser refreshing) never sees half a page."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 # --------------------------------------------------------------------------- charts

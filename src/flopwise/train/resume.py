@@ -63,23 +63,16 @@ def resume_conflicts(old: RunConfig, new: RunConfig) -> list[str]:
 
 
 def _check_writable(run_dir: Path) -> None:
-    """Prove the run directory can be written, leaving no trace: directories this check
-    creates are removed again (a run that fails on its data must not leave an empty run)."""
-    created = [p for p in [run_dir, *run_dir.parents] if not p.exists()]
+    """Prove the run directory (made by its lock, which removes it again if the run leaves
+    nothing else) has room for a file, leaving no trace even when the disk is full."""
     probe = run_dir / f".write-test-{os.getpid()}"
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"ok" * 2048)  # a few KiB: a disk with no room for a file fails here, not at step 1000
     except OSError as e:
         raise ConfigError([f"train.run_dir {str(run_dir)!r} is not writable: {describe_write_error(e)}"]) from None
     finally:
         with contextlib.suppress(OSError):
-            probe.unlink()  # also when the write failed half-way (a full disk)
-        for p in created:  # deepest first
-            try:
-                p.rmdir()
-            except OSError:
-                break
+            probe.unlink()  # also when the write failed half-way
 
 
 def start_run(cfg: RunConfig, fresh: bool = False, locks: contextlib.ExitStack | None = None) -> RunStart:
