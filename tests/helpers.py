@@ -1,0 +1,100 @@
+"""Comparisons shared by the tests (``from helpers import ...``: tests/ is on ``sys.path``
+through its conftest.py, as tests/parity/test_hf_io.py relies on for its own folder).
+
+Two models trained apart -- one process against two ranks, DDP against FSDP2, a resumed run
+against an uninterrupted one -- agree only up to the order of floating-point sums: an
+all-reduce, a sharded norm or another CPU's kernels add the same numbers in another order.
+AdamW then amplifies that noise on near-zero gradients (``m / sqrt(v)`` is of order one
+whatever the gradient's size, so a gradient element that is mostly rounding steps by up to
+the learning rate in either direction). An absolute tolerance per element therefore fails
+on another machine (an AMD EPYC gave 4e-6 ... 9e-6 against ``atol=1e-6``), while a real
+defect -- a missed gradient sync, a skipped micro-batch, a wrong learning rate -- moves the
+whole tensor. So each tensor is compared by the norm of its difference relative to its own
+norm.
+
+``WEIGHT_REL``: measured on this project's 2-core x86 development machine (torch 2.13 CPU;
+tests/distributed/test_data_parallel.py: 8 AdamW steps of a 2-layer d_model=64 model, peak
+lr 3e-3), the largest relative difference over every tensor: 2 ranks vs 1 process 1.5e-7
+(DDP, ZeRO-1 and FSDP2 alike), resumed at the other world size 1.5e-7, the batch ramp
+1.9e-7, ZeRO-1/FSDP2 vs DDP 0; the largest absolute difference of any element 3.4e-7. The
+AMD EPYC's elements differed 25x more (up to 9e-6, in tensors of norm ~1 ... 8: a few 1e-6
+relative at most). 1e-4 leaves a factor ~500 over this machine and ~20 over that one, while
+a defect moves the weights by far more (an estimate: a missed gradient sync or a skipped
+micro-batch changes AdamW's update of every element by O(1), i.e. steps x lr ~ 1e-2 against
+weights initialised at std 0.02: 1e-1 ... 1 of the norm); a perturbation of 1e-3 of one tensor's norm (max |diff| 8e-5) fails with its name. A change of
+the gradient's scale alone (a sum where a mean belongs) barely moves AdamW's weights (its
+update is scale-free up to eps and clipping): :func:`assert_grad_norms_close` compares the
+logged gradient norms for that.
+
+``GRAD_NORM_REL``: the logged norm is of the gradient before clipping, one sum over every
+gradient, at weights that already differ by the noise above: the same runs agree to 6.3e-7
+relative here (worst step: FSDP2's sharded norm, the batch ramp), and on the EPYC the loss
+curves held their 2e-6 (the weight check after them is what failed). 1e-4 as for the weights; a sum-for-mean defect is a factor 2, a
+skipped micro-batch several percent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import torch
+
+WEIGHT_REL = 1e-4
+GRAD_NORM_REL = 1e-4
+_TINY = 1e-12  # a norm floor: an all-zero reference tensor compares by the absolute norm of the difference
+
+
+def weight_differences(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> list[dict]:
+    """Per tensor of ``want``: ``{"name", "rel", "max_abs", "norm"}`` with ``rel`` =
+    ||got - want|| / max(||want||, tiny) and ``norm`` = ||want|| (in float64)."""
+    rows = []
+    for name, w in want.items():
+        g = got[name]
+        w64, g64 = w.detach().double().cpu(), g.detach().double().cpu()
+        if g64.shape != w64.shape:
+            rows.append({"name": name, "rel": math.inf, "max_abs": math.inf, "norm": float(w64.norm()),
+                         "shape": (tuple(g64.shape), tuple(w64.shape))})
+            continue
+        diff = g64 - w64
+        norm = float(w64.norm())
+        d = float(diff.norm())
+        rel = d / max(norm, _TINY) if math.isfinite(d) else math.inf
+        rows.append({"name": name, "rel": rel, "max_abs": float(diff.abs().max()) if diff.numel() else 0.0,
+                     "norm": norm})
+    return rows
+
+
+def assert_weights_close(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor], rel: float = WEIGHT_REL,
+                         what: str = "") -> None:
+    """Every tensor of ``got`` within ``rel`` of ``want`` relative to its norm (both state
+    dicts: the same names). On failure the message lists every offending tensor with its
+    relative and largest absolute difference and its norm, worst first."""
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    where = f"{what}: " if what else ""
+    assert not missing and not extra, f"{where}tensors missing {missing}, unexpected {extra}"
+    rows = weight_differences(got, want)
+    bad = sorted((r for r in rows if not r["rel"] <= rel), key=lambda r: -r["rel"])
+    if bad:
+        lines = [f"  {r['name']}: rel {r['rel']:.2e}  max|diff| {r['max_abs']:.2e}  ||want|| {r['norm']:.3g}"
+                 + (f"  shapes got {r['shape'][0]} want {r['shape'][1]}" if "shape" in r else "") for r in bad]
+        worst_ok = max((r["rel"] for r in rows if r["rel"] <= rel), default=0.0)
+        raise AssertionError(f"{where}{len(bad)} of {len(rows)} tensors differ by more than {rel:.0e} of their norm "
+                             f"(the others: at most {worst_ok:.1e}):\n" + "\n".join(lines))
+
+
+def grad_norms(rows: Iterable[Mapping]) -> dict[int, float]:
+    """step -> logged ``grad_norm`` from ``metrics.jsonl`` rows (steps that logged one)."""
+    return {r["step"]: r["grad_norm"] for r in rows if r.get("grad_norm") is not None and "step" in r}
+
+
+def assert_grad_norms_close(got: Mapping[int, float], want: Mapping[int, float], rel: float = GRAD_NORM_REL,
+                            what: str = "") -> None:
+    """The same steps logged a gradient norm in both runs, each within ``rel`` of ``want``'s;
+    on failure every offending step with both values and their relative difference."""
+    where = f"{what}: " if what else ""
+    assert got and sorted(got) == sorted(want), f"{where}steps with a grad norm differ: {sorted(got)} vs {sorted(want)}"
+    bad = [(s, got[s], want[s], abs(got[s] - want[s]) / max(abs(want[s]), _TINY)) for s in sorted(want)]
+    bad = [b for b in bad if not b[3] <= rel]
+    assert not bad, (f"{where}grad norm differs by more than {rel:.0e} at {len(bad)} of {len(want)} steps:\n"
+                     + "\n".join(f"  step {s}: {g:.9g} vs {w:.9g} (rel {r:.2e})" for s, g, w, r in bad))
