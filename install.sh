@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install flopwise into the active Python environment.
-#   ./install.sh        the package
+#   ./install.sh        the package and its core dependencies (pyproject.toml's
+#                       `dependencies`: Hugging Face export's safetensors and transformers too)
 #   ./install.sh test   the package and its test dependencies
 #
 # torch: a machine that already has torch (e.g. a CUDA build) keeps it; otherwise the

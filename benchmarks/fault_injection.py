@@ -48,8 +48,8 @@ from typing import Any
 import torch
 
 from _results import cores as n_cores, cpu_label, save_result  # benchmarks/ is on sys.path when a script runs
-from flopwise.train.checkpoint import latest_checkpoint
-from flopwise.train.trainer import code_version  # the git commit and dirty flag a run records
+from flopwise.checkpoints import latest_checkpoint
+from flopwise.train.record import code_version  # the git commit and dirty flag a run records
 
 CHECKPOINT_EVERY = 2
 POLL_S = 0.001  # how often a running attempt's metrics.jsonl and checkpoints/ are looked at

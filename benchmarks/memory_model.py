@@ -34,7 +34,7 @@ from flopwise.config import OptimConfig, build_config
 from flopwise.model import build_model
 from flopwise.plan.memory import GIB, MemorySettings, estimate
 from flopwise.train.optim import build_optimizer
-from flopwise.train.step import loss_sum
+from flopwise.model.loss import loss_sum
 
 
 
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda")
     cfg = build_config(preset=args.preset).model
-    settings = MemorySettings(precision="bf16-amp", attention="sdpa")
+    settings = MemorySettings(precision="bf16", attention="sdpa")
     name = torch.cuda.get_device_name(device)
     total_mem = torch.cuda.get_device_properties(device).total_memory
     rows = []

@@ -308,9 +308,9 @@ def run_contender(name, cfg, device, amp, args) -> dict:
 
 
 def _loss_impl(cfg, device) -> str:
-    from flopwise.train.trainer import resolve_loss_impl
+    from flopwise.train.losses import resolve_loss_impl
 
-    return resolve_loss_impl(cfg.train.loss, cfg.model, cfg.train, device)
+    return resolve_loss_impl(cfg.train.loss, cfg.model, cfg.train, device)[0]
 
 
 if __name__ == "__main__":

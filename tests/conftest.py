@@ -1,5 +1,9 @@
 """Shared fixtures: a small prepared slice of the embedded corpus, made once per session,
-the command line as a user runs it, and a real small filesystem to fill."""
+the command line as a user runs it, and a real small filesystem to fill. Comparisons the
+tests share (weights relative to their norm, logged gradient norms) are in helpers.py.
+
+``pytest -m "not slow"`` is the fast lane (under two minutes on 2 cores); ``pytest`` runs
+everything, the end-to-end runs marked ``slow`` included."""
 
 import os
 import shutil
@@ -8,6 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
+
+# One intra-op thread in the test process and, through the environment, in every CLI and
+# torchrun child, unless the caller set OMP_NUM_THREADS: the tests' tiny tensors gain
+# nothing from a second thread, and on a loaded 2-core machine OpenMP's barriers make each
+# op wait for a free core (the fast lane took 394 s with 2 threads, 86 s with 1, at load
+# ~2.5; the distributed tests always ran their ranks with 1). Set before torch is imported.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _run_cli(*args, cwd=None):
@@ -101,7 +112,7 @@ def nan_at(monkeypatch):
     """``nan_at({3, 5})``: the loss of the 3rd and 5th ``forward_backward`` calls of a training
     run becomes NaN, as a divergence would (a rollback trains a step again: calls, not steps,
     are counted)."""
-    from flopwise.train import trainer as trainer_module
+    from flopwise.train import train_step as trainer_module  # where the training step calls it
 
     def install(calls: set[int]) -> None:
         real = trainer_module.forward_backward
@@ -128,3 +139,22 @@ def fill_fs():
     """``fill_fs(path, leave_bytes)``: fill the filesystem of ``path`` with a file named
     ``ballast`` until at most ``leave_bytes`` are free (a small_fs, usually)."""
     return _fill
+
+
+class TickClock:
+    """A clock that moves ``tick`` seconds each time it is read: a run's deadline logic
+    (``train.max_hours``, a time-fitted schedule) sees time pass at a fixed pace per step,
+    however fast or loaded this machine is."""
+
+    def __init__(self, tick: float = 0.1):
+        self.now, self.tick = 1000.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+@pytest.fixture
+def tick_clock() -> TickClock:
+    """``train(cfg, clock=tick_clock)``: 0.1 s passes at every reading of the run's clock."""
+    return TickClock()

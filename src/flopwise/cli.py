@@ -1,4 +1,7 @@
-"""The ``flopwise`` command: one entry point, a subcommand per stage. Thin: parse, call, print."""
+"""The ``flopwise`` command: one entry point, a subcommand per stage. Thin: parse, call, print.
+
+Each subcommand imports the modules that need torch (or numpy) inside itself, marked
+``# lazy:``, so that ``flopwise --help`` and ``flopwise plan`` never import torch."""
 
 from __future__ import annotations
 
@@ -9,6 +12,12 @@ import sys
 from flopwise import __version__, deps
 from flopwise.config import DEFAULT_PRESET, ConfigError, build_config, preset_names
 from flopwise.fsio import LockedError, is_disk_full
+from flopwise.plan import hardware
+from flopwise.plan.budget import PlanError, PlanInputs, build_plan, peak_dtype, plan_inputs_for_run
+from flopwise.plan.flops import param_counts
+from flopwise.plan.memory import MemorySettings, current_name
+from flopwise.plan.render import format_gpu_table, format_plan
+from flopwise.report import ReportError, build_report
 
 OVERRIDE_HELP = "section.key=value overrides, e.g. model.n_layers=4 optim.lr=1e-3 data.path=DIR"
 
@@ -179,14 +188,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("model (one of)")
     g.add_argument("--model", help=f"a preset ({', '.join(preset_names())})")
-    g.add_argument("--config", help="a run config YAML (its seq_len, batch and token budget are used too)")
+    g.add_argument("--config", help="a run config YAML or a run directory (its config.yaml): plans that run as "
+                   "configured -- model, seq_len, micro-batch, global batch, token budget, precision, loss, "
+                   "activation checkpointing, attention, strategy; the flags below override it")
     g.add_argument("--params", type=count, default=0, help="a raw parameter count, e.g. 8e9 or 8B (6N FLOPs only)")
     g = p.add_argument_group("hardware")
     g.add_argument("--gpu", help="a GPU from the table (--list-gpus), e.g. h100, 'h100 pcie', 'a100 40gb', l4, "
                    "'rtx 4090'; matched exactly (case, spaces, dashes, 'GB' ignored), unknown names are refused")
     g.add_argument("--peak-tflops", type=float, default=0.0, help="dense peak TFLOP/s of one GPU (overrides --gpu)")
     g.add_argument("--memory-gb", type=float, default=0.0, help="memory of one GPU in GiB (overrides --gpu)")
-    g.add_argument("--dtype", default="bf16", help="which peak: bf16 (default), fp16, fp8, tf32, fp32")
+    g.add_argument("--dtype", default=None,
+                   help="which peak: bf16, fp16, fp8, tf32, fp32 (default: the precision's; fp32 for float32)")
     g.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
     g.add_argument("--gpus-per-node", type=int, default=8)
     g.add_argument("--mfu", type=float, default=0.40, help="assumed MFU, 0-1 (default 0.40)")
@@ -204,12 +216,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grad-accum", type=int, default=0, help="accumulation steps (default: to reach the target)")
     g.add_argument("--target-batch-tokens", type=count, default=524_288, help="tokens per step to aim for")
     g.add_argument("--headroom", type=float, default=0.9, help="fraction of GPU memory to plan for (default 0.9)")
-    g.add_argument("--precision", default="bf16-amp", help="bf16-amp (default), bf16 (pure bf16 params), fp32")
-    g.add_argument("--no-master-weights", action="store_true", help="pure bf16 without an fp32 master copy")
-    g.add_argument("--attention", default="sdpa", help="sdpa (flash/efficient, default) or eager (S×S scores)")
-    g.add_argument("--checkpointing", default="none", help="activation checkpointing: none or full")
-    g.add_argument("--strategy", default="", help="single, ddp, zero1, fsdp (or fsdp2, as parallel.strategy names it; default: single, "
-                        "ddp with --gpus>1, or the first of zero1/fsdp that fits when ddp does not)")
+    g.add_argument("--precision", default=None,
+                   help="as train.precision: bf16 (autocast over fp32 weights, the default), bf16-pure (bf16 "
+                        "weights), fp16 (autocast over fp32 weights), float32")
+    g.add_argument("--no-master-weights", action="store_true", help="bf16-pure without an fp32 master copy")
+    g.add_argument("--attention", default=None, help="sdpa (flash/efficient, default) or eager (S×S scores)")
+    g.add_argument("--checkpointing", default=None,
+                   help="as train.activation_checkpointing: none (default), full, or selective (blocks 0, k, 2k, ...)")
+    g.add_argument("--checkpointing-every", type=int, default=0,
+                   help="k of --checkpointing selective, as train.activation_checkpointing_every (default 2)")
+    g.add_argument("--loss", default=None, help="plain (full logits, the default) or chunked, as train.loss")
+    g.add_argument("--strategy", default="", help="as parallel.strategy: single, ddp, zero1, fsdp2 (default: single, "
+                        "ddp with --gpus>1, or the first of zero1/fsdp2 that fits when ddp does not)")
     g = p.add_argument_group("scaling")
     g.add_argument("--interconnect", default="", help="link within a node (default: the GPU's usual one)")
     g.add_argument("--network", default="ib-ndr", help="link between nodes (default ib-ndr)")
@@ -223,17 +241,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + (["model.attention_strict=true"] if args.strict else [])
-    cfg = build_config(preset=args.preset, config_file=args.config, overrides=overrides)
+    cfg = build_config(preset=args.preset, config_file=args.config, overrides=overrides,
+                       read_hf_config=_read_hf_config)
+    _print_notes("train", cfg.notes)
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
-    from flopwise.train.trainer import train  # imports torch: keep --help fast
+    from flopwise.train.trainer import train  # lazy: torch
 
-    from flopwise.train.checkpoint import CheckpointError
-    from flopwise.train.stopping import NonFiniteError
+    from flopwise.checkpoints import CheckpointError  # lazy: torch
+    from flopwise.train.stopping import NonFiniteError  # lazy: torch
 
     if args.explain:
-        from flopwise.train.trainer import explain_run
+        from flopwise.train.explain import explain_run  # lazy: torch
 
         _one_process_only("train --explain")
         explain_run(cfg, log=lambda s: print(s, flush=True))
@@ -249,7 +269,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     except OSError as e:  # a full disk outside a save (metrics, TensorBoard, samples): same one line
         if not is_disk_full(e):
             raise
-        from flopwise.train.checkpoint import latest_checkpoint
+        from flopwise.checkpoints import latest_checkpoint  # lazy: torch
 
         last = latest_checkpoint(cfg.train.run_dir) if cfg.train.run_dir else None
         kept = f"; the checkpoint {last} is intact" if last else ""
@@ -262,7 +282,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from flopwise.train.checkpoint import adopt_checkpoint, read_state, verify_checkpoint
+    from flopwise.checkpoints import adopt_checkpoint, read_state, verify_checkpoint  # lazy: torch
 
     path = Path(args.path)
     if not path.is_dir():
@@ -302,7 +322,7 @@ def count(text: str) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from flopwise.data.prepare import PrepareError, PrepareOptions, prepare, verify
+    from flopwise.data.prepare import PrepareError, PrepareOptions, prepare, verify  # lazy: numpy
 
     log = lambda line: print(line, flush=True)  # noqa: E731
     if args.verify:
@@ -324,9 +344,11 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    cfg = build_config(preset=args.preset, config_file=args.config, overrides=args.overrides)
+    cfg = build_config(preset=args.preset, config_file=args.config, overrides=args.overrides,
+                       read_hf_config=_read_hf_config)
+    _print_notes("preflight", cfg.notes)
     _one_process_only("preflight")
-    from flopwise.train.preflight import preflight
+    from flopwise.train.preflight import preflight  # lazy: torch
 
     preflight(cfg, tokens=args.tokens, hours=args.hours, memory_gb=args.memory_gb, headroom=args.headroom,
               warmup=args.warmup, steps=args.steps, price_per_gpu_hour=args.price_per_gpu_hour, out_dir=args.out,
@@ -337,8 +359,8 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from flopwise.evaluate import runner
-    from flopwise.model.io import resolve
+    from flopwise.evaluate import runner  # lazy: torch
+    from flopwise.model.io import resolve  # lazy: torch
 
     log = lambda line: print(line, flush=True)  # noqa: E731
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -355,7 +377,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if task_paths:
         import difflib
 
-        from flopwise.evaluate.tasks import TASKS
+        from flopwise.evaluate.tasks import TASKS  # lazy: torch
 
         for name in task_paths:
             close = difflib.get_close_matches(name, list(TASKS), n=1, cutoff=0.8)
@@ -380,9 +402,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from flopwise import load
-    from flopwise.data.tokenizer import special_ids
-    from flopwise.evaluate.generate import generate
+    from flopwise import load  # lazy: torch
+    from flopwise.data.tokenizer import special_ids  # lazy: numpy
+    from flopwise.evaluate.generate import generate  # lazy: torch
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
@@ -407,7 +429,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from flopwise.report import ReportError, build_report
 
     try:
         path = build_report(args.runs, out=args.out, png=not args.no_png)
@@ -419,7 +440,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from flopwise.model.io import export_consolidated, export_hf
+    from flopwise.model.io import export_consolidated, export_hf  # lazy: torch
 
     write = export_consolidated if args.format == "pt" else export_hf
     write(args.source, args.out, overwrite=args.overwrite, log=lambda line: print(line, flush=True))
@@ -428,56 +449,81 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
+    from dataclasses import replace
+    from pathlib import Path
 
-    from flopwise.plan import hardware
-    from flopwise.plan.budget import PlanError, PlanInputs, build_plan
-    from flopwise.plan.memory import MemorySettings
-    from flopwise.plan.render import format_gpu_table, format_plan
 
     if args.list_gpus:
         print(format_gpu_table())
         return 0
     if args.model and args.config:
         raise PlanError("--model and --config both name the model: give one")
-    model, name, seq_len, micro, accum, tokens = None, "", 2048, 0, 0, 0
-    if args.model or args.config:
-        cfg = build_config(preset=args.model, config_file=args.config)
-        model, name, seq_len = cfg.model, args.model or f"{args.config} ({cfg.preset})", cfg.train.seq_len
-        if args.config:
-            micro, accum = cfg.train.micro_batch_size, cfg.grad_accum_steps(max(args.gpus, 1)) or 1
-            tokens = cfg.total_steps() * cfg.tokens_per_step
+    notes: list[str] = []
+    precision = strategy = ""
+    if args.precision:  # train.precision's names; the planner's old ones still work, with a note
+        precision, note = current_name("precision", args.precision, "--precision")
+        if args.precision == "bf16":
+            note = ("--precision bf16 is bf16 autocast over fp32 weights, as train.precision=bf16 (pure bf16 "
+                    "weights, what it meant before, are --precision bf16-pure)")
+        notes += [note] if note else []
+    if args.strategy:
+        strategy, note = current_name("strategy", args.strategy, "--strategy")
+        notes += [note] if note else []
     gpu = None
     if args.gpu:
         gpu = hardware.find(args.gpu)  # exact on the normalised name: never a similar card
         if gpu is None:
             raise PlanError(hardware.unknown_gpu_message(args.gpu))
-    asked = args.strategy
-    if not asked and args.config and cfg.parallel.strategy not in ("auto", "single"):
-        asked = cfg.parallel.strategy  # the run config's own choice
-    strategy = {"fsdp2": "fsdp"}.get(asked, asked) or ("ddp" if args.gpus > 1 else "single")
+    model, name, run = None, "", {}
+    if args.config:  # the run as configured: every setting the planner models comes from it
+        path = Path(args.config)
+        cfg = build_config(config_file=path / "config.yaml" if path.is_dir() else path, read_hf_config=_read_hf_config)
+        run, run_notes = plan_inputs_for_run(cfg, gpus=args.gpus, gpu=gpu, strategy=strategy)
+        model, name, notes = cfg.model, f"{args.config} ({cfg.preset})", notes + cfg.notes + run_notes
+    elif args.model:
+        cfg = build_config(preset=args.model, read_hf_config=_read_hf_config)
+        model, name, run = cfg.model, args.model, {"seq_len": cfg.train.seq_len}
+    memory = run.get("memory") or MemorySettings(strategy=strategy or ("ddp" if args.gpus > 1 else "single"),
+                                                 n_gpus=args.gpus)
+    flags = {"precision": precision, "attention": args.attention, "activation_checkpointing": args.checkpointing,
+             "activation_checkpointing_every": args.checkpointing_every, "loss": args.loss}
+    memory = replace(memory, **{k: v for k, v in flags.items() if v},
+                     **({"master_weights": False} if args.no_master_weights else {}))
     budget_given = args.tokens or args.hours or args.chinchilla
     inp = PlanInputs(
-        model=model, model_name=name, params=args.params, gpu=gpu, peak_tflops=args.peak_tflops,
-        dtype=args.dtype, memory_gb=args.memory_gb, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
-        mfu=args.mfu, tokens=args.tokens or (0 if budget_given else tokens), hours=args.hours,
-        chinchilla=args.chinchilla, price_per_gpu_hour=args.price_per_gpu_hour,
+        model=model, model_name=name, params=args.params, gpu=gpu,
+        peak_tflops=args.peak_tflops or run.get("peak_tflops", 0), dtype=args.dtype or peak_dtype(memory.precision),
+        memory_gb=args.memory_gb, gpus=args.gpus, gpus_per_node=args.gpus_per_node, mfu=args.mfu,
+        tokens=args.tokens or (0 if budget_given else run.get("tokens", 0)), hours=args.hours, chinchilla=args.chinchilla, price_per_gpu_hour=args.price_per_gpu_hour,
         flops_formula=args.flops_formula or ("palm" if model is not None else "6n"),
-        seq_len=args.seq_len or seq_len, micro_batch=args.micro_batch or micro,
-        grad_accum=args.grad_accum or accum, target_batch_tokens=args.target_batch_tokens,
-        headroom=args.headroom,
-        memory=MemorySettings(
-            precision=args.precision, master_weights=not args.no_master_weights, attention=args.attention,
-            activation_checkpointing=args.checkpointing, strategy=strategy, n_gpus=args.gpus,
-        ),
-        interconnect=args.interconnect, network=args.network, auto_strategy=not asked,
+        seq_len=args.seq_len or run.get("seq_len", 2048), micro_batch=args.micro_batch or run.get("micro_batch", 0),
+        grad_accum=args.grad_accum or run.get("grad_accum", 0), target_batch_tokens=args.target_batch_tokens,
+        headroom=args.headroom, memory=memory, interconnect=args.interconnect, network=args.network,
+        auto_strategy=not strategy and run.get("auto_strategy", True),
     )
     plan = build_plan(inp)
+    plan["notes"] = notes
+    _print_notes("plan", notes)
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     return 0
 
 
+def _read_hf_config(path: str):
+    """``flopwise.model.hf.read_hf_config``, imported (with torch) only for a config that
+    names a Hugging Face ``model.hf_config``."""
+    from flopwise.model.hf import read_hf_config  # lazy: torch
+
+    return read_hf_config(path)
+
+
+def _print_notes(command: str, notes: list[str]) -> None:
+    """One line each on stderr (rank 0 only): renamed keys and flags, how an auto was resolved."""
+    if os.environ.get("RANK", "0") in ("", "0"):
+        for note in notes:
+            print(f"flopwise {command}: note: {note}", file=sys.stderr, flush=True)
+
+
 def cmd_presets(args: argparse.Namespace) -> int:
-    from flopwise.plan.flops import param_counts
 
     names = preset_names()
     width = max(map(len, names))
@@ -503,17 +549,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flopwise {args.command}: {e}", file=sys.stderr)
         return 2
     except ValueError as e:  # data and plan errors name the file, field or flag and the problem
-        from flopwise.data.datadir import DataDirError
-        from flopwise.data.prepare import PrepareError
-        from flopwise.data.shards import ShardError
-        from flopwise.data.sources import SourceError
-        from flopwise.plan.budget import PlanError
+        from flopwise.data.datadir import DataDirError  # lazy: numpy
+        from flopwise.data.prepare import PrepareError  # lazy: numpy
+        from flopwise.data.shards import ShardError  # lazy: numpy
+        from flopwise.data.sources import SourceError  # lazy: numpy
 
         known: tuple[type, ...] = (DataDirError, ShardError, PlanError, PrepareError, SourceError)
         if args.command in ("export", "train", "eval", "generate", "preflight"):  # these import torch anyway
-            from flopwise.model.attention import AttentionBackendError
-            from flopwise.model.hf import HFMappingError
-            from flopwise.model.io import ModelSourceError
+            from flopwise.model.attention import AttentionBackendError  # lazy: torch
+            from flopwise.model.hf import HFMappingError  # lazy: torch
+            from flopwise.model.io import ModelSourceError  # lazy: torch
 
             known += (AttentionBackendError, HFMappingError, ModelSourceError)
             if args.command in ("eval", "generate"):
@@ -523,9 +568,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flopwise {args.command}: {e}", file=sys.stderr)
         return 2
     except RuntimeError as e:
-        if "flopwise.train.checkpoint" not in sys.modules:
+        if "flopwise.checkpoints" not in sys.modules:  # not loaded: no checkpoint was read
             raise
-        from flopwise.train.checkpoint import CheckpointError
+        from flopwise.checkpoints import CheckpointError  # lazy: torch
 
         if not isinstance(e, CheckpointError):
             raise

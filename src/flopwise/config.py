@@ -1,16 +1,23 @@
 """Typed run configuration: one dataclass per concern, presets, overrides, validation.
 
 A run is described by a :class:`RunConfig` made of sections (``model``, ``data``,
-``optim``, ``train``, ``eval``).  It is assembled in layers, each overriding the last:
+``optim``, ``train``, ``eval``, ``tracking``, ``parallel``).  It is assembled in layers,
+each overriding the last:
 
 1. the dataclass defaults,
 2. a named preset shipped in ``flopwise/presets/NAME.yaml`` (``--preset``),
 3. a user YAML file (``--config run.yaml``),
 4. ``section.key=value`` overrides from the command line.
 
-Unknown keys are errors with a did-you-mean; values are coerced to the field's type;
-all problems are collected and reported together by :class:`ConfigError` before
-anything is allocated.
+Loading checks what one value can tell: unknown keys are errors with a did-you-mean,
+values are coerced to the field's type, and a choice (a ``Literal`` field) must be one of
+its values. What needs several fields is checked beside its dataclass (each section's
+``problems()``); :func:`validate` gathers those and the checks across sections. All
+problems are reported together by :class:`ConfigError` before anything is allocated.
+Nothing here resolves an ``auto`` or otherwise changes a value: what a run does with
+``auto`` is decided by the stage that knows the machine (the trainer, the planner).
+
+Renamed keys still load (:data:`RENAMED_KEYS`), with a note in :attr:`RunConfig.notes`.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ import difflib
 import math
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -40,11 +48,80 @@ class ConfigError(ValueError):
         return (type(self), (self.problems,))
 
 
-ARCHS = ("llama", "qwen3", "qwen3_moe", "gpt2", "custom")
-NORMS = ("rmsnorm", "layernorm")
-MLPS = ("swiglu", "gelu", "relu2")
-POS_EMBS = ("rope", "learned", "none")
-ATTENTION_BACKENDS = ("auto", "flash", "sdpa", "flex", "eager")
+# --------------------------------------------------------------------------- choices
+# Each choice is a Literal: the loader refuses any other value (with a did-you-mean), and
+# the planner and the trainer share these names (``flopwise plan --precision bf16`` is
+# ``train.precision=bf16``).
+
+Arch = Literal["llama", "qwen3", "qwen3_moe", "gpt2", "custom"]
+Norm = Literal["rmsnorm", "layernorm"]
+Mlp = Literal["swiglu", "gelu", "relu2"]
+PosEmb = Literal["rope", "learned", "none"]
+AttentionBackend = Literal["auto", "flash", "sdpa", "flex", "eager"]
+Loader = Literal["epoch", "random"]
+Schedule = Literal["cosine", "constant", "wsd"]
+DecayShape = Literal["linear", "cosine", "sqrt"]
+OptimizerName = Literal["adamw", "muon"]
+Switch = Literal["auto", "true", "false"]  # auto lets the stage decide (optim.fused, tracking.tensorboard)
+# bf16: autocast over fp32 master weights; bf16-pure: bf16 weights (fp32 master copy and
+# AdamW state); fp16: autocast with a gradient scaler over fp32 weights; float32.
+Precision = Literal["bf16", "bf16-pure", "fp16", "float32"]
+PrecisionChoice = Literal["auto", Precision]
+NonFinitePolicy = Literal["stop", "skip", "rollback"]
+Compile = Literal["auto", "off", "model", "blocks"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
+# none; full: every block recomputed in backward; selective: blocks 0, k, 2k, ...
+# (k = train.activation_checkpointing_every)
+ActivationCheckpointing = Literal["none", "full", "selective"]
+Loss = Literal["auto", "plain", "chunked", "fused"]
+WandbMode = Literal["online", "offline"]
+Strategy = Literal["single", "ddp", "zero1", "fsdp2"]
+StrategyChoice = Literal["auto", Strategy]
+Backend = Literal["auto", "nccl", "gloo"]
+
+ARCHS = typing.get_args(Arch)
+NORMS = typing.get_args(Norm)
+MLPS = typing.get_args(Mlp)
+POS_EMBS = typing.get_args(PosEmb)
+ATTENTION_BACKENDS = typing.get_args(AttentionBackend)
+PRECISIONS = typing.get_args(Precision)
+ACTIVATION_CHECKPOINTING = typing.get_args(ActivationCheckpointing)
+STRATEGIES = typing.get_args(StrategyChoice)
+TASKS = ("arc_easy", "arc_challenge", "openbookqa", "hellaswag", "piqa")
+
+
+def choices(tp: Any) -> tuple[str, ...]:
+    """The values of a ``Literal`` type (nested Literals flattened), e.g. ``choices(Precision)``."""
+    return tuple(typing.get_args(tp))
+
+
+class _Problems(list):
+    """Problems of one section, with the range checks every section uses."""
+
+    def positive(self, name: str, value: float, allow_zero: bool = False) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):  # named once, by validate()
+            return False
+        ok = value >= 0 if allow_zero else value > 0
+        if not ok:
+            self.append(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+        return ok
+
+
+def _choice_problems(obj: Any, section: str) -> list[str]:
+    """Literal fields holding a value outside their choices (set in Python: loading refuses them)."""
+    out = []
+    for name, tp in _field_types(type(obj)).items():
+        allowed = _literal_choices(tp)
+        value = getattr(obj, name)
+        if allowed is not None and value not in allowed and not (value is None and _is_optional(tp)):
+            out.append(_choice_message(f"{section}.{name}", value, allowed))
+    return out
+
+
+def _choice_message(where: str, value: Any, allowed: tuple) -> str:
+    return (f"{where} {value!r}{_did_you_mean(str(value).lower(), [str(a) for a in allowed])}: "
+            f"choose {', '.join(str(a) for a in allowed)}")
+
 
 # What each Hugging Face family fixes (``arch``); ``custom`` fixes nothing and has no
 # Hugging Face equivalent. Any combination trains; ``flopwise export`` checks these
@@ -96,7 +173,7 @@ class ModelConfig:
     or ``custom`` for any combination (trainable, not exportable to transformers).
     """
 
-    arch: str = "llama"  # llama | qwen3 | qwen3_moe | gpt2 | custom
+    arch: Arch = "llama"
     vocab_size: int = 8192
     d_model: int = 128
     n_layers: int = 4
@@ -107,17 +184,17 @@ class ModelConfig:
     max_seq_len: int = 1024  # RoPE table / learned position table length; train.seq_len must not exceed it
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    norm: str = "rmsnorm"  # rmsnorm | layernorm
+    norm: Norm = "rmsnorm"
     norm_bias: bool = False  # LayerNorm with a bias (GPT-2); RMSNorm has none
-    mlp: str = "swiglu"  # swiglu (fused gate+up) | gelu (tanh approximation, GPT-2) | relu2 (squared ReLU)
-    pos_emb: str = "rope"  # rope | learned (absolute, GPT-2) | none
+    mlp: Mlp = "swiglu"  # swiglu (fused gate+up) | gelu (tanh approximation, GPT-2) | relu2 (squared ReLU)
+    pos_emb: PosEmb = "rope"  # rope | learned (absolute, GPT-2) | none
     attn_bias: bool = False  # biases on the q/k/v and output projections
     mlp_bias: bool = False  # biases on the MLP projections
     qk_norm: bool = False  # RMSNorm on per-head queries and keys (Qwen3)
     tie_embeddings: bool = True
     init_std: float = 0.02
     # Attention kernel: auto picks the best available for the device and dtype and says why.
-    attention: str = "auto"  # auto | flash | sdpa | flex | eager
+    attention: AttentionBackend = "auto"
     attention_strict: bool = False  # fail instead of falling back when the requested backend is unavailable
     doc_mask: bool = False  # attend only within each document (the loader's EOS/BOS boundaries)
     # Mixture of experts (0 experts = a dense MLP): SwiGLU experts, top-k routing.
@@ -148,6 +225,39 @@ class ModelConfig:
         """Weight matrices of D x F in one dense MLP: 3 for SwiGLU (gate, up, down), else 2."""
         return 3 if self.mlp == "swiglu" else 2
 
+    def problems(self) -> list[str]:
+        """What is wrong with this section on its own (empty: nothing)."""
+        p = _Problems(_choice_problems(self, "model"))
+        if self.is_moe and self.mlp != "swiglu":
+            p.append(f"model.n_experts > 0: experts are SwiGLU, model.mlp must be swiglu, got {self.mlp}")
+        if self.norm_bias and self.norm != "layernorm":
+            p.append("model.norm_bias=true needs model.norm=layernorm (RMSNorm has no bias)")
+        p.positive("model.moe_aux_loss_coef", self.moe_aux_loss_coef, allow_zero=True)
+        p.positive("model.moe_z_loss_coef", self.moe_z_loss_coef, allow_zero=True)
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
+            p.positive(f"model.{name}", getattr(self, name))
+        p.positive("model.rope_theta", self.rope_theta)
+        p.positive("model.norm_eps", self.norm_eps)
+        p.positive("model.init_std", self.init_std)
+        if self.n_heads > 0 and self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads:
+            p.append(f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim is None:
+            if self.n_heads > 0 and self.d_model % self.n_heads:
+                p.append(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads}) "
+                         "unless model.head_dim is set")
+        elif self.head_dim <= 0:
+            p.append(f"model.head_dim must be > 0, got {self.head_dim}")
+        if self.n_experts < 0 or self.moe_ffn_hidden < 0:
+            p.append("model.n_experts and model.moe_ffn_hidden must be >= 0")
+        elif self.n_experts > 0 and not 1 <= self.moe_top_k <= self.n_experts:
+            p.append(f"model.moe_top_k must be in [1, model.n_experts={self.n_experts}], got {self.moe_top_k}")
+        elif self.n_experts == 0 and self.moe_top_k:
+            p.append(f"model.moe_top_k={self.moe_top_k} needs model.n_experts > 0")
+        hd = self.resolved_head_dim if self.n_heads > 0 else 0
+        if self.pos_emb == "rope" and hd > 0 and hd % 2:
+            p.append(f"head dimension {hd} must be even for rotary embeddings (model.head_dim / d_model / n_heads)")
+        return list(p)
+
 
 @dataclass
 class DataConfig:
@@ -161,8 +271,14 @@ class DataConfig:
     # epoch: a shuffled pass over packed sequences, every token a target once per epoch, the
     # same samples per step on any number of ranks (resumes at another world size);
     # random: seeded random windows sampled with replacement (the nanoGPT way), per-rank streams.
-    # The default since both assemble batches at the same speed (benchmarks/loader.py).
-    loader: str = "epoch"
+    # The default since neither assembles batches measurably faster (docs/benchmarks.md#loader).
+    loader: Loader = "epoch"
+
+    def problems(self) -> list[str]:
+        p = _Problems(_choice_problems(self, "data"))
+        p.positive("data.builtin_vocab_size", self.builtin_vocab_size)
+        p.positive("data.builtin_max_mb", self.builtin_max_mb, allow_zero=True)
+        return list(p)
 
 
 @dataclass
@@ -170,20 +286,39 @@ class OptimConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = 20
-    schedule: str = "cosine"  # cosine | constant | wsd (warmup-stable-decay), after warmup
+    schedule: Schedule = "cosine"  # cosine | constant | wsd (warmup-stable-decay), after warmup
     weight_decay: float = 0.1  # applied to 2-D weights only
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
-    fused: str = "auto"  # auto (fused AdamW on CUDA) | true | false
-    name: str = "adamw"  # adamw | muon (Muon for 2-D hidden weights, AdamW for the rest)
+    fused: Switch = "auto"  # auto (fused AdamW on CUDA) | true | false
+    name: OptimizerName = "adamw"  # adamw | muon (Muon for 2-D hidden weights, AdamW for the rest)
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
     decay_fraction: float = 0.2  # schedule=wsd: the final fraction of the run spent decaying
-    decay_shape: str = "linear"  # schedule=wsd: linear | cosine | sqrt
+    decay_shape: DecayShape = "linear"  # schedule=wsd: linear | cosine | sqrt
     fit_to_time: bool = False  # schedule=wsd with train.max_hours: the decay ends as the time budget does
+
+    def problems(self) -> list[str]:
+        p = _Problems(_choice_problems(self, "optim"))
+        p.positive("optim.lr", self.lr)
+        if not 0 <= self.min_lr_ratio <= 1:
+            p.append(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        p.positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
+        p.positive("optim.weight_decay", self.weight_decay, allow_zero=True)
+        p.positive("optim.grad_clip", self.grad_clip, allow_zero=True)
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                p.append(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
+        p.positive("optim.eps", self.eps)
+        if not 0 < self.decay_fraction <= 1:
+            p.append(f"optim.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        p.positive("optim.muon_lr", self.muon_lr)
+        if not 0 <= self.muon_momentum < 1:
+            p.append(f"optim.muon_momentum must be in [0, 1), got {self.muon_momentum}")
+        return list(p)
 
 
 @dataclass
@@ -196,13 +331,15 @@ class TrainConfig:
     max_tokens: int = 0  # 0 = no token limit; with both set, the first reached ends the run
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    precision: str = "auto"  # auto (bf16 autocast on CUDA with bf16, else float32) | bf16 | float32
+    # auto: bf16 on CUDA with bf16, fp16 on CUDA without (V100, T4), else float32;
+    # bf16 (autocast, fp32 weights) | bf16-pure (bf16 weights) | fp16 (autocast + scaler) | float32
+    precision: PrecisionChoice = "auto"
     log_every: int = 10
-    checkpoint_every: int = 0  # steps between checkpoints; 0 = only at the end (and on a stop)
+    checkpoint_every: int = 0  # steps between checkpoints (saves); 0 = only at the end (and on a stop)
     keep_checkpoints: int = 3  # the newest N complete checkpoints are kept; 0 = keep all
     milestone_every: int = 0  # checkpoints at multiples of this step are never deleted; 0 = none
     max_hours: float = 0.0  # wall-clock budget of this process; stops in time with a final checkpoint
-    nonfinite: str = "stop"  # non-finite loss or gradients: stop | skip (the update) | rollback (to the last checkpoint)
+    nonfinite: NonFinitePolicy = "stop"  # non-finite loss or gradients: stop | skip (the update) | rollback
     nonfinite_patience: int = 3  # skips or rollbacks in a row before the run stops anyway
     # Bounds over the whole run (kept in checkpoints, so they hold across resumes): a run that
     # keeps diverging stops with its diagnostics instead of skipping or rolling back forever.
@@ -213,13 +350,17 @@ class TrainConfig:
     # uniform prediction's) for this many steps in a row; handled as a non-finite step. 0 = off.
     collapse_steps: int = 5
     spike_factor: float = 3.0  # a loss above this x its running mean is logged as an event; 0 = off
-    # Throughput (see README "Throughput"): wrappers applied in a fixed order, checkpointing -> compile.
-    compile: str = "off"  # off | model | blocks (each transformer block compiled on its own)
-    compile_mode: str = "default"  # default | reduce-overhead (CUDA graphs) | max-autotune
-    activation_checkpointing: str = "none"  # none | full (every block) | selective (every k-th block)
-    checkpoint_every_k: int = 2  # selective: blocks 0, k, 2k, ... are recomputed in backward
-    loss: str = "auto"  # auto | plain | chunked (LM head + loss in chunks, no full logits) | fused (kernel)
-    loss_chunk_tokens: int = 1024  # rows per chunk of the chunked loss (fastest and smallest on CPU here)
+    # Throughput (docs/training.md#throughput-switches): wrappers applied in a fixed order, checkpointing -> compile.
+    # auto: model on CUDA (forward, LM head and loss in one graph), off on a CPU (compiling costs more
+    # than it saves in a CPU-sized run) | off | model | blocks (each transformer block compiled on its own)
+    compile: Compile = "auto"
+    compile_mode: CompileMode = "default"  # default | reduce-overhead (CUDA graphs) | max-autotune
+    # Activation checkpointing (recompute in backward), not the saving of checkpoints above:
+    # none | full (every block) | selective (blocks 0, k, 2k, ... with k = activation_checkpointing_every)
+    activation_checkpointing: ActivationCheckpointing = "none"
+    activation_checkpointing_every: int = 2  # selective: every k-th block is recomputed (was checkpoint_every_k)
+    loss: Loss = "auto"  # auto | plain | chunked (LM head + loss in chunks, no full logits) | fused (kernel)
+    loss_chunk_tokens: int = 1024  # rows per chunk of the chunked loss (docs/benchmarks.md#chunked-cross-entropy)
     fp8: bool = False  # float8 linear layers through torchao (Hopper or newer); never on by itself
     batch_ramp_tokens: int = 0  # ramp gradient accumulation from batch_ramp_start to full over these tokens
     batch_ramp_start: int = 1  # accumulation steps at the start of the ramp
@@ -231,6 +372,36 @@ class TrainConfig:
     preflight: str = ""  # the preflight.json this configuration came from (copied into the run for the report)
     warmup_log_steps: int = 3  # first steps excluded from throughput averages
     peak_tflops: float = 0.0  # dense peak of one device for MFU; 0 = from the hardware table
+
+    def problems(self) -> list[str]:
+        p = _Problems(_choice_problems(self, "train"))
+        for name in ("seq_len", "micro_batch_size", "global_batch_size", "log_every"):
+            p.positive(f"train.{name}", getattr(self, name))
+        for name in ("max_steps", "max_tokens", "checkpoint_every", "keep_checkpoints", "milestone_every",
+                     "warmup_log_steps", "seed", "nonfinite_patience", "collapse_steps"):
+            p.positive(f"train.{name}", getattr(self, name), allow_zero=True)
+        for name in ("nonfinite_max_skips", "nonfinite_max_rollbacks", "nonfinite_max_rollbacks_per_checkpoint"):
+            p.positive(f"train.{name}", getattr(self, name))  # a bound of 0 would forbid what the policy asks for
+        p.positive("train.max_hours", self.max_hours, allow_zero=True)
+        p.positive("train.spike_factor", self.spike_factor, allow_zero=True)
+        p.positive("train.peak_tflops", self.peak_tflops, allow_zero=True)
+        if self.micro_batch_size > 0:
+            p += batch_split_problems(self, 1)
+        if self.max_steps <= 0 and self.max_tokens <= 0:
+            p.append("set train.max_steps or train.max_tokens (both are 0)")
+        for name in ("activation_checkpointing_every", "loss_chunk_tokens", "batch_ramp_start", "profile_active"):
+            p.positive(f"train.{name}", getattr(self, name))
+        for name in ("batch_ramp_tokens", "profile_wait", "profile_warmup"):
+            p.positive(f"train.{name}", getattr(self, name), allow_zero=True)
+        accum = self.global_batch_size // self.micro_batch_size if self.micro_batch_size > 0 else 0
+        if self.batch_ramp_tokens and self.batch_ramp_start > accum > 0:
+            p.append(f"train.batch_ramp_start ({self.batch_ramp_start}) exceeds the accumulation steps of the "
+                     f"full batch ({accum})")
+        if self.batch_ramp_tokens and self.max_tokens <= 0:
+            p.append("train.batch_ramp_tokens needs train.max_tokens (steps vary in size during the ramp)")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            p.append(f"train.device {self.device!r}: choose auto, cpu, cuda or cuda:N")
+        return list(p)
 
 
 @dataclass
@@ -248,28 +419,54 @@ class EvalConfig:
     tasks_limit: int = 0  # first N examples of each task (0 = all)
     task_dir: str = ""  # a folder of TASK.jsonl / TASK.parquet files in the hub format; empty = the hub
 
+    def problems(self) -> list[str]:
+        p = _Problems(_choice_problems(self, "eval"))
+        for name in ("every", "sample_tokens"):
+            p.positive(f"eval.{name}", getattr(self, name), allow_zero=True)
+        p.positive("eval.batches", self.batches)
+        p.positive("eval.temperature", self.temperature, allow_zero=True)
+        p.positive("eval.top_k", self.top_k, allow_zero=True)
+        for name in ("tasks_every", "tasks_limit"):
+            p.positive(f"eval.{name}", getattr(self, name), allow_zero=True)
+        for task in (x.strip() for x in self.tasks.split(",") if x.strip()):
+            if task not in TASKS:
+                p.append(f"eval.tasks: unknown task {task!r}{_did_you_mean(task, list(TASKS))}; "
+                         f"choose from {', '.join(TASKS)}")
+        return list(p)
+
 
 @dataclass
 class TrackingConfig:
-    tensorboard: str = "auto"  # auto (when the tensorboard package is installed) | true | false
+    tensorboard: Switch = "auto"  # auto (when the tensorboard package is installed) | true | false
     wandb: bool = False
     wandb_project: str = "flopwise"
-    wandb_mode: str = "online"  # online | offline (sync later with `wandb sync`)
+    wandb_mode: WandbMode = "online"  # online | offline (sync later with `wandb sync`)
     grad_norms_every: int = 0  # per-layer gradient norms every N steps (0 = off; the global norm is every step)
     update_ratios: bool = False  # with grad_norms_every: also |update| / |weight| per layer
+
+    def problems(self) -> list[str]:
+        p = _Problems(_choice_problems(self, "tracking"))
+        p.positive("tracking.grad_norms_every", self.grad_norms_every, allow_zero=True)
+        return list(p)
 
 
 @dataclass
 class ParallelConfig:
-    # Data parallelism across the processes `torchrun` starts (README "Several GPUs").
+    # Data parallelism across the processes `torchrun` starts (docs/distributed.md).
     # auto: single on one process; else DDP when weights, gradients and AdamW state fit each
     # GPU, ZeRO-1 when only the optimizer state does not, FSDP2 otherwise (the planner's
     # memory model decides, and the choice is explained at startup).
-    strategy: str = "auto"  # auto | single | ddp | zero1 | fsdp2
-    backend: str = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
+    strategy: StrategyChoice = "auto"  # auto | single | ddp | zero1 | fsdp2
+    backend: Backend = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
     bucket_mb: float = 25.0  # DDP (and ZeRO-1) gradient all-reduce bucket size
     reshard_after_forward: bool = True  # FSDP2: free gathered block weights after forward (re-gather in backward)
     timeout_min: float = 30.0  # a collective that waits longer than this fails the run instead of hanging
+
+    def problems(self) -> list[str]:
+        p = _Problems(_choice_problems(self, "parallel"))
+        p.positive("parallel.bucket_mb", self.bucket_mb)
+        p.positive("parallel.timeout_min", self.timeout_min)
+        return list(p)
 
 
 @dataclass
@@ -282,6 +479,9 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     preset: str = ""  # the preset this config started from, for naming and the record
+    # What loading had to say (a renamed key, once each): for the command to print. Not part
+    # of the configuration: not compared, not written.
+    notes: list[str] = field(default_factory=list, compare=False, repr=False)
 
     # Derived quantities used across the trainer and the planner.
     def grad_accum_steps(self, world_size: int = 1) -> int:
@@ -301,7 +501,9 @@ class RunConfig:
         return min(limits) if limits else 0
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out.pop("notes")
+        return out
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -309,7 +511,6 @@ class RunConfig:
 
 SECTIONS = ("model", "data", "optim", "train", "eval", "tracking", "parallel")
 DEFAULT_PRESET = "tiny"
-STRATEGIES = ("auto", "single", "ddp", "zero1", "fsdp2")
 
 
 # --------------------------------------------------------------------------- presets
@@ -359,6 +560,39 @@ def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+def _is_optional(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
+def _literal_choices(tp: Any) -> tuple | None:
+    """The allowed values of a ``Literal`` field (also ``Literal[...] | None``), else None."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _literal_choices(inner[0]) if len(inner) == 1 else None
+    return typing.get_args(tp) if typing.get_origin(tp) is Literal else None
+
+
+_BOOL_WORDS = {"true": True, "on": True, "yes": True, "false": False, "off": False, "no": False}
+
+
+def _coerce_choice(value: Any, allowed: tuple, where: str) -> str:
+    """A choice from YAML or the command line. YAML reads a bare on/off/yes/no/true/false as a
+    bool: it becomes the spelling the choices use (``train.compile: off`` is ``"off"``, and
+    so is a quoted ``"false"``)."""
+    if isinstance(value, str) and value not in allowed and value.lower() in _BOOL_WORDS:
+        value = _BOOL_WORDS[value.lower()]
+    if isinstance(value, bool):
+        words = ("true", "on", "yes") if value else ("false", "off", "no")
+        value = next((w for w in words if w in allowed), words[0])
+    elif isinstance(value, (int, float)):
+        value = str(value)
+    elif not isinstance(value, str):
+        raise ValueError(f"{where}: expected one of {', '.join(map(str, allowed))}, got {value!r}")
+    if value not in allowed:
+        raise ValueError(_choice_message(where, value, allowed))
+    return value
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Coerce ``value`` (from YAML or a command-line string) to the annotated type ``tp``."""
     origin = typing.get_origin(tp)
@@ -367,6 +601,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
             return None
         return _coerce(value, args[0], where)
+    if origin is Literal:
+        return _coerce_choice(value, typing.get_args(tp), where)
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -420,40 +656,60 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     return value
 
 
-def _apply_mapping(cfg: RunConfig, mapping: dict[str, Any], source: str, problems: list[str]) -> None:
+class _Loading:
+    """Problems and notes collected while one configuration is loaded."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+        self.notes: list[str] = []
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:  # once per load, however many layers use the old name
+            self.notes.append(text)
+
+
+def _apply_mapping(cfg: RunConfig, mapping: dict[str, Any], source: str, loading: _Loading) -> None:
     """Overlay a nested mapping ``{section: {key: value}}`` onto ``cfg``, collecting problems."""
     if not isinstance(mapping, dict):
-        problems.append(f"{source}: expected a mapping of sections, got {type(mapping).__name__}")
+        loading.problems.append(f"{source}: expected a mapping of sections, got {type(mapping).__name__}")
         return
     for section, values in mapping.items():
         if section == "preset":
             cfg.preset = str(values)
             continue
         if section not in SECTIONS:
-            problems.append(f"{source}: unknown section {section!r}{_did_you_mean(str(section), list(SECTIONS))}")
+            loading.problems.append(
+                f"{source}: unknown section {section!r}{_did_you_mean(str(section), list(SECTIONS))}")
             continue
         if not isinstance(values, dict):
-            problems.append(f"{source}: section {section!r} must be a mapping, got {values!r}")
+            loading.problems.append(f"{source}: section {section!r} must be a mapping, got {values!r}")
             continue
         for key, value in values.items():
-            _set(cfg, section, str(key), value, source, problems)
+            _set(cfg, section, str(key), value, source, loading)
 
 
-# Keys that were renamed: configs written by earlier versions (a run's config.yaml) still load.
-RENAMED_KEYS = {("train", "save_every"): "checkpoint_every"}
+# Keys that were renamed: configs written by earlier versions (a run's config.yaml, a user's
+# YAML, an override) still load, with a note naming the new key.
+RENAMED_KEYS = {
+    ("train", "save_every"): "checkpoint_every",
+    ("train", "checkpoint_every_k"): "activation_checkpointing_every",
+}
 
 
-def _set(cfg: RunConfig, section: str, key: str, value: Any, source: str, problems: list[str]) -> None:
-    key = RENAMED_KEYS.get((section, key), key)
+def _set(cfg: RunConfig, section: str, key: str, value: Any, source: str, loading: _Loading) -> None:
+    new = RENAMED_KEYS.get((section, key))
+    if new is not None:
+        loading.note(f"{section}.{key} is now {section}.{new}")
+        key = new
     obj = getattr(cfg, section)
     types_ = _field_types(type(obj))
     if key not in types_:
-        problems.append(f"{source}: unknown key {section}.{key}{_key_hint(cfg, section, key, list(types_))}")
+        loading.problems.append(f"{source}: unknown key {section}.{key}{_key_hint(cfg, section, key, list(types_))}")
         return
     try:
         setattr(obj, key, _coerce(value, types_[key], f"{source}: {section}.{key}"))
     except ValueError as e:
-        problems.append(str(e))
+        loading.problems.append(str(e))
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -484,14 +740,24 @@ def batch_split_problems(t: "TrainConfig", world_size: int) -> list[str]:
             "micro x accumulation x ranks"]
 
 
+# Reads a Hugging Face config.json (or the directory holding one) and returns the
+# ModelConfig it describes, raising ValueError naming the file: flopwise.model.hf.read_hf_config.
+# It is handed to build_config by its caller, so that this module, the lowest layer, needs
+# nothing from flopwise.model (and no torch).
+HFConfigReader = Callable[[str], "ModelConfig"]
+
+
 def build_config(
     preset: str | None = None,
     config_file: str | Path | None = None,
     overrides: list[str] | None = None,
+    read_hf_config: HFConfigReader | None = None,
 ) -> RunConfig:
-    """Defaults <- preset <- YAML file <- overrides; then validate. Raises ConfigError."""
+    """Defaults <- preset <- YAML file <- overrides <- the Hugging Face architecture of
+    ``model.hf_config`` (read with ``read_hf_config``); then validate. Raises ConfigError
+    with every problem; what loading noted (renamed keys) is in ``notes`` of the result."""
     cfg = RunConfig()
-    problems: list[str] = []
+    loading = _Loading()
     file_data: dict[str, Any] = {}
     if config_file is not None:
         path = Path(config_file)
@@ -499,35 +765,39 @@ def build_config(
             file_data = yaml.safe_load(path.read_text()) or {}
         except FileNotFoundError:
             raise ConfigError([f"config file {str(path)!r} does not exist"]) from None
+        except IsADirectoryError:
+            raise ConfigError([f"config file {str(path)!r} is a directory"]) from None
         except yaml.YAMLError as e:
             raise ConfigError([f"config file {str(path)!r} is not valid YAML: {e}"]) from None
         if not isinstance(file_data, dict):
             raise ConfigError([f"config file {str(path)!r}: expected a mapping of sections"])
 
     name = preset or file_data.get("preset") or DEFAULT_PRESET
-    _apply_mapping(cfg, load_preset(str(name)), f"preset {name}", problems)
+    _apply_mapping(cfg, load_preset(str(name)), f"preset {name}", loading)
     cfg.preset = str(name)
     if file_data:
-        _apply_mapping(cfg, file_data, str(config_file), problems)
+        _apply_mapping(cfg, file_data, str(config_file), loading)
         cfg.preset = str(name)
     for text in overrides or []:
         try:
             section, key, value = parse_override(text)
         except ConfigError as e:
-            problems.extend(e.problems)
+            loading.problems.extend(e.problems)
             continue
         if section not in SECTIONS:
-            problems.append(
+            loading.problems.append(
                 f"override {text!r}: unknown section {section!r}{_did_you_mean(section, list(SECTIONS))}"
             )
             continue
-        _set(cfg, section, key, value, f"override {text!r}", problems)
+        _set(cfg, section, key, value, f"override {text!r}", loading)
 
+    problems = loading.problems
     if cfg.model.hf_config and not problems:
-        apply_hf_config(cfg.model, problems)
-    problems.extend(validate(cfg))
+        problems += apply_hf_architecture(cfg.model, read_hf_config)
+    problems += validate(cfg)
     if problems:
         raise ConfigError(problems)
+    cfg.notes = loading.notes
     return cfg
 
 
@@ -539,34 +809,26 @@ HF_ARCHITECTURE_FIELDS = (
 )
 
 
-def apply_hf_config(m: ModelConfig, problems: list[str]) -> None:
-    """Overwrite ``m``'s architecture with the Hugging Face config at ``m.hf_config``."""
-    import json
-
-    path = Path(m.hf_config).expanduser()
-    file = path / "config.json" if path.is_dir() else path
+def apply_hf_architecture(m: ModelConfig, read_hf_config: HFConfigReader | None) -> list[str]:
+    """Overwrite ``m``'s architecture (:data:`HF_ARCHITECTURE_FIELDS`) with that of the
+    Hugging Face config at ``m.hf_config``, read by ``read_hf_config``; the problems (empty
+    when it worked). A step of building a configuration, never of checking one."""
+    if read_hf_config is None:
+        return [f"model.hf_config {m.hf_config!r}: this configuration was built without a Hugging Face "
+                "config reader (pass read_hf_config=flopwise.model.hf.read_hf_config to build_config)"]
     try:
-        data = json.loads(file.read_text())
-    except FileNotFoundError:
-        problems.append(f"model.hf_config {m.hf_config!r}: {file} does not exist")
-        return
-    except ValueError as e:
-        problems.append(f"model.hf_config {m.hf_config!r}: {file} is not valid JSON: {e}")
-        return
-    from flopwise.model.hf import config_from_hf  # imports torch: only when asked for
-
-    try:
-        hf = config_from_hf(data)
+        hf = read_hf_config(m.hf_config)
     except (ValueError, TypeError) as e:
-        problems.append(f"model.hf_config {m.hf_config!r}: {e}")
-        return
+        return [f"model.hf_config {m.hf_config!r}: {e}"]
     for name in HF_ARCHITECTURE_FIELDS:
         setattr(m, name, getattr(hf, name))
+    return []
 
 
 def load_run_config(path: str | Path) -> RunConfig:
     """Read a resolved ``config.yaml`` (as written into a run directory) back. An empty or
-    cut file is an error naming it, never an all-defaults configuration."""
+    cut file is an error naming it, never an all-defaults configuration. The architecture is
+    the one written there (``model.hf_config`` was applied when the run was configured)."""
     try:
         data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
@@ -574,11 +836,12 @@ def load_run_config(path: str | Path) -> RunConfig:
     if not isinstance(data, dict) or "model" not in data:
         raise ConfigError([f"{path}: not a resolved run configuration (no 'model' section)"])
     cfg = RunConfig()
-    problems: list[str] = []
-    _apply_mapping(cfg, data, str(path), problems)
-    problems.extend(validate(cfg))
+    loading = _Loading()
+    _apply_mapping(cfg, data, str(path), loading)
+    problems = loading.problems + validate(cfg)
     if problems:
         raise ConfigError(problems)
+    cfg.notes = loading.notes
     return cfg
 
 
@@ -597,153 +860,17 @@ def nonfinite_fields(cfg: RunConfig) -> dict[str, float]:
 
 
 def validate(cfg: RunConfig) -> list[str]:
-    """Every problem in the config, as readable strings naming the fields involved."""
-    p: list[str] = []
-    m, t, o, e, d = cfg.model, cfg.train, cfg.optim, cfg.eval, cfg.data
-    nonfinite = nonfinite_fields(cfg)  # set in Python (files and overrides refuse them when read)
-    p += [f"{name} must be a finite number, got {value}" for name, value in nonfinite.items()]
-
-    def positive(section: str, name: str, value: float, allow_zero: bool = False) -> bool:
-        if f"{section}.{name}" in nonfinite:  # named once, above
-            return False
-        ok = value >= 0 if allow_zero else value > 0
-        if not ok:
-            p.append(f"{section}.{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
-        return ok
-
-    for name, choices in (("arch", ARCHS), ("norm", NORMS), ("mlp", MLPS), ("pos_emb", POS_EMBS),
-                          ("attention", ATTENTION_BACKENDS)):
-        if getattr(m, name) not in choices:
-            value = getattr(m, name)
-            p.append(f"model.{name} {value!r}{_did_you_mean(str(value), list(choices))}: choose {', '.join(choices)}")
-    if m.is_moe and m.mlp != "swiglu":
-        p.append(f"model.n_experts > 0: experts are SwiGLU, model.mlp must be swiglu, got {m.mlp}")
-    if m.norm_bias and m.norm != "layernorm":
-        p.append("model.norm_bias=true needs model.norm=layernorm (RMSNorm has no bias)")
-    positive("model", "moe_aux_loss_coef", m.moe_aux_loss_coef, allow_zero=True)
-    positive("model", "moe_z_loss_coef", m.moe_z_loss_coef, allow_zero=True)
-    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
-        positive("model", name, getattr(m, name))
-    positive("model", "rope_theta", m.rope_theta)
-    positive("model", "norm_eps", m.norm_eps)
-    positive("model", "init_std", m.init_std)
-    if m.n_heads > 0 and m.n_kv_heads > 0 and m.n_heads % m.n_kv_heads:
-        p.append(f"model.n_heads ({m.n_heads}) must be divisible by model.n_kv_heads ({m.n_kv_heads})")
-    if m.head_dim is None:
-        if m.n_heads > 0 and m.d_model % m.n_heads:
-            p.append(
-                f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads}) "
-                "unless model.head_dim is set"
-            )
-    elif m.head_dim <= 0:
-        p.append(f"model.head_dim must be > 0, got {m.head_dim}")
-    if m.n_experts < 0 or m.moe_ffn_hidden < 0:
-        p.append("model.n_experts and model.moe_ffn_hidden must be >= 0")
-    elif m.n_experts > 0 and not 1 <= m.moe_top_k <= m.n_experts:
-        p.append(f"model.moe_top_k must be in [1, model.n_experts={m.n_experts}], got {m.moe_top_k}")
-    elif m.n_experts == 0 and m.moe_top_k:
-        p.append(f"model.moe_top_k={m.moe_top_k} needs model.n_experts > 0")
-    hd = m.resolved_head_dim if m.n_heads > 0 else 0
-    if m.pos_emb == "rope" and hd > 0 and hd % 2:
-        p.append(f"head dimension {hd} must be even for rotary embeddings (model.head_dim / d_model / n_heads)")
-
-    for name in ("seq_len", "micro_batch_size", "global_batch_size", "log_every"):
-        positive("train", name, getattr(t, name))
-    for name in ("max_steps", "max_tokens", "checkpoint_every", "keep_checkpoints", "milestone_every",
-                 "warmup_log_steps", "seed", "nonfinite_patience", "collapse_steps"):
-        positive("train", name, getattr(t, name), allow_zero=True)
-    for name in ("nonfinite_max_skips", "nonfinite_max_rollbacks", "nonfinite_max_rollbacks_per_checkpoint"):
-        positive("train", name, getattr(t, name))  # a bound of 0 would forbid what the policy asks for
-    positive("train", "max_hours", t.max_hours, allow_zero=True)
-    positive("train", "spike_factor", t.spike_factor, allow_zero=True)
-    if t.nonfinite not in ("stop", "skip", "rollback"):
-        p.append(f"train.nonfinite {t.nonfinite!r}: choose stop, skip or rollback")
-    positive("train", "peak_tflops", t.peak_tflops, allow_zero=True)
+    """Every problem in the config, as readable strings naming the fields involved: inf/NaN
+    set in Python (files and overrides refuse them when read), each section's own
+    ``problems()``, then what involves two sections. Changes nothing."""
+    p = [f"{name} must be a finite number, got {value}" for name, value in nonfinite_fields(cfg).items()]
+    for section in SECTIONS:
+        p += getattr(cfg, section).problems()
+    m, t, o, d = cfg.model, cfg.train, cfg.optim, cfg.data
     if t.seq_len > m.max_seq_len > 0:
         p.append(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
-    if t.micro_batch_size > 0:
-        p += batch_split_problems(t, 1)
-    if t.max_steps <= 0 and t.max_tokens <= 0:
-        p.append("set train.max_steps or train.max_tokens (both are 0)")
-    if t.precision not in ("auto", "bf16", "bf16-pure", "fp16", "float32"):
-        p.append(f"train.precision {t.precision!r}: choose auto, bf16 (autocast), bf16-pure, fp16 or float32")
-    if t.compile == "false":  # YAML reads a bare `off` as false
-        t.compile = "off"
-    for name, choices in (("compile", ("off", "model", "blocks")),
-                          ("compile_mode", ("default", "reduce-overhead", "max-autotune")),
-                          ("activation_checkpointing", ("none", "full", "selective")),
-                          ("loss", ("auto", "plain", "chunked", "fused"))):
-        if getattr(t, name) not in choices:
-            p.append(f"train.{name} {getattr(t, name)!r}: choose {', '.join(choices)}")
-    for name in ("checkpoint_every_k", "loss_chunk_tokens", "batch_ramp_start", "profile_active"):
-        positive("train", name, getattr(t, name))
-    for name in ("batch_ramp_tokens", "profile_wait", "profile_warmup"):
-        positive("train", name, getattr(t, name), allow_zero=True)
-    if t.batch_ramp_tokens and t.batch_ramp_start > cfg.grad_accum_steps() > 0:
-        p.append(f"train.batch_ramp_start ({t.batch_ramp_start}) exceeds the accumulation steps of the full batch "
-                 f"({cfg.grad_accum_steps()})")
-    if t.batch_ramp_tokens and t.max_tokens <= 0:
-        p.append("train.batch_ramp_tokens needs train.max_tokens (steps vary in size during the ramp)")
-    if not (t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:")):
-        p.append(f"train.device {t.device!r}: choose auto, cpu, cuda or cuda:N")
-
-    positive("optim", "lr", o.lr)
-    if not 0 <= o.min_lr_ratio <= 1:
-        p.append(f"optim.min_lr_ratio must be in [0, 1], got {o.min_lr_ratio}")
-    positive("optim", "warmup_steps", o.warmup_steps, allow_zero=True)
-    positive("optim", "weight_decay", o.weight_decay, allow_zero=True)
-    positive("optim", "grad_clip", o.grad_clip, allow_zero=True)
-    for name in ("beta1", "beta2"):
-        if not 0 <= getattr(o, name) < 1:
-            p.append(f"optim.{name} must be in [0, 1), got {getattr(o, name)}")
-    positive("optim", "eps", o.eps)
-    if o.schedule not in ("cosine", "constant", "wsd"):
-        p.append(f"optim.schedule {o.schedule!r}: choose cosine, constant or wsd")
-    if o.name not in ("adamw", "muon"):
-        p.append(f"optim.name {o.name!r}: choose adamw or muon")
-    if not 0 < o.decay_fraction <= 1:
-        p.append(f"optim.decay_fraction must be in (0, 1], got {o.decay_fraction}")
-    if o.decay_shape not in ("linear", "cosine", "sqrt"):
-        p.append(f"optim.decay_shape {o.decay_shape!r}: choose linear, cosine or sqrt")
     if o.fit_to_time and (o.schedule != "wsd" or t.max_hours <= 0):
         p.append("optim.fit_to_time needs optim.schedule=wsd and train.max_hours > 0")
-    positive("optim", "muon_lr", o.muon_lr)
-    if not 0 <= o.muon_momentum < 1:
-        p.append(f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}")
-    if o.fused not in ("auto", "true", "false"):
-        p.append(f"optim.fused {o.fused!r}: choose auto, true or false")
-
-    for name in ("every", "sample_tokens"):
-        positive("eval", name, getattr(e, name), allow_zero=True)
-    positive("eval", "batches", e.batches)
-    positive("eval", "temperature", e.temperature, allow_zero=True)
-    positive("eval", "top_k", e.top_k, allow_zero=True)
-
-    for name in ("tasks_every", "tasks_limit"):
-        positive("eval", name, getattr(e, name), allow_zero=True)
-    if e.tasks:
-        known = ("arc_easy", "arc_challenge", "openbookqa", "hellaswag", "piqa")
-        for task in (x.strip() for x in e.tasks.split(",") if x.strip()):
-            if task not in known:
-                p.append(f"eval.tasks: unknown task {task!r}{_did_you_mean(task, list(known))}; "
-                         f"choose from {', '.join(known)}")
-    tr = cfg.tracking
-    if tr.tensorboard not in ("auto", "true", "false"):
-        p.append(f"tracking.tensorboard {tr.tensorboard!r}: choose auto, true or false")
-    if tr.wandb_mode not in ("online", "offline"):
-        p.append(f"tracking.wandb_mode {tr.wandb_mode!r}: choose online or offline")
-    positive("tracking", "grad_norms_every", tr.grad_norms_every, allow_zero=True)
-    if d.loader not in ("random", "epoch"):
-        p.append(f"data.loader {d.loader!r}: choose random or epoch")
-    pc = cfg.parallel
-    if pc.strategy not in STRATEGIES:
-        p.append(f"parallel.strategy {pc.strategy!r}: choose {', '.join(STRATEGIES)}")
-    if pc.backend not in ("auto", "nccl", "gloo"):
-        p.append(f"parallel.backend {pc.backend!r}: choose auto, nccl or gloo")
-    positive("parallel", "bucket_mb", pc.bucket_mb)
-    positive("parallel", "timeout_min", pc.timeout_min)
-    positive("data", "builtin_vocab_size", d.builtin_vocab_size)
-    positive("data", "builtin_max_mb", d.builtin_max_mb, allow_zero=True)
     if not d.path and d.builtin_vocab_size > m.vocab_size > 0:
         p.append(
             f"data.builtin_vocab_size ({d.builtin_vocab_size}) exceeds model.vocab_size "

@@ -1,7 +1,9 @@
 """Optional packages: which feature needs which, checked before any work starts.
 
-flopwise's core needs torch, numpy, tokenizers, PyYAML and tqdm. Everything else is an
-extra (``pyproject.toml``), needed only by the feature that uses it:
+flopwise's core needs torch, numpy, tokenizers, PyYAML, tqdm, and for Hugging Face export
+and import (``flopwise export --format hf``, ``model.hf_config``, ``flopwise.load`` of a
+Hugging Face directory) safetensors and transformers. Everything else is an extra
+(``pyproject.toml``) or a package of its own, needed only by the feature that uses it:
 
 - ``tensorboard`` (``pip install 'flopwise[track]'``): ``tracking.tensorboard=true``
   (the default ``auto`` uses it when installed and goes without it otherwise);
@@ -12,9 +14,18 @@ extra (``pyproject.toml``), needed only by the feature that uses it:
 - ``pyarrow`` (``flopwise[data]``): ``prepare`` of ``.parquet`` files;
 - ``zstandard`` (``flopwise[data]``): ``prepare`` of ``.zst`` / ``.zstd`` files;
 - ``matplotlib`` (``pip install 'flopwise[report]'``): PNG copies of the report's
-  figures, skipped with a note when missing (never an error).
+  figures, skipped with a note when missing (never an error);
+- ``torchao`` (``pip install torchao``): ``train.fp8=true``;
+- ``liger_kernel`` (``pip install liger-kernel``): ``train.loss=fused``;
+- ``flash_attn`` (``pip install flash-attn``): ``model.attention=flash`` (without it,
+  attention falls back to sdpa and says why, or fails with ``attention_strict``).
 
-:data:`OPTIONAL` holds this table.
+:data:`OPTIONAL` holds this table, :data:`CORE` the core packages imported where they are
+used (so that a broken installation gets the same one line, not a traceback).
+
+Where an optional (or lazily imported core) package is imported, :func:`load` does it: a
+package that cannot be imported is a :class:`MissingDependencyError` whose one line names
+the command that installs it, never a ``ModuleNotFoundError`` traceback.
 
 A command asks for its list of problems first (:func:`missing_for_run`,
 :func:`missing_for_eval`, :func:`missing_for_source`) and stops with all of them
@@ -32,11 +43,13 @@ Layering: the bottom layer; imports nothing from flopwise but ``config``.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from flopwise.config import ConfigError
 
@@ -61,6 +74,23 @@ OPTIONAL: dict[str, OptionalPackage] = {
         OptionalPackage("zstandard", "zstandard", "pip install 'flopwise[data]'", "prepare of .zst / .zstd files"),
         OptionalPackage("matplotlib", "matplotlib", "pip install 'flopwise[report]'",
                  "PNG copies of the report's figures (optional: skipped with a note)"),
+        OptionalPackage("torchao", "torchao", "pip install torchao", "float8 linear layers (train.fp8=true)"),
+        OptionalPackage("liger_kernel", "liger-kernel", "pip install liger-kernel",
+                 "the fused linear cross-entropy kernel (train.loss=fused, on CUDA)"),
+        OptionalPackage("flash_attn", "flash-attn", "pip install flash-attn",
+                 "FlashAttention kernels (model.attention=flash, on CUDA)"),
+    )
+}
+
+# Core dependencies (``pyproject.toml``'s ``dependencies``) that are imported where they are
+# used rather than at start-up; missing only from a broken or partial installation.
+CORE: dict[str, OptionalPackage] = {
+    o.import_name: o
+    for o in (
+        OptionalPackage("safetensors", "safetensors", "pip install safetensors",
+                        "Hugging Face weights (flopwise export --format hf, model.hf_config, flopwise.load)"),
+        OptionalPackage("transformers", "transformers", "pip install transformers",
+                        "Hugging Face configs (flopwise export --format hf)"),
     )
 }
 
@@ -76,8 +106,11 @@ class MissingDependencyError(ConfigError):
 
     def __init__(self, problems: list[str]):
         super().__init__(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        ValueError.__init__(self, f"missing optional package(s) ({len(self.problems)}):\n{lines}")
+        if len(self.problems) == 1:  # one line
+            ValueError.__init__(self, self.problems[0])
+        else:
+            lines = "\n".join(f"  - {p}" for p in self.problems)
+            ValueError.__init__(self, f"missing package(s) ({len(self.problems)}):\n{lines}")
 
 
 def available(import_name: str) -> bool:
@@ -90,8 +123,24 @@ def available(import_name: str) -> bool:
 
 def message(import_name: str, what: str) -> str:
     """``"{what} needs the {package} package: {install}"``."""
-    o = OPTIONAL[import_name]
+    o = OPTIONAL.get(import_name) or CORE[import_name]
     return f"{what} needs the {o.package} package: {o.install}"
+
+
+def load(import_name: str, what: str) -> ModuleType:
+    """``import import_name`` (a package of :data:`OPTIONAL` or :data:`CORE`, or one of its
+    modules) for ``what``. When it cannot be imported: :class:`MissingDependencyError`, one
+    line naming the install command (and the module that is missing, when it is another
+    one: a package present but missing one of its own dependencies)."""
+    top = import_name.split(".")[0]
+    try:
+        return importlib.import_module(import_name)
+    except ImportError as e:
+        text = message(top, what)
+        missing = (e.name or "").split(".")[0]
+        if missing and missing != top:
+            text += f" (it is installed, but importing it failed: {e})"
+        raise MissingDependencyError([text]) from None
 
 
 def require(problems: list[str]) -> None:
@@ -114,6 +163,10 @@ def missing_for_tracking(tracking) -> list[str]:
 def missing_for_run(cfg) -> list[str]:
     """Optional packages a training run of ``cfg`` (a ``RunConfig``) asks for and lacks."""
     problems = missing_for_tracking(cfg.tracking)
+    if cfg.train.fp8 and not available("torchao"):
+        problems.append(message("torchao", "train.fp8=true"))
+    if cfg.train.loss == "fused" and not available("liger_kernel"):
+        problems.append(message("liger_kernel", "train.loss=fused"))
     names = [t.strip() for t in str(cfg.eval.tasks).split(",") if t.strip()]
     root = Path(cfg.eval.task_dir).expanduser() if cfg.eval.task_dir else None
     local = {n: str(root / f"{n}.jsonl") for n in names if root is not None and (root / f"{n}.jsonl").is_file()}

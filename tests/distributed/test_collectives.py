@@ -58,6 +58,7 @@ def _threads_after_close(env, device, _):
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads thread names from /proc")
+@pytest.mark.slow
 def test_close_frees_the_group_even_after_torch_dynamo_was_imported(tmp_path):
     """Regression: a group that outlives close() kept gloo's threads running into interpreter
     exit, where one could abort a process whose run had succeeded (SIGABRT, ~1 in 10)."""
@@ -128,6 +129,7 @@ def _count_allreduces(env, device, accum):
     return synced_buckets, grads
 
 
+@pytest.mark.slow
 def test_ddp_reduces_gradients_once_per_step_not_per_micro_batch(tmp_path):
     (buckets0, g0), (buckets1, g1) = spawn("_count_allreduces", tmp_path, 3)
     one_step_buckets = buckets0
@@ -141,7 +143,8 @@ def test_ddp_reduces_gradients_once_per_step_not_per_micro_batch(tmp_path):
 
 def _agree(env, device, case):
     from flopwise.train.stopping import Deadline
-    from flopwise.train.trainer import global_loss, stop_reason
+    from flopwise.train.stopping import stop_reason
+    from flopwise.train.train_step import global_loss
 
     class Signals:
         requested = case == "signal" and env.rank == 1
@@ -157,7 +160,7 @@ def _fit_progress(env, device, _):
     import time
 
     from flopwise.train.stopping import Deadline
-    from flopwise.train.trainer import TimeFit, stop_reason
+    from flopwise.train.stopping import TimeFit, stop_reason
 
     class Signals:
         requested, name = False, "SIGTERM"
@@ -172,6 +175,7 @@ def _fit_progress(env, device, _):
     return seen
 
 
+@pytest.mark.slow
 def test_a_time_fitted_schedule_follows_rank_0s_clock_as_it_advances(tmp_path):
     r0, r1 = spawn("_fit_progress", tmp_path)
     assert r0 == r1  # every rank sets the same learning rate
@@ -179,6 +183,7 @@ def test_a_time_fitted_schedule_follows_rank_0s_clock_as_it_advances(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["none", "signal", "nan"])
+@pytest.mark.slow
 def test_every_rank_takes_the_same_decision(case, tmp_path):
     r0, r1 = spawn("_agree", tmp_path, case)
     assert r0[1] == r1[1] == pytest.approx(1.5) and bool(r0[2]) == bool(r1[2]) == (case == "signal")
@@ -211,6 +216,7 @@ def _epoch_samples(env, device, data_path):
     return seen, loader.num_samples, loader.dropped_samples_per_epoch, loader.epoch
 
 
+@pytest.mark.slow
 def test_ranks_read_disjoint_samples_that_cover_the_epoch(small_builtin, tmp_path):
     _, data = small_builtin
     (s0, n, dropped, epoch), (s1, _, _, _) = spawn("_epoch_samples", tmp_path, str(data))
@@ -224,29 +230,32 @@ def test_ranks_read_disjoint_samples_that_cover_the_epoch(small_builtin, tmp_pat
 
 def _train_with_nan_on_rank_1(env, device, arg):
     """The real trainer inside the 2-rank group; rank 1's loss is NaN on the 3rd step."""
-    import flopwise.train.trainer as trainer
+    import flopwise.train.train_step as train_step
+    from flopwise.train.stopping import NonFiniteError
+    from flopwise.train.trainer import train
 
     overrides, policy = arg
-    real, calls = trainer.forward_backward, {"n": 0}
+    real, calls = train_step.forward_backward, {"n": 0}
 
     def poisoned(*a, **kw):
         loss = real(*a, **kw)
         calls["n"] += 1
         return loss * float("nan") if env.rank == 1 and calls["n"] == 3 else loss
 
-    trainer.forward_backward = poisoned
+    train_step.forward_backward = poisoned
     cfg = build_config(overrides=overrides + [f"train.nonfinite={policy}"])
     try:
-        result = trainer.train(cfg, log=lambda s: None)
-    except trainer.NonFiniteError as e:
+        result = train(cfg, log=lambda s: None)
+    except NonFiniteError as e:
         return ("stopped", str(e))
     finally:
-        trainer.forward_backward = real
+        train_step.forward_backward = real
     model_sd = torch.load(result.checkpoint / "model.pt", weights_only=True)
     return ("done", result.steps, float(model_sd["tok_emb.weight"].sum()))
 
 
 @pytest.mark.parametrize("policy", ["stop", "rollback"])
+@pytest.mark.slow
 def test_a_nan_on_one_rank_is_handled_by_every_rank(policy, tiny_overrides, tmp_path):
     overrides = tiny_overrides + ["train.max_steps=6", "train.checkpoint_every=2", "train.micro_batch_size=4",
                                   "eval.every=0", "eval.sample_tokens=0", "train.log_every=1",
@@ -292,6 +301,7 @@ def _task_logprobs(env, device, arg):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.slow
 def test_task_scoring_is_shared_out_and_every_rank_gets_the_whole_answer(strategy, small_builtin, tmp_path):
     _, data = small_builtin
     (whole0, shared0), (whole1, shared1) = spawn("_task_logprobs", tmp_path, (str(data), strategy))

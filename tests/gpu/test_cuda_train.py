@@ -35,3 +35,14 @@ def test_fused_adamw_is_used_on_cuda():
 
     opt = build_optimizer(torch.nn.Linear(8, 8).cuda(), OptimConfig(), torch.device("cuda"))
     assert opt.defaults.get("fused") is True
+
+
+def test_the_default_cuda_run_is_compiled_with_the_loss_in_its_graph(tiny_overrides):
+    lines = []
+    cfg = build_config(overrides=tiny_overrides + ["train.max_steps=12", "train.device=cuda", "eval.sample_tokens=16"])
+    result = train(cfg, log=lines.append)
+    assert any("compile auto -> model" in line for line in lines), lines
+    assert any("loss auto -> plain" in line for line in lines), lines
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not [r for r in rows if r.get("event") == "recompile"]  # one static graph after warm-up
+    assert result.sample  # generation after a compiled bf16 run works

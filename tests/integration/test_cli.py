@@ -1,5 +1,9 @@
 """The console script, as a user runs it."""
 
+import pytest
+
+
+@pytest.mark.slow
 def test_train_from_the_command_line(cli, tiny_overrides, tmp_path):
     proc = cli("train", *tiny_overrides, "train.max_steps=10")
     assert proc.returncode == 0, proc.stderr
@@ -19,6 +23,7 @@ def test_bad_input_fails_fast_with_every_problem_and_writes_nothing(cli, tmp_pat
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_missing_data_directory_is_named(cli, tmp_path):
     missing = tmp_path / "nodata"
     proc = cli("train", f"data.path={missing}", f"train.run_dir={tmp_path / 'run'}")
@@ -33,6 +38,7 @@ def test_presets_listing_and_print_config(cli):
     assert proc.returncode == 0 and "d_model: 960" in proc.stdout and "micro_batch_size: 4" in proc.stdout
 
 
+@pytest.mark.slow
 def test_split_too_small_for_the_window_is_named(cli, tiny_overrides, tmp_path):
     proc = cli("train", *tiny_overrides, "train.seq_len=100000", "model.max_seq_len=100000")
     assert proc.returncode == 2, proc.stderr
@@ -40,6 +46,7 @@ def test_split_too_small_for_the_window_is_named(cli, tiny_overrides, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_unavailable_attention_backend_falls_back_or_fails_with_strict(cli, tiny_overrides, tmp_path):
     proc = cli("train", *tiny_overrides, "train.max_steps=2", "model.attention=flash")
     assert proc.returncode == 0, proc.stderr

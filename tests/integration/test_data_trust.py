@@ -122,6 +122,7 @@ def test_a_full_disk_stops_prepare_with_one_line_and_leaves_the_old_output_untou
     assert left(fs) == ["data"]
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_preparing_the_embedded_corpus_is_one_line(small_fs, cli, tmp_path):
     fs = small_fs("64k")
     r = cli("train", f"data.cache_dir={fs}", "data.builtin_vocab_size=300", "data.builtin_max_mb=0.5",

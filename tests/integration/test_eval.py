@@ -6,11 +6,11 @@ import threading
 
 import pytest
 
+from flopwise.checkpoints import list_checkpoints
 from flopwise.cli import main as cli_main
 from flopwise.config import build_config
 from flopwise.evaluate import runner
 from flopwise.evaluate.loss import bits_per_byte
-from flopwise.train.checkpoint import list_checkpoints
 from flopwise.train.trainer import train
 
 ARC = [

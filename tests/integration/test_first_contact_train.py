@@ -9,9 +9,11 @@ import pytest
 
 from flopwise.config import ConfigError, build_config
 from flopwise.data.datadir import open_data_dir
-from flopwise.train.checkpoint import list_checkpoints
-from flopwise.train.optim import lr_at
-from flopwise.train.trainer import resumed_schedule, train, validation_prompt
+from flopwise.checkpoints import list_checkpoints
+from flopwise.train.schedule import lr_at
+from flopwise.train.hooks import validation_prompt
+from flopwise.train.schedule import resumed_schedule
+from flopwise.train.trainer import train
 
 QUIET = ["eval.every=0", "eval.sample_tokens=0", "train.log_every=1", "train.keep_checkpoints=0"]
 
@@ -26,6 +28,7 @@ def snapshot(run_dir) -> dict[str, bytes]:
             if p.is_file() and not p.name.startswith(".")}
 
 
+@pytest.mark.slow
 def test_a_finished_run_run_again_says_so_and_changes_nothing(cli, tiny_overrides, tmp_path):
     args = tiny_overrides + ["train.max_steps=6", "eval.sample_tokens=8"]
     first = cli("train", *args)

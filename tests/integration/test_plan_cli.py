@@ -2,6 +2,11 @@
 
 import json
 
+import yaml
+
+from flopwise.config import build_config
+from flopwise.plan.budget import GIB
+from flopwise.plan.memory import MemorySettings, estimate
 
 
 def test_plan_table_answers_the_time_and_cost_question(cli):
@@ -69,15 +74,88 @@ def test_plan_that_does_not_fit_says_so_at_the_top(cli):
     assert proc.returncode == 0, proc.stderr
     top = "\n".join(proc.stdout.splitlines()[:5])
     assert "ddp does NOT fit: 119.21 GiB per GPU" in top
-    assert "planned with fsdp instead (14.90 GiB per GPU, states only: activations not counted)" in top
-    assert "fsdp on 8 GPU(s)" in proc.stdout and "Scaling (fsdp" in proc.stdout
+    assert "planned with fsdp2 instead (14.90 GiB per GPU, states only: activations not counted)" in top
+    assert "fsdp2 on 8 GPU(s)" in proc.stdout and "Scaling (fsdp2" in proc.stdout
     assert "activations                NOT counted" in proc.stdout
     assert "states only, activations NOT counted; fits under 90% of 80 GiB before activations" in proc.stdout
     proc = cli("plan", "--params", "8e9", "--tokens", "160B", "--gpu", "h100", "--gpus", "8", "--strategy", "ddp",
                "--price-per-gpu-hour", "2")
     assert proc.returncode == 0, proc.stderr
     top = "\n".join(proc.stdout.splitlines()[:5])
-    assert "ddp does NOT fit" in top and "fsdp fits (14.90 GiB per GPU" in top and "--strategy fsdp" in top
+    assert "ddp does NOT fit" in top and "fsdp2 fits (14.90 GiB per GPU" in top and "--strategy fsdp2" in top
     for line in proc.stdout.splitlines():
         if line.strip().startswith(("wall time", "cost")):
             assert "NOT runnable" in line, line
+
+
+def _plan_json(cli, *args):
+    proc = cli("plan", *args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout), proc.stderr
+
+
+def test_plan_config_plans_the_run_as_configured(cli, tmp_path):
+    """fp16 + selective checkpointing is planned as fp16 + selective (it used to be planned
+    as float32 without checkpointing), with the run's batch, loss and strategy."""
+    run = {"preset": "smollm-135m",
+           "train": {"seq_len": 1024, "micro_batch_size": 8, "global_batch_size": 128, "max_tokens": 2_000_000_000,
+                     "precision": "fp16", "activation_checkpointing": "selective",
+                     "activation_checkpointing_every": 3, "loss": "chunked"},
+           "parallel": {"strategy": "zero1"}}
+    f = tmp_path / "run.yaml"
+    f.write_text(yaml.safe_dump(run))
+    plan, err = _plan_json(cli, "--config", str(f), "--gpu", "a100", "--gpus", "2")
+    s = plan["memory"]["settings"]
+    assert (s["precision"], s["activation_checkpointing"], s["activation_checkpointing_every"]) == (
+        "fp16", "selective", 3)
+    assert (s["loss"], s["strategy"], s["n_gpus"]) == ("chunked", "zero1", 2)
+    assert plan["gpu"]["dtype"] == "fp16" and plan["seq_len"] == 1024
+    b = plan["batch"]
+    assert (b["micro_batch"], b["grad_accum"], b["global_batch"]) == (8, 8, 128)
+    assert plan["tokens"] == 2_000_000_000 // (128 * 1024) * 128 * 1024 + 128 * 1024  # whole steps, rounded up
+    cfg = build_config(config_file=f)
+    expected = estimate(cfg.model, 8, 1024, MemorySettings(
+        precision="fp16", activation_checkpointing="selective", activation_checkpointing_every=3, loss="chunked",
+        strategy="zero1", n_gpus=2)).total
+    assert plan["memory_gb"] == expected / GIB
+    # ... which is not what float32 without checkpointing needs
+    run["train"].update(precision="float32", activation_checkpointing="none")
+    f.write_text(yaml.safe_dump(run))
+    plain, _ = _plan_json(cli, "--config", str(f), "--gpu", "a100", "--gpus", "2")
+    assert plain["memory"]["settings"]["precision"] == "float32" and plain["gpu"]["dtype"] == "fp32"
+    assert plain["memory_gb"] > plan["memory_gb"]
+    # a flag overrides the config
+    over, _ = _plan_json(cli, "--config", str(f), "--gpu", "a100", "--gpus", "2", "--checkpointing", "full")
+    assert over["memory"]["settings"]["activation_checkpointing"] == "full"
+
+
+def test_plan_config_reads_a_run_directory_and_notes_renamed_keys(cli, tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = build_config(overrides=["train.activation_checkpointing=selective"])
+    data = cfg.to_dict()
+    data["train"]["checkpoint_every_k"] = data["train"].pop("activation_checkpointing_every")  # an older run
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(data))
+    plan, err = _plan_json(cli, "--config", str(run_dir))
+    assert plan["memory"]["settings"]["activation_checkpointing"] == "selective"
+    assert "note: train.checkpoint_every_k is now train.activation_checkpointing_every" in err
+    assert err.count("checkpoint_every_k") == 1 and "Traceback" not in err
+    # train.precision=auto is resolved as the trainer would, and the plan says how
+    assert plan["memory"]["settings"]["precision"] == "bf16" and "train.precision=auto is bf16" in err
+
+
+def test_plan_speaks_trains_names_and_still_understands_its_old_ones(cli):
+    plan, err = _plan_json(cli, "--model", "tiny", "--precision", "bf16-amp", "--strategy", "fsdp", "--gpus", "2")
+    assert plan["memory"]["settings"]["precision"] == "bf16" and plan["memory"]["settings"]["strategy"] == "fsdp2"
+    assert "note: --precision bf16-amp is now called bf16" in err and "note: --strategy fsdp is now called fsdp2" in err
+    plan, err = _plan_json(cli, "--model", "tiny", "--precision", "fp32")
+    assert plan["memory"]["settings"]["precision"] == "float32" and "--precision fp32 is now called float32" in err
+    # the old plan's bf16 was pure bf16: it now means autocast, as in train.precision, and says so
+    plan, err = _plan_json(cli, "--model", "tiny", "--precision", "bf16")
+    assert plan["memory"]["settings"]["precision"] == "bf16" and plan["memory"]["weight_copies"] > 0
+    assert "--precision bf16 is bf16 autocast over fp32 weights" in err and "bf16-pure" in err
+    pure, _ = _plan_json(cli, "--model", "tiny", "--precision", "bf16-pure")
+    assert pure["memory"]["settings"]["precision"] == "bf16-pure"
+    assert pure["memory"]["params"] < plan["memory"]["params"]
+    proc = cli("plan", "--model", "tiny", "--precision", "fp8")
+    assert proc.returncode == 2 and "--precision 'fp8': choose bf16, bf16-pure, fp16, float32" in proc.stderr

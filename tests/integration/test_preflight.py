@@ -118,6 +118,7 @@ def test_max_hours_caps_the_prediction(tiny_overrides, tmp_path):
     assert report["prediction"]["hours"] == pytest.approx(1.0)
 
 
+@pytest.mark.slow
 def test_compile_diagnostics_are_part_of_the_report(tiny_overrides, tmp_path):
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100", "train.compile=blocks"])
     lines = []

@@ -14,7 +14,7 @@ import torch
 from flopwise.config import ConfigError, build_config
 from flopwise.data.datadir import open_data_dir
 from flopwise.data.loader import make_loader
-from flopwise.train.checkpoint import latest_checkpoint, list_checkpoints
+from flopwise.checkpoints import latest_checkpoint, list_checkpoints
 from flopwise.train.stopping import Deadline, NonFiniteError, NonFiniteGuard
 from flopwise.train.trainer import train
 
@@ -44,6 +44,7 @@ def steps_per_epoch(tiny_overrides, extra) -> int:
     return loader.batches_per_epoch // cfg.grad_accum_steps()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["mid-run", "epoch-boundary"])
 def test_resume_in_a_new_process_is_bitwise_exact(where, cli, tiny_overrides, tmp_path):
     extra = ["train.micro_batch_size=16", "train.global_batch_size=32"] + QUIET  # 2 micro-batches per step
@@ -85,6 +86,7 @@ def _wait_for_step(run_dir, step, proc, timeout=120):
     raise AssertionError("the run never reached the step")
 
 
+@pytest.mark.slow
 def test_sigterm_saves_exits_0_and_the_resumed_run_equals_an_uninterrupted_one(cli, tiny_overrides, tmp_path):
     common = tiny_overrides + QUIET + ["train.max_steps=40", "train.checkpoint_every=100"]
     ref = tmp_path / "ref"
@@ -134,11 +136,12 @@ def test_deadline_accounts_for_the_step_and_the_save():
     assert Deadline(1.0, 0.0, state_bytes=10**10).save_s > 100  # before a save is measured: from the bytes
 
 
-def test_max_hours_stops_in_time_with_a_final_checkpoint(tiny_overrides):
-    cfg = build_config(overrides=tiny_overrides + QUIET + ["train.max_steps=100000", "train.max_hours=0.0015"])
+@pytest.mark.slow
+def test_max_hours_stops_in_time_with_a_final_checkpoint(tiny_overrides, tick_clock):
+    cfg = build_config(overrides=tiny_overrides + QUIET + ["train.max_steps=2000", "train.max_hours=0.005"])
     lines = []
-    result = train(cfg, log=lines.append)
-    assert result.stopped == "train.max_hours=0.0015 reached" and 0 < result.steps < 100000
+    result = train(cfg, log=lines.append, clock=tick_clock)  # 18 s of budget at 0.1 s a reading
+    assert result.stopped == "train.max_hours=0.005 reached" and 0 < result.steps < 2000
     assert latest_checkpoint(result.run_dir).name == f"step-{result.steps:07d}"
     assert any("stop       train.max_hours" in line for line in lines)
     # Every progress line says how long the rest would take, and that it will not fit the budget.
@@ -201,6 +204,7 @@ def test_unwritable_run_directory_is_refused_before_any_work(tiny_overrides, tmp
         train(cfg, log=lambda s: None)
 
 
+@pytest.mark.slow
 def test_fresh_starts_over_and_keeps_the_old_run(tiny_overrides):
     overrides = tiny_overrides + QUIET + ["train.max_steps=2"]
     first = train(build_config(overrides=overrides), log=lambda s: None)

@@ -25,7 +25,7 @@ from flopwise.config import ConfigError, build_config
 from flopwise.evaluate.runner import evaluate
 from flopwise.fsio import DirLock, LockedError, atomic_write
 from flopwise.model.io import ModelSourceError, export_consolidated, export_hf
-from flopwise.train.checkpoint import CheckpointError, file_entry, latest_checkpoint, list_checkpoints
+from flopwise.checkpoints import CheckpointError, file_entry, latest_checkpoint, list_checkpoints
 from flopwise.train.trainer import train
 
 QUIET = ["eval.every=0", "eval.sample_tokens=0", "train.log_every=1"]
@@ -145,6 +145,7 @@ def test_a_payload_would_run_under_a_full_unpickler(tmp_path):
     assert marker.exists()
 
 
+@pytest.mark.slow
 def test_a_second_writer_is_refused_and_a_killed_holder_does_not_block(cli, tiny_overrides, tmp_path):
     """Two real `flopwise train` processes on one run directory: the second is refused with the
     holder's pid; after the holder is SIGKILLed, the same command resumes."""
@@ -192,6 +193,7 @@ def _du(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_training_save(cli, tiny_overrides, small_fs, tmp_path, fill_fs):
     """The run directory on a real tmpfs with room for one checkpoint: the second save fails with
     the real error; the message says so and names the intact checkpoint; nothing partial is left;
@@ -264,6 +266,7 @@ def test_an_unmarked_newest_checkpoint_is_refused_everywhere(tiny_overrides, tmp
         flopwise.load(newest)
 
 
+@pytest.mark.slow
 def test_flopwise_checkpoint_adopt_and_verify(cli, tiny_overrides):
     overrides = tiny_overrides + QUIET + ["train.max_steps=2"]
     first = train(build_config(overrides=overrides), log=lambda s: None)

@@ -8,10 +8,11 @@ import json
 
 import pytest
 
+from flopwise import checkpoints as checkpoint_module
+from flopwise.checkpoints import CheckpointError, list_checkpoints
 from flopwise.config import build_config
 from flopwise.evaluate import runner
-from flopwise.train import checkpoint as checkpoint_module
-from flopwise.train.checkpoint import CheckpointError, apply_retention, list_checkpoints
+from flopwise.train.checkpoint import apply_retention
 from flopwise.train.trainer import train
 
 

@@ -16,7 +16,7 @@ from flopwise.cli import main as cli_main  # noqa: E402
 from flopwise.config import RunConfig, build_config  # noqa: E402
 from flopwise.data.tokenizer import train_bpe  # noqa: E402
 from flopwise.model import build_model  # noqa: E402
-from flopwise.model.hf import hf_config  # noqa: E402
+from flopwise.model.hf import hf_config, read_hf_config  # noqa: E402
 from flopwise.train.checkpoint import save_checkpoint  # noqa: E402
 
 from test_hf_parity import CONFIGS, randomize, tokens  # noqa: E402  (same folder, on sys.path)
@@ -113,11 +113,11 @@ def test_hf_config_gives_the_architecture_and_the_weights_for_training(tmp_path)
     randomize(hf, seed=13)
     hf.save_pretrained(tmp_path / "pub")
     run_cfg = build_config(overrides=[f"model.hf_config={tmp_path / 'pub'}", "model.attention=eager",
-                                      "train.seq_len=32", "data.builtin_vocab_size=256"])
+                                      "train.seq_len=32", "data.builtin_vocab_size=256"], read_hf_config=read_hf_config)
     m = run_cfg.model
     assert (m.arch, m.d_model, m.head_dim, m.qk_norm, m.tie_embeddings, m.attention) == ("qwen3", 64, 24, True, False,
                                                                                            "eager")
-    from flopwise.train.trainer import load_hf_init
+    from flopwise.train.setup import load_hf_init
 
     model = build_model(m)
     assert "weights from" in load_hf_init(model, m.hf_config)
@@ -126,7 +126,10 @@ def test_hf_config_gives_the_architecture_and_the_weights_for_training(tmp_path)
         torch.testing.assert_close(model.eval()(idx), hf(idx).logits, rtol=1e-5, atol=1e-5)
     (tmp_path / "bad.json").write_text(json.dumps({"model_type": "mamba"}))
     with pytest.raises(ValueError, match="model_type 'mamba' is not supported"):
-        build_config(overrides=[f"model.hf_config={tmp_path / 'bad.json'}", "train.seq_len=32"])
+        build_config(overrides=[f"model.hf_config={tmp_path / 'bad.json'}", "train.seq_len=32"],
+                     read_hf_config=read_hf_config)
+    with pytest.raises(ValueError, match="missing.json does not exist"):
+        build_config(overrides=[f"model.hf_config={tmp_path / 'missing.json'}"], read_hf_config=read_hf_config)
 
 
 # --------------------------------------------------------------------------- issue 19

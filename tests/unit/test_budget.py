@@ -7,8 +7,9 @@ import pytest
 
 from flopwise.config import build_config
 from flopwise.plan import hardware
-from flopwise.plan.budget import PlanError, PlanInputs, allreduce_seconds, build_plan, chinchilla_verdict
-from flopwise.plan.memory import MemorySettings
+from flopwise.plan.budget import (PlanError, PlanInputs, allreduce_seconds, build_plan, chinchilla_verdict,
+                                  memory_settings_for_run, plan_for_run, plan_inputs_for_run)
+from flopwise.plan.memory import MemorySettings, estimate
 
 A100 = hardware.find("a100")
 H100 = hardware.find("h100 sxm")
@@ -160,18 +161,18 @@ def test_ddp_that_does_not_fit_is_marked_not_runnable_and_fsdp_proposed():
     assert plan["memory_gb"] == pytest.approx(8e9 * 16 / 2**30) and plan["fits"] is False
     assert plan["runnable"] is False
     fit = plan["fit"]
-    assert fit["asked"] == "ddp" and fit["asked_fits"] is False and fit["proposed"] == "fsdp"
+    assert fit["asked"] == "ddp" and fit["asked_fits"] is False and fit["proposed"] == "fsdp2"
     assert not fit["switched"] and fit["states_only"]
-    assert fit["per_strategy"]["fsdp"]["memory_gb"] == pytest.approx(8e9 * 16 / 8 / 2**30)
-    assert fit["per_strategy"]["fsdp"]["fits"] and fit["per_strategy"]["zero1"]["fits"]
+    assert fit["per_strategy"]["fsdp2"]["memory_gb"] == pytest.approx(8e9 * 16 / 8 / 2**30)
+    assert fit["per_strategy"]["fsdp2"]["fits"] and fit["per_strategy"]["zero1"]["fits"]
     assert plan["scaling"]["strategy"] == "ddp"  # as asked, but marked
 
 
 def test_default_strategy_switches_to_the_one_that_fits():
     plan = build_plan(_eight_b("ddp", auto=True))
     assert plan["fits"] is True and plan["runnable"] is True
-    assert plan["fit"]["switched"] and plan["fit"]["asked"] == "ddp" and plan["fit"]["strategy"] == "fsdp"
-    assert plan["memory"]["settings"]["strategy"] == "fsdp" and plan["scaling"]["strategy"] == "fsdp"
+    assert plan["fit"]["switched"] and plan["fit"]["asked"] == "ddp" and plan["fit"]["strategy"] == "fsdp2"
+    assert plan["memory"]["settings"]["strategy"] == "fsdp2" and plan["scaling"]["strategy"] == "fsdp2"
     assert plan["memory_gb"] == pytest.approx(8e9 * 16 / 8 / 2**30)  # 14.9 GiB per GPU
     # the time and cost do not depend on the strategy; the communication does
     asked = build_plan(_eight_b("ddp"))
@@ -211,3 +212,72 @@ def test_a100_40gb_plans_against_40_gib():
     plan = build_plan(PlanInputs(model=SMOLLM_360M, gpu=hardware.find("a100-40gb"), seq_len=2048))
     assert plan["gpu"]["name"] == "A100 SXM 40GB" and plan["gpu"]["memory_gb"] == 40
     assert plan["gpu"]["peak_tflops"] == 312.0
+
+
+# --- one vocabulary: a run's configuration is planned as it runs ------------------------------------------------
+
+def test_memory_settings_for_run_keep_fp16_and_selective():
+    """fp16 is fp16 autocast (fp32 weights, 2-byte activations), not float32; selective
+    checkpointing is selective with its every-k, not none."""
+    cfg = build_config(preset="smollm-135m", overrides=[
+        "train.precision=fp16", "train.activation_checkpointing=selective",
+        "train.activation_checkpointing_every=3", "model.attention=eager"])
+    s = memory_settings_for_run(cfg, "fp16", "fused", "fsdp2", 4)
+    assert (s.precision, s.activation_checkpointing, s.activation_checkpointing_every) == ("fp16", "selective", 3)
+    assert (s.strategy, s.n_gpus, s.loss, s.attention) == ("fsdp2", 4, "chunked", "eager")
+    m, B, T = cfg.model, 4, 512
+    fp16 = estimate(m, B, T, replace_settings(s, strategy="single", n_gpus=1))
+    fp32 = estimate(m, B, T, replace_settings(s, strategy="single", n_gpus=1, precision="float32"))
+    bf16 = estimate(m, B, T, replace_settings(s, strategy="single", n_gpus=1, precision="bf16"))
+    none = estimate(m, B, T, replace_settings(s, strategy="single", n_gpus=1, activation_checkpointing="none"))
+    assert fp16.total == bf16.total < fp32.total  # fp16 autocast is bf16 autocast's size
+    assert fp16.params == fp32.params  # fp32 master weights
+    assert fp16.activations < none.activations
+
+
+def replace_settings(s, **kw):
+    import dataclasses
+
+    return dataclasses.replace(s, **kw)
+
+
+def test_plan_inputs_for_run_take_everything_from_the_config():
+    cfg = build_config(preset="smollm-360m", overrides=[
+        "train.seq_len=2048", "train.micro_batch_size=4", "train.global_batch_size=64", "train.max_tokens=1e9",
+        "train.precision=fp16", "train.activation_checkpointing=selective", "train.loss=chunked",
+        "parallel.strategy=zero1", "train.peak_tflops=100"])
+    fields, notes = plan_inputs_for_run(cfg, gpus=2)
+    assert notes == []
+    assert (fields["seq_len"], fields["micro_batch"], fields["grad_accum"]) == (2048, 4, 8)
+    assert fields["tokens"] == cfg.total_steps() * 64 * 2048 and fields["peak_tflops"] == 100
+    assert fields["dtype"] == "fp16" and not fields["auto_strategy"]
+    mem = fields["memory"]
+    assert (mem.precision, mem.activation_checkpointing, mem.loss, mem.strategy, mem.n_gpus) == (
+        "fp16", "selective", "chunked", "zero1", 2)
+    plan = build_plan(PlanInputs(gpu=A100, gpus=2, **fields))
+    assert plan["batch"]["global_batch"] == 64 and plan["memory"]["settings"]["precision"] == "fp16"
+    assert plan["flops_per_token_hardware"] > plan["flops_per_token"]  # the recomputed blocks
+    # auto is resolved as the trainer would, and says so
+    auto = build_config(preset="smollm-360m", overrides=["train.seq_len=2048"])
+    fields, notes = plan_inputs_for_run(auto, gpus=1, gpu=hardware.find("v100"))
+    assert fields["memory"].precision == "fp16" and fields["memory"].loss == "plain" and fields["auto_strategy"]
+    assert any("train.precision=auto is fp16 on the V100" in n for n in notes)
+    assert any("train.loss=auto is plain under train.compile=auto" in n for n in notes)  # compiled on a GPU
+    with pytest.raises(PlanError, match="global_batch_size"):
+        plan_inputs_for_run(auto, gpus=3)
+
+
+def test_the_planners_old_names_still_work_with_a_warning():
+    with pytest.warns(FutureWarning) as caught:
+        s = MemorySettings(precision="bf16-amp", strategy="fsdp", n_gpus=2)
+    assert [str(w.message) for w in caught] == ["MemorySettings precision 'bf16-amp' is now called bf16",
+                                                "MemorySettings strategy 'fsdp' is now called fsdp2"]
+    assert (s.precision, s.strategy) == ("bf16", "fsdp2")
+    with pytest.warns(FutureWarning, match="fp32"):
+        assert MemorySettings(precision="fp32").precision == "float32"
+
+
+def test_plan_for_run_uses_the_precisions_peak():
+    cfg = build_config(overrides=["train.precision=fp16"])
+    plan = plan_for_run(cfg, "Tesla V100-SXM2-32GB", "fp16")
+    assert plan["gpu"]["dtype"] == "fp16" and plan["memory"]["settings"]["precision"] == "fp16"

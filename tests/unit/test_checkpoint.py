@@ -12,20 +12,17 @@ import pytest
 import torch
 
 from flopwise.fsio import describe_write_error
-from flopwise.train.checkpoint import (
+from flopwise.checkpoints import (
     CheckpointError,
     adopt_checkpoint,
-    apply_retention,
     file_entry,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
     unmarked_checkpoints,
     verify_checkpoint,
 )
+from flopwise.train.checkpoint import apply_retention, rng_state, save_checkpoint, set_rng_state
 
 
 def model_and_opt(seed=0):
@@ -131,6 +128,7 @@ def test_retention_keeps_the_newest_and_milestones(tmp_path):
     assert apply_retention(tmp_path, keep_last=0) == []  # 0 keeps everything
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_moments_of_saving_never_leaves_a_partial_checkpoint(tmp_path):
     """A child saves checkpoints of a ~2 MB model in a loop; it is SIGKILLed at random moments,
     many times. After every kill the newest complete checkpoint verifies and loads."""

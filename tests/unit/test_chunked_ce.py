@@ -9,6 +9,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from flopwise.config import ModelConfig
 from flopwise.model import build_model
+from flopwise.model.loss import loss_sum
 from flopwise.train import losses
 from flopwise.train.losses import (
     chunked_cross_entropy,
@@ -16,7 +17,6 @@ from flopwise.train.losses import (
     linear_cross_entropy,
     plain_linear_cross_entropy,
 )
-from flopwise.train.step import loss_sum
 
 N, D, V = 200, 24, 300
 MODES = [pytest.param(False, id="recompute"), pytest.param(True, id="grads-in-forward")]

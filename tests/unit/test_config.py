@@ -198,3 +198,102 @@ def test_the_epoch_loader_is_the_default_and_a_run_written_with_random_keeps_it(
     old = tmp_path / "config.yaml"  # what an older run directory holds: every field, written out
     old.write_text(build_config(overrides=["data.loader=random"]).to_yaml())
     assert load_run_config(old).data.loader == "random"
+
+
+# --------------------------------------------------------------------------- choices, sections, renames
+
+def test_a_choice_outside_its_literal_is_refused_where_it_is_read(tmp_path):
+    problems = problems_of(["train.compile=fast", "parallel.strategy=fsdp", "train.precision=BF16"])
+    assert problems == [
+        "override 'train.compile=fast': train.compile 'fast': choose auto, off, model, blocks",
+        "override 'parallel.strategy=fsdp': parallel.strategy 'fsdp' (did you mean 'fsdp2'?): "
+        "choose auto, single, ddp, zero1, fsdp2",
+        "override 'train.precision=BF16': train.precision 'BF16' (did you mean 'bf16'?): "
+        "choose auto, bf16, bf16-pure, fp16, float32",
+    ]
+    f = tmp_path / "run.yaml"
+    f.write_text("train:\n  activation_checkpointing: selctive\n")
+    with pytest.raises(ConfigError) as err:
+        build_config(config_file=f)
+    assert err.value.problems == [f"{f}: train.activation_checkpointing 'selctive' (did you mean 'selective'?): "
+                                  "choose none, full, selective"]
+
+
+def test_yaml_booleans_become_the_choices_words(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("train:\n  compile: off\noptim:\n  fused: no\ntracking:\n  tensorboard: yes\n")
+    cfg = build_config(config_file=f, overrides=["train.compile=off"])
+    assert (cfg.train.compile, cfg.optim.fused, cfg.tracking.tensorboard) == ("off", "false", "true")
+
+
+def test_validation_changes_nothing_and_catches_choices_set_in_python():
+    cfg = build_config()
+    before = cfg.to_dict()
+    cfg.train.compile = "false"  # loading would have read it as off; set in Python it is only refused
+    problems = validate(cfg)
+    assert problems == ["train.compile 'false': choose auto, off, model, blocks"]
+    assert cfg.train.compile == "false"
+    assert {**before, "train": {**before["train"], "compile": "false"}} == cfg.to_dict()
+
+
+def test_each_section_checks_itself():
+    from flopwise.config import ModelConfig, OptimConfig, TrainConfig
+
+    assert ModelConfig().problems() == [] and OptimConfig().problems() == []
+    assert ModelConfig(n_heads=4, n_kv_heads=3).problems() == ["model.n_heads (4) must be divisible by "
+                                                                "model.n_kv_heads (3)"]
+    assert TrainConfig(max_steps=10, activation_checkpointing_every=0).problems() == [
+        "train.activation_checkpointing_every must be > 0, got 0"]
+    assert "set train.max_steps or train.max_tokens (both are 0)" in TrainConfig().problems()
+
+
+def test_renamed_keys_load_with_a_note_once(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("train:\n  checkpoint_every_k: 3\n  save_every: 100\n")
+    cfg = build_config(config_file=f, overrides=["train.checkpoint_every_k=4"])
+    assert cfg.train.activation_checkpointing_every == 4 and cfg.train.checkpoint_every == 100
+    assert cfg.notes == ["train.checkpoint_every_k is now train.activation_checkpointing_every",
+                         "train.save_every is now train.checkpoint_every"]
+    assert "notes" not in cfg.to_dict() and "checkpoint_every_k" not in cfg.to_yaml()
+    assert build_config().notes == [] and cfg == build_config(overrides=[
+        "train.activation_checkpointing_every=4", "train.checkpoint_every=100"])
+    old = tmp_path / "config.yaml"
+    data = build_config().to_dict()
+    data["train"]["checkpoint_every_k"] = data["train"].pop("activation_checkpointing_every")
+    old.write_text(yaml.safe_dump(data))
+    assert load_run_config(old).notes == ["train.checkpoint_every_k is now train.activation_checkpointing_every"]
+
+
+def test_hf_config_is_read_by_the_reader_the_caller_gives(tmp_path):
+    from flopwise.config import ModelConfig
+
+    def reader(path):
+        if path == "bad":
+            raise ValueError("bad is not valid JSON")
+        return ModelConfig(arch="qwen3", d_model=96, n_heads=4, n_kv_heads=4, qk_norm=True, max_seq_len=2048)
+
+    cfg = build_config(overrides=["model.hf_config=pub", "train.seq_len=2048", "model.attention=eager"],
+                       read_hf_config=reader)
+    m = cfg.model
+    assert (m.arch, m.d_model, m.qk_norm, m.max_seq_len, m.attention) == ("qwen3", 96, True, 2048, "eager")
+    assert problems_of(["model.hf_config=pub"]) == [
+        "model.hf_config 'pub': this configuration was built without a Hugging Face config reader "
+        "(pass read_hf_config=flopwise.model.hf.read_hf_config to build_config)"]
+    with pytest.raises(ConfigError, match="model.hf_config 'bad': bad is not valid JSON"):
+        build_config(overrides=["model.hf_config=bad"], read_hf_config=reader)
+
+
+def test_config_is_the_lowest_layer():
+    import subprocess
+    import sys
+
+    code = ("import sys, flopwise.config; "
+            "assert not [m for m in sys.modules if m.startswith(('flopwise.model', 'flopwise.plan', 'torch'))]")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_quoted_boolean_word_is_the_choices_word_too(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("train:\n  compile: 'false'\ntracking:\n  tensorboard: 'off'\n")
+    cfg = build_config(config_file=f)
+    assert (cfg.train.compile, cfg.tracking.tensorboard) == ("off", "false")

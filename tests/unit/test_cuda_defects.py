@@ -6,6 +6,12 @@
 - ``generate`` on fp32 weights runs whatever attention backend training chose: flash-attn
   refuses fp32, so a model configured for flash must fall back for sampling (the run's
   final ``write_sample`` crashed on a machine with flash-attn installed).
+- The fused (Liger) loss under ``compile=model`` runs after the compiled forward, not inside
+  the compiled step, where its host reads would break the graph.
+- ``model.doc_mask`` + flash + compile: the documents are cut once per forward by an op the
+  compiler does not look into, so the step stays one graph, reads the host once per forward
+  rather than per layer, and does not recompile when the number of documents changes
+  (flash-attn's varlen kernel stood in for by an op registered through ``torch.library``).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_weights_close
 
 from flopwise.config import ModelConfig
 from flopwise.evaluate.generate import generate
@@ -109,8 +116,7 @@ def test_zero1_keeps_each_ranks_parameters_in_one_bucket_and_steps_like_adamw(on
             opt.zero_grad()
             m(idx).float().logsumexp(-1).mean().backward()
             opt.step()
-    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+    assert_weights_close(dict(model.named_parameters()), dict(ref.named_parameters()), what="zero1 vs AdamW")
     zero.consolidate_state_dict(to=0)  # what dist_checkpoint does before saving
     assert len(zero.state_dict()["state"]) == len(list(model.parameters()))
 
@@ -182,3 +188,132 @@ def test_generate_keeps_flash_when_it_computes_in_bf16(flash_on_cpu):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = generate(model, prompt, max_new_tokens=3, max_seq_len=24, temperature=0.0)
     assert out.shape == (1, 7) and flash_on_cpu.calls > 0  # the prompt went through the "flash" kernel
+
+
+@pytest.mark.slow  # compiles with inductor: 10 s on 2 cores
+def test_the_fused_loss_runs_after_one_compiled_forward_instead_of_breaking_the_graph(monkeypatch):
+    """A stand-in for Liger's kernel that reads the host as it does (``.item()``): compiled into
+    the whole loss function it breaks the graph; after the compiled forward it does not."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from flopwise.train import losses
+    from flopwise.train.step import make_loss_fn
+
+    def liger_like(hidden, weight, targets, ignore_index=-100, reduction="sum", **_):
+        rows = int((targets != ignore_index).sum().item())  # a host read, as the real kernel makes
+        assert rows > 0
+        return F.cross_entropy((hidden @ weight.T).float(), targets, ignore_index=ignore_index, reduction=reduction)
+
+    monkeypatch.setattr(losses, "_liger_flce", lambda: liger_like)
+    monkeypatch.setattr(losses, "fused_linear_cross_entropy_available", lambda device: True)
+    cfg = ModelConfig(n_layers=2, d_model=32, n_heads=2, n_kv_heads=1, ffn_hidden=64, vocab_size=64, max_seq_len=16)
+    model = build_model(cfg, seed=0)
+    x = torch.randint(0, 64, (2, 16))
+    want, _ = make_loss_fn(model, "plain")(x, x)
+    torch._dynamo.reset()
+    counters.clear()
+    got, _ = make_loss_fn(model, "fused", compile_mode="default")(x, x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def _varlen_eager(q, k, v, cu):
+    """flash_attn_varlen_func's contract on CPU: (total, H|KV, hd) packed documents, causal in each."""
+    bounds, n_rep = cu.tolist(), q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
+    parts = [F.scaled_dot_product_attention(q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
+                                            is_causal=True).transpose(0, 1) for s, e in zip(bounds, bounds[1:]) if e > s]
+    return torch.cat(parts)
+
+
+# Opaque to the compiler, as flash-attn's own registered ops are: a forward and a backward op.
+@torch.library.custom_op("flopwise_test::varlen_attention", mutates_args=())
+def _varlen_stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+    return _varlen_eager(q, k, v, cu)
+
+
+@torch.library.custom_op("flopwise_test::varlen_attention_backward", mutates_args=())
+def _varlen_stand_in_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention backward written out (a custom op's body runs below autograd)."""
+    bounds, n_rep = cu.tolist(), q.shape[1] // k.shape[1]
+    gq, gk, gv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for s, e in zip(bounds, bounds[1:]):
+        if e == s:
+            continue
+        qs = q[s:e].transpose(0, 1)  # (H, L, hd)
+        ks, vs = (t[s:e].transpose(0, 1).repeat_interleave(n_rep, 0) for t in (k, v))  # (H, L, hd)
+        scale = q.shape[-1] ** -0.5
+        causal = torch.ones(e - s, e - s, dtype=torch.bool).tril()
+        probs = (qs @ ks.transpose(1, 2) * scale).masked_fill(~causal, float("-inf")).softmax(-1)  # (H, L, L)
+        go = grad[s:e].transpose(0, 1)  # (H, L, hd)
+        dp = go @ vs.transpose(1, 2)
+        ds = probs * (dp - (dp * probs).sum(-1, keepdim=True))
+        gq[s:e] = (ds @ ks * scale).transpose(0, 1)
+        fold = lambda t: t.unflatten(0, (k.shape[1], n_rep)).sum(1).transpose(0, 1)  # noqa: E731 - (L, KV, hd)
+        gk[s:e] = fold(ds.transpose(1, 2) @ qs * scale)
+        gv[s:e] = fold(probs.transpose(1, 2) @ go)
+    return gq, gk, gv
+
+
+@_varlen_stand_in.register_fake
+def _(q, k, v, cu):
+    return torch.empty_like(q)
+
+
+@_varlen_stand_in_backward.register_fake
+def _(grad, q, k, v, cu):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _save(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad):
+    return (*_varlen_stand_in_backward(grad, *ctx.saved_tensors), None)
+
+
+_varlen_stand_in.register_autograd(_backward, setup_context=_save)
+
+
+def test_doc_mask_with_flash_compiles_to_one_graph_whatever_the_number_of_documents(monkeypatch):
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from flopwise.train.step import make_loss_fn
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True):
+        assert causal and cu_q is cu_k and max_q == max_k
+        return _varlen_stand_in(q, k, v, cu_q)
+
+    kernels = A._FlashKernels("FA2", "stand-in", None, varlen)
+    monkeypatch.setattr(A, "_flash_kernels", lambda device: kernels)
+    cfg = ModelConfig(vocab_size=96, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=32,
+                      doc_mask=True)
+    flash, sdpa = build_model(cfg, seed=0), build_model(cfg, seed=0)
+    flash.set_attention_backend("flash")
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for n_docs in (2, 5, 9):  # a different number of documents in every batch
+        x = torch.randint(0, 96, (2, 32), generator=gen)
+        cuts = torch.randperm(31, generator=gen)[: n_docs - 1] + 1
+        doc_ids = torch.zeros(2, 32, dtype=torch.long)
+        for c in cuts.tolist():
+            doc_ids[:, c:] += 1
+        batches.append((x, x, doc_ids))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = make_loss_fn(flash, "plain", compile_mode="default")
+    for x, y, d in batches:
+        got, _ = compiled(x, y, d)
+        got.backward()
+        want, _ = make_loss_fn(sdpa, "plain")(x, y, d)
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert_weights_close({n: p.grad for n, p in flash.named_parameters()},
+                         {n: p.grad for n, p in sdpa.named_parameters()}, rel=1e-4, what="flash varlen vs sdpa")
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # compiled once, for all three

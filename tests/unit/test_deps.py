@@ -14,6 +14,8 @@ import textwrap
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from flopwise import deps
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,6 +120,7 @@ def test_the_tracker_refuses_before_it_opens_metrics_jsonl(tmp_path):
     assert list(run_dir.iterdir()) == []  # no metrics.jsonl, no tensorboard/
 
 
+@pytest.mark.slow
 def test_train_refuses_a_missing_tensorboard_before_writing_anything(tmp_path):
     """Needs the lead's wiring: ``require(missing_for_run(cfg))`` first thing in ``train()``."""
     r = run_without({"tensorboard"}, """
@@ -133,6 +136,7 @@ def test_train_refuses_a_missing_tensorboard_before_writing_anything(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_eval_tasks_without_datasets_is_refused_before_any_model_or_data_is_read(tmp_path):
     """Needs the lead's wiring in ``cli.cmd_eval``: the check comes before the model is even
     looked for, so a path that does not exist still gets the missing-package message."""
@@ -144,3 +148,60 @@ def test_eval_tasks_without_datasets_is_refused_before_any_model_or_data_is_read
     assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-3000:])
     assert "eval --tasks arc_easy needs the datasets package: pip install 'flopwise[data]'" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_hugging_face_export_needs_only_the_core_dependencies():
+    """`./install.sh` then `flopwise export --format hf` (issue: No module named 'safetensors')."""
+    core = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    for name, o in deps.CORE.items():
+        assert any(req.startswith(o.package) for req in core), name
+    assert {"safetensors", "transformers"} <= set(deps.CORE)
+    install = (ROOT / "install.sh").read_text()
+    assert 'pip install -e ".${extras}"' in install  # the package with its core dependencies
+
+
+def run_with_missing(missing, code, cwd):
+    """Run ``code`` in a fresh interpreter where ``import NAME`` fails for real for each of
+    ``missing``: ``sys.modules[NAME] = None`` makes the import system raise ImportError."""
+    prelude = "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in missing)
+    return subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], cwd=cwd,
+                          env=dict(os.environ, HOME=str(cwd)), capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_a_missing_package_is_one_line_naming_what_installs_it(tmp_path):
+    r = run_with_missing(["torchao", "liger_kernel", "transformers"], """
+        import json
+        from flopwise import deps
+        from flopwise.config import ModelConfig, build_config
+        out = {"run": deps.missing_for_run(build_config(overrides=["train.fp8=true", "train.loss=fused"]))}
+        from flopwise.model.hf import hf_config
+        for name, call in (("load", lambda: deps.load("torchao.float8", "train.fp8=true")),
+                           ("hf", lambda: hf_config(ModelConfig()))):
+            try:
+                call()
+            except deps.MissingDependencyError as e:
+                out[name] = str(e)
+        print(json.dumps(out))
+    """, tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["run"] == ["train.fp8=true needs the torchao package: pip install torchao",
+                          "train.loss=fused needs the liger-kernel package: pip install liger-kernel"]
+    assert out["load"] == "train.fp8=true needs the torchao package: pip install torchao"
+    assert out["hf"] == ("a Hugging Face config (flopwise export --format hf) needs the transformers package: "
+                         "pip install transformers")
+    assert "\n" not in out["load"] and "\n" not in out["hf"]
+
+
+@pytest.mark.slow
+def test_the_command_line_prints_the_line_not_a_traceback(tmp_path):
+    r = run_with_missing(["torchao"], """
+        import sys
+        from flopwise.cli import main
+        sys.exit(main(["train", "train.fp8=true", "train.run_dir=run", "data.cache_dir=cache", "train.max_steps=2",
+                       "train.device=cpu"]))
+    """, tmp_path)
+    assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-3000:])
+    assert "flopwise train: train.fp8=true needs the torchao package: pip install torchao" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "run").exists()

@@ -14,8 +14,10 @@ from flopwise.plan.flops import (
     flops_per_token,
     flops_per_token_6n,
     forward_flops_per_token,
+    checkpointed_blocks,
     hardware_flops_per_token,
     param_counts,
+    recomputed_fraction,
 )
 
 
@@ -126,7 +128,16 @@ def test_flops_formula_values():
     assert flops_per_token_6n(cfg) == 6 * 134_515_008
     assert 3 * forward_flops_per_token(cfg, 2048) == flops_per_token(cfg, 2048)
     assert hardware_flops_per_token(cfg, 2048) == flops_per_token(cfg, 2048)
-    assert hardware_flops_per_token(cfg, 2048, activation_checkpointing=True) == 4 * forward_flops_per_token(cfg, 2048)
+    # every block recomputed: one more forward of the blocks less their down projection
+    # (torch's checkpoint stops before it: nothing needs its output); the LM head is outside them
+    head_fwd, down_fwd = 2 * cfg.vocab_size * cfg.d_model, 2 * 30 * cfg.d_model * cfg.ffn_hidden
+    assert hardware_flops_per_token(cfg, 2048, 1.0) == 4 * forward_flops_per_token(cfg, 2048) - head_fwd - down_fwd
+    assert hardware_flops_per_token(cfg, 2048, True) == hardware_flops_per_token(cfg, 2048, 1.0)
+    # selective, every 4th of 30 blocks: 0, 4, ..., 28 = 8 blocks recomputed
+    assert checkpointed_blocks(30, "selective", 4) == list(range(0, 30, 4))
+    assert recomputed_fraction(30, "selective", 4) == 8 / 30
+    per_block = (forward_flops_per_token(cfg, 2048) - head_fwd - down_fwd) // 30
+    assert hardware_flops_per_token(cfg, 2048, 8 / 30) == flops_per_token(cfg, 2048) + 8 * per_block
     # Qwen3: d_attn = 16 * 128 = 2048 here, but it follows head_dim, not d_model.
     q = tiny(arch="qwen3", qk_norm=True, head_dim=24)
     assert attention_flops_per_token(q, 10) == 12 * 2 * (4 * 24) * 10
@@ -184,3 +195,26 @@ def test_flop_counter_default_cpu_attention_kernel():
     total, _ = _counted_train_step(model, cfg, B, T, "default")
     matmul_part = 6 * param_counts(cfg)["matmul"] * B * T
     assert total in (matmul_part, flops_per_token(cfg, T) * B * T)
+
+
+@pytest.mark.parametrize("mode,k", [("full", 2), ("selective", 2), ("selective", 3)])
+@pytest.mark.parametrize("kind", ["swiglu", "gpt2"])
+def test_hardware_flops_match_the_flop_counter_with_recompute(mode, k, kind):
+    """Blocks wrapped in torch.utils.checkpoint (non-reentrant, as train/wrap.py does)
+    recompute their forward in backward: the counter sees exactly
+    recompute_flops_per_token per checkpointed block on top of the model FLOPs. (A mixture
+    of experts is left out: on CPU the counter does not see its grouped matmuls.)"""
+    from torch.utils.checkpoint import checkpoint
+
+    cfg = {"swiglu": tiny(n_layers=4),
+           "gpt2": tiny(n_layers=4, arch="gpt2", norm="layernorm", norm_bias=True, mlp="gelu", pos_emb="learned",
+                        n_kv_heads=4, attn_bias=True, mlp_bias=True)}[kind]
+    B, T = 2, 16
+    model = build_model(cfg, seed=0)
+    blocks = checkpointed_blocks(cfg.n_layers, mode, k)
+    for i in blocks:
+        block = model.layers[i]
+        block.forward = (lambda f: lambda x, *rest: checkpoint(f, x, *rest, use_reentrant=False))(block.forward)
+    total, _ = _counted_train_step(model, cfg, B, T, "math")
+    assert total // (B * T) == hardware_flops_per_token(cfg, T, recomputed_fraction(cfg.n_layers, mode, k))
+    assert total // (B * T) > flops_per_token(cfg, T)

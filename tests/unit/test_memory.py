@@ -40,7 +40,7 @@ from flopwise.plan.memory import (
     state_bytes,
 )
 from flopwise.train.optim import build_optimizer
-from flopwise.train.step import loss_sum
+from flopwise.model.loss import loss_sum
 
 ACT_TOL = 0.02
 PEAK_TOL = 0.02
@@ -89,7 +89,7 @@ def test_fp32_states_are_exact(name):
     assert all(s["step"].dim() == 0 for s in opt.state.values())
 
     n = param_counts(cfg)["total"]
-    settings = MemorySettings(precision="fp32")
+    settings = MemorySettings(precision="float32")
     st = state_bytes(n, settings)  # a raw parameter count: no step counters
     assert st["params"] == real_params
     assert st["grads"] == real_grads
@@ -104,7 +104,7 @@ def test_fp32_states_are_exact(name):
 
 def test_bf16_parameters_adamw_state_follows_param_dtype():
     """torch's AdamW allocates exp_avg/exp_avg_sq with zeros_like(param): bf16 for bf16
-    parameters. precision="bf16" without master weights models exactly that."""
+    parameters. precision="bf16-pure" without master weights models exactly that."""
     cfg = CONFIGS["gqa-tied"]
     model = build_model(cfg).to(torch.bfloat16)
     opt = build_optimizer(model, OptimConfig(), CPU)
@@ -116,25 +116,25 @@ def test_bf16_parameters_adamw_state_follows_param_dtype():
         "grads": sum(_nbytes(p.grad) for p in model.parameters()),
         "optimizer": sum(_nbytes(s[k]) for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq", "step")),
     }
-    est = estimate(cfg, 2, 16, MemorySettings(precision="bf16", master_weights=False))
+    est = estimate(cfg, 2, 16, MemorySettings(precision="bf16-pure", master_weights=False))
     assert {k: getattr(est, k) for k in real} == real
     assert est.master == 0
     # a mixed-precision optimizer (fp32 master + fp32 moments) is 16 bytes/param, not 8
     n = param_counts(cfg)["total"]
-    assert sum(state_bytes(n, MemorySettings(precision="bf16")).values()) == 16 * n
-    assert sum(state_bytes(n, MemorySettings(precision="bf16", master_weights=False)).values()) == 8 * n
-    assert state_bytes(n, MemorySettings(precision="bf16", master_weights=False, optimizer_dtype="fp32"))[
+    assert sum(state_bytes(n, MemorySettings(precision="bf16-pure")).values()) == 16 * n
+    assert sum(state_bytes(n, MemorySettings(precision="bf16-pure", master_weights=False)).values()) == 8 * n
+    assert state_bytes(n, MemorySettings(precision="bf16-pure", master_weights=False, optimizer_dtype="fp32"))[
         "optimizer"] == 8 * n
 
 
 def test_sharding_divides_the_right_terms():
     n = 1_000_003  # not divisible: sharded terms round up
-    one = state_bytes(n, MemorySettings(precision="bf16"))
+    one = state_bytes(n, MemorySettings(precision="bf16-pure"))
     assert one == {"params": 2 * n, "grads": 2 * n, "optimizer": 8 * n, "master": 4 * n}
-    assert state_bytes(n, MemorySettings(precision="bf16", strategy="ddp", n_gpus=8)) == one
-    z = state_bytes(n, MemorySettings(precision="bf16", strategy="zero1", n_gpus=8))
+    assert state_bytes(n, MemorySettings(precision="bf16-pure", strategy="ddp", n_gpus=8)) == one
+    z = state_bytes(n, MemorySettings(precision="bf16-pure", strategy="zero1", n_gpus=8))
     assert z == {"params": 2 * n, "grads": 2 * n, "optimizer": -(-8 * n // 8), "master": -(-4 * n // 8)}
-    f = state_bytes(n, MemorySettings(precision="bf16", strategy="fsdp", n_gpus=8))
+    f = state_bytes(n, MemorySettings(precision="bf16-pure", strategy="fsdp2", n_gpus=8))
     assert f == {k: -(-v // 8) for k, v in one.items()}
     # DDP without gradient_as_bucket_view keeps a second copy of the gradients in its buckets
     nb = state_bytes(n, MemorySettings(strategy="ddp", n_gpus=2, ddp_bucket_view=False))
@@ -142,7 +142,7 @@ def test_sharding_divides_the_right_terms():
 
     cfg = tiny(n_layers=4)
     single = estimate(cfg, 4, 64, MemorySettings())
-    fsdp = estimate(cfg, 4, 64, MemorySettings(strategy="fsdp", n_gpus=4))
+    fsdp = estimate(cfg, 4, 64, MemorySettings(strategy="fsdp2", n_gpus=4))
     assert fsdp.params == -(-single.params // 4) and fsdp.fsdp_buffers > 0
     assert fsdp.weight_copies == 0  # gathered weights are already bf16 (MixedPrecisionPolicy)
     assert estimate(cfg, 4, 64, MemorySettings(strategy="ddp", n_gpus=4)).total == single.total
@@ -151,7 +151,7 @@ def test_sharding_divides_the_right_terms():
 def test_well_known_figure_16_bytes_per_param():
     """1.2B parameters, bf16 autocast + fp32 AdamW: 4 (param) + 4 (grad) + 8 (m, v) = 16 bytes
     per parameter = 19.2e9 bytes = 17.9 GiB of states, before any activation."""
-    st = state_bytes(1_200_000_000, MemorySettings(precision="bf16-amp"))
+    st = state_bytes(1_200_000_000, MemorySettings(precision="bf16"))
     assert sum(st.values()) == 16 * 1_200_000_000
     assert sum(st.values()) / GIB == pytest.approx(17.88, abs=0.01)
     # ZeRO-1 on 8 GPUs: 4 + 4 + 8/8 = 9 bytes/param
@@ -161,7 +161,7 @@ def test_well_known_figure_16_bytes_per_param():
 
 # --------------------------------------------------------------------------- activations: measured
 
-def _saved_bytes(model, cfg, B, T, amp=False, math=False) -> int:
+def _saved_bytes(model, cfg, B, T, amp=False, math=False, dtype=torch.bfloat16) -> int:
     """Bytes of every storage autograd saves in forward + loss, plus the logits the caller
     holds (train/step.py keeps them until backward ends); parameters and buffers excluded."""
     skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
@@ -177,7 +177,7 @@ def _saved_bytes(model, cfg, B, T, amp=False, math=False) -> int:
     idx = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
     y = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
     kernel = sdpa_kernel(SDPBackend.MATH) if math else contextlib.nullcontext()
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if amp else contextlib.nullcontext()
+    autocast = torch.autocast("cpu", dtype=dtype) if amp else contextlib.nullcontext()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), kernel:
         with autocast:
             logits = model(idx)
@@ -186,10 +186,12 @@ def _saved_bytes(model, cfg, B, T, amp=False, math=False) -> int:
     return sum(seen.values())
 
 
-def _checkpoint_blocks(model) -> None:
-    """torch.utils.checkpoint around each block (non-reentrant), as issue 6 will add."""
-    for block in model.layers:
-        block.forward = (lambda f: lambda x, *rest: checkpoint(f, x, *rest, use_reentrant=False))(block.forward)
+def _checkpoint_blocks(model, blocks=None) -> None:
+    """torch.utils.checkpoint (non-reentrant, as train/wrap.py) around each block, or the
+    given ones (flopwise.plan.flops.checkpointed_blocks: what train.activation_checkpointing picks)."""
+    for i, block in enumerate(model.layers):
+        if blocks is None or i in blocks:
+            block.forward = (lambda f: lambda x, *rest: checkpoint(f, x, *rest, use_reentrant=False))(block.forward)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -198,7 +200,7 @@ def test_saved_activations_match_the_model(name, mode):
     cfg = CONFIGS[name]
     model = build_model(cfg)
     amp, math = mode.startswith("amp"), mode.endswith("eager")
-    settings = MemorySettings(precision="bf16-amp" if amp else "fp32", attention="eager" if math else "sdpa")
+    settings = MemorySettings(precision="bf16" if amp else "float32", attention="eager" if math else "sdpa")
     for B, T in ((2, 32), (3, 96)):
         real = _saved_bytes(model, cfg, B, T, amp=amp, math=math)
         est = estimate(cfg, B, T, settings)
@@ -208,12 +210,27 @@ def test_saved_activations_match_the_model(name, mode):
 
 
 @pytest.mark.parametrize("math", [False, True])
+def test_fp16_autocast_is_modelled_as_fp16_not_float32(math):
+    """train.precision=fp16 is float16 autocast over fp32 weights: 2-byte activations and
+    weight copies like bf16 autocast, fp32 parameters, gradients and AdamW state."""
+    cfg = CONFIGS["mqa-qknorm"]
+    model = build_model(cfg)
+    est = estimate(cfg, 2, 64, MemorySettings(precision="fp16", attention="eager" if math else "sdpa"))
+    real = _saved_bytes(model, cfg, 2, 64, amp=True, math=math, dtype=torch.float16)
+    assert est.activations + est.logits + est.weight_copies == pytest.approx(real, rel=ACT_TOL)
+    bf16 = estimate(cfg, 2, 64, MemorySettings(precision="bf16", attention="eager" if math else "sdpa"))
+    fp32 = estimate(cfg, 2, 64, MemorySettings(precision="float32", attention="eager" if math else "sdpa"))
+    assert est.total == bf16.total < fp32.total
+    assert (est.params, est.grads, est.optimizer) == (fp32.params, fp32.grads, fp32.optimizer)
+
+
+@pytest.mark.parametrize("math", [False, True])
 def test_pure_bf16_saved_activations(math):
     cfg = CONFIGS["qknorm-headdim"]
     model = build_model(cfg).to(torch.bfloat16)
     model.reset_rope()  # the trainer keeps RoPE tables in float32
     real = _saved_bytes(model, cfg, 2, 64, math=math)
-    est = estimate(cfg, 2, 64, MemorySettings(precision="bf16", attention="eager" if math else "sdpa"))
+    est = estimate(cfg, 2, 64, MemorySettings(precision="bf16-pure", attention="eager" if math else "sdpa"))
     assert est.weight_copies == 0
     assert est.activations + est.logits == pytest.approx(real, rel=ACT_TOL)
 
@@ -225,7 +242,7 @@ def test_checkpointed_saved_activations(amp):
     cfg = tiny(n_layers=3)
     model = build_model(cfg)
     _checkpoint_blocks(model)
-    settings = MemorySettings(precision="bf16-amp" if amp else "fp32", activation_checkpointing="full")
+    settings = MemorySettings(precision="bf16" if amp else "float32", activation_checkpointing="full")
     for B, T in ((2, 32), (2, 128)):
         real = _saved_bytes(model, cfg, B, T, amp=amp)
         est = estimate(cfg, B, T, settings)
@@ -235,10 +252,36 @@ def test_checkpointed_saved_activations(amp):
         assert est.activations < full.activations
 
 
+@pytest.mark.parametrize("amp", [False, True])
+@pytest.mark.parametrize("every", [2, 3])
+def test_selective_checkpointing_saved_activations(amp, every):
+    """Selective: blocks 0, k, 2k, ... keep only their input, the others everything (and,
+    under autocast, their weight copies); the model adds one recomputed block."""
+    from flopwise.plan.flops import checkpointed_blocks
+
+    cfg = tiny(n_layers=4)
+    blocks = checkpointed_blocks(cfg.n_layers, "selective", every)
+    model = build_model(cfg)
+    _checkpoint_blocks(model, blocks)
+    settings = MemorySettings(precision="bf16" if amp else "float32", activation_checkpointing="selective",
+                              activation_checkpointing_every=every)
+    counts = param_counts(cfg)
+    block_copies = 2 * (counts["attention"] + counts["mlp"]) // cfg.n_layers if amp else 0
+    for B, T in ((2, 32), (2, 128)):
+        real = _saved_bytes(model, cfg, B, T, amp=amp)
+        est = estimate(cfg, B, T, settings)
+        # saved in forward: all but the recomputed block's activations and weight copies
+        predicted = est.activations - est.per_layer + est.logits + est.weight_copies - block_copies
+        assert predicted == pytest.approx(real, rel=ACT_TOL)
+        none = estimate(cfg, B, T, MemorySettings(precision=settings.precision))
+        full = estimate(cfg, B, T, MemorySettings(precision=settings.precision, activation_checkpointing="full"))
+        assert full.activations < est.activations < none.activations
+
+
 def test_per_layer_terms_by_hand():
     """One block, fp32, sdpa, D=64, H=4, KV=2, hd=16, F=160, B*T=64 tokens."""
     cfg = tiny()
-    t = estimate(cfg, 2, 32, MemorySettings(precision="fp32")).per_layer_terms
+    t = estimate(cfg, 2, 32, MemorySettings(precision="float32")).per_layer_terms
     N = 64
     assert t["attn_norm"] == t["mlp_norm"] == N * (4 * 64 + 4 + 4 * 64 + 4 * 64)  # x, rstd, y, linear input
     assert t["qkv"] == N * 4 * (64 + 2 * 32)
@@ -246,17 +289,19 @@ def test_per_layer_terms_by_hand():
     assert t["attn_out"] == N * 4 * 64
     assert t["logsumexp"] == N * 4 * 4
     assert t["swiglu"] == N * 4 * 4 * 160
-    eager = estimate(cfg, 2, 32, MemorySettings(precision="fp32", attention="eager")).per_layer_terms
+    eager = estimate(cfg, 2, 32, MemorySettings(precision="float32", attention="eager")).per_layer_terms
     assert eager["probs"] == 2 * 4 * 32 * 32 * 4  # (B, H, T, T) float32
 
 
 # --------------------------------------------------------------------------- peak of a whole step
 
-def _peak_bytes(cfg, B, T, amp=False, math=False, ckpt=False) -> int:
+def _peak_bytes(cfg, B, T, amp=False, math=False, ckpt="none") -> int:
+    from flopwise.plan.flops import checkpointed_blocks
+
     mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
     model = build_model(cfg)
-    if ckpt:
-        _checkpoint_blocks(model)
+    if ckpt != "none":
+        _checkpoint_blocks(model, checkpointed_blocks(cfg.n_layers, ckpt, 2))
     opt = build_optimizer(model, OptimConfig(), CPU)
     idx = torch.randint(0, cfg.vocab_size, (B, T))
     y = torch.randint(0, cfg.vocab_size, (B, T))
@@ -281,18 +326,18 @@ def _peak_bytes(cfg, B, T, amp=False, math=False, ckpt=False) -> int:
 
 
 @pytest.mark.parametrize("mode", ["fp32-sdpa", "amp-sdpa", "amp-eager"])
-@pytest.mark.parametrize("ckpt", [False, True])
+@pytest.mark.parametrize("ckpt", ["none", "full", "selective"])
 def test_total_matches_the_measured_peak(mode, ckpt):
     cfg = tiny(vocab_size=1024, qk_norm=True, arch="qwen3")
     amp, math = mode.startswith("amp"), mode.endswith("eager")
     B, T = 2, 128
     real = _peak_bytes(cfg, B, T, amp=amp, math=math, ckpt=ckpt)
-    est = estimate(cfg, B, T, MemorySettings(precision="bf16-amp" if amp else "fp32",
+    est = estimate(cfg, B, T, MemorySettings(precision="bf16" if amp else "float32",
                                              attention="eager" if math else "sdpa",
-                                             activation_checkpointing="full" if ckpt else "none"))
-    tol = CKPT_PEAK_TOL if ckpt else PEAK_TOL
+                                             activation_checkpointing=ckpt))
+    tol = CKPT_PEAK_TOL if ckpt != "none" else PEAK_TOL
     assert est.total == pytest.approx(real, rel=tol)
-    if ckpt:
+    if ckpt != "none":
         assert est.total >= real * (1 - 0.05)  # an upper bound, or nearly
 
 
@@ -300,7 +345,7 @@ def test_total_matches_the_measured_peak(mode, ckpt):
 
 def test_max_micro_batch_respects_headroom_and_is_monotone():
     cfg = tiny()
-    s = MemorySettings(precision="fp32")
+    s = MemorySettings(precision="float32")
     one = estimate(cfg, 1, 128, s).total
     assert max_micro_batch(cfg, 128, int(one / 0.9) - 1000, s) == 0  # nothing fits
     mem = 64 * 2**20
@@ -312,14 +357,14 @@ def test_max_micro_batch_respects_headroom_and_is_monotone():
     assert results == sorted(results)
     assert max_micro_batch(cfg, 128, 2**40, s, limit=64) == 64  # capped by limit
     # checkpointing lets a larger micro-batch fit
-    assert max_micro_batch(cfg, 128, mem, MemorySettings(precision="fp32", activation_checkpointing="full")) > b
+    assert max_micro_batch(cfg, 128, mem, MemorySettings(precision="float32", activation_checkpointing="full")) > b
 
 
 def test_max_micro_batch_hand_computed():
     """Totals are affine in the micro-batch: fixed + B * per_sequence, so the answer is
     floor((headroom * memory - fixed) / per_sequence)."""
     cfg = tiny()
-    s = MemorySettings(precision="fp32")
+    s = MemorySettings(precision="float32")
     e1, e2 = estimate(cfg, 1, 64, s).total, estimate(cfg, 2, 64, s).total
     per_seq = e2 - e1
     fixed = e1 - per_seq
@@ -346,7 +391,7 @@ def test_smollm_360m_at_2048_on_80_gib():
 
 def test_settings_are_validated():
     with pytest.raises(ValueError, match="precision"):
-        estimate(tiny(), 1, 16, MemorySettings(precision="fp16"))
+        estimate(tiny(), 1, 16, MemorySettings(precision="fp8"))
     with pytest.raises(ValueError, match="strategy"):
         state_bytes(10, MemorySettings(strategy="zero3"))
 

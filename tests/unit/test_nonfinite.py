@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from flopwise.config import build_config
-from flopwise.train import trainer as trainer_module
-from flopwise.train.checkpoint import latest_checkpoint
+from flopwise.train import setup as trainer_module  # where the run builds its model
+from flopwise.checkpoints import latest_checkpoint
 from flopwise.train.stopping import NonFiniteError, NonFiniteGuard
 from flopwise.train.trainer import train
 

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from flopwise.config import ModelConfig, OptimConfig
 from flopwise.model import build_model
 from flopwise.train import optim
-from flopwise.train.optim import (CombinedOptimizer, FallbackMuon, build_optimizer, describe_optimizer, lr_at,
+from flopwise.train.schedule import lr_at
+from flopwise.train.optim import (CombinedOptimizer, FallbackMuon, build_optimizer, describe_optimizer,
                                   make_muon, muon_class, muon_lr_scale, muon_split, newton_schulz, param_groups,
                                   set_lr, set_lr_factor)
 

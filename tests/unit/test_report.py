@@ -110,6 +110,7 @@ def comparison_cells(html):
     return out
 
 
+@pytest.mark.slow
 def test_report_of_two_synthetic_runs(two_runs, tmp_path):
     out = build_report(two_runs, out=tmp_path / "cmp.html")
     assert out == tmp_path / "cmp.html"
@@ -217,6 +218,7 @@ def test_preflight_assumptions_are_never_shown_as_measurements(tmp_path):
     assert "40.0%" not in row.split('data-col="preflight"')[1]
 
 
+@pytest.mark.slow
 def test_png_figures_with_matplotlib(two_runs, tmp_path):
     pytest.importorskip("matplotlib")
     out = build_report(two_runs[:1])  # default place: <first run>/report.html

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from flopwise.config import OptimConfig
-from flopwise.train.optim import lr_at
+from flopwise.train.schedule import lr_at
 from flopwise.train.schedule import (accum_at, decay_curve, lr_factor, ramp_plan, time_progress,
                                      wsd_decay_start)
 

@@ -57,6 +57,7 @@ def test_checkpointing_saves_less_for_backward(saved_bytes):
 
 
 @pytest.mark.parametrize("how", ["model", "blocks"])
+@pytest.mark.slow
 def test_compiled_and_eager_give_the_same_loss_and_gradients(how):
     cfg = build_config(overrides=[f"train.compile={how}"])
     ref = build_model(tiny(), seed=3)
@@ -184,9 +185,9 @@ def test_memory_model_of_the_chunked_loss_matches_what_autograd_saves(saved_byte
     hidden = model.forward_hidden(x)
     saved = saved_bytes(lambda: linear_cross_entropy(hidden.flatten(0, 1), model.head_weight, y.flatten(),
                                                      impl="chunked", chunk_tokens=64, grads_in_forward=True))
-    predicted = _logits_bytes(cfg, 4, 32, MemorySettings(precision="fp32", loss="chunked"))
+    predicted = _logits_bytes(cfg, 4, 32, MemorySettings(precision="float32", loss="chunked"))
     targets = 4 * 32 * 8  # int64 targets, counted by the model, not seen as a saved tensor
     assert saved == predicted - targets
-    plain = estimate(cfg, 4, 32, MemorySettings(precision="fp32"))
-    chunked = estimate(cfg, 4, 32, MemorySettings(precision="fp32", loss="chunked", loss_chunk_tokens=64))
+    plain = estimate(cfg, 4, 32, MemorySettings(precision="float32"))
+    chunked = estimate(cfg, 4, 32, MemorySettings(precision="float32", loss="chunked", loss_chunk_tokens=64))
     assert chunked.logits < plain.logits and chunked.transient < plain.transient

@@ -6,6 +6,8 @@ Text becomes a *data directory* (``tokenizer.json``, ``meta.json``,
 a fixed validation subset.
 """
 
+import importlib
+
 # Names are imported on first use (PEP 562): tokenizer worker processes import
 # flopwise.data.prepare and must not pay for torch, which only the loader needs.
 _EXPORTS = {
@@ -24,7 +26,5 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        import importlib
-
         return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

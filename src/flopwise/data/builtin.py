@@ -13,8 +13,8 @@ Recipe (any change to it must bump ``RECIPE_VERSION``):
   ``max_mb`` * 10^6 bytes (at least two files), then split.
 - split by file: a file is ``val`` when ``crc32(relative path) % 100 < VAL_PERCENT``
   (~4.5% of the text, ~390k tokens at full size). Both splits are kept non-empty.
-- tokenizer: byte-level BPE trained on the train split only (~4 s for the full corpus
-  on 2 cores), ``<|endoftext|>`` after every document.
+- tokenizer: byte-level BPE trained on the train split only (seconds for the full
+  corpus; docs/data.md shows a real run), ``<|endoftext|>`` after every document.
 
 The output directory is ``<cache_dir>/builtin-<fingerprint[:12]>``, where the
 fingerprint hashes every input (Python version, each file's path, size and content
@@ -46,14 +46,14 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import tokenizers
 
 from ..fsio import atomic_write, fsync_dir, umask
+from .meta import write_meta
 from .shards import FORMAT_VERSION, ShardError, SplitWriter, dtype_for_vocab, read_header
-from .tokenizer import encode_documents, eos_id, file_sha256, train_bpe
+from .tokenizer import encode_documents, eos_id, train_bpe
 
 RECIPE_VERSION = 1
 VAL_PERCENT = 5
@@ -156,7 +156,8 @@ def fingerprint(files: list[SourceFile], vocab_size: int, max_mb: float) -> str:
     return h.hexdigest()
 
 
-def _read_text(f: SourceFile) -> str:
+def read_text(f: SourceFile) -> str:
+    """A source file's text, one document (undecodable bytes replaced)."""
     return f.path.read_bytes().decode("utf-8", errors="replace")
 
 
@@ -183,7 +184,7 @@ def _batches(files: list[SourceFile]) -> Iterator[list[str]]:
     batch: list[str] = []
     chars = 0
     for f in files:
-        text = _read_text(f)
+        text = read_text(f)
         if batch and (len(batch) >= ENCODE_BATCH_DOCS or chars + len(text) > ENCODE_BATCH_CHARS):
             yield batch
             batch, chars = [], 0
@@ -271,7 +272,7 @@ def _build(files: list[SourceFile], fp: str, out: Path, vocab_size: int, max_mb:
     tmp = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".builtin-{fp[:12]}.tmp-"))
     try:
         t = time.perf_counter()
-        tok = train_bpe((_read_text(f) for f in train_files), vocab_size)
+        tok = train_bpe((read_text(f) for f in train_files), vocab_size)
         atomic_write(tmp / "tokenizer.json", tok.to_str(pretty=True))  # the bytes tok.save() writes
         real_vocab = tok.get_vocab_size()
         eos = eos_id(tok)
@@ -286,26 +287,10 @@ def _build(files: list[SourceFile], fp: str, out: Path, vocab_size: int, max_mb:
                 f"{len(splits[split]['shards'])} shard(s) in {time.perf_counter() - t:.1f}s"
             )
 
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "source": f"builtin:python-stdlib-{sys.version.split()[0]}",
-            "tokenizer": "tokenizer.json",
-            "tokenizer_sha256": file_sha256(tmp / "tokenizer.json"),
-            "vocab_size": real_vocab,
-            "dtype": dtype_for_vocab(real_vocab).name,
-            "eos_id": eos,
-            "splits": splits,
-            "fingerprint": fp,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "recipe": {
-                "version": RECIPE_VERSION,
-                "val_percent": VAL_PERCENT,
-                "max_mb": max_mb,
-                "requested_vocab_size": vocab_size,
-                "source_bytes": nbytes,
-            },
-        }
-        atomic_write(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
+        write_meta(tmp, source=f"builtin:python-stdlib-{sys.version.split()[0]}", vocab_size=real_vocab,
+                   eos_id=eos, bos_id=None, splits=splits, fingerprint=fp,
+                   recipe={"version": RECIPE_VERSION, "val_percent": VAL_PERCENT, "max_mb": max_mb,
+                           "requested_vocab_size": vocab_size, "source_bytes": nbytes})
         os.chmod(tmp, 0o777 & ~umask())  # mkdtemp makes 0700; give the usual mode
         _publish(tmp, out, fp)
     except BaseException:

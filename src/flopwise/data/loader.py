@@ -39,10 +39,10 @@ while the caller computes on the current one (numpy releases the GIL for large c
 torch releases it in its kernels); on CUDA the thread also issues the host-to-device copy
 on a side stream, and ``next_batch`` makes the caller's stream wait for it (a CUDA event)
 and keeps the pinned buffer alive until that copy has completed.  Prefetch is **off by
-default**: measured on a 2-core CPU (``benchmarks/loader.py``), waiting for a batch is
-about 0.1% of a tiny-preset step without it (0.4 ms of 330 ms at seq 128 x 16) and no
-measurably less with it, while the hand-off to the thread halves batch assembly
-throughput (and the thread competes with torch's compute threads for the same cores).
+default**: on a CPU (``benchmarks/loader.py``; the figures are in docs/benchmarks.md#loader)
+waiting for a batch is a fraction of a percent of a tiny-preset step without it and no
+measurably less with it, while the hand-off to the thread slows batch assembly down
+(and the thread competes with torch's compute threads for the same cores).
 It is there for GPU runs whose steps are short enough for batch assembly to show.
 """
 

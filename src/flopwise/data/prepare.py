@@ -72,15 +72,15 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from ..deps import missing_for_source
-from ..fsio import DirLock, LockedError, atomic_write, describe_write_error, fsync_dir, is_disk_full
+from ..fsio import DirLock, LockedError, describe_write_error, fsync_dir, is_disk_full
 from .datadir import DataDir
+from .meta import TOKENIZER_FILE, write_meta, write_text
 from .shards import FORMAT_VERSION, SplitWriter, dtype_for_vocab
 from .sources import open_source
 from .tokenizer import encode_documents, file_sha256, load_tokenizer, special_ids, train_bpe
@@ -415,7 +415,7 @@ class Progress:
         self.tokens = 0
         self.bar = None
         if sys.stderr.isatty():
-            from tqdm import tqdm
+            from tqdm import tqdm  # lazy: only a terminal shows the bar; tokenizer workers never need it
 
             self.bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, dynamic_ncols=True, smoothing=0.1)
 
@@ -536,7 +536,7 @@ def _prepare_locked(opts: PrepareOptions, out: Path, source, fp: str, log: Log, 
                                f"(looked for {', '.join(specials['eos_candidates'])})")
         vocab = tok.get_vocab_size()
         dtype = dtype_for_vocab(vocab)
-        _write_text(partial / "tokenizer.json", tok.to_str(pretty=True))  # the bytes tok.save() writes
+        write_text(partial / TOKENIZER_FILE, tok.to_str(pretty=True))  # the bytes tok.save() writes
 
         targets, weights = opts.targets(), opts.weights()
         budget = sum(v for v in targets.values() if v) if opts.train_tokens else None
@@ -594,32 +594,18 @@ def _prepare_locked(opts: PrepareOptions, out: Path, source, fp: str, log: Log, 
                  for s in SPLITS if targets[s] and splits.get(s, {}).get("tokens", 0) < targets[s]]
         if short:
             log("prepare: WARNING: the source ran out before the budget: " + "; ".join(short))
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "source": source.description,
-            "tokenizer": "tokenizer.json",
-            "tokenizer_sha256": file_sha256(partial / "tokenizer.json"),
-            "vocab_size": vocab,
-            "dtype": dtype.name,
-            "eos_id": eos,
-            "bos_id": bos,
-            "splits": splits,
-            "documents": sum(info["documents"] for info in splits.values()),  # each counted once
-            "fingerprint": fp,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "recipe": {
-                "version": RECIPE_VERSION,
-                "requested": {s: targets[s] for s in SPLITS},
-                "val_fraction": opts.val_fraction,
-                "tokens_per_document": per_doc,
-                "documents_cut_at_budget": router.cut_documents,
-                "shard_tokens": opts.shard_tokens,
-                "text_field": opts.text_field,
-                "shuffle_buffer": opts.shuffle_buffer,
-                "seed": opts.seed,
-            },
-        }
-        _write_text(partial / "meta.json", json.dumps(meta, indent=2) + "\n")
+        write_meta(partial, source=source.description, vocab_size=vocab, eos_id=eos, bos_id=bos, splits=splits,
+                   fingerprint=fp, recipe={
+                       "version": RECIPE_VERSION,
+                       "requested": {s: targets[s] for s in SPLITS},
+                       "val_fraction": opts.val_fraction,
+                       "tokens_per_document": per_doc,
+                       "documents_cut_at_budget": router.cut_documents,
+                       "shard_tokens": opts.shard_tokens,
+                       "text_field": opts.text_field,
+                       "shuffle_buffer": opts.shuffle_buffer,
+                       "seed": opts.seed,
+                   })
         _publish(partial, out)
     except BaseException as e:
         for w in writers.values():
@@ -645,14 +631,6 @@ def _prepare_locked(opts: PrepareOptions, out: Path, source, fp: str, log: Log, 
             f"{len(info['shards'])} shard(s)")
     log(f"  {out} ({total * dtype.itemsize / 1e6:,.1f} MB of {dtype.name} tokens)")
     return out
-
-
-def _write_text(path: Path, text: str) -> None:
-    """``atomic_write``, its errors naming ``path`` (not the temporary file beside it)."""
-    try:
-        atomic_write(path, text)
-    except OSError as e:
-        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
 
 
 def _publish(partial: Path, out: Path) -> None:

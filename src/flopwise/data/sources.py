@@ -227,7 +227,7 @@ def _open_builtin() -> Source:
 
     def documents() -> Iterator[str]:
         for f in files:
-            text = builtin._read_text(f)
+            text = builtin.read_text(f)
             if text:
                 yield text
 
@@ -572,7 +572,7 @@ def iter_json_array(f: _File, text_field: str = "text") -> Iterator[tuple[int, A
 
 def _parquet_documents(f: _File, text_field: str, check_only: bool = False) -> Iterator[str]:
     _require("pyarrow", "pyarrow", f"{f.path}: reading .parquet files")
-    import pyarrow as pa
+    import pyarrow as pa  # lazy: pyarrow is optional ([data]), parquet only
     import pyarrow.parquet as pq
 
     try:

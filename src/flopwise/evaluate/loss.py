@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from flopwise.data.loader import document_ids
-from flopwise.train.step import loss_sum
+from flopwise.model.loss import loss_sum
 
 
 @torch.no_grad()

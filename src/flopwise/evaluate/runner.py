@@ -28,13 +28,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer
 
+from flopwise.checkpoints import latest_checkpoint, list_checkpoints
 from flopwise.config import DataConfig, RunConfig, load_run_config
 from flopwise.data.datadir import DataDir, check_cache_path, open_data_dir
 from flopwise.data.loader import fixed_windows
 from flopwise.evaluate.loss import bits_per_byte, evaluate_loss, perplexity, target_bytes
+from flopwise.evaluate.tasks import evaluate_tasks
 from flopwise.model.io import EXPORT_RECORD, ModelSource, load_model, read_export_record, resolve
-from flopwise.train.checkpoint import latest_checkpoint, list_checkpoints
 
 Log = Callable[[str], None]
 EVALS_FILE = "evals.jsonl"
@@ -94,12 +96,8 @@ def evaluate(path: str | os.PathLike, data: str = "", tasks: list[str] | None = 
     elif not tasks and not said:
         log("  val        skipped: no data directory (give --data DIR)")
     if tasks:
-        from flopwise.evaluate.tasks import evaluate_tasks
-
         if src.tokenizer_path is None:
             raise ValueError(f"{path}: no tokenizer.json to score the tasks with")
-        from tokenizers import Tokenizer
-
         tok = Tokenizer.from_file(str(src.tokenizer_path))
         results = evaluate_tasks(model, tok, tasks, paths=task_paths, limit=limit, device=dev,
                                  batch_size=batch_size, autocast=autocast)

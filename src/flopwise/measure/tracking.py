@@ -13,6 +13,7 @@ for explicitly whose package is missing is refused with the install command
 from __future__ import annotations
 
 import math
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ def flatten(row: dict[str, Any], prefix: str = "") -> dict[str, float]:
 
 class TensorBoardSink:
     def __init__(self, log_dir: Path):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard is optional ([track])
 
         self.writer = SummaryWriter(str(log_dir))
 
@@ -50,7 +51,7 @@ class TensorBoardSink:
 
 class WandbSink:
     def __init__(self, run_dir: Path, project: str, mode: str, config: dict[str, Any], name: str):
-        import wandb
+        import wandb  # lazy: wandb is optional
 
         self.run = wandb.init(project=project, mode=mode, dir=str(run_dir), config=config, name=name,
                               resume="allow", id=_wandb_id(run_dir))
@@ -69,8 +70,6 @@ def _wandb_id(run_dir: Path) -> str:
     f = run_dir / "wandb-id.txt"
     if f.is_file():
         return f.read_text().strip()
-    import uuid
-
     rid = uuid.uuid4().hex[:12]
     f.write_text(rid + "\n")
     return rid

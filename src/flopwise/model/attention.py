@@ -27,7 +27,12 @@ block mask; on CUDA flex compiles itself on first use).
 ``doc_ids`` (B, T), integer: token i attends token j iff j <= i and both carry the same id
 in that row (packed pretraining, see ``flopwise.data.loader.document_ids``). Ids are
 expected to form contiguous runs (as packing produces); the flash varlen path *requires*
-it, since it cuts the flattened batch into runs.
+it, since it cuts the flattened batch into runs. For flash they are cut once per forward
+(:func:`doc_spans`, a :class:`DocSpans` every layer reads), never inside a compiled graph:
+cutting reads the host (``nonzero``) and its length is the number of documents. A compiled
+training step gets them from ``train/step.py``'s loss function, cut before the graph with
+``T`` as the bound on a document's length and the length marked dynamic: one graph, no
+break, one host read per micro-batch, no recompile when the number of documents changes.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import importlib.util
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -147,14 +152,9 @@ def cu_seqlens_from_doc_ids(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     flattened batch, then B*T) and ``max_seqlen`` (python int, the longest document).
     A document is a maximal run of equal ids within one row; a row boundary always cuts,
     even if the id continues (each row is its own sequence). ``max_seqlen`` costs one
-    device->host sync, hence the per-``doc_ids`` memo in ``attention``.
+    device->host sync, hence once per forward (:func:`doc_spans`).
     """
-    B, T = doc_ids.shape
-    starts = torch.ones(B, T, dtype=torch.bool, device=doc_ids.device)  # (B, T) position 0 starts a doc
-    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    offsets = starts.reshape(-1).nonzero().squeeze(1)  # (N,) start of each document
-    end = torch.tensor([B * T], dtype=offsets.dtype, device=offsets.device)
-    cu_seqlens = torch.cat([offsets, end]).to(torch.int32)  # (N+1,)
+    cu_seqlens = _doc_starts(doc_ids)
     max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max().item())
     return cu_seqlens, max_seqlen
 
@@ -318,13 +318,47 @@ def _flash_kernels(device: torch.device) -> _FlashKernels:
     return found
 
 
+def _doc_starts(doc_ids: torch.Tensor) -> torch.Tensor:
+    """cu_seqlens without the host read: the (N+1,) int32 offsets of :func:`cu_seqlens_from_doc_ids`."""
+    B, T = doc_ids.shape
+    starts = torch.ones(B, T, dtype=torch.bool, device=doc_ids.device)  # (B, T) position 0 starts a doc
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    offsets = starts.reshape(-1).nonzero().squeeze(1)  # (N,) start of each document
+    end = torch.tensor([B * T], dtype=offsets.dtype, device=offsets.device)
+    return torch.cat([offsets, end]).to(torch.int32)  # (N+1,)
+
+
+class DocSpans(NamedTuple):
+    """A packed batch's documents for flash-attn's varlen kernel, cut once per forward."""
+
+    ids: torch.Tensor  # (B, T) the document ids
+    cu_seqlens: torch.Tensor  # (N+1,) int32: where each document starts in the flattened batch, then B*T
+    max_seqlen: int  # the longest document, or an upper bound on it (T)
+
+
+def doc_spans(doc_ids: torch.Tensor, bound: int | None = None) -> DocSpans:
+    """:class:`DocSpans` of ``doc_ids`` (B, T), cut eagerly. ``bound`` (e.g. T) in place of the
+    longest document's length, for a compiled graph that should not specialise on it; the
+    length of ``cu_seqlens`` (the number of documents) is then marked dynamic for the same reason."""
+    if bound is None:
+        cu_seqlens, max_seqlen = cu_seqlens_from_doc_ids(doc_ids)
+        return DocSpans(doc_ids, cu_seqlens, max_seqlen)
+    import torch._dynamo  # lazy: ~1 s to import; only a compiled step with documents needs it
+
+    cu_seqlens = _doc_starts(doc_ids)
+    torch._dynamo.mark_dynamic(cu_seqlens, 0)
+    return DocSpans(doc_ids, cu_seqlens, bound)
+
+
 def _first(out):
     """Some FA3 releases return (out, softmax_lse) even when not asked to."""
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
-    """flash-attn wants time before heads, and reads grouped KV heads natively."""
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           doc_ids: torch.Tensor | DocSpans | None) -> torch.Tensor:
+    """flash-attn wants time before heads, and reads grouped KV heads natively. Documents:
+    the model's :class:`DocSpans` (a bare ``doc_ids`` tensor is cut here, memoised)."""
     kern = _flash_kernels(q.device)
     B, H, T, hd = q.shape
     KV = k.shape[1]
@@ -332,7 +366,11 @@ def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Ten
     if doc_ids is None:
         out = _first(kern.func(qt, kt, vt, causal=True))  # (B, T, H, hd)
     else:
-        cu_seqlens, max_seqlen = _DOC_MEMO.get(doc_ids, "cu_seqlens", lambda: cu_seqlens_from_doc_ids(doc_ids))
+        spans = (doc_ids if isinstance(doc_ids, DocSpans)
+                 else _DOC_MEMO.get(doc_ids, "spans", lambda: doc_spans(doc_ids)))
+        # (traced with a bare tensor -- compile=blocks, or the model compiled by hand -- this
+        # cuts in the graph: a break per layer. The trainer's compiled step passes DocSpans.)
+        cu_seqlens, max_seqlen = spans.cu_seqlens, spans.max_seqlen
         out = _first(kern.varlen_func(
             qt.reshape(B * T, H, hd), kt.reshape(B * T, KV, hd), vt.reshape(B * T, KV, hd),  # (B*T, H|KV, hd)
             cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True,
@@ -346,12 +384,13 @@ _KERNELS: dict[str, Callable] = {"flash": _flash, "sdpa": sdpa_attention, "flex"
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
-              doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+              doc_ids: torch.Tensor | DocSpans | None = None) -> torch.Tensor:
     """Causal attention, scale 1/sqrt(hd), with kernel ``backend`` (a concrete name, not "auto").
 
     q: (B, H, T, hd); k, v: (B, KV, T, hd) with H % KV == 0 (GQA/MQA: query head h reads KV
     head h // (H // KV)). ``doc_ids`` (B, T) integer: token i attends j only if j <= i and
-    doc_ids[b, i] == doc_ids[b, j]. Returns (B, H, T, hd) in q's dtype.
+    doc_ids[b, i] == doc_ids[b, j] (for flash, :class:`DocSpans` of them: :func:`doc_spans`).
+    Returns (B, H, T, hd) in q's dtype.
     """
     kernel = _KERNELS.get(backend)
     if kernel is None:
@@ -363,10 +402,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
         raise ValueError(f"k, v must be (B, KV, T, hd) = ({B}, KV, {T}, {hd}); got {tuple(k.shape)}, {tuple(v.shape)}")
     if H % k.shape[1] != 0:
         raise ValueError(f"query heads {H} not a multiple of key/value heads {k.shape[1]}")
-    if doc_ids is not None:
-        if tuple(doc_ids.shape) != (B, T):
-            raise ValueError(f"doc_ids must be (B, T) = ({B}, {T}); got {tuple(doc_ids.shape)}")
-        if doc_ids.device != q.device:
+    if isinstance(doc_ids, DocSpans) and backend != "flash":
+        doc_ids = doc_ids.ids  # spans are cut for flash's varlen kernel; the others read the ids
+    ids = doc_ids.ids if isinstance(doc_ids, DocSpans) else doc_ids
+    if ids is not None:
+        if tuple(ids.shape) != (B, T):
+            raise ValueError(f"doc_ids must be (B, T) = ({B}, {T}); got {tuple(ids.shape)}")
+        if ids.device != q.device and not isinstance(doc_ids, DocSpans):
             doc_ids = doc_ids.to(q.device)  # defeats the per-forward memo: pass doc_ids on q's device
     return kernel(q, k, v, doc_ids)
 
@@ -407,7 +449,7 @@ def _flex_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     CUDA: compiled through Triton, so Triton must import. Other devices: torch's flex has
     a forward there but (as of 2.13) refuses backward -- probed, with tensors that require
     grad, so a torch that adds it is picked up. The refusal happens before any compute;
-    a successful probe costs one tiny eager flex call (~1 s the first time), once.
+    a successful probe costs one tiny eager flex call (its first compile), once.
     """
     if _FLEX_IMPORT_ERROR is not None:
         return _FLEX_IMPORT_ERROR

@@ -35,16 +35,25 @@ GPT-2 stores its projections as ``Conv1D`` weights of shape (in, out), the trans
     norm                                   transformer.ln_f
 
 RoPE uses HF's rotate-half convention, so no row permutation is needed either way.
-``transformers`` is imported inside functions: only export/import and the parity tests need it.
+``transformers`` (a core dependency) is imported inside the functions that need it, not at
+the top: importing it costs seconds that reading a checkpoint does not need.
+
+A Hugging Face ``config.json`` becomes a ``ModelConfig`` here (:func:`config_from_hf`,
+:func:`read_hf_config`); ``flopwise.config.build_config`` receives :func:`read_hf_config`
+from its caller for ``model.hf_config`` (the config layer imports nothing from ``model``).
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from flopwise import deps
 from flopwise.config import ModelConfig, hf_mismatches
+from flopwise.model.moe import moe_from_hf, moe_to_hf
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt2")
 
@@ -79,9 +88,8 @@ def hf_config(cfg: ModelConfig, special: dict[str, int | None] | None = None) ->
 
 
 def _hf_config(cfg: ModelConfig) -> Any:
-    import transformers
-
     check_exportable(cfg)
+    transformers = deps.load("transformers", "a Hugging Face config (flopwise export --format hf)")
     if cfg.arch == "gpt2":
         return transformers.GPT2Config(
             vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model, n_layer=cfg.n_layers,
@@ -159,6 +167,23 @@ def _as_hf_config(hf: dict) -> Any:
         return {("num_experts" if k == "num_local_experts" else k): v for k, v in hf.items()}
     fields = {k: v for k, v in hf.items() if k != "model_type"}
     return AutoConfig.for_model(hf["model_type"], **fields)
+
+
+def read_hf_config(path: str) -> ModelConfig:
+    """The ``ModelConfig`` of the Hugging Face ``config.json`` at ``path`` (the file, or the
+    directory holding it). ValueError naming the file when it is missing, not JSON or not a
+    supported family (:class:`HFMappingError`)."""
+    p = Path(path).expanduser()
+    file = p / "config.json" if p.is_dir() else p
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise HFMappingError(f"{file} does not exist") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HFMappingError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise HFMappingError(f"{file} is not a JSON object")
+    return config_from_hf(data)
 
 
 def config_from_hf(hf: Any) -> ModelConfig:
@@ -308,8 +333,6 @@ def _to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig, moe_layout: str = "fus
         w = sd[ours].t() if transposed else sd[ours]
         out.update(zip(theirs, w.split(sizes, dim=0) if sizes else (w,)))
     if _moe_layers(cfg):
-        from flopwise.model.moe import moe_to_hf
-
         for p, h in _moe_layers(cfg):
             mlp = {k[len(p):]: v for k, v in sd.items() if k.startswith(p)}
             out.update({h + k: v for k, v in moe_to_hf(mlp, layout=moe_layout).items()})
@@ -328,8 +351,6 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
         w = torch.cat([sd[t] for t in theirs], dim=0) if sizes else sd[theirs[0]]
         out[ours] = w.t().contiguous() if transposed else w
     if _moe_layers(cfg):
-        from flopwise.model.moe import moe_from_hf
-
         for p, h in _moe_layers(cfg):
             mlp = {k[len(h):]: v for k, v in sd.items() if k.startswith(h)}
             out.update({p + k: v for k, v in moe_from_hf(mlp, cfg.n_experts).items()})
@@ -340,7 +361,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
 
 def to_hf_model(model: torch.nn.Module, attn_implementation: str = "sdpa") -> Any:
     """A ``transformers`` causal LM with our model's weights (in our weights' dtype), in eval mode."""
-    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM = deps.load("transformers", "a Hugging Face model").AutoModelForCausalLM
 
     # Built on the CPU (not meta): HF's rotary inv_freq is a non-persistent buffer that
     # a state dict would not fill.

@@ -36,8 +36,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
+from flopwise.checkpoints import (SHARDED, latest_checkpoint, load_checkpoint, read_state, unmarked_checkpoints,
+                                  write_manifest)
 from flopwise.config import ModelConfig, load_run_config
+from flopwise.data.tokenizer import load_tokenizer, special_ids
+from flopwise.fsio import umask
 from flopwise.model.hf import (SPECIAL_KEYS, check_exportable, config_from_hf, from_hf_state_dict, hf_config,
                                to_hf_state_dict)
 from flopwise.model.transformer import Transformer, build_model, configure_attention
@@ -61,8 +67,6 @@ def _find_tokenizer(*candidates: Path) -> Path | None:
 
 def resolve(path: str | os.PathLike) -> ModelSource:
     """What ``path`` holds: a run, a checkpoint or a Hugging Face model directory."""
-    from flopwise.train.checkpoint import SHARDED, latest_checkpoint, unmarked_checkpoints
-
     p = Path(path).expanduser()
     if not p.is_dir():
         raise ModelSourceError(f"{p}: no such directory (expected a run, a checkpoint or a Hugging Face model directory)")
@@ -94,8 +98,6 @@ def resolve(path: str | os.PathLike) -> ModelSource:
 
 def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of ``model.safetensors`` or of the shards a ``model.safetensors.index.json`` names."""
-    from safetensors.torch import load_file
-
     single = path / "model.safetensors"
     if single.is_file():
         return load_file(str(single))
@@ -129,8 +131,6 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu",
     if src.kind == "hf":
         load_hf_weights(model, src.path)
     else:
-        from flopwise.train.checkpoint import load_checkpoint
-
         # Verified first (a corrupted file is named, not loaded); a sharded checkpoint is
         # consolidated here, in this one process, whatever number of ranks wrote it.
         load_checkpoint(src.path, model, map_location=device)
@@ -148,8 +148,6 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: tor
     model, src = load_model(path, device, dtype)
     tokenizer = None
     if src.tokenizer_path is not None:
-        from tokenizers import Tokenizer
-
         tokenizer = Tokenizer.from_file(str(src.tokenizer_path))
     return model, tokenizer
 
@@ -165,8 +163,6 @@ def _special_tokens(tokenizer_path: Path | None) -> dict[str, Any]:
     it has, ``{bos,eos,pad}_token`` (the strings, for ``tokenizer_config.json``)."""
     if tokenizer_path is None:
         return {}
-    from flopwise.data.tokenizer import load_tokenizer, special_ids
-
     tok = load_tokenizer(tokenizer_path)
     ids = special_ids(tok)
     specials = {t.content: int(i) for i, t in tok.get_added_tokens_decoder().items() if t.special}
@@ -230,9 +226,7 @@ def read_export_record(path: str | os.PathLike) -> dict[str, Any] | None:
 
 def _file_mode() -> int:
     """The mode ``open()`` gives a new file: 0666 minus the process umask."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
+    return 0o666 & ~umask()
 
 
 def export_hf(path: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False,
@@ -242,7 +236,6 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, overwrite: bool =
     (a run's or checkpoint's step and validation geometry) and, when the run has one,
     ``tokenizer.json`` with ``tokenizer_config.json`` (bos/eos/pad tokens it has). Special
     token ids come from the tokenizer (None where it has no such token)."""
-    from safetensors.torch import save_file
 
     src = resolve(path)
     check_exportable(src.cfg)  # before any work: a custom model is refused with the reason
@@ -289,8 +282,6 @@ def export_consolidated(path: str | os.PathLike, out: str | os.PathLike, overwri
     if src.kind == "hf":
         raise ModelSourceError(f"{src.path}: already a Hugging Face directory; --format pt exports flopwise runs")
     out = _check_out(out, overwrite)
-    from flopwise.train.checkpoint import read_state, write_manifest
-
     model, _ = load_model(src.path)  # verified
     state = read_state(src.path)
     with _published(out) as tmp:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from flopwise.config import ModelConfig
 from flopwise.model.attention import attend_to_cache, attention
+from flopwise.model.moe import MoE
 
 # --------------------------------------------------------------------------- RMSNorm
 
@@ -204,7 +205,5 @@ class MLP(nn.Module):
 def make_mlp(cfg: ModelConfig) -> nn.Module:
     """The block's feed-forward: a mixture of SwiGLU experts, SwiGLU, or a two-matrix MLP."""
     if cfg.is_moe:
-        from flopwise.model.moe import MoE
-
         return MoE(cfg.d_model, cfg.n_experts, cfg.moe_top_k, cfg.expert_ffn_hidden, cfg.moe_norm_topk_prob)
     return SwiGLU(cfg) if cfg.mlp == "swiglu" else MLP(cfg)

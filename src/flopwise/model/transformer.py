@@ -23,7 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from flopwise.config import ModelConfig
-from flopwise.model.attention import select_backend
+from flopwise.model.attention import doc_spans, select_backend
 from flopwise.model.layers import Attention, LayerCache, make_mlp, make_norm, rope_tables
 
 
@@ -98,6 +98,8 @@ class Transformer(nn.Module):
         x = self.tok_emb(idx)  # (B, T, D)
         if self.pos_emb is not None:
             x = x + self.pos_emb.weight[start : start + T]  # (T, D) broadcast over the batch
+        if isinstance(doc_ids, torch.Tensor) and self.attention_backend == "flash":
+            doc_ids = doc_spans(doc_ids)  # cut into documents once, for every layer's varlen kernel
         for i, block in enumerate(self.layers):
             x = block(x, rope, doc_ids, cache[i] if cache else None)
         if cfg.is_moe:

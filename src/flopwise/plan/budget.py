@@ -30,13 +30,13 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from flopwise.config import ModelConfig
+from flopwise.config import ModelConfig, batch_split_problems
 from flopwise.plan import hardware, memory
-from flopwise.plan.flops import flops_per_token, flops_per_token_6n, param_counts
+from flopwise.plan.flops import flops_per_token, flops_per_token_6n, hardware_flops_per_token, param_counts
 from flopwise.plan.memory import MemorySettings, estimate, max_micro_batch, state_bytes
 
 if TYPE_CHECKING:
-    from flopwise.config import RunConfig
+    from flopwise.config import RunConfig, TrainConfig
 
 CHINCHILLA_TOKENS_PER_PARAM = 20.0
 GIB = 1024**3
@@ -128,9 +128,12 @@ class PlanInputs:
         for flag, value, choices in (("--precision", mem.precision, memory.PRECISIONS),
                                      ("--attention", mem.attention, memory.ATTENTIONS),
                                      ("--checkpointing", mem.activation_checkpointing, memory.CHECKPOINTING),
-                                     ("--strategy", mem.strategy, memory.STRATEGIES)):
+                                     ("--strategy", mem.strategy, memory.STRATEGIES),
+                                     ("--loss", mem.loss, ("plain", "chunked"))):
             if value not in choices:
                 p.append(f"{flag} {value!r}: choose {', '.join(choices)}")
+        if mem.activation_checkpointing_every < 1:
+            p.append(f"--checkpointing-every must be >= 1, got {mem.activation_checkpointing_every}")
         if p:
             raise PlanError("; ".join(p))
 
@@ -219,19 +222,20 @@ def scaling(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: int, mi
         link_name = min((link_name, inp.network), key=lambda n: hardware.LINKS[n].gb_per_s)
     link = hardware.LINKS[link_name]
     settings = inp.memory
-    grad_bytes = n_params * (2 if settings.precision == "bf16" else 4)  # gradients in parameter dtype
+    param_bytes = 2 if settings.precision == "bf16-pure" else 4
+    grad_bytes = n_params * param_bytes  # gradients in parameter dtype
     share = (gpus - 1) / gpus if gpus > 1 else 0.0
-    if settings.strategy == "fsdp":
+    if settings.strategy == "fsdp2":
         # flopwise's FSDP2: every micro-batch all-gathers the parameters for forward and again
         # for backward (blocks reshard after forward) in the compute dtype; the gradients are
         # reduce-scattered once per step (no sync on the earlier micro-batches), in fp32.
-        gather = 4 if settings.precision == "fp32" else 2
+        gather = 4 if settings.precision == "float32" else 2
         comm_bytes = share * n_params * (2 * gather * micro_batches_per_step + 4)
         comm_s = comm_bytes / (link.gb_per_s * 1e9)
     else:
         comm_bytes = 2 * share * grad_bytes
         if settings.strategy == "zero1":  # each rank broadcasts the parameters it stepped
-            comm_bytes += share * n_params * (2 if settings.precision == "bf16" else 4)
+            comm_bytes += share * n_params * param_bytes
         comm_s = comm_bytes / (link.gb_per_s * 1e9)
     compute_s = tokens_per_step * fpt / (gpus * peak * inp.mfu) if peak else None
     out: dict[str, Any] = {
@@ -251,16 +255,16 @@ def scaling(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: int, mi
     return out
 
 
-STRATEGY_ORDER = ("ddp", "zero1", "fsdp")  # least communication first, least memory last
+STRATEGY_ORDER = ("ddp", "zero1", "fsdp2")  # least communication first, least memory last
 
 
 def build_plan(inp: PlanInputs) -> dict[str, Any]:
     """Every quantity of the plan as a JSON-able dict (see :mod:`flopwise.plan.budget`).
 
     When the set-up does not fit in memory, ``plan["fit"]`` says so and names the
-    strategy that would (``proposed``): with a model, the first of zero1, fsdp (in that
-    order, after the one asked) whose memory fits; with ``--params`` only fsdp, because
-    only the states are counted there and fsdp leaves the most room for the uncounted
+    strategy that would (``proposed``): with a model, the first of zero1, fsdp2 (in that
+    order, after the one asked) whose memory fits; with ``--params`` only fsdp2, because
+    only the states are counted there and fsdp2 leaves the most room for the uncounted
     activations. With ``auto_strategy`` (the user did not choose one) the whole plan --
     memory, time, cost, scaling -- is then that strategy's, and ``fit["switched"]`` is
     True; otherwise the plan stays as asked and ``plan["runnable"]`` is False.
@@ -285,7 +289,7 @@ def build_plan(inp: PlanInputs) -> dict[str, Any]:
                                              "max_micro_batch": others[strategy]["max_micro_batch"]}
         fitting = [s for s, alt in others.items() if alt["fits"]]
         if inp.model is None:
-            fit["proposed"] = "fsdp" if "fsdp" in fitting else None
+            fit["proposed"] = "fsdp2" if "fsdp2" in fitting else None
         else:
             fit["proposed"] = fitting[0] if fitting else None
         if fit["proposed"] and inp.auto_strategy:
@@ -315,8 +319,12 @@ def _build_plan(inp: PlanInputs) -> dict[str, Any]:
         fpt_palm = None
         fpt_6n = 6 * inp.params
     fpt = fpt_6n if inp.flops_formula == "6n" else fpt_palm
+    # hardware FLOPs (HFU's numerator): the forward of the blocks recomputed in backward on top
+    recomputed = (inp.memory.recomputed_blocks(m.n_layers) / m.n_layers) if m is not None and m.n_layers else 0.0
+    fpt_hw = hardware_flops_per_token(m, inp.seq_len, recomputed) if m is not None and recomputed else None
     plan.update(flops_formula=inp.flops_formula, flops_per_token=fpt, flops_per_token_palm=fpt_palm,
-                flops_per_token_6n=fpt_6n, seq_len=inp.seq_len)
+                flops_per_token_6n=fpt_6n, flops_per_token_hardware=fpt_hw, recomputed_fraction=recomputed,
+                seq_len=inp.seq_len)
 
     # -- hardware
     peak = inp.peak_flops
@@ -425,14 +433,78 @@ NOMINAL_MFU = 0.40
 
 def memory_settings_for_run(cfg: "RunConfig", precision: str, loss: str = "plain", strategy: str = "single",
                             gpus: int = 1) -> MemorySettings:
-    """The memory model's settings for a run as the trainer resolved it: ``precision`` its
-    name (bf16, bf16-pure, float32, ...), ``loss`` plain or chunked, ``strategy`` a
-    ``parallel.strategy`` (fsdp2 is the model's fsdp) over ``gpus``."""
+    """The memory model's settings for a run of ``cfg`` as it will run: ``precision`` the
+    resolved ``train.precision`` (bf16, bf16-pure, fp16, float32: the memory model's names
+    too), ``loss`` the resolved loss (plain; chunked; fused, Liger's kernel, which also never
+    holds the full logits and is modelled as chunked), ``strategy`` the resolved
+    ``parallel.strategy`` over ``gpus``. Activation checkpointing (none, full, selective
+    with its every-k) and the attention (eager or not) are the config's."""
+    t = cfg.train
     return MemorySettings(
-        precision={"bf16": "bf16-amp", "bf16-pure": "bf16"}.get(precision, "fp32"),
-        activation_checkpointing="full" if cfg.train.activation_checkpointing == "full" else "none",
-        strategy={"fsdp2": "fsdp"}.get(strategy, strategy), n_gpus=gpus,
-        loss="chunked" if loss == "chunked" else "plain", loss_chunk_tokens=cfg.train.loss_chunk_tokens)
+        precision=precision, attention="eager" if cfg.model.attention == "eager" else "sdpa",
+        activation_checkpointing=t.activation_checkpointing,
+        activation_checkpointing_every=t.activation_checkpointing_every,
+        strategy=strategy, n_gpus=gpus,
+        loss="plain" if loss == "plain" else "chunked", loss_chunk_tokens=t.loss_chunk_tokens)
+
+
+def peak_dtype(precision: str) -> str:
+    """The hardware table's peak for a ``train.precision``: bf16, fp16, or fp32 for float32."""
+    return {"bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16"}.get(precision, "fp32")
+
+
+def planned_precision(precision: str, gpu: hardware.DeviceSpec | None) -> tuple[str, str]:
+    """``(precision, note)``: ``train.precision`` as the trainer resolves it on ``gpu``
+    (``auto``: bf16 on a GPU with bf16 -- or when no GPU is named --, fp16 on one without,
+    like the V100 or T4); the note says what ``auto`` became (empty when it was not auto)."""
+    if precision != "auto":
+        return precision, ""
+    if gpu is not None and gpu.bf16 is None:
+        return "fp16", f"train.precision=auto is fp16 on the {gpu.name} (no bf16)"
+    return "bf16", "train.precision=auto is bf16 on a GPU with bf16"
+
+
+def planned_loss(t: "TrainConfig") -> tuple[str, str]:
+    """``(loss, note)``: ``train.loss`` as the memory model sees it (plain or chunked) and,
+    when that is not the name given, why: ``auto`` is plain under ``compile=model`` (and under
+    ``compile=auto``, which is ``model`` on a GPU; the trainer picks the chunked loss instead
+    when the full logits do not fit, which this plan then shows), else
+    the chunked loss or, on CUDA with Liger-Kernel installed, the fused kernel -- which
+    holds no full logits either and is modelled as chunked, as is ``fused``."""
+    if t.loss in ("plain", "chunked"):
+        return t.loss, ""
+    if t.loss == "auto":
+        if t.compile in ("model", "auto"):
+            return "plain", f"train.loss=auto is plain under train.compile={t.compile} (compiled on a GPU)"
+        return "chunked", "train.loss=auto is chunked (or fused on CUDA with Liger-Kernel: planned alike)"
+    return "chunked", "train.loss=fused is planned as chunked (no full logits either)"
+
+
+def plan_inputs_for_run(cfg: "RunConfig", gpus: int = 1, gpu: hardware.DeviceSpec | None = None,
+                        strategy: str = "") -> tuple[dict[str, Any], list[str]]:
+    """What ``flopwise plan --config RUN.yaml`` plans: the run's own model, seq_len,
+    micro-batch, accumulation (its global batch over ``gpus``), token budget, precision,
+    loss, activation checkpointing (and its every-k), attention, strategy (its
+    ``parallel.strategy`` unless ``strategy`` is given; ``auto`` stays the planner's choice,
+    as the trainer's is) and peak TFLOP/s. Returns ``(PlanInputs fields, notes)``: the notes
+    say how each ``auto`` was resolved. A global batch that ``gpus`` cannot split is a PlanError."""
+    t = cfg.train
+    split = batch_split_problems(t, gpus)
+    if split:
+        raise PlanError(f"{split[0]} (with --gpus {gpus})")
+    precision, note_p = planned_precision(t.precision, gpu)
+    loss, note_l = planned_loss(t)
+    run_strategy = "" if cfg.parallel.strategy == "auto" else cfg.parallel.strategy
+    if run_strategy == "single" and gpus > 1:
+        run_strategy = ""  # the trainer's `single` is one process: over several GPUs, plan as auto
+    fields = dict(
+        model=cfg.model, seq_len=t.seq_len, micro_batch=t.micro_batch_size, grad_accum=cfg.grad_accum_steps(gpus),
+        tokens=cfg.total_steps() * cfg.tokens_per_step, peak_tflops=t.peak_tflops, dtype=peak_dtype(precision),
+        memory=memory_settings_for_run(cfg, precision, loss, strategy or run_strategy or
+                                       ("ddp" if gpus > 1 else "single"), gpus),
+        auto_strategy=not (strategy or run_strategy),
+    )
+    return fields, [n for n in (note_p, note_l) if n]
 
 
 def plan_for_run(cfg: "RunConfig", device_name: str | None, precision: str, peak_tflops: float = 0.0,
@@ -441,11 +513,11 @@ def plan_for_run(cfg: "RunConfig", device_name: str | None, precision: str, peak
     """The plan of a training run as configured, written by ``flopwise train`` as ``plan.json``.
 
     ``device_name`` is the CUDA device's name (None on CPU, where no peak is known);
-    ``precision`` is the trainer's resolved one (``bf16`` autocast or ``float32``), which
-    picks the peak (bf16, or TF32/FP32) and the memory model's precision.
+    ``precision`` is the trainer's resolved one (bf16, bf16-pure, fp16 or float32), which
+    picks the peak (:func:`peak_dtype`) and the memory model's precision.
     """
     spec = hardware.lookup(device_name) if device_name else None
-    dtype = "bf16" if precision in ("bf16", "bf16-pure") else "fp32"
+    dtype = peak_dtype(precision)
     if spec is not None and getattr(spec, dtype) is None:
         spec = None  # e.g. bf16 on a V100: no peak to plan against
     inp = PlanInputs(

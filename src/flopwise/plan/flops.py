@@ -31,7 +31,9 @@ Elementwise work (norms, RoPE, SiLU, softmax, residual adds, the loss) is not co
 ``flops_per_token_6n(cfg) = 6 * total parameters`` is the blog-calculator convention
 (embedding included, attention ignored); it is reported next to the above for
 comparison, never instead of it. With activation checkpointing, hardware FLOPs add
-one more forward pass: see :func:`hardware_flops_per_token`.
+the recomputed forward pass of each checkpointed block: see
+:func:`hardware_flops_per_token`, :func:`recompute_flops_per_token` and
+:func:`checkpointed_blocks`.
 """
 
 from __future__ import annotations
@@ -107,11 +109,46 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     return 2 * param_counts(cfg)["matmul"] + 4 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len
 
 
-def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, activation_checkpointing: bool = False) -> int:
-    """FLOPs the hardware executes per token: model FLOPs plus one recomputed forward
-    pass when every block is checkpointed (the numerator of HFU)."""
-    extra = forward_flops_per_token(cfg, seq_len) if activation_checkpointing else 0
-    return flops_per_token(cfg, seq_len) + extra
+def checkpointed_blocks(n_layers: int, mode: str, every: int = 2) -> list[int]:
+    """The blocks whose forward is recomputed in backward under ``train.activation_checkpointing``
+    = ``mode``: none; ``full``: all; ``selective``: 0, k, 2k, ... (k = ``every``,
+    ``train.activation_checkpointing_every``)."""
+    if mode == "full":
+        return list(range(n_layers))
+    if mode == "selective":
+        return list(range(0, n_layers, max(1, every)))
+    if mode != "none":
+        raise ValueError(f"activation checkpointing {mode!r}: choose none, full or selective")
+    return []
+
+
+def recomputed_fraction(n_layers: int, mode: str, every: int = 2) -> float:
+    """The fraction of blocks recomputed in backward (see :func:`checkpointed_blocks`)."""
+    return len(checkpointed_blocks(n_layers, mode, every)) / n_layers if n_layers else 0.0
+
+
+def recompute_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """FLOPs per token of recomputing every block's forward in backward (activation
+    checkpointing): each block's forward less its last projection. torch's non-reentrant
+    checkpoint (what flopwise uses) stops recomputing once every tensor backward needs
+    exists, and the MLP's down projection's output is needed by nothing (its input is what
+    backward uses); a mixture of experts' is (the routing weights multiply it). Checked
+    against ``FlopCounterMode`` in the tests."""
+    counts = param_counts(cfg)
+    head = cfg.vocab_size * cfg.d_model
+    down = 0 if cfg.is_moe else cfg.n_layers * cfg.d_model * cfg.ffn_hidden  # w_down of each dense block
+    return 2 * (counts["matmul"] - head - down) + 4 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len
+
+
+def hardware_flops_per_token(cfg: ModelConfig, seq_len: int, recomputed: float = 0.0) -> int:
+    """FLOPs the hardware executes per token (the numerator of HFU): model FLOPs plus the
+    recomputed forward of the checkpointed blocks (:func:`recompute_flops_per_token`).
+    ``recomputed`` is the fraction of blocks that are (:func:`recomputed_fraction`; 1 or
+    True = every block, 0 = none). The LM head and the embedding are never inside a
+    checkpointed block: not recomputed."""
+    if not 0 <= recomputed <= 1:
+        raise ValueError(f"recomputed must be a fraction of the blocks in [0, 1], got {recomputed}")
+    return flops_per_token(cfg, seq_len) + round(float(recomputed) * recompute_flops_per_token(cfg, seq_len))
 
 
 def flops_per_token_6n(cfg: ModelConfig) -> int:

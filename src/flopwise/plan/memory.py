@@ -11,17 +11,21 @@ What is counted (per GPU, at the peak of a training step)
 
 * **States** (:func:`state_bytes`; exact, checked tensor by tensor in the tests):
 
-  ============  ======  ======  ==================  ==========  =========
-  precision     params  grads   AdamW (m, v)        master      per param
-  ============  ======  ======  ==================  ==========  =========
-  ``fp32``      4       4       4 + 4               --          16
-  ``bf16-amp``  4       4       4 + 4               --          16 (+2 autocast copies)
-  ``bf16``      2       2       4 + 4 (fp32)        4 (fp32)    16  (``master_weights=True``)
-  ``bf16``      2       2       2 + 2 (bf16)        --          8   (``master_weights=False``)
-  ============  ======  ======  ==================  ==========  =========
+  =============  ======  ======  ==================  ==========  =========
+  precision      params  grads   AdamW (m, v)        master      per param
+  =============  ======  ======  ==================  ==========  =========
+  ``float32``    4       4       4 + 4               --          16
+  ``bf16``       4       4       4 + 4               --          16 (+2 autocast copies)
+  ``fp16``       4       4       4 + 4               --          16 (+2 autocast copies)
+  ``bf16-pure``  2       2       4 + 4 (fp32)        4 (fp32)    16  (``master_weights=True``)
+  ``bf16-pure``  2       2       2 + 2 (bf16)        --          8   (``master_weights=False``)
+  =============  ======  ======  ==================  ==========  =========
 
-  ``bf16-amp`` is what ``flopwise train`` does on CUDA: fp32 parameters, gradients and
-  AdamW state, bf16 autocast for the matmuls. ``bf16`` without master weights is what
+  The names are ``train.precision``'s. ``bf16`` is what ``flopwise train`` does on CUDA:
+  fp32 parameters, gradients and AdamW state, bf16 autocast for the matmuls; ``fp16`` is
+  the same with float16 autocast (and a gradient scaler, whose two scalars are not
+  counted): 2-byte activations like ``bf16``, fp32 master weights. ``bf16-pure`` without
+  master weights is what
   ``torch.optim.AdamW`` really allocates for bf16 parameters: ``exp_avg``/``exp_avg_sq``
   are ``zeros_like(param)``, i.e. bf16 (``optimizer_dtype="fp32"`` models an optimizer
   that keeps them in fp32 anyway). AdamW's per-tensor ``step`` counters (0-d float32
@@ -29,7 +33,7 @@ What is counted (per GPU, at the peak of a training step)
   allocator block each on CUDA) are counted by :func:`estimate`, which knows the number
   of tensors, and by :func:`state_bytes` only when ``n_tensors`` is given.
 
-* **Autocast weight copies** (``weight_copies``, ``bf16-amp`` only): autocast casts each
+* **Autocast weight copies** (``weight_copies``, ``bf16`` and ``fp16``): autocast casts each
   fp32 weight to bf16 once per forward (its cast cache) and ``linear`` saves that bf16
   copy for backward, so 2 bytes per matmul weight (the LM head included, also when tied:
   the tied embedding is cast for the head matmul; the embedding *lookup* stays fp32)
@@ -41,7 +45,10 @@ What is counted (per GPU, at the peak of a training step)
   (exact to the byte on torch 2.13 CPU, fp32, pure bf16 and bf16 autocast, sdpa and
   math; the tests allow 2%). With ``activation_checkpointing="full"`` each
   block keeps only its input and, at the peak, one block is recomputed in backward:
-  ``L * input + one block's activations``.
+  ``L * input + one block's activations``. With ``"selective"`` the R blocks 0, k, 2k, ...
+  (k = ``activation_checkpointing_every``, R = ceil(L / k)) keep only their input and the
+  others all their activations: ``(L - R) * block + R * input + one block's activations``;
+  autocast weight copies are saved by the blocks that are not recomputed.
 
 * **Logits and loss** (``logits``): the (B, T, V) logits in the compute dtype (held by
   ``train/step.py`` until its backward ends), the float32 log-softmax that
@@ -81,20 +88,21 @@ Strategies
   ``gradient_as_bucket_view=True`` (gradients are views into the all-reduce buckets);
   with ``ddp_bucket_view=False`` DDP's buckets hold a second copy of the gradients.
 * ``zero1``: AdamW state and the fp32 master copy divided by ``n_gpus``.
-* ``fsdp`` (FSDP2, one unit per block plus the root): parameters, gradients, optimizer
+* ``fsdp2`` (one unit per block plus the root): parameters, gradients, optimizer
   state and master copy divided by ``n_gpus`` (rounded up), plus ``fsdp_buffers``: the
   all-gathered, unsharded parameters of two blocks in the compute dtype (the current
   one and the prefetched next), the root's unsharded embedding/final norm/head (the root
   is not resharded after forward) and the unsharded gradients of one block and of the
-  root before their reduce-scatter (in the compute dtype). With ``bf16-amp`` a
+  root before their reduce-scatter (in the compute dtype). With ``bf16`` (or ``fp16``) a
   ``MixedPrecisionPolicy(param_dtype=bf16)`` is assumed: the gathered weights are
-  already bf16 (no autocast copies) and the residual stream is bf16 as with ``bf16``.
+  already bf16 (no autocast copies) and the residual stream is bf16 as with ``bf16-pure``.
 
 Activations in detail (per token, per block, sdpa)
 --------------------------------------------------
-With ``c`` = compute-dtype bytes (2 for bf16, 4 for fp32), ``r`` = residual-stream bytes
-(4 for fp32 and bf16-amp -- the embedding output is fp32 and ``x + bf16`` promotes to
-fp32 -- 2 for pure bf16), ``q = H*hd``, ``kv = KV*hd``, ``F`` = SwiGLU width::
+With ``c`` = compute-dtype bytes (2 for bf16 / fp16, 4 for float32), ``r`` = residual-stream
+bytes (4 for float32, bf16 and fp16 autocast -- the embedding output is fp32 and
+``x + bf16`` promotes to fp32 -- 2 for bf16-pure), ``q = H*hd``, ``kv = KV*hd``, ``F`` =
+SwiGLU width::
 
     2 norms      2 * (4*D + 4 + r*D + c*D)   fp32 input of rms_norm, fp32 rstd, normalised
                                              y (saved by the weight multiply), the linear's
@@ -130,26 +138,49 @@ memory-efficient / cuDNN kernels save the same q, k, v, out and a float32 logsum
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
-from flopwise.config import ModelConfig
-from flopwise.plan.flops import param_counts
+from flopwise.config import ACTIVATION_CHECKPOINTING, PRECISIONS, ModelConfig, Strategy, choices
+from flopwise.plan.flops import checkpointed_blocks, param_counts
 
 GIB = 1024**3
 
-PRECISIONS = ("bf16-amp", "bf16", "fp32")
+# The names are train's (``train.precision``, ``train.activation_checkpointing``,
+# ``parallel.strategy``): one vocabulary for planning and training.
 ATTENTIONS = ("sdpa", "eager")
-CHECKPOINTING = ("none", "full")
-STRATEGIES = ("single", "ddp", "zero1", "fsdp")
+CHECKPOINTING = ACTIVATION_CHECKPOINTING
+STRATEGIES = choices(Strategy)
+AUTOCAST = ("bf16", "fp16")  # fp32 weights, 2-byte matmuls
+
+# The planner's names before they were train's, still accepted (with a note). The planner's
+# old "bf16" meant pure bf16 weights; it now means bf16 autocast, as in train.precision.
+OLD_NAMES = {
+    "precision": {"bf16-amp": "bf16", "fp32": "float32"},
+    "strategy": {"fsdp": "fsdp2"},
+}
+
+
+def current_name(kind: str, value: str, flag: str = "") -> tuple[str, str]:
+    """``(name, note)``: the current name of a ``precision`` or ``strategy`` value and, when
+    ``value`` is an old one, the one-line note that says so (``flag`` names where it was
+    given, e.g. ``--precision``); else ``(value, "")``."""
+    new = OLD_NAMES[kind].get(value)
+    if new is None:
+        return value, ""
+    where = f"{flag} {value}" if flag else f"{kind} {value!r}"
+    return new, f"{where} is now called {new}"
 
 
 @dataclass
 class MemorySettings:
-    precision: str = "bf16-amp"  # bf16-amp | bf16 | fp32 (see the module docstring's table)
-    master_weights: bool = True  # "bf16" only: an fp32 master copy (and fp32 AdamW state)
+    precision: str = "bf16"  # bf16 | bf16-pure | fp16 | float32, as train.precision (module docstring's table)
+    master_weights: bool = True  # "bf16-pure" only: an fp32 master copy (and fp32 AdamW state)
     attention: str = "sdpa"  # sdpa (flash/efficient: O(T) saved per head) | eager (SDPA math: (T x T) probs)
-    activation_checkpointing: str = "none"  # none | full (each block's input; one block recomputed)
-    strategy: str = "single"  # single | ddp | zero1 | fsdp
+    # none | full (each block's input; one block recomputed) | selective (blocks 0, k, 2k, ...)
+    activation_checkpointing: str = "none"
+    activation_checkpointing_every: int = 2  # selective: k
+    strategy: str = "single"  # single | ddp | zero1 | fsdp2, as parallel.strategy
     n_gpus: int = 1
     optimizer_dtype: str = "auto"  # AdamW m/v: auto (fp32, or the param dtype for bf16 w/o master) | fp32 | bf16
     ddp_bucket_view: bool = True  # DDP gradient_as_bucket_view=True; False: buckets copy the grads
@@ -157,22 +188,42 @@ class MemorySettings:
     loss: str = "plain"  # plain (full logits) | chunked (train.loss=chunked: one chunk of logits at a time)
     loss_chunk_tokens: int = 1024
 
+    def __post_init__(self) -> None:
+        # The planner's old names (bf16-amp, fp32, fsdp) are still accepted, with a warning.
+        for kind in ("precision", "strategy"):
+            new, note = current_name(kind, getattr(self, kind))
+            if note:
+                warnings.warn(f"MemorySettings {note}", FutureWarning, stacklevel=3)
+                setattr(self, kind, new)
+
+    @property
+    def autocast(self) -> bool:
+        """fp32 weights with 2-byte matmuls (bf16 or fp16 autocast)."""
+        return self.precision in AUTOCAST
+
     def validate(self) -> None:
         problems = []
-        for name, value, choices in (("precision", self.precision, PRECISIONS),
+        for name, value, allowed in (("precision", self.precision, PRECISIONS),
                                      ("attention", self.attention, ATTENTIONS),
                                      ("activation_checkpointing", self.activation_checkpointing, CHECKPOINTING),
                                      ("strategy", self.strategy, STRATEGIES),
                                      ("optimizer_dtype", self.optimizer_dtype, ("auto", "fp32", "bf16")),
                                      ("loss", self.loss, ("plain", "chunked"))):
-            if value not in choices:
-                problems.append(f"memory {name} {value!r}: choose {', '.join(choices)}")
+            if value not in allowed:
+                problems.append(f"memory {name} {value!r}: choose {', '.join(allowed)}")
         if self.n_gpus < 1:
             problems.append(f"memory n_gpus must be >= 1, got {self.n_gpus}")
+        if self.activation_checkpointing_every < 1:
+            problems.append(f"memory activation_checkpointing_every must be >= 1, got "
+                            f"{self.activation_checkpointing_every}")
         if self.overhead_gb < 0:
             problems.append(f"memory overhead_gb must be >= 0, got {self.overhead_gb}")
         if problems:
             raise ValueError("; ".join(problems))
+
+    def recomputed_blocks(self, n_layers: int) -> int:
+        """Blocks recomputed in backward (each keeps only its input in forward)."""
+        return len(checkpointed_blocks(n_layers, self.activation_checkpointing, self.activation_checkpointing_every))
 
 
 @dataclass
@@ -186,7 +237,7 @@ class MemoryEstimate:
     activations: int  # saved for backward inside embedding + blocks + final norm (+ one recomputed block)
     logits: int  # (B,T,V) logits in compute dtype + fp32 log-softmax + int64 targets
     total: int
-    weight_copies: int = 0  # bf16 autocast copies of the matmul weights (bf16-amp)
+    weight_copies: int = 0  # autocast's 2-byte copies of the matmul weights (bf16, fp16)
     buffers: int = 0  # the model's RoPE tables (float32 cos and sin, max_seq_len x hd each)
     fsdp_buffers: int = 0  # unsharded params of 2 blocks + root, unsharded grads of 1 block + root
     transient: int = 0  # loss-backward or block-backward temporaries at the peak
@@ -216,13 +267,13 @@ class MemoryEstimate:
 
 def _dtypes(s: MemorySettings) -> dict[str, int]:
     """Bytes per element of each kind of tensor under ``s``."""
-    if s.precision == "fp32":
+    if s.precision == "float32":
         d = dict(param=4, grad=4, opt=4, master=0, compute=4, residual=4)
-    elif s.precision == "bf16-amp":
+    elif s.autocast:  # bf16 / fp16 autocast over fp32 weights
         d = dict(param=4, grad=4, opt=4, master=0, compute=2, residual=4)
-        if s.strategy == "fsdp":  # MixedPrecisionPolicy(param_dtype=bf16): bf16 embedding -> bf16 stream
+        if s.strategy == "fsdp2":  # MixedPrecisionPolicy(param_dtype=bf16): bf16 embedding -> bf16 stream
             d["residual"] = 2
-    else:  # bf16 parameters
+    else:  # bf16-pure: bf16 parameters
         d = dict(param=2, grad=2, opt=4 if s.master_weights else 2, master=4 if s.master_weights else 0,
                  compute=2, residual=2)
     if s.optimizer_dtype != "auto":
@@ -241,7 +292,7 @@ def state_bytes(n_params: int, settings: MemorySettings, n_tensors: int = 0) -> 
 
     Keys: ``params``, ``grads``, ``optimizer`` (exp_avg + exp_avg_sq, plus 4 bytes of
     ``step`` per tensor when ``n_tensors`` is given), ``master``. Sharding: ``zero1``
-    divides optimizer and master by ``n_gpus``; ``fsdp`` divides all four (rounded up);
+    divides optimizer and master by ``n_gpus``; ``fsdp2`` divides all four (rounded up);
     ``ddp`` with ``ddp_bucket_view=False`` doubles the gradients (bucket copies).
     """
     settings.validate()
@@ -253,7 +304,7 @@ def state_bytes(n_params: int, settings: MemorySettings, n_tensors: int = 0) -> 
     k = settings.n_gpus
     if settings.strategy == "zero1":
         optimizer, master = _shard(optimizer, k), _shard(master, k)
-    elif settings.strategy == "fsdp":
+    elif settings.strategy == "fsdp2":
         params, grads, optimizer, master = (_shard(x, k) for x in (params, grads, optimizer, master))
     elif settings.strategy == "ddp" and not settings.ddp_bucket_view:
         grads *= 2
@@ -360,7 +411,7 @@ def _transient(cfg: ModelConfig, B: int, T: int, settings: MemorySettings, terms
         width = 2 * cfg.moe_top_k * cfg.expert_ffn_hidden if cfg.is_moe else 2 * cfg.ffn_hidden
         block_tmp = N * c * width
     freed = (4 * N * V if settings.loss == "plain" else 0) + final_norm  # log-softmax, final norm's tensors
-    if settings.activation_checkpointing == "full":
+    if settings.recomputed_blocks(cfg.n_layers):
         # The recomputed block (counted in `activations`) exists only during its own
         # backward, after the loss temporaries are gone: the worst moment is either.
         per_layer = sum(terms.values())
@@ -388,21 +439,25 @@ def estimate(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: MemoryS
                  f"{d['grad']} B, AdamW m+v 2x{d['opt']} B, master {d['master']} B per param"
                  f"{', sharded ' + settings.strategy + ' over ' + str(settings.n_gpus) if settings.n_gpus > 1 else ''}")
 
-    # autocast's bf16 copies of every matmul weight (all experts: any may be used by a batch)
+    # Blocks recomputed in backward: they keep only their input in forward.
+    R = settings.recomputed_blocks(L)
+    kept = L - R
+
+    # autocast's 2-byte copies of every matmul weight (all experts: any may be used by a batch)
     block_params = (counts["attention"] + counts["mlp"] + counts["norm"] - D) // L if L else 0
-    matmul_all = counts["attention"] + counts["mlp"] + V * D  # head once (tied: the cast embedding)
+    block_matmul = (counts["attention"] + counts["mlp"]) // L if L else 0
     weight_copies = 0
-    if settings.precision == "bf16-amp" and settings.strategy != "fsdp":
-        weight_copies = 2 * matmul_all
-        if settings.activation_checkpointing == "full" and L:
-            # checkpointed blocks save nothing: the cast cache dies with the autocast
-            # context; only the head's copy is saved, plus one block's in its recompute
-            weight_copies = 2 * (V * D + (counts["attention"] + counts["mlp"]) // L)
-        notes.append("weight_copies: bf16 autocast casts of the matmul weights, saved by linear for backward")
+    if settings.autocast and settings.strategy != "fsdp2":
+        # the head's copy (tied: the cast embedding), those of the blocks that are not
+        # recomputed, and one recomputed block's during its recompute: a checkpointed block
+        # saves none, its cast cache dies with the autocast context of its forward
+        weight_copies = 2 * (V * D + (kept + (1 if R else 0)) * block_matmul)
+        notes.append(f"weight_copies: {settings.precision} autocast casts of the matmul weights, saved by linear "
+                     "for backward")
 
     fsdp_buffers = 0
-    if settings.strategy == "fsdp" and settings.n_gpus > 1:
-        gather = 4 if settings.precision == "fp32" else 2
+    if settings.strategy == "fsdp2" and settings.n_gpus > 1:
+        gather = 4 if settings.precision == "float32" else 2
         root = counts["embedding"] + counts["lm_head"] + D
         fsdp_buffers = (2 * block_params + root) * gather + (block_params + root) * gather
         notes.append("fsdp_buffers: unsharded params of 2 blocks (current + prefetch) and the root "
@@ -412,13 +467,13 @@ def estimate(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: MemoryS
     per_layer = sum(terms.values())
     ids = N * 8  # int64 token ids saved by the embedding
     final_norm = N * (4 * D + 4 + r * D + c * D)
-    if settings.activation_checkpointing == "full":
-        # each block keeps only its input (B, T, D); at the peak one block is recomputed
-        activations = ids + L * N * D * r + final_norm + (per_layer if L else 0)
-        notes.append("activations: checkpointing keeps each block's input; one block's activations "
+    # a recomputed block keeps only its input (B, T, D); at the peak one block is recomputed
+    activations = ids + kept * per_layer + R * N * D * r + final_norm + (per_layer if R else 0)
+    if R:
+        k = settings.activation_checkpointing_every
+        which = "each block" if R == L else f"{R} of {L} blocks (0, {k}, {2 * k}, ...)"
+        notes.append(f"activations: checkpointing keeps only the input of {which}; one block's activations "
                      "are recomputed during its backward (counted at the peak)")
-    else:
-        activations = ids + L * per_layer + final_norm
     logits = _logits_bytes(cfg, B, T, settings)
     transient, loss_tmp, block_tmp = _transient(cfg, B, T, settings, terms, final_norm)
     notes.append("logits: (B,T,V) logits in compute dtype + fp32 log-softmax saved by cross_entropy; "

@@ -81,6 +81,9 @@ def format_plan(plan: dict[str, Any]) -> str:
     if plan["flops_per_token_palm"] is not None:
         row("per token (PaLM)", _n(plan["flops_per_token_palm"]), f"6·N_matmul + 12·L·d_attn·T at T={T}")
     row("per token (6N)", _n(plan["flops_per_token_6n"]), "6 × parameters" + (" (active)" if b and b["router"] else ""))
+    if plan.get("flops_per_token_hardware"):
+        row("per token (hardware)", _n(plan["flops_per_token_hardware"]),
+            f"+ recomputed forward of {100 * plan['recomputed_fraction']:.0f}% of the blocks (HFU's numerator)")
     row("formula used", plan["flops_formula"], "")
     if plan["tokens"] is not None:
         row("tokens", _count(plan["tokens"]), "")
@@ -121,10 +124,14 @@ def format_plan(plan: dict[str, Any]) -> str:
     mem = plan["memory"]
     s = mem["settings"]
     batch = plan["batch"]
-    out.append(f"  settings: precision {s['precision']}"
-               + (f" ({'fp32 master weights' if s['master_weights'] else 'no master weights'})"
-                  if s["precision"] == "bf16" else "")
-               + f" · attention {s['attention']} · checkpointing {s['activation_checkpointing']}"
+    ckpt = s["activation_checkpointing"]
+    if ckpt == "selective":
+        k = s["activation_checkpointing_every"]
+        ckpt += f" (blocks 0, {k}, {2 * k}, ...)"
+    how = {"bf16-pure": " (fp32 master weights)" if s["master_weights"] else " (no master weights)",
+           "bf16": " (autocast, fp32 weights)", "fp16": " (autocast, fp32 weights)"}.get(s["precision"], "")
+    out.append(f"  settings: precision {s['precision']}{how}"
+               + f" · attention {s['attention']} · checkpointing {ckpt} · loss {s['loss']}"
                + f" · {s['strategy']} on {s['n_gpus']} GPU(s)")
     row("parameters", _gb(mem["params"]), "")
     row("gradients", _gb(mem["grads"]), "")
@@ -133,11 +140,13 @@ def format_plan(plan: dict[str, Any]) -> str:
         row("master weights", _gb(mem["master"]), "fp32 copy")
     if mem.get("activations") is not None:
         row("activations", _gb(mem["activations"]), f"saved for backward, micro-batch {batch['micro_batch']} × seq {T}")
-        row("logits + loss", _gb(mem.get("logits")), "LM-head output and float32 log-softmax")
+        row("logits + loss", _gb(mem.get("logits")),
+            "LM-head output and float32 log-softmax" if s["loss"] == "plain" else
+            "chunked: head-input and head-weight gradients computed in forward")
     else:
         row("activations", "NOT counted", "--params gives no model shape: activations, logits and FSDP buffers "
             "are left out (give --model or --config to count them)")
-    for key, label, how in (("weight_copies", "autocast weight copies", "bf16 copies of the matmul weights"),
+    for key, label, how in (("weight_copies", "autocast weight copies", "2-byte copies of the matmul weights"),
                             ("transient", "backward transients", "peak temporaries of the loss/attention backward"),
                             ("fsdp_buffers", "FSDP gather buffers", "unsharded params/grads in flight"),
                             ("buffers", "buffers", "RoPE tables"),
@@ -177,8 +186,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         eff = "n/a" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}%"
         out.append(f"  {r['gpus']:>5} {r['link']:<9} {1000 * r['comm_s']:>7.1f} ms {comp:>13} {share:>11} {eff:>11}")
     at = plan["scaling"]["at_gpus"]
-    if strategy == "fsdp":
-        out.append("  fsdp: all-gather the parameters for forward and backward on every micro-batch, reduce-scatter "
+    if strategy == "fsdp2":
+        out.append("  fsdp2: all-gather the parameters for forward and backward on every micro-batch, reduce-scatter "
                    "fp32 gradients once per step: (n-1)/n × params × (2 × gather bytes × micro-batches + 4) ÷ link GB/s")
     else:
         out.append(f"  all-reduce: 2(n-1)/n × {_n(at['grad_bytes'], 'B')} gradients ÷ link GB/s, once per optimizer step"

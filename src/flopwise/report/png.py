@@ -26,7 +26,7 @@ def _nan(values):
 
 
 def _line(ax, c: LineChart) -> None:
-    from matplotlib.ticker import PercentFormatter
+    from matplotlib.ticker import PercentFormatter  # lazy: matplotlib is optional ([report])
 
     for s in c.series:
         ys = _nan(s.y)
@@ -70,7 +70,7 @@ def _bars(ax, c: BarChart) -> None:
 
 
 def _heatmap(fig, ax, c: Heatmap) -> None:
-    from matplotlib.colors import LogNorm
+    from matplotlib.colors import LogNorm  # lazy: matplotlib is optional ([report])
 
     grid = [[math.nan if v is None or (c.log and v <= 0) else v for v in row] for row in c.values]
     image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis",
@@ -84,6 +84,7 @@ def _heatmap(fig, ax, c: Heatmap) -> None:
 
 
 def write_png(chart: Chart, path: Path) -> Path:
+    # lazy: matplotlib is optional ([report])
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -19,34 +19,26 @@ the epoch loader's is global, the random loader's is per rank (``"loader_ranks"`
 A full checkpoint resumed under fsdp2 is converted on the fly (each rank loads the full
 state and keeps its shards); a sharded one cannot resume under zero1 (refused).
 
-DCP stores its index (``sharded/.metadata``) as a pickle and non-tensor values (the
-optimizer's hyper-parameters) as ``torch.save`` blobs that its default planner reads with a
-full unpickler. Both would run whatever a crafted file asks for, so flopwise reads them
-itself: the index through an unpickler that knows only DCP's own metadata classes
-(:class:`SafeReader`), the blobs with ``weights_only=True`` (:class:`SafeLoadPlanner`).
+Reading either format safely -- DCP's pickled index through an allow-list, its non-tensor
+values with ``weights_only=True`` -- is :mod:`flopwise.checkpoints`' (``load_checkpoint``), which
+eval and export use too.
 """
 
 from __future__ import annotations
 
-import io
-import pickle
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint import filesystem as dcp_filesystem
-from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict, set_state_dict)
+                                                     set_optimizer_state_dict)
 
+from flopwise.checkpoints import (SHARDED, file_entry, first_failure, load_checkpoint, load_tensors, read_state,
+                                  verify_checkpoint)
 from flopwise.config import ConfigError
-from flopwise.train.checkpoint import (SHARDED, CheckpointError, begin_save, discard_save, file_entry,
-                                       load_checkpoint, load_tensors, read_state, rng_state, save_checkpoint,
-                                       save_failed, verify_checkpoint)
+from flopwise.train.checkpoint import begin_save, discard_save, rng_state, save_checkpoint, save_failed
 from flopwise.train.distributed import DistEnv
 
 
@@ -79,7 +71,7 @@ def save_distributed(run_dir: Path, step: int, env: DistEnv, strategy: str, mode
         dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=FileSystemWriter(out, sync_files=True))
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - whatever a full disk looks like to DCP
         env.on_main(lambda: discard_save(run_dir, step))
-        raise save_failed(run_dir, step, _first_failure(e)) from e
+        raise save_failed(run_dir, step, first_failure(e)) from e
     env.barrier()  # every rank's files are written (and .metadata, by rank 0) before they are listed
     mine = {f"{SHARDED}/{p.name}": file_entry(p) for p in sorted(out.iterdir())
             if p.name.startswith(f"__{env.rank}_") or (env.is_main and not p.name.startswith("__"))}
@@ -112,97 +104,6 @@ def load_distributed(path: Path, env: DistEnv, strategy: str, model: torch.nn.Mo
     if isinstance(loaders, list) and len(loaders) == env.world_size:
         saved["loader"] = loaders[env.rank]
     return saved
-
-
-def load_sharded(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """A ``sharded/`` directory into ``model`` (plain, DDP's inner module or FSDP2-sharded) and
-    ``optimizer``: DCP reads each rank's part of every tensor, whatever the saving world size
-    (in one process without a process group -- eval, export -- it reads everything)."""
-    reader, planner = SafeReader(directory), SafeLoadPlanner()
-    reader.read_metadata()  # a refused index is named here, not inside DCP's collective error report
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        try:
-            if optimizer is None:
-                sd = {"model": model.state_dict()}
-                dcp.load(sd, storage_reader=reader, planner=planner)
-                model.load_state_dict(sd["model"])
-                return
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            sd = {"model": model_sd, "optim": optim_sd}
-            dcp.load(sd, storage_reader=reader, planner=planner)
-        except CheckpointException as e:  # a BaseException: every rank's failures, ours among them
-            cause = _first_failure(e)
-            raise (cause if isinstance(cause, CheckpointError) else CheckpointError(
-                f"{directory}: cannot read the sharded checkpoint: {cause}")) from None
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-
-
-def _first_failure(e: BaseException) -> BaseException:
-    """The first rank's own exception inside DCP's CheckpointException (``e`` itself otherwise)."""
-    failures = getattr(e, "failures", None) or {}
-    for _, wrapped in sorted(failures.items()):
-        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-        if isinstance(inner, BaseException):
-            return inner
-    return e
-
-
-# The classes a DCP index is made of (torch.distributed.checkpoint.metadata / .filesystem), and
-# the plain values inside them. Anything else in the pickle -- os.system, builtins.eval, a
-# class with a side-effecting __setstate__ -- is refused before it is looked up.
-_DCP_CLASSES = {
-    (dcp_metadata.__name__, name) for name in (
-        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "BytesStorageMetadata",
-        "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {(dcp_filesystem.__name__, "_StorageInfo"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-     ("torch._utils", "_get_layout"),
-     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib._local", "PosixPath"),
-     ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice")}
-
-
-class _IndexUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _DCP_CLASSES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                          torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
-
-
-class SafeReader(FileSystemReader):
-    """DCP's file reader with its index read through an allow-list instead of ``pickle.load``."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        path = Path(self._get_metadata_path(kwargs.get("rank")))
-        try:
-            with open(path, "rb") as f:
-                metadata = _IndexUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as e:
-            raise CheckpointError(f"{path}: not a checkpoint index that flopwise reads (refused, nothing "
-                                  f"in it was run): {e}") from None
-        if not isinstance(metadata, dcp_metadata.Metadata):
-            raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not a checkpoint index")
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = dcp_metadata.StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, but a non-tensor value must load with ``weights_only=True``
-    (numbers, strings, containers -- what an optimizer's hyper-parameters are) before it is used."""
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        try:
-            torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise CheckpointError(f"a value of {read_item.dest_index.fqn} in the sharded checkpoint holds objects "
-                                  f"other than tensors, numbers and strings; refused: "
-                                  f"{str(e).splitlines()[0][:200]}") from None
-        value.seek(0)
-        super().load_bytes(read_item, value)  # checked: safe for the full unpickler it uses
 
 
 def _load_full_into_fsdp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -9,7 +9,7 @@ Here the rows go through in chunks of ``chunk_tokens``: at any moment only one c
 
 Three implementations behind :func:`linear_cross_entropy`:
 
-- ``plain``: the reference (what ``train/step.py``'s ``loss_sum(model(x), y)`` computes);
+- ``plain``: the reference (what ``model/loss.py``'s ``loss_sum(model(x), y)`` computes);
 - ``chunked``: :func:`chunked_cross_entropy`, pure PyTorch, any device;
 - ``fused``: Liger-Kernel's Triton fused linear cross-entropy, CUDA only, used by
   ``auto`` when it is installed (:func:`fused_linear_cross_entropy_available`).
@@ -26,6 +26,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from flopwise.config import ConfigError, ModelConfig, TrainConfig
 
 IMPLS = ("auto", "chunked", "plain", "fused")
 
@@ -160,9 +162,9 @@ class _ChunkedLinearCE(torch.autograd.Function):
 class _ChunkBuffers:
     """One chunk's working memory, allocated once per pass and reused by every chunk.
 
-    Reuse matters on CPU, where a freed (C, V) block goes back to the OS and the next
-    one page-faults in again (~0.2 s per GB here); CUDA's caching allocator would reuse
-    it anyway. Size: C x V x 4 bytes, plus C x V x 2 and V x D x 2 for a 16-bit compute
+    Reuse matters on CPU, where a freed (C, V) block goes back to the OS and the next one
+    page-faults in again (a cost that grows with the bytes); CUDA's caching allocator
+    would reuse it anyway. Size: C x V x 4 bytes, plus C x V x 2 and V x D x 2 for a 16-bit compute
     dtype (the matmul output, and each chunk's weight-gradient product before it is
     added to the float32 accumulator). With float32 weights under autocast, the pass also
     holds the weight cast to the compute dtype (V x D x 2), as autocast's F.linear does."""
@@ -228,7 +230,7 @@ def chunked_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, chunk
     on top, and gradients are computed even when no backward ever comes. Recompute is
     never higher and is lower in all of those cases, so it is the default. Where backward
     follows at once (``train/step.py``) the peaks are equal and grads-in-forward is faster
-    (CPU, SmolLM-135M head: 3.8 s vs 4.8 s, same 1.5 GiB peak; ``benchmarks/chunked_ce.py``).
+    (``benchmarks/chunked_ce.py``; figures in docs/benchmarks.md#chunked-cross-entropy).
     It is only used when grad mode is on.
     """
     if chunk_tokens < 1:
@@ -257,6 +259,7 @@ def plain_linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, 
 def _liger_flce():
     """Liger-Kernel's functional fused linear cross-entropy, or None when it cannot be imported."""
     try:
+        # lazy: Liger-Kernel (and triton) are optional, CUDA only
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
     except Exception:  # not installed, or Triton / the CUDA toolchain missing: any failure means "unavailable"
         return None
@@ -308,3 +311,28 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, impl: 
         return _fused_cross_entropy(hidden, weight, targets, ignore_index)
     return chunked_cross_entropy(hidden, weight, targets, chunk_tokens, ignore_index,
                                  grads_in_forward=grads_in_forward)
+
+
+def resolve_loss_impl(choice: str, m: ModelConfig, t: TrainConfig, device: torch.device,
+                      plain_fits: str | None = None) -> tuple[str, str]:
+    """``train.loss`` as ``(impl, why)`` (``why`` empty when it was not ``auto``), for a
+    ``train.compile`` already resolved (:func:`flopwise.train.wrap.resolve_compile`).
+
+    ``auto`` under ``compile=model``: the plain loss, inside the compiled graph (the compiler
+    fuses the head's matmul with the softmax, no extra pass over the logits), unless the
+    memory model says its full logits do not fit -- ``plain_fits`` is then the reason, and
+    the fused kernel (Liger, on CUDA) or the chunked loss holds no full logits. Not compiled:
+    the fused kernel where it is installed, else chunked, which on this project's CPU
+    measurements (docs/benchmarks.md) is both faster and smaller than eager plain."""
+    if choice != "auto":
+        if choice == "fused" and not fused_linear_cross_entropy_available(device):
+            raise ConfigError(["train.loss=fused: no fused linear cross-entropy kernel here (Liger-Kernel on CUDA)"])
+        return choice, ""
+    fused = fused_linear_cross_entropy_available(device)
+    if t.compile == "model":
+        if plain_fits is None:
+            return "plain", "inside the compiled graph"
+        return ("fused" if fused else "chunked"), f"no full logits: {plain_fits}"
+    if fused:
+        return "fused", "Liger's fused kernel, not compiled"
+    return "chunked", "not compiled: fewer passes and no full logits"

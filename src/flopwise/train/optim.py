@@ -32,7 +32,6 @@ from collections.abc import Callable, Iterable
 import torch
 
 from flopwise.config import OptimConfig
-from flopwise.train.schedule import shape_after_warmup, blend
 
 # Keller Jordan's quintic Newton-Schulz coefficients (steepest slope at 0; singular values
 # land in roughly [0.7, 1.2] after 5 steps rather than exactly 1, which trains as well).
@@ -302,26 +301,6 @@ def describe_optimizer(optimizer) -> str:
                      f"{opt.defaults['ns_steps']} Newton-Schulz steps, lr x sqrt(max(1, out/in)))")
         parts.append(f"{type(opt).__name__} lr {lr:g}{extra} for {n:,} parameters")
     return " · ".join(parts)
-
-
-# ----------------------------------------------------------------------------- learning rate
-
-
-def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
-    """Learning rate for optimizer step ``step`` (0-based) of ``total_steps``.
-
-    Linear warm-up from lr/warmup to lr over ``warmup_steps``, then cosine decay to
-    ``lr * min_lr_ratio`` at the last step, constant at lr, or WSD: lr until the final
-    ``decay_fraction`` of the steps, then ``decay_shape`` to the floor at the last step.
-    The shapes are those of :func:`flopwise.train.schedule.lr_factor`, in steps.
-    """
-    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    # Steps 0 .. total_steps - 1; cosine spans warm-up end .. last step (at least one step).
-    end = cfg.warmup_steps + max(total_steps - cfg.warmup_steps - 1, 1)
-    if cfg.schedule == "wsd":
-        end = max(total_steps - 1, cfg.warmup_steps)
-    return blend(cfg.lr, cfg.min_lr_ratio, shape_after_warmup(step, cfg.warmup_steps, end, cfg))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

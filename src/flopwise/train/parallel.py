@@ -27,12 +27,17 @@ checkpointing -> compile -> DDP/FSDP. Checkpoint formats: see ``train/dist_check
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flopwise.config import ConfigError, RunConfig
+from flopwise.plan.budget import memory_settings_for_run
+from flopwise.plan.memory import estimate
 from flopwise.train.distributed import DistEnv
 
 HEADROOM = 0.9  # share of the GPU the memory model's peak may take for auto to pick a strategy
@@ -46,9 +51,6 @@ class Strategy:
 
 def predicted_peak(cfg: RunConfig, strategy: str, world: int, precision: str, loss: str) -> int:
     """The memory model's per-GPU peak bytes for one training step under ``strategy``."""
-    from flopwise.plan.budget import memory_settings_for_run
-    from flopwise.plan.memory import estimate
-
     settings = memory_settings_for_run(cfg, precision, loss, strategy, world)
     return estimate(cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len, settings).total
 
@@ -116,10 +118,6 @@ def apply_data_parallel(model: torch.nn.Module, strategy: str, env: DistEnv, dev
     if strategy == "single":
         return model, []
     if strategy in ("ddp", "zero1"):
-        import inspect
-
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         # No buffer broadcast before each forward: the only buffers are the RoPE cos/sin tables,
         # a deterministic function of the config (non-persistent), identical on every rank, so
         # broadcasting them from rank 0 would be a wasted collective per micro-batch. torch
@@ -131,7 +129,7 @@ def apply_data_parallel(model: torch.nn.Module, strategy: str, env: DistEnv, dev
         return wrapped, [f"DDP: gradients all-reduced in {pc.bucket_mb:g} MB buckets during backward, once per "
                          "step (no_sync on the earlier micro-batches)"]
     if strategy == "fsdp2":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # lazy: ~4 s to import; fsdp2 only
 
         mp = (MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
               if compute_dtype is not None and compute_dtype != torch.float32 else MixedPrecisionPolicy())
@@ -151,7 +149,7 @@ def apply_data_parallel(model: torch.nn.Module, strategy: str, env: DistEnv, dev
 def zero1_optimizer(plain: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """A ``ZeroRedundancyOptimizer`` with ``plain``'s parameter groups and hyper-parameters
     (``plain`` -- built by ``build_optimizer`` and never stepped -- is discarded)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # lazy: ~1.5 s to import; zero1 only
 
     if not isinstance(plain, torch.optim.AdamW):
         raise ConfigError(["parallel.strategy=zero1 shards AdamW's state; optim.name must be adamw"])
@@ -188,8 +186,6 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
         # FSDP2: this rank's shards' sums of squares, summed over ranks. (Not the DTensor
         # norm: torch's CPU float32 norm kernel is off by ~1e-4 relative on large tensors, and
         # differently for each way of cutting them; a sum of squares is accurate.)
-        import torch.distributed as dist
-
         squared = torch.stack([g.to_local().float().pow(2).sum() for g in grads]).sum()
         dist.all_reduce(squared, group=grads[0].device_mesh.get_group())
         total = squared.sqrt()

@@ -17,6 +17,7 @@ default and refused with the reason when unavailable -- never silently on or off
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -44,6 +45,13 @@ def resolve(name: str, device: torch.device) -> Precision:
     autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
     scaler = torch.amp.GradScaler("cuda") if name == "fp16" else None
     return Precision(name, autocast, torch.bfloat16 if name == "bf16-pure" else torch.float32, scaler)
+
+
+def autocast_factory(device: torch.device, dtype: torch.dtype | None):
+    """A function returning the autocast context of ``dtype`` on ``device`` (a no-op for None)."""
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device_type=device.type, dtype=dtype)
 
 
 class MasterWeights:
@@ -79,7 +87,7 @@ def apply_fp8(model: torch.nn.Module, device: torch.device) -> str:
     if (major, minor) < (8, 9):
         raise ConfigError([f"train.fp8=true needs compute capability 8.9+ (Ada/Hopper), this GPU has {major}.{minor}"])
     try:
-        from torchao.float8 import convert_to_float8_training
+        from torchao.float8 import convert_to_float8_training  # lazy: torchao is optional, fp8 only
     except ImportError:
         raise ConfigError(["train.fp8=true needs torchao (pip install torchao)"]) from None
 

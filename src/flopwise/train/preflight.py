@@ -21,6 +21,7 @@ settings: ``flopwise train --config preflight.yaml`` runs it as is).
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import tempfile
@@ -32,11 +33,26 @@ from typing import Any, Callable
 import torch
 import yaml
 
+from flopwise.checkpoints import latest_checkpoint, load_checkpoint
 from flopwise.config import RunConfig
+from flopwise.data.datadir import open_data_dir
+from flopwise.data.loader import make_loader
 from flopwise.measure.sinks import human
-from flopwise.plan.flops import flops_per_token
+from flopwise.model import build_model, configure_attention
 from flopwise.plan.budget import memory_settings_for_run
+from flopwise.plan.flops import flops_per_token
 from flopwise.plan.memory import MemorySettings, estimate
+from flopwise.train.checkpoint import save_checkpoint
+from flopwise.train.device import device_peak
+from flopwise.train.distributed import resolve_device
+from flopwise.train.explain import explain_run
+from flopwise.train.defaults import resolve_speed
+from flopwise.train.optim import build_optimizer
+from flopwise.train.precision import autocast_factory, resolve
+from flopwise.train.step import forward_backward, make_loss_fn
+from flopwise.train.trainer import train
+from flopwise.train.wrap import wrap_model
+
 
 Log = Callable[[str], None]
 STARVATION_WARN = 0.05  # waiting for data above 5% of step time deserves a look
@@ -71,16 +87,12 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
     the trainer's own step (loss function, wrappers, precision, optimizer) at this micro-batch.
 
     Each step is timed on its own (a window): ``tok_per_s`` is the median of the windows'
-    rates, ``tok_per_s_windows`` lists them all."""
-    from flopwise.data.datadir import open_data_dir
-    from flopwise.data.loader import make_loader
-    from flopwise.model import build_model, configure_attention
-    from flopwise.train.optim import build_optimizer
-    from flopwise.train.precision import resolve
-    from flopwise.train.step import forward_backward, make_loss_fn
-    from flopwise.train.trainer import autocast_factory, resolve_loss_impl
-    from flopwise.train.wrap import wrap_model
+    rates, ``tok_per_s_windows`` lists them all.
 
+    Each trial starts with a fresh compiler: dynamo would otherwise take the second size for
+    a shape change of the same code and compile a dynamic-batch graph for it (and reuse that
+    for every later size), not the static graph the run itself compiles."""
+    torch._dynamo.reset()
     t = cfg.train
     t.micro_batch_size, t.activation_checkpointing = micro_batch, checkpointing
     accum = cfg.grad_accum_steps()
@@ -91,7 +103,7 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
     model = build_model(cfg.model, device=device, seed=t.seed)
     configure_attention(model, device, prec.autocast_dtype or torch.float32)
     wrap_model(model, t)
-    loss_fn = make_loss_fn(model, resolve_loss_impl(t.loss, cfg.model, t, device), t.loss_chunk_tokens,
+    loss_fn = make_loss_fn(model, t.loss, t.loss_chunk_tokens,
                            compile_mode=t.compile_mode if t.compile == "model" else None)
     opt = build_optimizer(model, cfg.optim, device)
     autocast = autocast_factory(device, prec.autocast_dtype)
@@ -201,8 +213,6 @@ def candidates(cfg: RunConfig) -> list[int]:
 def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: float = 0.0,
               headroom: float = 0.9, warmup: int = 2, steps: int = 3, price_per_gpu_hour: float = 0.0,
               out_dir: str | Path = "", measure_fn=measure, log: Log = print) -> dict[str, Any]:
-    from flopwise.train.trainer import device_peak, explain_run, resolve_device, train
-
     device = resolve_device(cfg.train.device)
     out = Path(out_dir or f"runs/{cfg.preset or 'run'}-preflight")
     out.mkdir(parents=True, exist_ok=True)
@@ -210,12 +220,46 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     if device.type == "cuda":
         report["device"] = torch.cuda.get_device_name(device)
         memory_gb = memory_gb or torch.cuda.get_device_properties(device).total_memory / 2**30
-    precision = cfg.train.precision if cfg.train.precision != "auto" else (
-        "bf16" if device.type == "cuda" else "float32")
+    precision = resolve(cfg.train.precision, device).name
+    cfg, speed_notes = resolve_speed(cfg, device, precision, 1)  # the trials time what the run will do
+    for name, note in speed_notes.items():
+        log(f"preflight: {name} {note}")
+    report["speed"] = speed_notes
     peak, peak_note = device_peak(device, precision, cfg.train.peak_tflops)
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
 
-    # 1. end to end, in a scratch directory
+    report["end_to_end"] = end_to_end(cfg, device, log)  # 1. four real steps and a checkpoint round trip
+    if cfg.train.compile != "off":  # 2. graphs and breaks; recompiles seen after warm-up in the steps above
+        report["compile"] = explain_run(_copy(cfg), log=log)
+        for warning in report["end_to_end"]["recompiles"]:
+            log(f"preflight: {warning}")
+    # 3. the micro-batch search
+    settings = memory_settings_for_run(cfg, precision, cfg.train.loss)  # activation checkpointing: tried both below
+    trials = search(cfg, settings, lambda b, ckpt, windows: measure_fn(_copy(cfg), b, ckpt, warmup, windows, device),
+                    warmup, max(steps, MIN_WINDOWS), fpt, peak, memory_gb, headroom, log)
+    best, reason = choose(trials)
+    report["trials"] = [x.__dict__ for x in trials]
+    report["chosen"] = {"micro_batch_size": best.micro_batch, "activation_checkpointing": best.checkpointing}
+    report["choice_reason"] = reason
+    _log_table(trials, best, log)
+    log(f"preflight: chose {_label(best)}: {reason}")
+    # 4. data starvation
+    report["data_share"] = best.data_share
+    if best.data_share is not None and best.data_share > STARVATION_WARN:
+        remedies = (["data.loader=epoch (no random sampling)"] if cfg.data.loader == "random" else []) + [
+            "a faster disk", "data.prefetch"]
+        log(f"preflight: WARNING: {100 * best.data_share:.1f}% of step time waits for data: try "
+            f"{', '.join(remedies[:-1])} or {remedies[-1]}")
+    # 5. the prediction, and the tuned configuration that `flopwise train --config` runs as is
+    tuned = _copy(cfg)
+    tuned.train.micro_batch_size, tuned.train.activation_checkpointing = best.micro_batch, best.checkpointing
+    predict(report, cfg, tuned, best, tokens, hours, price_per_gpu_hour, fpt, peak, peak_note, log)
+    _write(out, report, cfg, tuned, log)
+    return report
+
+
+def end_to_end(cfg: RunConfig, device: torch.device, log: Log) -> dict[str, Any]:
+    """Four real training steps in a scratch directory, a checkpoint and its round trip."""
     scratch = Path(tempfile.mkdtemp(prefix="flopwise-preflight-"))
     try:
         check = _copy(cfg)
@@ -229,25 +273,19 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
         e2e.update(loss_first=losses[0], loss_last=losses[-1], finite=all(map(_finite, losses)),
                    falling=losses[-1] < losses[0],
                    recompiles=[r["message"] for r in rows if r.get("event") == "recompile"])
-        report["end_to_end"] = e2e
         log(f"preflight: end to end OK · loss {losses[0]:.4f} -> {losses[-1]:.4f} over 4 steps"
             f" ({'falling' if e2e['falling'] else 'NOT falling'}) · checkpoint round trip "
             f"{'identical' if e2e['checkpoint_identical'] else 'DIFFERENT'} · save {e2e['save_s']:.2f}s")
+        return e2e
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
-    # 2. compile diagnostics: graphs and breaks; recompiles seen after warm-up in the steps above
-    if cfg.train.compile != "off":
-        report["compile"] = explain_run(_copy(cfg), log=log)
-        for warning in report["end_to_end"]["recompiles"]:
-            log(f"preflight: {warning}")
 
-    # 3. micro-batch search
-    from flopwise.train.trainer import resolve_loss_impl
-
-    loss = resolve_loss_impl(cfg.train.loss, cfg.model, cfg.train, device)
-    settings = memory_settings_for_run(cfg, precision, loss)  # activation checkpointing: tried both below
-    windows = max(steps, MIN_WINDOWS)
+def search(cfg: RunConfig, settings: MemorySettings, measure_one: Callable[[int, str, int], dict[str, Any]],
+           warmup: int, windows: int, fpt: float, peak: float | None, memory_gb: float, headroom: float,
+           log: Log) -> list[Trial]:
+    """Every candidate micro-batch without activation checkpointing, then with it where a
+    larger one does not fit without; a size the planner says cannot fit is not run."""
     sizes = candidates(cfg)
     log(f"preflight: micro-batch search: {len(sizes)} sizes without activation checkpointing, then with it "
         f"where a larger one does not fit; each {warmup} warm-up + {windows} timed steps")
@@ -255,7 +293,6 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     for ckpt in ("none", "full"):
         todo = [b for b in sizes if not (ckpt == "full" and any(
             x.status == "ok" and x.checkpointing == "none" and x.micro_batch >= b for x in trials))]
-        # checkpointing only where it lets a larger micro-batch fit
         for i, b in enumerate(todo, 1):
             s = MemorySettings(**{**settings.__dict__, "activation_checkpointing": ckpt})
             pred = estimate(cfg.model, b, cfg.train.seq_len, s).gb()["total"]
@@ -263,18 +300,16 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
             if memory_gb and pred > headroom * memory_gb:
                 trial.status, trial.note = "no-fit", f"planner: {pred:.2f} GiB > {headroom:.0%} of {memory_gb:.1f} GiB"
             else:
-                _run_trial(trial, lambda: measure_fn(_copy(cfg), b, ckpt, warmup, windows, device), fpt, peak,
-                           memory_gb, headroom)
+                _run_trial(trial, lambda: measure_one(b, ckpt, windows), fpt, peak, memory_gb, headroom)
             trials.append(trial)
             log(f"preflight: trial {i}/{len(todo)} {'without' if ckpt == 'none' else 'with'} checkpointing: "
                 + _trial_line(trial))
-    ok = [x for x in trials if x.status == "ok"]
-    if not ok:
+    if not any(x.status == "ok" for x in trials):
         raise RuntimeError("preflight: no micro-batch fits: " + "; ".join(f"{x.micro_batch}: {x.note}" for x in trials))
-    best, reason = choose(trials)
-    report["trials"] = [x.__dict__ for x in trials]
-    report["chosen"] = {"micro_batch_size": best.micro_batch, "activation_checkpointing": best.checkpointing}
-    report["choice_reason"] = reason
+    return trials
+
+
+def _log_table(trials: list[Trial], best: Trial, log: Log) -> None:
     log(f"{'micro-batch':>11} {'ckpt':>5} {'status':>7} {'tok/s':>10} {'±':>6} {'MFU':>6} {'peak GiB':>9}"
         f" {'plan GiB':>9} {'data':>6}")
     for x in trials:
@@ -285,28 +320,21 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
             f"{f'{x.peak_gb:.2f}' if x.peak_gb is not None else 'n/a':>9} {x.predicted_gb:>9.2f} "
             f"{f'{100 * x.data_share:.1f}%' if x.data_share is not None else '-':>6}"
             f"{'  <- chosen' if x is best else ''}{'  ' + x.note if x.note else ''}")
-    log(f"preflight: chose {_label(best)}: {reason}")
 
-    # 4. data starvation
-    report["data_share"] = best.data_share
-    if best.data_share is not None and best.data_share > STARVATION_WARN:
-        remedies = (["data.loader=epoch (no random sampling)"] if cfg.data.loader == "random" else []) + [
-            "a faster disk", "data.prefetch"]
-        log(f"preflight: WARNING: {100 * best.data_share:.1f}% of step time waits for data: try "
-            f"{', '.join(remedies[:-1])} or {remedies[-1]}")
 
-    # 5. prediction
-    tuned = _copy(cfg)
-    tuned.train.micro_batch_size, tuned.train.activation_checkpointing = best.micro_batch, best.checkpointing
+def predict(report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, best: Trial, tokens: int, hours: float,
+            price_per_gpu_hour: float, fpt: float, peak: float | None, peak_note: str, log: Log) -> None:
+    """The full run at the chosen trial's rate: tokens, time, cost, against the planner's 40% MFU."""
     hours = hours or (cfg.train.max_hours if not tokens else 0.0)  # a run bounded by train.max_hours
-    budget_tokens = tokens or (int(hours * 3600 * best.tok_per_s) if hours else tuned.total_steps() * tuned.tokens_per_step)
+    run_tokens = tuned.total_steps() * tuned.tokens_per_step
+    budget_tokens = tokens or (int(hours * 3600 * best.tok_per_s) if hours else run_tokens)
     if cfg.train.max_hours and budget_tokens / best.tok_per_s > cfg.train.max_hours * 3600:
         budget_tokens = int(cfg.train.max_hours * 3600 * best.tok_per_s)  # it will stop on time, with fewer tokens
         report["stops_at_max_hours"] = True
     # A batch-size ramp changes how tokens are grouped into steps, not the tokens per second of a
     # micro-batch, so the same rate carries the whole run.
     wall_s = budget_tokens / best.tok_per_s
-    report["prediction"] = {
+    report["prediction"] = p = {
         # measured values, or None (n/a); memory falls back to the planner's estimate, and says so
         "tokens": budget_tokens, "tok_per_s": best.tok_per_s, "tok_per_s_spread": best.spread, "mfu": best.mfu,
         "memory_gb": best.peak_gb if best.peak_gb is not None else best.predicted_gb,
@@ -319,12 +347,13 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     }
     if tokens:
         tuned.train.max_tokens, tuned.train.max_steps = tokens, 0
-    p = report["prediction"]
     planned = f"planner at 40% MFU: {p['planner']['hours']:.2f} h" if p["planner"]["hours"] else "planner: no peak"
     cost = f" · ${p['cost']:,.0f}" if p["cost"] else ""
     log(f"preflight: {human(budget_tokens)} tokens at {human(best.tok_per_s)} tok/s = {p['hours']:.2f} h{cost}"
         f" · {planned} · final checkpoint ~{p['final_checkpoint_s']:.2f}s")
 
+
+def _write(out: Path, report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, log: Log) -> None:
     (out / "preflight.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     tuned.train.run_dir = ""
     data = tuned.to_dict()
@@ -332,7 +361,6 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     (out / "preflight.yaml").write_text(yaml.safe_dump({"preset": cfg.preset, **data}, sort_keys=False))
     log(f"preflight: wrote {out / 'preflight.json'} and {out / 'preflight.yaml'} "
         f"(flopwise train --config {out / 'preflight.yaml'})")
-    return report
 
 
 def _run_trial(trial: Trial, run: Callable[[], dict[str, Any]], fpt: float, peak: float | None,
@@ -370,16 +398,11 @@ def _finite(x: float) -> bool:
 
 
 def _copy(cfg: RunConfig) -> RunConfig:
-    import copy
-
     return copy.deepcopy(cfg)
 
 
 def _check_checkpoint(run_dir: Path, cfg: RunConfig, device: torch.device) -> dict[str, Any]:
     """Load the scratch run's last checkpoint into a fresh model: every tensor must come back."""
-    from flopwise.model import build_model
-    from flopwise.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-
     ckpt = latest_checkpoint(run_dir)
     model = build_model(cfg.model, device=device, seed=cfg.train.seed + 1)
     load_checkpoint(ckpt, model, map_location=device)

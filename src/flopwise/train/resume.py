@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from flopwise.checkpoints import CHECKPOINT_DIR, latest_checkpoint, unmarked_checkpoints
 from flopwise.config import ConfigError, RunConfig, load_run_config
 from flopwise.fsio import DirLock, LockedError, atomic_write, describe_write_error
-from flopwise.train.checkpoint import CHECKPOINT_DIR, latest_checkpoint, unmarked_checkpoints
 
 # Model fields that may change between a run and its resumption: the kernel choice and
 # training-only knobs. Every other model field shapes the weights or their meaning.

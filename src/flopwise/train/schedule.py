@@ -45,7 +45,10 @@ early on, when the gradient noise scale is small, and cost fewer tokens per upda
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from flopwise.config import ConfigError, OptimConfig, RunConfig, load_run_config
 
 SCHEDULES = ("cosine", "constant", "wsd")
 DECAY_SHAPES = ("linear", "cosine", "sqrt")
@@ -91,7 +94,7 @@ def shape_after_warmup(pos: float, warmup_end: float, end: float, cfg) -> float 
     ``None`` in a stable phase (constant, WSD before its decay): exactly the peak.
 
     Unit-free (steps, or fractions of the run) so that :func:`lr_factor` and the step-based
-    ``optim.lr_at`` share it; cosine spans [warmup_end, end], a WSD decay the final
+    :func:`lr_at` share it; cosine spans [warmup_end, end], a WSD decay the final
     ``decay_fraction`` of [0, end] (never starting inside the warm-up)."""
     if cfg.schedule == "constant":
         return None
@@ -204,3 +207,98 @@ def ramp_plan(total_tokens: int, micro_batch_tokens: int, full_accum: int, ramp_
     if rest:
         accums.append(rest)
     return RampPlan(len(accums), accums)
+
+
+# ----------------------------------------------------------------------------- the rate of a step
+
+def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
+    """Learning rate for optimizer step ``step`` (0-based) of ``total_steps``.
+
+    Linear warm-up from lr/warmup to lr over ``warmup_steps``, then cosine decay to
+    ``lr * min_lr_ratio`` at the last step, constant at lr, or WSD: lr until the final
+    ``decay_fraction`` of the steps, then ``decay_shape`` to the floor at the last step.
+    The shapes are those of :func:`lr_factor`, in steps.
+    """
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    # Steps 0 .. total_steps - 1; cosine spans warm-up end .. last step (at least one step).
+    end = cfg.warmup_steps + max(total_steps - cfg.warmup_steps - 1, 1)
+    if cfg.schedule == "wsd":
+        end = max(total_steps - 1, cfg.warmup_steps)
+    return blend(cfg.lr, cfg.min_lr_ratio, shape_after_warmup(step, cfg.warmup_steps, end, cfg))
+
+
+def lr_for_step(step: int, total_steps: int, tokens_after: int, o: OptimConfig, max_tokens: int,
+                ramp: RampPlan | None, time_used: float | None, cont: Continuation | None = None) -> float:
+    """The learning rate of the next step: by steps (:func:`lr_at`), by tokens during a batch
+    ramp (steps differ in size; ``max_tokens`` is the run's), by the share of the time budget
+    used (``time_used``) for a WSD fitted to ``train.max_hours``, or along ``cont`` after a
+    resume that changed the run's length (:func:`resumed_schedule`)."""
+    if cont is not None and step >= cont.from_step:
+        return cont.at(step, o.lr * o.min_lr_ratio)
+    if time_used is not None:
+        if step < o.warmup_steps:
+            return o.lr * (step + 1) / o.warmup_steps
+        return o.lr * lr_factor(time_used, o, 0.0)
+    if ramp is not None:
+        return o.lr * lr_factor(tokens_after / max_tokens, o, o.warmup_steps / max(total_steps, 1))
+    return lr_at(step, total_steps, o)
+
+
+def resumed_schedule(checkpoint: Path, saved: dict[str, Any], step: int, total_steps: int, cfg: RunConfig,
+                     ramped: bool) -> tuple[Continuation | None, str]:
+    """The learning rate of a resumed run whose length (``train.max_steps``/``max_tokens``)
+    may have changed since ``checkpoint`` (its own config.yaml holds the length its steps were
+    taken under): ``(continuation or None, a note for the log, "" when nothing changed)``.
+
+    An unchanged length keeps the schedule as it was (bit-identical to an uninterrupted run).
+    A changed one goes on from the rate of the last step taken (:func:`continue_schedule`)
+    instead of recomputing the schedule for the new length, which would move the rate
+    (extending a finished cosine would raise it from its floor)."""
+    o, t = cfg.optim, cfg.train
+    before = saved.get("lr_continuation")
+    before = Continuation(**before) if isinstance(before, dict) else None
+    try:
+        old = load_run_config(checkpoint / "config.yaml")
+    except (ConfigError, OSError):
+        old = None
+    if o.fit_to_time:
+        return None, ""  # progress is the share of train.max_hours used, not of the steps
+    if ramped:
+        if old is not None and (old.train.max_tokens, old.train.max_steps) != (t.max_tokens, t.max_steps):
+            raise ConfigError([f"train.run_dir {t.run_dir!r}: a batch-ramped run's schedule follows its tokens, so "
+                               f"its length cannot change on resume (train.max_tokens {old.train.max_tokens} -> "
+                               f"{t.max_tokens}, train.max_steps {old.train.max_steps} -> {t.max_steps}): keep "
+                               f"train.max_tokens={old.train.max_tokens} train.max_steps={old.train.max_steps}, "
+                               "or pass --fresh to start over"])
+        return None, ""
+    old_total = before.total if before is not None else (old.total_steps() if old is not None else total_steps)
+    floor = o.lr * o.min_lr_ratio
+    if old_total == total_steps:
+        if before is None:
+            return None, ""
+        return before, (f"the rate follows the continuation set at step {before.from_step:,} when the run's length "
+                        f"changed: {_continuation_text(before, floor)}")
+
+    def previous(k: int) -> float:  # the rate step k had
+        return before.at(k, floor) if before is not None and k >= before.from_step else lr_at(k, old_total, o)
+
+    last = step - 1
+    prev_rate, new_rate = previous(last), lr_at(last, total_steps, o)
+    cont = continue_schedule(step, total_steps, prev_rate, new_rate, o)
+    change = f"length {old_total:,} -> {total_steps:,} steps"
+    if cont is None:
+        end = f" (its decay now ends at step {total_steps:,})" if o.schedule == "wsd" else ""
+        return None, (f"{change}: step {step:,}'s rate is the same under both ({new_rate:.3g}), so the {o.schedule} "
+                      f"schedule of {total_steps:,} steps goes on from there{end}")
+    restart = lr_at(step, total_steps, o)
+    return cont, (f"{change}: {_continuation_text(cont, floor)}, where the {old_total:,}-step schedule left it "
+                  f"(recomputing the {o.schedule} schedule for {total_steps:,} steps would set {restart:.3g} "
+                  f"at step {step + 1:,})")
+
+
+def _continuation_text(c: Continuation, floor: float) -> str:
+    if c.lr <= floor:
+        return f"the rate is held at {c.lr:.3g} from step {c.from_step + 1:,} to {c.total:,}"
+    return (f"the rate continues from {c.lr:.3g} at step {c.from_step:,} and decays ({c.shape}) to {floor:.3g} "
+            f"at step {c.total:,}")

@@ -13,15 +13,10 @@ import contextlib
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 
-
-def loss_sum(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Sum of token cross-entropies, computed in float32 (logits may be bf16 under autocast)."""
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
-        reduction="sum", ignore_index=ignore_index,
-    )
+from flopwise.model.attention import doc_spans
+from flopwise.model.loss import loss_sum
+from flopwise.train.losses import linear_cross_entropy
 
 
 def make_loss_fn(model: torch.nn.Module, impl: str = "plain", chunk_tokens: int = 4096,
@@ -31,7 +26,10 @@ def make_loss_fn(model: torch.nn.Module, impl: str = "plain", chunk_tokens: int 
     ``impl``: ``plain`` -- logits (B, T, V) then float32 cross-entropy; ``chunked`` -- the LM
     head and the loss over chunks of ``chunk_tokens`` rows, never holding the whole logits
     (``train/losses.py``); ``fused`` -- a fused linear+CE kernel where one is installed.
-    ``compile_mode`` (not None) compiles the whole function: forward, head and loss in one graph.
+    ``compile_mode`` (not None) compiles the whole function: forward, head and loss in one
+    graph -- except the fused kernel, which dynamo cannot trace (a Triton launch and host
+    reads inside Liger): then the model's forward is compiled as one graph and the kernel
+    runs after it, outside, instead of breaking the graph in the middle of the step.
     """
     inner = getattr(model, "module", model)  # DDP holds the model in .module; FSDP2 shards it in place
     moe = bool(getattr(getattr(inner, "cfg", None), "is_moe", False))
@@ -40,20 +38,36 @@ def make_loss_fn(model: torch.nn.Module, impl: str = "plain", chunk_tokens: int 
         if impl == "plain":
             s = loss_sum(model(x, doc_ids) if doc_ids is not None else model(x), y)
         else:
-            from flopwise.train.losses import linear_cross_entropy
-
             # Through the (wrapped) model's forward, so DDP/FSDP hooks run; the head weight is
             # read after it, when FSDP has gathered the root's parameters.
             hidden = model(x, doc_ids, return_hidden=True)  # (B, T, D)
-            # The backward follows at once, so computing the gradients during the forward
-            # costs no extra peak memory and saves recomputing the logits (~20% of the loss).
+            # The backward follows at once, so computing the gradients during the forward costs
+            # no extra peak memory and saves recomputing the logits (docs/benchmarks.md#chunked-cross-entropy).
             s = linear_cross_entropy(hidden.flatten(0, 1), inner.head_weight, y.reshape(-1), impl=impl,
                                      chunk_tokens=chunk_tokens, grads_in_forward=torch.is_grad_enabled())
         return s, (inner.aux_loss if moe else None)
 
-    if compile_mode is not None:
-        return torch.compile(loss_fn, **({} if compile_mode == "default" else {"mode": compile_mode}))
-    return loss_fn
+    if compile_mode is None:
+        return loss_fn
+    options = {} if compile_mode == "default" else {"mode": compile_mode}
+    flash_docs = getattr(inner, "attention_backend", None) == "flash"
+
+    def docs(x: torch.Tensor, doc_ids: torch.Tensor | None):
+        # flash's documents are cut here, before the graph (attention.doc_spans): no break, no
+        # host read per layer, and T bounds a document so the graph is the same for every batch
+        return doc_spans(doc_ids, bound=x.shape[1]) if flash_docs and doc_ids is not None else doc_ids
+
+    if impl != "fused":
+        compiled = torch.compile(loss_fn, **options)
+        return lambda x, y, doc_ids=None: compiled(x, y, docs(x, doc_ids))
+    forward = torch.compile(lambda x, doc_ids: model(x, doc_ids, return_hidden=True), **options)
+
+    def fused_after_compiled_forward(x: torch.Tensor, y: torch.Tensor, doc_ids: torch.Tensor | None = None):
+        hidden = forward(x, docs(x, doc_ids))
+        s = linear_cross_entropy(hidden.flatten(0, 1), inner.head_weight, y.reshape(-1), impl=impl)
+        return s, (inner.aux_loss if moe else None)
+
+    return fused_after_compiled_forward
 
 
 def forward_backward(

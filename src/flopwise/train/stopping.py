@@ -20,8 +20,13 @@ import os
 import signal
 import threading
 import time
+from typing import Callable
+
+import torch
 
 from flopwise.config import TrainConfig
+from flopwise.train.distributed import DistEnv
+from flopwise.train.schedule import time_progress
 
 
 class NonFiniteError(RuntimeError):
@@ -67,8 +72,9 @@ class Deadline:
 
     MARGIN = 1.1  # 10% on top of the predicted step + save
 
-    def __init__(self, max_hours: float, start: float, state_bytes: int):
-        self.max_hours = max_hours
+    def __init__(self, max_hours: float, start: float, state_bytes: int,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.max_hours, self.clock = max_hours, clock  # clock: seconds, the same clock as ``start``
         self.end = start + max_hours * 3600 if max_hours > 0 else None
         self.save_s = 1.0 + state_bytes / 100e6  # until a save is measured: 100 MB/s, +1 s
         self.step_s = 0.0
@@ -83,7 +89,7 @@ class Deadline:
         """Whether one more step and a final save would overrun the budget."""
         if self.end is None:
             return False
-        now = time.perf_counter() if now is None else now
+        now = self.clock() if now is None else now
         return now + self.MARGIN * (self.step_s + self.save_s) > self.end
 
 
@@ -226,3 +232,49 @@ class NonFiniteGuard:
         self.rollbacks_to = {str(k): int(v) for k, v in state.get("rollbacks_to", {}).items()}
         self.mean = state.get("mean")
         self.seen = int(state.get("seen", 0))
+
+
+class TimeFit:
+    """WSD fitted to ``train.max_hours``: after the warm-up steps, progress is the share of the
+    time budget used (the final save's time kept aside), so the decay ends as the budget does."""
+
+    def __init__(self, deadline: Deadline, warmup_steps: int, clock: Callable[[], float] = time.perf_counter):
+        self.deadline, self.warmup_steps, self.clock = deadline, warmup_steps, clock
+        self.start = clock()
+        self.agreed_progress: float | None = None  # under data parallelism: rank 0's, shared each step
+
+    def budget_s(self) -> float:
+        return self.deadline.end - self.start - Deadline.MARGIN * self.deadline.save_s
+
+    def measure(self) -> float:
+        """The share of the budget used by this process's clock."""
+        return time_progress(self.clock() - self.start, self.budget_s(), Deadline.MARGIN * self.deadline.step_s)
+
+    def progress(self) -> float:
+        return self.agreed_progress if self.agreed_progress is not None else self.measure()
+
+    def done(self, step: int) -> bool:
+        return step >= self.warmup_steps and self.progress() >= 1.0
+
+
+def stop_reason(env: DistEnv, signals: SignalStop, deadline: Deadline, fit: TimeFit | None,
+                device: torch.device) -> str:
+    """Why to stop before the next step ("" to go on), the same answer on every rank: a
+    signal that reached any rank, ``train.max_hours`` by any rank's clock. Under data
+    parallelism a WSD fitted to the time budget follows rank 0's clock, so every rank sets
+    the same learning rate: its progress travels in the same (one, tiny) all-reduce."""
+    signal_, late = signals.requested, fit is None and deadline.must_stop()
+    if env.distributed:
+        progress = fit.measure() if fit is not None and env.is_main else 0.0
+        n_signals, n_late, progress = env.sum([float(signal_), float(late), progress], device)
+        if fit is not None:
+            fit.agreed_progress = progress
+        if n_signals and not signal_:
+            return "a signal received by another rank"
+        signal_, late = bool(n_signals), bool(n_late)
+    if signal_:
+        return f"{signals.name} received"
+    if late:
+        return f"train.max_hours={deadline.max_hours:g} reached" + (" (by the slowest rank's clock)"
+                                                                    if env.distributed else "")
+    return ""

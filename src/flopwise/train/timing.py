@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 
 class StepTimer:
@@ -100,8 +101,6 @@ def profiler(enabled: bool, out_dir: Path, wait: int, warmup: int, active: int):
     a null context (whose ``step`` does nothing) when off."""
     if not enabled:
         return _NoProfiler()
-    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     return profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
                    on_trace_ready=tensorboard_trace_handler(str(out_dir)), record_shapes=True, with_stack=False)

@@ -23,13 +23,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-
-def checkpointed_blocks(n_layers: int, mode: str, every_k: int) -> list[int]:
-    if mode == "full":
-        return list(range(n_layers))
-    if mode == "selective":
-        return list(range(0, n_layers, every_k))
-    return []
+from flopwise.plan.flops import checkpointed_blocks
+from flopwise.train.parallel import apply_data_parallel
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every_k: int = 2) -> list[int]:
@@ -64,7 +59,8 @@ def wrap_model(model: torch.nn.Module, train_cfg) -> list[str]:
     unchanged); identical blocks share one compiled graph.
     """
     notes = []
-    chosen = apply_activation_checkpointing(model, train_cfg.activation_checkpointing, train_cfg.checkpoint_every_k)
+    chosen = apply_activation_checkpointing(model, train_cfg.activation_checkpointing,
+                                            train_cfg.activation_checkpointing_every)
     if chosen:
         notes.append(f"activation checkpointing {train_cfg.activation_checkpointing}: "
                      f"{len(chosen)} of {len(model.layers)} blocks recomputed in backward")
@@ -84,8 +80,6 @@ def wrap_for_training(model: torch.nn.Module, cfg, strategy: str, env, device: t
     and FSDP2's per-block sharding go around the compiled blocks. Returns the module the
     training step calls (a DDP wrapper, or ``model`` itself, sharded in place by FSDP2),
     notes on speed and notes on parallelism for the log."""
-    from flopwise.train.parallel import apply_data_parallel
-
     speed_notes = wrap_model(model, cfg.train)
     wrapped, parallel_notes = apply_data_parallel(model, strategy, env, device, cfg, compute_dtype)
     return wrapped, speed_notes, parallel_notes
@@ -93,7 +87,7 @@ def wrap_for_training(model: torch.nn.Module, cfg, strategy: str, env, device: t
 
 def explain(model: torch.nn.Module, *example_args) -> dict[str, Any]:
     """Graphs, graph breaks and their reasons for one forward (``torch._dynamo.explain``)."""
-    import torch._dynamo
+    import torch._dynamo  # lazy: ~1 s to import; only compile and --explain need it
 
     out = torch._dynamo.explain(model)(*example_args)
     reasons = []
@@ -133,7 +127,7 @@ class RecompileWatch:
 
     @staticmethod
     def _frames() -> int:
-        from torch._dynamo.utils import counters
+        from torch._dynamo.utils import counters  # lazy: dynamo only once something was compiled
 
         return int(counters["stats"]["unique_graphs"])
 

@@ -1,0 +1,56 @@
+"""``meta.json``, the index of a data directory, and its one writer.
+
+Both ways of making a data directory -- ``flopwise prepare`` (``prepare.py``) and the embedded
+corpus (``builtin.py``) -- describe what they wrote through :func:`write_meta`, so every data
+directory carries the same fields whichever path made it; :class:`flopwise.data.datadir.DataDir`
+reads and checks them. Fields: ``format_version`` (of the shards), ``source``, ``tokenizer``
+(file name) and ``tokenizer_sha256``, ``vocab_size``, ``dtype``, ``eos_id``, ``bos_id`` (None
+when the tokenizer has none), ``splits`` (per split: shard names, tokens, documents ...),
+``documents`` (each counted once), ``fingerprint`` (of every input), ``created``, ``recipe``
+(how the maker chose what it wrote).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from ..fsio import atomic_write
+from .shards import FORMAT_VERSION, dtype_for_vocab
+from .tokenizer import file_sha256
+
+META_FILE = "meta.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def write_meta(directory: Path, *, source: str, vocab_size: int, eos_id: int, bos_id: int | None,
+               splits: dict[str, dict[str, Any]], fingerprint: str, recipe: dict[str, Any]) -> dict[str, Any]:
+    """Write ``directory/meta.json`` atomically for the shards and ``tokenizer.json`` already in
+    ``directory``; return what was written. A failed write raises ``OSError`` naming meta.json."""
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "source": source,
+        "tokenizer": TOKENIZER_FILE,
+        "tokenizer_sha256": file_sha256(directory / TOKENIZER_FILE),
+        "vocab_size": vocab_size,
+        "dtype": dtype_for_vocab(vocab_size).name,
+        "eos_id": eos_id,
+        "bos_id": bos_id,
+        "splits": splits,
+        "documents": sum(info["documents"] for info in splits.values()),  # each counted once
+        "fingerprint": fingerprint,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "recipe": recipe,
+    }
+    write_text(directory / META_FILE, json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def write_text(path: Path, text: str) -> None:
+    """``atomic_write``, its errors naming ``path`` (not the temporary file beside it)."""
+    try:
+        atomic_write(path, text)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from e

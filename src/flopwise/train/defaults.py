@@ -1,0 +1,71 @@
+"""What ``auto`` becomes for the speed settings on this device, and why.
+
+With no switches a run takes the fastest correct path the device has: on CUDA, bf16
+autocast (``precision.resolve``), the model compiled with its LM head and loss as one graph
+(``train.compile=auto`` -> ``model``), the plain loss inside that graph unless the memory
+model says its full logits do not fit (then the fused kernel or the chunked loss), SDPA or
+flash attention (``model.configure_attention``) and fused AdamW (``optim.build_optimizer``).
+On a CPU: not compiled (compiling costs more than it saves in a CPU-sized run) and the
+chunked loss. The choices are resolved on a copy of the configuration, so the run's
+``config.yaml`` keeps ``auto`` and a resumption on another device decides again; the
+start-up summary prints each choice with its reason.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from flopwise.config import RunConfig
+from flopwise.train.losses import resolve_loss_impl
+from flopwise.train.parallel import predicted_peak
+
+MEMORY_HEADROOM = 0.9  # the share of the GPU's memory the memory model's peak may use
+
+
+def resolve_compile(choice: str, device: torch.device) -> tuple[str, str]:
+    """``train.compile`` as ``(mode, why)``; ``why`` is empty when it was not ``auto``."""
+    if choice != "auto":
+        return choice, ""
+    if device.type == "cuda":
+        return "model", "CUDA: forward, LM head and loss as one graph"
+    return "off", "CPU: compiling costs more than it saves in a CPU-sized run"
+
+
+def plain_logits_problem(cfg: RunConfig, device: torch.device, precision: str, world: int,
+                         total_bytes: int | None = None) -> str | None:
+    """None when the plain loss (full logits) fits the memory model's budget on this GPU, else
+    the reason. ``total_bytes`` (default: the device's memory) is there for tests. The strategy
+    counted is the one asked for, or under ``auto`` the one that keeps the most per GPU (single
+    or ddp): a run that would only fit sharded gets the loss that needs no full logits."""
+    if device.type != "cuda" and total_bytes is None:
+        return None
+    if total_bytes is None:
+        total_bytes = torch.cuda.get_device_properties(device).total_memory
+    strategy = cfg.parallel.strategy
+    if strategy == "auto":
+        strategy = "single" if world == 1 else "ddp"
+    peak = predicted_peak(cfg, strategy, world, precision, "plain")
+    if peak <= MEMORY_HEADROOM * total_bytes:
+        return None
+    return (f"with full logits the memory model's peak is {peak / 2**30:.1f} GiB > {MEMORY_HEADROOM:.0%} of "
+            f"{total_bytes / 2**30:.0f} GiB")
+
+
+def resolve_speed(cfg: RunConfig, device: torch.device, precision: str, world: int,
+                  total_bytes: int | None = None) -> tuple[RunConfig, dict[str, str]]:
+    """A copy of ``cfg`` whose ``train.compile`` and ``train.loss`` are concrete, and for each
+    ``auto`` resolved, what it became and why (``{"compile": "auto -> model (why)", ...}``)."""
+    out = copy.deepcopy(cfg)
+    t, notes = out.train, {}
+    t.compile, why = resolve_compile(t.compile, device)
+    if why:
+        notes["compile"] = f"auto -> {t.compile} ({why})"
+    fits = None
+    if t.loss == "auto" and t.compile == "model":
+        fits = plain_logits_problem(out, device, precision, world, total_bytes)
+    t.loss, why = resolve_loss_impl(t.loss, out.model, t, device, fits)
+    if why:
+        notes["loss"] = f"auto -> {t.loss} ({why})"
+    return out, notes

@@ -1,0 +1,72 @@
+"""The start-up summary: what the run is about to do, what was chosen, and why.
+
+One line per subject (device and precision, parallelism, data, model, attention, init,
+speed settings, FLOPs, batch, the plan's prediction, tracking, optimizer, schedule, batch
+ramp), each a fact the user can check against their config; a pure function of the
+:class:`~flopwise.train.setup.Run`, so it is tested without training.
+"""
+
+from __future__ import annotations
+
+from flopwise.measure.sinks import human
+from flopwise.train.device import device_label
+from flopwise.train.optim import describe_optimizer
+from flopwise.train.setup import Run
+
+
+def describe(run: Run) -> list[str]:
+    cfg, p, env = run.cfg, run.progress, run.env
+    m, t, o = cfg.model, cfg.train, cfg.optim
+    total, world = run.total_steps, run.world
+    step_tokens = cfg.tokens_per_step
+    lines = [f"flopwise train · preset {cfg.preset} · run dir {run.run_dir}"]
+    if run.start.resumed_run or run.start.note.startswith("--fresh"):
+        lines.append(f"  resume     {run.start.note}" + (f" (step {p.step:,} of {total:,}, {human(p.tokens)} tokens)"
+                                                       if run.start.checkpoint else ""))
+    lines.append(f"  device     {device_label(run.device)} · precision {run.prec.name} · peak {run.flops.peak_note}")
+    if run.strategy.name != "single" or world > 1:
+        lines.append(f"  parallel   {run.strategy.name} · {world} rank(s), {env.launched} · {env.backend} · "
+                     f"{run.strategy.why}")
+        lines += [f"  {'':<10} {note}" for note in run.notes.get("parallel", [])]
+    data = run.data
+    epochs = ""
+    if cfg.data.loader == "epoch":
+        epochs = f" ({total * step_tokens / run.train_loader.target_tokens_per_epoch:.2f} epochs)"
+    lines.append(f"  data       {data.path} · vocab {data.vocab_size:,} · train {human(data.num_tokens('train'))} "
+                 f"tokens · val {human(data.num_tokens('val'))} tokens · loader {cfg.data.loader}{epochs}")
+    counts = run.flops.counts
+    experts = f" · {m.n_experts} experts top-{m.moe_top_k} ({human(counts['active'])} active)" if m.is_moe else ""
+    lines.append(f"  model      {m.arch} · {m.n_layers} layers · d_model {m.d_model} · heads {m.n_heads} q / "
+                 f"{m.n_kv_heads} kv · {m.mlp} {m.expert_ffn_hidden if m.is_moe else m.ffn_hidden} · {m.norm} · "
+                 f"{m.pos_emb}{experts} · params {human(counts['total'])} ({human(counts['non_embedding'])} "
+                 "non-embedding)")
+    for label in ("attention", "init", "speed"):
+        for i, note in enumerate(run.notes.get(label, [])):
+            lines.append(f"  {label if i == 0 else '':<10} {note.removeprefix('attention: ')}")
+    fpt = run.flops.per_token
+    lines.append(f"  FLOPs      {human(fpt)}/token (6·N_matmul + attention at seq {t.seq_len})"
+                 f" · {total:,} steps × {step_tokens:,} tokens = {human(total * step_tokens)} tokens planned"
+                 f" · {human(fpt * total * step_tokens)}FLOP total")
+    ranks = f" × {world} ranks" if world > 1 else ""
+    lines.append(f"  batch      global {t.global_batch_size} × seq {t.seq_len} = {step_tokens:,} tokens/step"
+                 f" · micro-batch {t.micro_batch_size} × accumulation {run.accum}{ranks}")
+    plan = run.plan
+    predicted = (f"{plan['hours'] * 60:.1f} min at {100 * plan['mfu']:.0f}% MFU" if plan["hours"] is not None
+                 else "time n/a (no peak)")
+    lines.append(f"  plan       memory ≈ {plan['memory_gb']:.2f} GiB (model of params, grads, AdamW, activations)"
+                 f" · {predicted} · plan.json")
+    code = run.record["code"]
+    commit = code["git_commit"]
+    lines.append(f"  tracking   {', '.join(run.sink.names)} · run.json (code {commit[:12] if commit else 'not in git'}"
+                 f"{' + uncommitted changes' if code['git_dirty'] else ''})")
+    sched = {"cosine": f"cosine to {o.lr * o.min_lr_ratio:g}", "constant": "constant",
+             "wsd": f"WSD: {o.decay_shape} decay over the last {o.decay_fraction:.0%} to {o.lr * o.min_lr_ratio:g}"
+                    + (", fitted to train.max_hours" if o.fit_to_time else "")}[o.schedule]
+    lines.append(f"  optimizer  {describe_optimizer(run.optimizer)} · warmup {o.warmup_steps}, {sched}"
+                 f" · weight decay {o.weight_decay:g} · clip {o.grad_clip:g}")
+    lines += [f"  schedule   {note}" for note in run.notes.get("schedule", [])]
+    if run.ramp is not None:
+        lines.append(f"  batch ramp {t.batch_ramp_start} -> {run.accum} micro-batches per step over the first "
+                     f"{human(t.batch_ramp_tokens)} tokens · {run.ramp.steps:,} steps for "
+                     f"{human(t.max_tokens)} tokens")
+    return lines

@@ -1,0 +1,276 @@
+"""What happens around the steps: measuring and logging, validation and multiple-choice
+tasks, checkpoints (and the rollback's reload), and the end of the run (sample, run.json,
+the closing lines). Each hook reads and updates the :class:`~flopwise.train.setup.Run`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from flopwise.data.datadir import DataDir
+from flopwise.evaluate.generate import generate
+from flopwise.evaluate.loss import bits_per_byte, evaluate_loss, perplexity
+from flopwise.evaluate.tasks import evaluate_tasks
+from flopwise.fsio import atomic_write
+from flopwise.measure.meter import format_memory, memory_stats
+from flopwise.measure.sinks import format_mfu, human
+from flopwise.train.checkpoint import apply_retention, set_rng_state
+from flopwise.train.dist_checkpoint import load_distributed, save_distributed
+from flopwise.train.record import TrainResult
+from flopwise.train.setup import Run
+from flopwise.train.stopping import Deadline
+from flopwise.train.timing import format_breakdown
+from flopwise.train.train_step import StepOutcome
+
+
+def fmt_time(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+# --------------------------------------------------------------------------- evaluation
+
+def validate(run: Run, step: int) -> float:
+    """The held-out loss (shared out over ranks, summed), logged with perplexity and bits per byte."""
+    val = evaluate_loss(run.model, run.val_windows, run.cfg.train.micro_batch_size, run.device, run.autocast,
+                        run.data.eos_id, run.data.bos_id, shard=(run.env.rank, run.world),
+                        reduce=lambda v: run.env.sum(v, run.device))
+    run.log(f"  val  step {step:>6} | loss {val:.4f} | ppl {perplexity(val):,.1f} | bpb {bpb(run, val):.4f}"
+            f" | uniform ln V = {run.uniform:.4f}")
+    return val
+
+
+def bpb(run: Run, val: float) -> float:
+    return bits_per_byte(val, run.val_windows[:, 1:].numel(), run.val_bytes)
+
+
+def val_metrics(run: Run, val: float) -> dict[str, float]:
+    return {"val_loss": val, "val_ppl": perplexity(val), "val_bpb": bpb(run, val)}
+
+
+def run_tasks(run: Run, step: int) -> dict[str, Any]:
+    """``eval.tasks`` by log-probability, shared out over ranks."""
+    e = run.cfg.eval
+    results = evaluate_tasks(run.model, run.data.tokenizer, run.task_names, paths=run.task_paths,
+                             limit=e.tasks_limit, device=run.device, batch_size=run.cfg.train.micro_batch_size,
+                             autocast=run.autocast, shard=(run.env.rank, run.world),
+                             reduce=lambda v: run.env.sum(v, run.device))
+    run.model.train()
+    for name, r in results.items():
+        run.log(f"  eval step {step:>6} | {name} acc {r['acc']:.4f} · acc_norm {r['acc_norm']:.4f}"
+                f" (± {r['stderr']['acc']:.4f}, random {r['random']:.4f}, n {r['n']})")
+    return results
+
+
+def validate_at_start(run: Run) -> None:
+    """Step 0's held-out loss, the reference every later one is compared with (a fresh run only)."""
+    p = run.progress
+    if p.step == 0:
+        p.val_start = validate(run, 0)
+        run.sink.write({"step": 0, "tokens": 0, "loss": None, "lr": None, "grad_norm": None, "tok_per_s": None,
+                        "mfu": None, **val_metrics(run, p.val_start)})
+    p.val_end = p.val_start
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+def save(run: Run) -> Path:
+    """A checkpoint of the current step (every rank writes its part), then retention."""
+    p, t = run.progress, run.cfg.train
+    t0 = run.clock()
+    state = {"tokens": p.tokens, "loader": run.train_loader.state_dict(), "val_loss_start": p.val_start,
+             "val_windows": len(run.val_windows),
+             "data_fingerprint": run.data.meta.get("fingerprint"), "guard": run.guard.state_dict()}
+    if run.cont is not None:
+        state["lr_continuation"] = run.cont._asdict()
+    if run.prec.scaler is not None:
+        state["grad_scaler"] = run.prec.scaler.state_dict()
+    path = save_distributed(run.run_dir, p.step, run.env, run.strategy.name, run.state_model, run.optimizer, state,
+                            run.config_yaml, run.train_loader.state_dict(), run.device)
+    run.env.on_main(lambda: apply_retention(run.run_dir, t.keep_checkpoints, t.milestone_every))
+    run.deadline.record_save(run.clock() - t0)
+    p.last_saved = path
+    return path
+
+
+def reload(run: Run, path: Path) -> dict[str, Any]:
+    """A rollback: every rank reloads its part of ``path`` (weights, optimizer, RNG)."""
+    saved = load_distributed(path, run.env, run.strategy.name, run.state_model, run.optimizer, run.device)
+    if "rng" in saved:
+        set_rng_state(saved["rng"], run.device)
+    return saved
+
+
+def save_on_stop(run: Run, stopped: str) -> None:
+    p = run.progress
+    if p.last_saved is None or p.last_saved.name != f"step-{p.step:07d}":
+        save(run)
+    run.log(f"  stop       {stopped}: checkpoint at step {p.step:,} saved; "
+            f"`flopwise train --config {run.run_dir / 'config.yaml'}` resumes it")
+
+
+# --------------------------------------------------------------------------- after each step
+
+def after_step(run: Run, out: StepOutcome, lr: float, step_tokens: int, step_s: float) -> None:
+    """Count the step just taken; log, validate, run tasks and save when they are due."""
+    p, t, e = run.progress, run.cfg.train, run.cfg.eval
+    p.step += 1
+    p.tokens += step_tokens
+    ratio = run.guard.spike(out.loss)
+    if ratio is not None:
+        run.log(f"  event step {p.step}: loss spike {out.loss:.4f} = {ratio:.1f}x the running mean")
+        run.sink.write({"step": p.step, "event": "loss_spike", "loss": out.loss, "ratio": ratio})
+    p.loss_sum += out.loss
+    p.steps_in_window += 1
+    run.meter.step(step_tokens)
+    run.timer.end_step(step_s)
+    run.deadline.record_step(step_s)
+    if p.step - p.first_step == t.warmup_log_steps:
+        run.recompiles.arm()  # compiling is warm-up; from here on a compile is a recompile
+    is_last = p.step == run.total_steps
+    do_val = is_last or (e.every > 0 and p.step % e.every == 0)
+    if p.step % t.log_every == 0 or is_last or do_val:
+        log_step(run, out, lr, is_last, do_val)
+    elif out.layer_stats is not None:
+        run.sink.write({"step": p.step, **out.layer_stats})
+    do_save = is_last or (t.checkpoint_every > 0 and p.step % t.checkpoint_every == 0)
+    if do_save:
+        save(run)
+    if do_val or do_save:
+        run.meter.pause()  # evaluation and saving are not training throughput
+
+
+def log_step(run: Run, out: StepOutcome, lr: float, is_last: bool, do_val: bool) -> None:
+    """The metrics row and the log line of the window since the last one (the one sync point)."""
+    p, e, world = run.progress, run.cfg.eval, run.world
+    p.last_loss = p.loss_sum / p.steps_in_window
+    t_log = run.clock()
+    rates = run.meter.window()
+    mem = memory_stats(run.device)
+    parts = run.timer.window()
+    row = {"step": p.step, "tokens": p.tokens, "loss": p.last_loss, "lr": lr, "grad_norm": out.grad_norm,
+           **rates, **mem, **parts, "elapsed_s": run.clock() - run.t_start}
+    if world > 1:
+        row.update(world_size=world, tok_per_s_per_gpu=rates["tok_per_s"] / world)
+    row["eta_s"] = (run.total_steps - p.step) * rates["step_time_s"]  # training time left at this pace
+    f = run.flops
+    if rates.get("mfu") is not None:  # the other conventions, for comparison (docs/planning.md#conventions)
+        row["mfu_6n"] = rates["mfu"] * f.per_token_6n / f.per_token
+        if f.hardware != f.per_token:
+            row["hfu"] = rates["mfu"] * f.hardware / f.per_token
+    warning = run.recompiles.check()
+    if warning:
+        run.log(f"  {warning}")
+        run.sink.write({"step": p.step, "event": "recompile", "message": warning})
+    if run.guard.skipped or run.guard.rollbacks:
+        row.update(skipped_steps=run.guard.skipped, rollbacks=run.guard.rollbacks)
+    per_gpu = f" ({human(rates['tok_per_s'] / world)}/GPU)" if world > 1 else ""
+    run.log(f"step {p.step:>6}/{run.total_steps} | tok {human(p.tokens):>7} | loss {p.last_loss:.4f} | lr {lr:.2e}"
+            f" | gnorm {out.grad_norm:.3f} | {human(rates['tok_per_s'])} tok/s{per_gpu}"
+            f" | mfu {format_mfu(rates['mfu'])}"
+            f" | {format_memory(mem)} | {1000 * rates['step_time_s']:.0f} ms/step"
+            f" | {format_breakdown(parts, rates['step_time_s'])} | ETA {eta_text(row, run.deadline)}")
+    if do_val:
+        p.val_end = validate(run, p.step)
+        row.update(val_metrics(run, p.val_end))
+    if run.task_names and (is_last or (e.tasks_every > 0 and p.step % e.tasks_every == 0)):
+        row["eval"] = run_tasks(run, p.step)
+    if out.layer_stats is not None:
+        row.update(out.layer_stats)
+    run.sink.write(row)
+    p.loss_sum, p.steps_in_window = 0.0, 0
+    run.timer.host["log"] += run.clock() - t_log
+
+
+def eta_text(row: dict[str, Any], deadline: Deadline) -> str:
+    """Time left at the current pace, and against ``train.max_hours`` when there is a budget."""
+    text = f"{fmt_time(row['eta_s'])} ({fmt_time(row['elapsed_s'])} elapsed)"
+    if deadline.end is not None:
+        left = deadline.end - deadline.clock()
+        verdict = "fits" if row["eta_s"] <= left else "stops early"
+        text += f" · {verdict} in the {fmt_time(max(left, 0))} left of train.max_hours"
+    return text
+
+
+# --------------------------------------------------------------------------- the end
+
+def finish(run: Run, stopped: str, train_time: float) -> TrainResult:
+    """The sample, run.json's result and the closing lines."""
+    p, e, log = run.progress, run.cfg.eval, run.log
+    run.recompiles.close()
+    sample = ""
+    if e.sample_tokens > 0 and not stopped and p.step == run.total_steps and p.step > p.first_step:
+        sample = write_sample(run.model, run.data, run.cfg, run.device,
+                              run.run_dir if run.env.is_main else None)  # every rank: FSDP2
+    run.sink.close()
+    avg = run.meter.summary()
+    wall = run.clock() - run.t_start
+    result = TrainResult(run.run_dir, p.step, p.tokens, p.last_loss, p.val_start, p.val_end, run.uniform,
+                         avg["tok_per_s"], avg["mfu"], wall, p.last_saved, sample, stopped or None)
+    summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(result).items()}
+    if run.env.is_main:
+        atomic_write(run.run_dir / "run.json", json.dumps({**run.record, "result": summary,
+                                                           "train_time_s": train_time}, indent=2))
+    avg_tps = "n/a" if avg["tok_per_s"] is None else f"{human(avg['tok_per_s'])} tok/s"
+    log(f"{'stopped' if stopped else 'done'}: {p.step:,} steps · {human(p.tokens)} tokens · train "
+        f"{fmt_time(train_time)} · wall {fmt_time(wall)} · {avg_tps} (after warm-up) · mfu {format_mfu(avg['mfu'])}")
+    log(f"  val loss {p.val_start:.4f} -> {p.val_end:.4f} (uniform ln V = {run.uniform:.4f}) · final train loss "
+        f"{p.last_loss:.4f}")
+    log(f"  checkpoint {p.last_saved}")
+    if sample:
+        log(f"  sample ({run.run_dir / 'samples.txt'}):")
+        for line in sample.splitlines()[:12]:
+            log(f"    {line}")
+    return result
+
+
+SAMPLE_PROMPT_TOKENS = 12  # the default prompt: this many tokens from the start of a validation document
+
+
+def validation_prompt(data: DataDir, n_tokens: int = SAMPLE_PROMPT_TOKENS) -> list[int]:
+    """The first ``n_tokens`` tokens of the first validation document (one that starts after an
+    EOS and is at least twice as long as the prompt, so the model has something to continue):
+    a prompt in the corpus's own language, the same every time. Falls back to the split's
+    first tokens when no such document is among its first tokens."""
+    eos = data.eos_id
+    head = data.shards("val")[0][: 1 << 20]  # documents start soon: no need to read a whole shard
+    ends = [-1, *(int(i) for i in (head == eos).nonzero()[0]), len(head)]
+    for a, b in zip(ends[1:], ends[2:]):  # a document: after the EOS at a, up to the next one at b
+        if b - a - 1 >= 2 * n_tokens:
+            return [int(x) for x in head[a + 1 : a + 1 + n_tokens]]
+    ids = [int(x) for x in head[:n_tokens] if int(x) != eos]
+    return ids or [eos]
+
+
+def write_sample(model: torch.nn.Module, data: DataDir, cfg, device: torch.device, run_dir: Path | None) -> str:
+    """Sample ``eval.sample_tokens`` tokens after ``eval.sample_prompt`` -- when that is empty
+    (the default), after the start of a validation document (:func:`validation_prompt`); save
+    to samples.txt (``run_dir`` None: on ranks other than 0, which generate in step with it,
+    write nothing)."""
+    e = cfg.eval
+    tok = data.tokenizer
+    if e.sample_prompt:
+        ids, shown, source = tok.encode(e.sample_prompt).ids or [data.eos_id], e.sample_prompt, "eval.sample_prompt"
+    else:
+        ids, source = validation_prompt(data), "the start of a validation document"
+        shown = tok.decode(ids)
+    gen = torch.Generator(device=device).manual_seed(cfg.train.seed)
+    # An FSDP2-sharded model computes in its MixedPrecisionPolicy's dtype, which a KV cache
+    # sized from the (sharded, fp32) weights would not match: it recomputes the window instead.
+    out = generate(model, torch.tensor([ids], device=device), e.sample_tokens, cfg.train.seq_len,
+                   temperature=e.temperature, top_k=e.top_k, generator=gen, eos_id=data.eos_id,
+                   use_cache=not isinstance(model, FSDPModule))
+    text = tok.decode(out[0].tolist())
+    if run_dir is None:
+        return text
+    with open(run_dir / "samples.txt", "a", encoding="utf-8") as f:
+        f.write(f"--- prompt {shown!r} ({source}) · temperature {e.temperature:g} · top-k {e.top_k}\n"
+                f"{text}\n")
+    return text

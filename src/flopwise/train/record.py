@@ -1,0 +1,105 @@
+"""The run's record: what produced it (``run.json``: versions, device, command line, git
+commit) and what it gave (:class:`TrainResult`), including for a run that was already finished."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy
+import tokenizers
+import torch
+
+from flopwise import __version__
+from flopwise.train.device import device_label
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    tokens: int
+    final_loss: float
+    val_loss_start: float
+    val_loss_end: float
+    uniform_loss: float
+    tok_per_s: float | None
+    mfu: float | None
+    wall_time_s: float
+    checkpoint: Path | None
+    sample: str
+    stopped: str | None = None  # why the run stopped before its last step (signal, max_hours)
+
+
+def run_record(cfg, device: torch.device, precision: str) -> dict[str, Any]:
+    """What produced this run: versions, device, command line."""
+    return {
+        "flopwise": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "numpy": numpy.__version__,
+        "tokenizers": tokenizers.__version__,
+        "platform": platform.platform(),
+        "device": device_label(device),
+        "precision": precision,
+        "argv": sys.argv,
+        "code": code_version(),
+        "started": datetime.now().isoformat(timespec="seconds"),
+    }
+
+
+def code_version() -> dict[str, Any]:
+    """The git commit of flopwise's own source and whether it had uncommitted changes
+    (None outside a git checkout, e.g. an installed wheel)."""
+    src = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip() != ""
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": None, "git_dirty": None}
+    return {"git_commit": commit, "git_dirty": dirty}
+
+
+def read_json(path: Path) -> dict:
+    """A JSON file's object; {} when it is missing or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def finished_run(run_dir: Path, checkpoint: Path, total_steps: int, uniform: float, wall_s: float,
+                 log: Callable[[str], None]) -> TrainResult:
+    """A run directory whose latest checkpoint already holds ``total_steps`` steps (or more):
+    say so and change nothing -- no run.json, metrics, config or checkpoint is rewritten.
+    The result is the one the run recorded when it finished (run.json), where there is one."""
+    done = int(checkpoint.name[5:])
+    prev = read_json(run_dir / "run.json").get("result") or {}
+    if not isinstance(prev, dict) or prev.get("steps") != done:
+        prev = {}
+    if done == total_steps:
+        log(f"finished: {run_dir} already holds all {total_steps:,} steps ({checkpoint}); nothing to train, "
+            "nothing changed. To train longer, raise train.max_steps (or train.max_tokens); --fresh starts over")
+    else:
+        log(f"nothing to train: {run_dir} already holds {done:,} steps ({checkpoint}), more than the "
+            f"{total_steps:,} asked; nothing changed. Raise train.max_steps (or train.max_tokens) to train "
+            "longer; --fresh starts a new run")
+    if not prev:
+        nan = float("nan")
+        return TrainResult(run_dir, done, 0, nan, nan, nan, uniform, None, None, wall_s, checkpoint, "", None)
+    return TrainResult(run_dir, done, int(prev.get("tokens") or 0), _num(prev.get("final_loss")),
+                       _num(prev.get("val_loss_start")), _num(prev.get("val_loss_end")), uniform,
+                       prev.get("tok_per_s"), prev.get("mfu"), wall_s, checkpoint, prev.get("sample") or "", None)
+
+
+def _num(x: Any) -> float:
+    return float(x) if isinstance(x, (int, float)) else float("nan")

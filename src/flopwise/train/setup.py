@@ -1,0 +1,353 @@
+"""Everything a run needs before its first step, built once into one :class:`Run`.
+
+Cheapest checks first, so bad input fails before anything is allocated: the batch split at
+this world size, the loss path and the parallel strategy (refusals), the run directory
+(new, or resumed from its latest complete checkpoint: ``resume.py``), the data directory,
+the task files and every split's length; only then the model, its wrappers (activation
+checkpointing -> compile -> DDP/FSDP2: ``wrap.py``), the loss and the optimizer. A resumed
+run then gets its weights, optimizer, data position, guard counts and RNG back
+(:func:`restore`), and rank 0 writes the run's files (:func:`write_run_files`).
+
+A run directory whose checkpoint already holds the steps asked for is left untouched: then
+:func:`setup` returns that run's result (``record.finished_run``) instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from flopwise.config import ConfigError, RunConfig, batch_split_problems
+from flopwise.data.datadir import DataDir, open_data_dir
+from flopwise.data.loader import fixed_windows, make_loader
+from flopwise.evaluate.loss import target_bytes
+from flopwise.fsio import atomic_write
+from flopwise.measure.meter import ThroughputMeter
+from flopwise.measure.tracking import NullTracker, Tracker
+from flopwise.model import build_model, configure_attention
+from flopwise.model.io import load_hf_weights
+from flopwise.plan.budget import plan_for_run
+from flopwise.plan.flops import (flops_per_token, flops_per_token_6n, hardware_flops_per_token, param_counts,
+                                 recomputed_fraction)
+from flopwise.train.checkpoint import set_rng_state
+from flopwise.train.device import device_peak
+from flopwise.train.dist_checkpoint import load_distributed
+from flopwise.train.distributed import DistEnv
+from flopwise.train.defaults import resolve_speed
+from flopwise.train.optim import build_optimizer
+from flopwise.train.parallel import Strategy, resolve_strategy, zero1_optimizer
+from flopwise.train.precision import MasterWeights, Precision, apply_fp8, autocast_factory
+from flopwise.train.precision import resolve as resolve_precision
+from flopwise.train.record import TrainResult, finished_run, read_json, run_record
+from flopwise.train.resume import RunStart, start_run, truncate_metrics
+from flopwise.train.schedule import Continuation, RampPlan, ramp_plan, resumed_schedule
+from flopwise.train.step import make_loss_fn
+from flopwise.train.stopping import Deadline, NonFiniteGuard, TimeFit
+from flopwise.train.timing import StepTimer
+from flopwise.train.wrap import RecompileWatch, wrap_for_training
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class Progress:
+    """What changes as the run goes: where it is, and what it has measured so far."""
+
+    step: int = 0
+    tokens: int = 0
+    first_step: int = 0  # the step this process started from (0, or the resumed checkpoint's)
+    val_start: float = float("nan")
+    val_end: float = float("nan")
+    last_loss: float = float("nan")
+    last_saved: Path | None = None  # the newest complete checkpoint
+    loss_sum: float = 0.0  # over the steps since the last log line
+    steps_in_window: int = 0
+
+
+@dataclass
+class Flops:
+    """FLOPs per token under the project's conventions (docs/planning.md#conventions) and the peak."""
+
+    per_token: int  # 6·N_matmul + attention: MFU's numerator
+    per_token_6n: int  # 6·N: the other common convention, logged beside it
+    hardware: int  # + the recomputed forwards of checkpointed blocks: HFU's numerator
+    peak: float | None  # dense FLOP/s of one device at this precision
+    peak_note: str
+    counts: dict[str, int]  # parameters: total, non_embedding, active (MoE), ...
+
+
+@dataclass
+class Run:
+    """One run's objects, built by :func:`setup`; the loop and its hooks read them from here."""
+
+    cfg: RunConfig
+    log: Log
+    env: DistEnv
+    device: torch.device
+    clock: Callable[[], float]
+    t_start: float
+    start: RunStart
+    data: DataDir
+    prec: Precision
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    strategy: Strategy
+    loss_impl: str
+    model: torch.nn.Module  # the plain model (evaluation, generation)
+    train_model: torch.nn.Module  # wrapped for training (checkpointing, compile, DDP/FSDP2)
+    state_model: torch.nn.Module  # what the optimizer steps and checkpoints hold (fp32)
+    master: MasterWeights | None
+    optimizer: torch.optim.Optimizer
+    # What the optimizer steps -- not model.parameters(): under FSDP2 a module whose weights
+    # are gathered (the root after an evaluation) lists its unsharded copies there.
+    opt_params: list[torch.nn.Parameter]
+    clip: float  # the gradient norm clipped to (inf: none)
+    loss_fn: Callable
+    train_loader: Any
+    val_windows: torch.Tensor
+    val_bytes: int
+    task_names: list[str]
+    task_paths: dict[str, str]
+    guard: NonFiniteGuard
+    deadline: Deadline
+    fit: TimeFit | None
+    total_steps: int
+    accum: int  # micro-batches per step on each rank (a batch ramp changes it per step)
+    micro_tokens: int  # one micro-batch on every rank
+    ramp: RampPlan | None
+    cont: Continuation | None  # the rate of a run whose length changed on resume
+    flops: Flops
+    config_yaml: str
+    record: dict[str, Any]
+    plan: dict[str, Any]
+    uniform: float  # ln V of the data's vocabulary: the loss of a uniform prediction
+    notes: dict[str, list[str]] = field(default_factory=dict)  # what was chosen and why, for the summary
+    sink: Any = field(default_factory=NullTracker)
+    progress: Progress = field(default_factory=Progress)
+    meter: ThroughputMeter | None = None
+    timer: StepTimer | None = None
+    recompiles: RecompileWatch | None = None
+
+    @property
+    def run_dir(self) -> Path:
+        return self.start.run_dir
+
+    @property
+    def world(self) -> int:
+        return self.env.world_size
+
+    def step_size(self, step: int) -> tuple[int, int]:
+        """(micro-batches per rank, tokens over all ranks) of ``step``."""
+        accum = self.ramp.accums[step] if self.ramp is not None else self.accum
+        return accum, accum * self.micro_tokens
+
+
+
+def open_data(cfg: RunConfig, log: Log) -> DataDir:
+    """The prepared data directory: ``data.path``, or the embedded corpus prepared once."""
+    dd = open_data_dir(cfg.data, log=log)
+    if dd.vocab_size > cfg.model.vocab_size:
+        raise ConfigError([
+            f"data at {dd.path} has vocabulary {dd.vocab_size} but model.vocab_size is "
+            f"{cfg.model.vocab_size}: token ids would overflow the embedding"
+        ])
+    dd.num_tokens("val")  # a missing validation split is an error here, naming the splits there are
+    return dd
+
+
+def task_files(task_dir: str, names: list[str]) -> dict[str, str]:
+    """``eval.task_dir``'s file (or folder) for each task: TASK.jsonl, .json, .parquet or TASK/."""
+    if not task_dir:
+        return {}
+    root = Path(task_dir).expanduser()
+    found = {}
+    for name in names:
+        for candidate in (root / f"{name}.jsonl", root / f"{name}.json", root / f"{name}.parquet", root / name):
+            if candidate.exists():
+                found[name] = str(candidate)
+                break
+        else:
+            raise ConfigError([f"eval.task_dir {task_dir!r} has no {name}.jsonl, .json, .parquet or {name}/"])
+    return found
+
+
+def load_hf_init(model: torch.nn.Module, hf_path: str) -> str:
+    """Weights of a Hugging Face model directory (``model.hf_config``) for continued
+    pretraining; the architecture came from its ``config.json`` when the config was built."""
+    path = Path(hf_path).expanduser()
+    directory = path.parent if path.is_file() else path
+    if not any((directory / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        return f"architecture from {path}; no safetensors beside it: random initialisation"
+    load_hf_weights(model, directory)
+    return f"weights from {directory} (Hugging Face safetensors)"
+
+
+def run_flops(cfg: RunConfig, device: torch.device, precision: str) -> Flops:
+    m, t = cfg.model, cfg.train
+    fpt = flops_per_token(m, t.seq_len)
+    hfpt = hardware_flops_per_token(m, t.seq_len, recomputed_fraction(m.n_layers, t.activation_checkpointing,
+                                                                      t.activation_checkpointing_every))
+    peak, note = device_peak(device, precision, t.peak_tflops)
+    return Flops(fpt, flops_per_token_6n(m), hfpt, peak, note, param_counts(m))
+
+
+def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.device, t_start: float,
+          locks: contextlib.ExitStack, clock: Callable[[], float]) -> Run | TrainResult:
+    """Build the run; or, when its checkpoint already holds every step asked for, the
+    finished run's result (nothing is built or written then)."""
+    prec = resolve_precision(cfg.train.precision, device)
+    world = env.world_size
+    split = batch_split_problems(cfg.train, world)  # the config checked one rank; this is the launch's count
+    if split:
+        raise ConfigError(split)
+    asked = cfg  # what config.yaml keeps: an `auto` is decided again where the run resumes
+    cfg, speed_notes = resolve_speed(asked, device, prec.name, world)  # compile and loss made concrete
+    m, t, o, e = cfg.model, cfg.train, cfg.optim, cfg.eval
+    loss_impl = t.loss
+    strategy = resolve_strategy(cfg, env, device, prec.name, loss_impl)  # refusals before any work
+    start = env.on_main(lambda: start_run(asked, fresh, locks))
+    asked.train.run_dir = t.run_dir = str(start.run_dir)  # rank 0 named it (a timestamp): every rank uses it
+    data = env.main_first(lambda: open_data(cfg, log))  # the embedded corpus is prepared once, by rank 0
+
+    total_steps, accum = cfg.total_steps(), cfg.grad_accum_steps(world)
+    micro_tokens = t.micro_batch_size * t.seq_len * world
+    ramp = None
+    if t.batch_ramp_tokens:  # steps grow from batch_ramp_start micro-batches to the full batch
+        ramp = ramp_plan(t.max_tokens, micro_tokens, accum, t.batch_ramp_tokens, t.batch_ramp_start)
+        total_steps = ramp.steps if not t.max_steps else min(ramp.steps, t.max_steps)
+    done = int(start.checkpoint.name[5:]) if start.checkpoint is not None else 0
+    if start.checkpoint is not None and done >= total_steps:  # nothing to train: touch nothing
+        return finished_run(start.run_dir, start.checkpoint, total_steps, math.log(data.vocab_size),
+                            clock() - t_start, log)
+
+    task_names = [x.strip() for x in e.tasks.split(",") if x.strip()]
+    task_paths = task_files(e.task_dir, task_names)  # a missing task file is named before any work
+    # The data checks (each split long enough for a window) come before any allocation.
+    train_loader = make_loader(cfg.data.loader, data, "train", t.seq_len, t.micro_batch_size, seed=t.seed,
+                               device=device, doc_boundaries=m.doc_mask, rank=env.rank, world_size=world,
+                               step_samples=None if ramp else t.global_batch_size)  # epochs end on a step
+    # The held-out set does not depend on the number of ranks (they share it out), so runs on
+    # 1 and 8 GPUs report comparable validation losses; a resumed run keeps its first one.
+    val_windows = fixed_windows(data, "val", t.seq_len, e.batches * t.micro_batch_size)
+
+    torch.manual_seed(t.seed)
+    model = build_model(m, device=device, seed=t.seed)
+    notes: dict[str, list[str]] = {"init": [], "speed": []}
+    if "compile" in speed_notes:
+        notes["speed"].append(f"compile {speed_notes['compile']}")
+    if m.hf_config and start.checkpoint is None:
+        notes["init"].append(load_hf_init(model, m.hf_config))
+    if t.fp8:
+        notes["speed"].append(apply_fp8(model, device))
+        if t.compile == "off":  # eager float8: the casts and scalings are separate kernels around each GEMM
+            notes["speed"].append("WARNING: fp8 without torch.compile is usually slower than bf16; "
+                                  "train.compile=model (the CUDA default) fuses its casts")
+    master = MasterWeights(model) if prec.name == "bf16-pure" else None
+    notes["attention"] = configure_attention(model, device, prec.autocast_dtype or model.tok_emb.weight.dtype)
+    # FSDP2 shards `model` in place: the optimizer is built after, on the shards
+    train_model, wrap_notes, notes["parallel"] = wrap_for_training(model, cfg, strategy.name, env, device,
+                                                                   prec.autocast_dtype)
+    notes["speed"] += wrap_notes
+    loss_fn = make_loss_fn(train_model, loss_impl, t.loss_chunk_tokens,
+                           compile_mode=t.compile_mode if t.compile == "model" else None)
+    chunks = f", {t.loss_chunk_tokens} tokens per chunk" if loss_impl == "chunked" else ""
+    notes["speed"].append(f"loss {speed_notes.get('loss', loss_impl)}{chunks}")
+    state_model = master.master if master else model
+    optimizer = build_optimizer(state_model, o, device)
+    if strategy.name == "zero1":
+        optimizer = zero1_optimizer(optimizer)
+    state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights + AdamW m, v
+    deadline = Deadline(t.max_hours, t_start, state_bytes, clock=clock)
+    run = Run(
+        cfg=cfg, log=log, env=env, device=device, clock=clock, t_start=t_start, start=start, data=data,
+        prec=prec, autocast=autocast_factory(device, prec.autocast_dtype), strategy=strategy,
+        loss_impl=loss_impl, model=model, train_model=train_model, state_model=state_model, master=master,
+        optimizer=optimizer, opt_params=[q for group in optimizer.param_groups for q in group["params"]],
+        clip=o.grad_clip if o.grad_clip > 0 else float("inf"), loss_fn=loss_fn, train_loader=train_loader,
+        val_windows=val_windows,
+        val_bytes=0, task_names=task_names, task_paths=task_paths,
+        guard=NonFiniteGuard.from_config(t, uniform_loss=math.log(m.vocab_size)),  # the logits' uniform loss
+        deadline=deadline, fit=TimeFit(deadline, o.warmup_steps, clock) if o.fit_to_time else None,
+        total_steps=total_steps, accum=accum, micro_tokens=micro_tokens, ramp=ramp, cont=None,
+        flops=run_flops(cfg, device, prec.name), config_yaml=asked.to_yaml(), record={}, plan={},
+        uniform=math.log(data.vocab_size), notes=notes)
+    run.progress.last_saved = start.checkpoint
+    if start.checkpoint is not None:
+        restore(run, start.checkpoint)
+    run.val_bytes = target_bytes(run.val_windows, data.tokenizer)  # for bits per byte, across tokenizers
+    run.record = run_record(cfg, device, prec.name)
+    run.record["parallel"] = {"strategy": strategy.name, "world_size": world, "backend": env.backend,
+                              "launched": env.launched, "why": strategy.why}
+    run.plan = plan_for_run(cfg, torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                            prec.name, t.peak_tflops, loss=loss_impl, gpus=world, strategy=strategy.name)
+    env.on_main(lambda: write_run_files(run))
+    run.sink = open_tracker(run)
+    return run
+
+
+def restore(run: Run, checkpoint: Path) -> None:
+    """Continue from ``checkpoint``: weights, optimizer, loss scale, data position, held-out
+    set, guard counts, RNG, and the learning rate's continuation if the run's length changed."""
+    cfg, p = run.cfg, run.progress
+    saved = load_distributed(checkpoint, run.env, run.strategy.name, run.state_model, run.optimizer, run.device)
+    if run.master:
+        run.master.master_to_model()
+    if run.prec.scaler is not None and "grad_scaler" in saved:
+        run.prec.scaler.load_state_dict(saved["grad_scaler"])
+    fingerprint = run.data.meta.get("fingerprint")
+    if saved.get("data_fingerprint") != fingerprint:
+        raise ConfigError([f"train.run_dir {str(run.run_dir)!r}: the data changed since the checkpoint "
+                           f"(fingerprint {str(saved.get('data_fingerprint'))[:12]} -> {str(fingerprint)[:12]}); "
+                           "pass --fresh to start over"])
+    try:
+        run.train_loader.load_state_dict(saved["loader"])
+    except ValueError as err:  # e.g. the random loader's per-rank streams at another world size
+        raise ConfigError([f"train.run_dir {str(run.run_dir)!r}: cannot continue the data position of "
+                           f"{checkpoint.name} with {run.world} rank(s): {err}"]) from None
+    p.step, p.tokens, p.val_start = saved["step"], saved["tokens"], saved.get("val_loss_start", float("nan"))
+    p.first_step = p.step
+    if saved.get("val_windows", len(run.val_windows)) != len(run.val_windows):  # resumed at another geometry:
+        run.val_windows = fixed_windows(run.data, "val", cfg.train.seq_len, saved["val_windows"])  # same held-out set
+    run.guard.load_state_dict(saved.get("guard", {}))
+    if "rng" in saved:
+        set_rng_state(saved["rng"], run.device)
+    run.cont, note = resumed_schedule(checkpoint, saved, p.step, run.total_steps, cfg, run.ramp is not None)
+    if note:
+        run.notes["schedule"] = [note]
+
+
+def write_run_files(run: Run) -> None:
+    """Rank 0: config.yaml, plan.json, run.json (with this start), the tokenizer, the preflight."""
+    run_dir, t, step = run.run_dir, run.cfg.train, run.progress.step
+    if run.start.resumed_run:
+        truncate_metrics(run_dir / "metrics.jsonl", step)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(run_dir / "config.yaml", run.config_yaml)  # a kill mid-write leaves the old copy, never half
+    previous = read_json(run_dir / "run.json") if run.start.resumed_run else {}
+    run.record["starts"] = previous.get("starts", []) + [{"at_step": step, "started": run.record["started"],
+                                                          "world_size": run.world}]
+    atomic_write(run_dir / "plan.json", json.dumps(run.plan, indent=2))
+    atomic_write(run_dir / "run.json", json.dumps(run.record, indent=2))
+    shutil.copyfile(run.data.path / "tokenizer.json", run_dir / "tokenizer.json")  # the run is self-contained
+    if t.preflight and Path(t.preflight).is_file():  # plan vs preflight vs actual, in the report
+        shutil.copyfile(t.preflight, run_dir / "preflight.json")
+
+
+def open_tracker(run: Run):
+    """Rank 0's metrics sinks (JSONL, TensorBoard, W&B); a failure stops every rank with it."""
+    sink, error = NullTracker(), None
+    if run.env.is_main:
+        try:
+            sink = Tracker(run.run_dir, run.cfg.tracking, run.cfg.to_dict(), run.run_dir.name)
+        except Exception as err:  # noqa: BLE001 - e.g. W&B asked for and missing: every rank stops with it
+            error = err
+    error = run.env.broadcast(error)
+    if error is not None:
+        raise error
+    return sink
