@@ -61,6 +61,10 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.aux_loss: torch.Tensor | None = None  # MoE: weighted load-balance + z-loss of the last forward
         self.attention_backend = "sdpa"
+        # flash with documents: T bounds a document's length instead of the longest one's exact
+        # length (a Python int that changes every batch), so compiled blocks do not recompile
+        # for each; set by train/wrap.py when it compiles the blocks.
+        self.doc_length_bound = False
 
     def set_attention_backend(self, name: str) -> None:
         """Use kernel ``name`` (a concrete backend, see ``flopwise.model.attention``) in every layer."""
@@ -99,7 +103,7 @@ class Transformer(nn.Module):
         if self.pos_emb is not None:
             x = x + self.pos_emb.weight[start : start + T]  # (T, D) broadcast over the batch
         if isinstance(doc_ids, torch.Tensor) and self.attention_backend == "flash":
-            doc_ids = doc_spans(doc_ids)  # cut into documents once, for every layer's varlen kernel
+            doc_ids = doc_spans(doc_ids, T if self.doc_length_bound else None)  # once, for every layer
         for i, block in enumerate(self.layers):
             x = block(x, rope, doc_ids, cache[i] if cache else None)
         if cfg.is_moe:

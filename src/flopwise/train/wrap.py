@@ -65,6 +65,7 @@ def wrap_model(model: torch.nn.Module, train_cfg) -> list[str]:
         notes.append(f"activation checkpointing {train_cfg.activation_checkpointing}: "
                      f"{len(chosen)} of {len(model.layers)} blocks recomputed in backward")
     if train_cfg.compile == "blocks":
+        model.doc_length_bound = True  # flash's document spans: the same graph for every batch
         for block in model.layers:
             block.compile(**compile_kwargs(train_cfg.compile_mode))
     if train_cfg.compile != "off":
