@@ -191,3 +191,9 @@ def test_memory_model_of_the_chunked_loss_matches_what_autograd_saves(saved_byte
     plain = estimate(cfg, 4, 32, MemorySettings(precision="float32"))
     chunked = estimate(cfg, 4, 32, MemorySettings(precision="float32", loss="chunked", loss_chunk_tokens=64))
     assert chunked.logits < plain.logits and chunked.transient < plain.transient
+
+
+def test_the_cpu_overhead_is_printed_as_the_lower_bound_it_is():
+    parts = {"time_data_s": 0.001, "time_fwd_bwd_s": 0.06, "time_optim_s": 0.01, "time_log_s": 0.0,
+             "cpu_overhead": 0.25}
+    assert format_breakdown(parts, 0.1).endswith("cpu overhead ≥25%")

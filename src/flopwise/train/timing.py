@@ -7,9 +7,12 @@ and logging, summed over a logging window:
   forward+backward and optimizer times are host times too;
 - on CUDA the forward+backward and optimizer times come from CUDA events recorded
   around them: recording never waits, and the events are read at the logging step, where
-  the loop synchronises anyway. The GPU-busy share of the step's wall time gives the
+  the loop synchronises anyway. The events' spans over the step's wall time give the
   **CPU overhead** share: the time the GPU sat idle waiting for the host (launches,
-  Python, data).
+  Python, data) -- **at least** that much: an idle gap *inside* a span (the host
+  launching slower than the GPU runs, a data wait between micro-batches) lies between
+  the two events and counts as busy. Only the profiler (``train.profile``) sees those,
+  so the log prints the share as a lower bound (``cpu overhead ≥N%``).
 
 :func:`profiler` is a null context unless ``train.profile``; :func:`nvtx` likewise
 unless ``train.nvtx`` on CUDA, so neither costs anything when off.
@@ -92,7 +95,7 @@ def format_breakdown(parts: dict[str, float], step_s: float) -> str:
     share = {k: 100 * parts[f"time_{k}_s"] / step_s for k in ("data", "fwd_bwd", "optim")}
     text = f"data {share['data']:.1f}% · fwd+bwd {share['fwd_bwd']:.0f}% · opt {share['optim']:.0f}%"
     if parts.get("cpu_overhead") is not None:
-        text += f" · cpu overhead {100 * parts['cpu_overhead']:.0f}%"
+        text += f" · cpu overhead ≥{100 * parts['cpu_overhead']:.0f}%"  # a lower bound (module docstring)
     return text
 
 
