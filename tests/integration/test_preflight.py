@@ -39,6 +39,11 @@ def test_search_skips_what_cannot_fit_catches_oom_and_picks_the_fastest(tiny_ove
     assert report["end_to_end"]["checkpoint_identical"]
     # 16 with checkpointing: 400 x 0.8 = 320 tok/s beats 4 without (300)
     assert report["chosen"] == {"micro_batch_size": 16, "activation_checkpointing": "full"}
+    # the measured GEMM ceiling at the chosen micro-batch, and the chosen trial's share of it
+    c = report["ceiling"]
+    assert c["micro_batch"] == 16 and c["tflops"] > 0 and c["datasheet_tflops"] is None  # a CPU: no datasheet
+    assert c["share_of_ceiling"] == pytest.approx(320.0 * c["fpt"] / (c["tflops"] * 1e12))
+    assert any(line.startswith("preflight: measured ceiling") and "reaches" in line for line in lines)
     assert any("<- chosen" in line for line in lines) and any(" oom " in line for line in lines)
 
 

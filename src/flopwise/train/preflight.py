@@ -37,6 +37,7 @@ from flopwise.checkpoints import latest_checkpoint, load_checkpoint
 from flopwise.config import RunConfig
 from flopwise.data.datadir import open_data_dir
 from flopwise.data.loader import make_loader
+from flopwise.measure.ceiling import measure_ceiling, step_gemms
 from flopwise.measure.sinks import human
 from flopwise.model import build_model, configure_attention
 from flopwise.plan.budget import memory_settings_for_run
@@ -243,6 +244,7 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     report["choice_reason"] = reason
     _log_table(trials, best, log)
     log(f"preflight: chose {_label(best)}: {reason}")
+    report["ceiling"] = ceiling(cfg, best, device, fpt, peak, log)
     # 4. data starvation
     report["data_share"] = best.data_share
     if best.data_share is not None and best.data_share > STARVATION_WARN:
@@ -307,6 +309,29 @@ def search(cfg: RunConfig, settings: MemorySettings, measure_one: Callable[[int,
     if not any(x.status == "ok" for x in trials):
         raise RuntimeError("preflight: no micro-batch fits: " + "; ".join(f"{x.micro_batch}: {x.note}" for x in trials))
     return trials
+
+
+def ceiling(cfg: RunConfig, best: Trial, device: torch.device, fpt: float, peak: float | None,
+            log: Log) -> dict[str, Any]:
+    """The measured GEMM ceiling at the chosen micro-batch (``measure/ceiling.py``), and the
+    chosen trial's model FLOP/s as a share of it: what is left to win outside the matmuls."""
+    prec = resolve(cfg.train.precision, device)
+    c = measure_ceiling(step_gemms(cfg.model, best.micro_batch * cfg.train.seq_len), device,
+                        prec.autocast_dtype or prec.param_dtype)
+    achieved = best.tok_per_s * fpt if best.tok_per_s else None
+    out = {"tflops": c.flops_per_s / 1e12, "dtype": c.dtype, "micro_batch": best.micro_batch, "fpt": fpt,
+           "gemm_seconds_per_micro_batch": c.seconds_per_step, "shapes": c.shapes,
+           "datasheet_tflops": peak / 1e12 if peak else None,
+           "ceiling_share_of_datasheet": c.flops_per_s / peak if peak else None,
+           "mfu": best.mfu, "share_of_ceiling": achieved / c.flops_per_s if achieved else None}
+    vs_sheet = (f": {100 * out['ceiling_share_of_datasheet']:.0f}% of the datasheet's {peak / 1e12:g}"
+                if peak else " (no datasheet peak here)")
+    reached = (f"; {_label(best)} reaches {100 * out['share_of_ceiling']:.0f}% of it"
+               + (f" (MFU {100 * best.mfu:.1f}% of the datasheet)" if best.mfu is not None else "")
+               if out["share_of_ceiling"] is not None else "")
+    log(f"preflight: measured ceiling {human(c.flops_per_s)}FLOP/s ({c.dtype}) on this model's GEMMs at micro-batch "
+        f"{best.micro_batch}{vs_sheet}{reached}; `flopwise plan --peak-tflops {c.flops_per_s / 1e12:.3g}` plans with it")
+    return out
 
 
 def _log_table(trials: list[Trial], best: Trial, log: Log) -> None:
