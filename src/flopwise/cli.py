@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3, help="timed steps per micro-batch (at least 3, each timed on its own)")
     p.add_argument("--price-per-gpu-hour", type=float, default=0.0)
     p.add_argument("--out", default="", help="where preflight.json/.yaml go (default runs/PRESET-preflight)")
+    p.add_argument("--ladder", action="store_true",
+                   help="climb the optimization ladder instead of the micro-batch search: precision, attention, "
+                        "compile, loss, micro-batch, checkpointing, one change at a time, each kept only when "
+                        "faster beyond the noise with the same first-step loss")
+    p.add_argument("--budget-minutes", type=float, default=15.0, help="time the ladder may spend (default 15)")
+    p.add_argument("--ladder-fp8", action="store_true", help="let the ladder keep fp8 (it changes numerics)")
     p.set_defaults(func=cmd_preflight)
 
     p = sub.add_parser(
@@ -352,7 +358,8 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
     preflight(cfg, tokens=args.tokens, hours=args.hours, memory_gb=args.memory_gb, headroom=args.headroom,
               warmup=args.warmup, steps=args.steps, price_per_gpu_hour=args.price_per_gpu_hour, out_dir=args.out,
-              log=lambda s: print(s, flush=True))
+              log=lambda s: print(s, flush=True), ladder=args.ladder, budget_minutes=args.budget_minutes,
+              ladder_fp8=args.ladder_fp8)
     return 0
 
 

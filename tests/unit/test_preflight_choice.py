@@ -6,7 +6,8 @@ smaller micro-batch."""
 
 import pytest
 
-from flopwise.train.preflight import MIN_NOISE, Trial, choose, spread
+from flopwise.measure.meter import spread
+from flopwise.train.preflight import MIN_NOISE, Trial, choose
 
 
 def trial(micro_batch, checkpointing, tok_per_s, spread=None, status="ok"):

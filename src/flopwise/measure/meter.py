@@ -108,3 +108,20 @@ class ThroughputMeter:
             return {"tok_per_s": None, "mfu": None, "steady_time_s": 0.0}
         tok_s = self._steady_tokens / self._steady_time
         return {"tok_per_s": tok_s, "mfu": self.mfu(tok_s), "steady_time_s": self._steady_time}
+
+
+# Differences below this share of tok/s are noise whatever a measurement's own spread says: a
+# few timed windows under-estimate the run-to-run variation (a preflight choice once flipped on 1.5%).
+MIN_NOISE = 0.02
+
+
+def median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
+
+
+def spread(rates: list[float]) -> float | None:
+    """Half the range of timed windows' rates as a share of their median; None below two windows."""
+    if len(rates) < 2:
+        return None
+    return (max(rates) - min(rates)) / 2 / median(rates)

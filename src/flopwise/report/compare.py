@@ -12,7 +12,9 @@ What is read (every value optional; a missing one shows as n/a):
   ``wall_time_s`` | ``hours`` (for ``tokens``, if given, else for the run's tokens).
   Never under a ``planner`` / ``plan`` / ``assumed`` key: those hold assumptions (the planner's
   nominal 40% MFU), and a measured null (MFU on a device with no known peak) stays n/a rather
-  than falling through to them. Each preflight value carries its basis: ``measured``, or
+  than falling through to them; nor under ``ladder`` (measured, but on the configurations the
+  ladder tried, the starting one first: the report's Ladder section shows them). Each preflight
+  value carries its basis: ``measured``, or
   ``assumed`` where preflight.json says so (``memory_basis``) or where the chosen trial
   measured no peak memory (a CPU: the memory is the planner's estimate).
 - measured: run.json ``result.tok_per_s`` and ``result.mfu`` (post-warm-up averages), else
@@ -61,6 +63,9 @@ class Comparison:
 
 
 ASSUMPTIONS = frozenset({"planner", "plan", "assumed"})  # preflight.json subtrees that hold no measurement
+# preflight.json subtrees measured on other configurations than the one that ran: the optimization
+# ladder (``preflight --ladder``) starts from the configuration before its rungs; the report shows it apart
+OTHER_CONFIGS = frozenset({"ladder"})
 
 
 def find(tree: dict[str, Any] | None, *names: str) -> float | None:
@@ -68,7 +73,8 @@ def find(tree: dict[str, Any] | None, *names: str) -> float | None:
     outside the ``ASSUMPTIONS`` subtrees."""
     if not tree:
         return None
-    flat = {k: v for k, v in flatten(tree).items() if not ASSUMPTIONS & set(k.split(".")[:-1])}
+    skip = ASSUMPTIONS | OTHER_CONFIGS
+    flat = {k: v for k, v in flatten(tree).items() if not skip & set(k.split(".")[:-1])}
     for depth in range(1, 1 + max((k.count(".") + 1 for k in flat), default=1)):
         for name in names:
             for key, value in flat.items():

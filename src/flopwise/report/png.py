@@ -61,8 +61,16 @@ def _bars(ax, c: BarChart) -> None:
     ys = list(range(len(c.categories)))
     for label, color, values in c.components:
         widths = [v or 0.0 for v in values]
-        ax.barh(ys, widths, left=left, color=color, label=label)
+        drawn = [i for i, w in enumerate(widths) if w > 0]  # a zero-width outline would still draw a line
+        paint = (dict(facecolor="white", edgecolor=color, linewidth=1.3, linestyle="--") if label in c.hollow
+                 else dict(color=color))
+        ax.barh([ys[i] for i in drawn], [widths[i] for i in drawn], left=[left[i] for i in drawn], label=label,
+                **paint)
         left = [a + b for a, b in zip(left, widths)]
+    if c.end_labels is not None:
+        for y, total, text in zip(ys, left, c.end_labels):
+            ax.text(total, y, f" {text}", va="center", fontsize=8)
+        ax.set_xlim(0, max(left, default=0) * 1.18 or 1)
     ax.set_yticks(ys, c.categories)
     ax.invert_yaxis()
     ax.set_xlabel(c.x_label)

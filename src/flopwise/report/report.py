@@ -8,7 +8,8 @@ files into ``<stem>_figures/`` next to the page.
 
 Sections: a header per run (device, versions, configuration, result), the
 plan-vs-preflight-vs-measured table (relative errors first-class; each plan and preflight
-figure is labelled measured or assumed, and what preflight could not measure stays n/a), the training charts
+figure is labelled measured or assumed, and what preflight could not measure stays n/a), the
+optimization ladder of ``preflight --ladder`` when preflight.json holds one (``ladder.py``), the training charts
 (loss against tokens, throughput, MFU, memory, learning rate, gradient norm, step-time
 breakdown, bits per byte), evaluation tasks against tokens with their random baseline,
 per-layer gradient norms, events (loss spikes, non-finite steps), and the configuration
@@ -26,6 +27,7 @@ from flopwise.measure.sinks import human
 from flopwise.report import png as png_out
 from flopwise.report.compare import (compare, measured_memory, measured_mfu, measured_tok_per_s,
                                      measured_wall_time, trained_tokens)
+from flopwise.report.ladder import ladder_chart, ladder_section, read_ladder
 from flopwise.report.runs import ReportError, Run, load_run, number, unique_names
 from flopwise.report.svg import (PALETTE, BarChart, Chart, Heatmap, HLine, LineChart, Marker, Series, esc,
                                  fmt_tick, render)
@@ -89,7 +91,8 @@ def build_charts(runs: list[Run]) -> list[tuple[str, list[Chart]]]:
     training = [loss_chart(runs), bpb_chart(runs), throughput_chart(runs), mfu_chart(runs), memory_chart(runs),
                 lr_chart(runs), grad_norm_chart(runs), breakdown_chart(runs)]
     layers = [c for i, run in enumerate(runs) for c in layer_charts(run, i)]
-    sections = [("Training", training), ("Evaluation", eval_charts(runs)), ("Per-layer statistics", layers)]
+    sections = [(LADDER, ladder_charts(runs)), ("Training", training), ("Evaluation", eval_charts(runs)),
+                ("Per-layer statistics", layers)]
     return [(title, [c for c in group if c.has_data()]) for title, group in sections]
 
 
@@ -289,6 +292,36 @@ def _slug(text: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in text)[:60]
 
 
+LADDER = "Ladder"
+
+
+def _ladder_chart_id(run: Run, index: int) -> str:
+    return f"ladder-{index}-{_slug(run.name)}"
+
+
+def ladder_charts(runs: list[Run]) -> list[BarChart]:
+    """Tokens/s per rung of each run's optimization ladder (preflight.json ``ladder``); none without one."""
+    charts = []
+    for i, run in enumerate(runs):
+        ladder = read_ladder(run.preflight)
+        if ladder is not None:
+            charts.append(ladder_chart(ladder, _ladder_chart_id(run, i), f"{run.name}: optimization ladder, "
+                                       "tokens/s per rung", run.color))
+    return charts
+
+
+def ladder_html(runs: list[Run], charts: list[Chart]) -> str:
+    """The Ladder section's body: per run with a ladder, its chart, table and ladder vs actual."""
+    by_id = {c.id: c for c in charts}
+    parts = []
+    for i, run in enumerate(runs):
+        ladder = read_ladder(run.preflight)
+        if ladder is not None:
+            chart = by_id.get(_ladder_chart_id(run, i))  # absent when no rung measured a rate
+            parts.append(ladder_section(ladder, run, _figure(chart) if chart is not None else ""))
+    return "".join(parts)
+
+
 def layer_charts(run: Run, index: int) -> list[Heatmap]:
     charts = []
     for key, title in (("grad_norms", "gradient norm"), ("update_ratios", "update / weight")):
@@ -372,6 +405,8 @@ td.err-bad{color:#b00020;font-weight:700}td.err-na{color:#888}
 .note{color:#555;font-size:.88em}pre{background:#fff;border:1px solid #dde1e6;padding:8px;white-space:pre-wrap;
 font-size:.85em;max-height:16em;overflow:auto}
 nav a{margin-right:1em}
+section.ladder{margin:.4em 0 1.4em}section.ladder figure{max-width:760px;margin:.4em 0}
+table.ladder td.kept{color:#17692d;font-weight:600}table.ladder tr[data-kept="false"] td{color:#777}
 """
 
 
@@ -620,12 +655,18 @@ def render_page(runs: list[Run], sections: list[tuple[str, list[Chart]]], png_no
                  f"{esc(datetime.now().isoformat(timespec='seconds'))} · "
                  + " ".join(f"{_swatch(r)}{esc(r.name)}" for r in runs) + "</p>")
     nav = ["<a href=\"#runs\">runs</a>", "<a href=\"#plan\">plan vs measured</a>"]
-    nav += [f'<a href="#{_slug(t)}">{esc(t.lower())}</a>' for t, group in sections if group]
+    ladders = ladder_html(runs, next((g for t, g in sections if t == LADDER), []))
+    nav += [f'<a href="#{_slug(t)}">{esc(t.lower())}</a>' for t, group in sections
+            if group or (t == LADDER and ladders)]
     nav += ['<a href="#events">events</a>'] + (['<a href="#config">config diff</a>'] if len(runs) > 1 else [])
     parts.append(f"<nav>{''.join(nav)}</nav>")
     parts.append(f'<h2 id="runs">Runs</h2><div class="cards">{"".join(run_card(r) for r in runs)}</div>')
     parts.append(f'<h2 id="plan">Plan vs preflight vs measured</h2>{comparison_table(runs)}')
     for section, group in sections:
+        if section == LADDER:  # charts and tables per run; a ladder with no rate measured still has its table
+            if ladders:
+                parts.append(f'<h2 id="{_slug(section)}">Optimization ladder</h2>{ladders}')
+            continue
         if not group:
             continue
         parts.append(f'<h2 id="{_slug(section)}">{esc(section)}</h2>')

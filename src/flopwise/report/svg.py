@@ -89,6 +89,9 @@ class BarChart:
     categories: list[str]
     components: list[tuple[str, str, list[Num]]]  # (label, colour, value per category)
     note: str = ""
+    end_labels: list[str] | None = None  # text after each bar instead of its total ("oom" for a bar with none)
+    hollow: tuple[str, ...] = ()  # components drawn as outlines, not filled (e.g. rejected candidates)
+    label_share: float = 0.35  # the most of the width the category labels may take
 
     def has_data(self) -> bool:
         return any(v for _, _, values in self.components for v in values)
@@ -393,7 +396,7 @@ def bar_chart_svg(c: BarChart, width: float = 600) -> str:
     _, x_hi, ticks = linear_ticks(0.0, max(totals))
     step = _tick_step(ticks)
     left = 14 + max(_text_width(name, size) for name in c.categories)
-    left = min(left, width * 0.35)
+    left = min(left, width * c.label_share)
     right, top, bar_h, gap = 70, 10, 24, 12
     pw = width - left - right
     ph = len(c.categories) * (bar_h + gap) + gap
@@ -427,17 +430,21 @@ def bar_chart_svg(c: BarChart, width: float = 600) -> str:
             if v <= 0:
                 continue
             w = sx(x + v) - sx(x)
+            hollow = label in c.hollow
+            paint = (f'fill="#ffffff" stroke="{esc(color)}" stroke-width="1.5" stroke-dasharray="4 2"' if hollow
+                     else f'fill="{esc(color)}"')
             out.append(f'<rect class="segment" data-series="{esc(label)}" data-run="{esc(name)}" '
-                       f'x="{sx(x):.1f}" y="{y:.1f}" width="{w:.1f}" height="{bar_h}" fill="{esc(color)}">'
+                       f'x="{sx(x):.1f}" y="{y:.1f}" width="{w:.1f}" height="{bar_h}" {paint}>'
                        f'<title>{esc(name)} · {esc(label)}: {esc(fmt_tick(v, step / 100 if step else None))} '
                        f'{esc(c.x_label)}</title></rect>')
             text = fmt_tick(v, step / 10 if step else None)
             if w > _text_width(text, size - 1) + 6:
                 out.append(f'<text x="{sx(x) + w / 2:.1f}" y="{y + bar_h / 2 + 4:.1f}" text-anchor="middle" '
-                           f'font-size="{size - 1}" fill="#fff">{esc(text)}</text>')
+                           f'font-size="{size - 1}" fill="{esc(color) if hollow else "#fff"}">{esc(text)}</text>')
             x += v
-        out.append(f'<text x="{sx(totals[i]) + 5:.1f}" y="{y + bar_h / 2 + 4:.1f}" font-size="{size}">'
-                   f'{esc(fmt_tick(totals[i], step / 10 if step else None))}</text>')
+        end = c.end_labels[i] if c.end_labels is not None else fmt_tick(totals[i], step / 10 if step else None)
+        out.append(f'<text class="bar-end" x="{sx(totals[i]) + 5:.1f}" y="{y + bar_h / 2 + 4:.1f}" '
+                   f'font-size="{size}">{esc(end)}</text>')
     out.extend(legend)
     out.append("</svg>")
     return "".join(out)

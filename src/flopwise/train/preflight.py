@@ -38,6 +38,7 @@ from flopwise.config import RunConfig
 from flopwise.data.datadir import open_data_dir
 from flopwise.data.loader import make_loader
 from flopwise.measure.ceiling import measure_ceiling, step_gemms
+from flopwise.measure.meter import MIN_NOISE, median, spread
 from flopwise.measure.sinks import human
 from flopwise.model import build_model, configure_attention
 from flopwise.plan.budget import memory_settings_for_run
@@ -47,9 +48,10 @@ from flopwise.train.checkpoint import save_checkpoint
 from flopwise.train.device import device_peak
 from flopwise.train.distributed import resolve_device
 from flopwise.train.explain import explain_run
+from flopwise.train.ladder import climb, with_settings
 from flopwise.train.defaults import resolve_speed
 from flopwise.train.optim import build_optimizer
-from flopwise.train.precision import autocast_factory, resolve
+from flopwise.train.precision import MasterWeights, apply_fp8, autocast_factory, resolve
 from flopwise.train.step import forward_backward, make_loss_fn
 from flopwise.train.trainer import train
 from flopwise.train.wrap import wrap_model
@@ -58,9 +60,6 @@ from flopwise.train.wrap import wrap_model
 Log = Callable[[str], None]
 STARVATION_WARN = 0.05  # waiting for data above 5% of step time deserves a look
 MIN_WINDOWS = 3  # timed windows per trial: fewer give no spread
-# Differences below this share of tok/s are noise whatever a trial's own spread says: a few
-# windows under-estimate the run-to-run variation (issue 19 saw a choice flip on 1.5%).
-MIN_NOISE = 0.02
 
 
 @dataclass
@@ -102,13 +101,17 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
     loader = make_loader(cfg.data.loader, data, "train", t.seq_len, micro_batch, seed=t.seed, device=device,
                          doc_boundaries=cfg.model.doc_mask)
     model = build_model(cfg.model, device=device, seed=t.seed)
-    configure_attention(model, device, prec.autocast_dtype or torch.float32)
+    if t.fp8:
+        apply_fp8(model, device)
+    master = MasterWeights(model) if prec.name == "bf16-pure" else None  # as the trainer does
+    configure_attention(model, device, prec.autocast_dtype or model.tok_emb.weight.dtype)
     wrap_model(model, t)
     loss_fn = make_loss_fn(model, t.loss, t.loss_chunk_tokens,
                            compile_mode=t.compile_mode if t.compile == "model" else None)
-    opt = build_optimizer(model, cfg.optim, device)
+    opt = build_optimizer(master.master if master else model, cfg.optim, device)
     autocast = autocast_factory(device, prec.autocast_dtype)
     data_s = 0.0
+    losses: list[torch.Tensor] = []
 
     def batches():
         nonlocal data_s
@@ -119,9 +122,20 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
             yield b
 
     def step():
-        forward_backward(model, batches(), cfg.tokens_per_step, autocast, loss_fn)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip or float("inf"))
-        opt.step()
+        loss = forward_backward(model, batches(), cfg.tokens_per_step, autocast, loss_fn, prec.scaler)
+        if not losses:
+            losses.append(loss.detach())  # the first step's loss: before any update, on the first batch
+        stepped = master.master if master else model
+        if master:
+            master.grads_to_master()
+        torch.nn.utils.clip_grad_norm_(stepped.parameters(), cfg.optim.grad_clip or float("inf"))
+        if prec.scaler is not None:
+            prec.scaler.step(opt)
+            prec.scaler.update()
+        else:
+            opt.step()
+        if master:
+            master.master_to_model()
         opt.zero_grad(set_to_none=True)
 
     cuda = device.type == "cuda"
@@ -145,19 +159,8 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
         if cuda:
             torch.cuda.empty_cache()
     rates = [cfg.tokens_per_step / w for w in windows]
-    return {"tok_per_s": _median(rates), "tok_per_s_windows": rates, "peak_gb": peak, "data_share": data_s / wall}
-
-
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
-
-
-def spread(rates: list[float]) -> float | None:
-    """Half the range of the windows' rates as a share of their median; None below two windows."""
-    if len(rates) < 2:
-        return None
-    return (max(rates) - min(rates)) / 2 / _median(rates)
+    return {"tok_per_s": median(rates), "tok_per_s_windows": rates, "peak_gb": peak, "data_share": data_s / wall,
+            "first_loss": float(losses[0]) if losses else None}
 
 
 def _label(t: Trial) -> str:
@@ -213,7 +216,9 @@ def candidates(cfg: RunConfig) -> list[int]:
 
 def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: float = 0.0,
               headroom: float = 0.9, warmup: int = 2, steps: int = 3, price_per_gpu_hour: float = 0.0,
-              out_dir: str | Path = "", measure_fn=measure, log: Log = print) -> dict[str, Any]:
+              out_dir: str | Path = "", measure_fn=measure, log: Log = print, ladder: bool = False,
+              budget_minutes: float = 15.0, ladder_fp8: bool = False,
+              clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     device = resolve_device(cfg.train.device)
     out = Path(out_dir or f"runs/{cfg.preset or 'run'}-preflight")
     out.mkdir(parents=True, exist_ok=True)
@@ -234,11 +239,22 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
         report["compile"] = explain_run(_copy(cfg), log=log)
         for warning in report["end_to_end"]["recompiles"]:
             log(f"preflight: {warning}")
-    # 3. the micro-batch search
-    settings = memory_settings_for_run(cfg, precision, cfg.train.loss)  # activation checkpointing: tried both below
-    trials = search(cfg, settings, lambda b, ckpt, windows: measure_fn(_copy(cfg), b, ckpt, warmup, windows, device),
-                    warmup, max(steps, MIN_WINDOWS), fpt, peak, memory_gb, headroom, log)
-    best, reason = choose(trials)
+    windows = max(steps, MIN_WINDOWS)
+    if ladder:  # 3. every rung, one change at a time (train/ladder.py), the micro-batch among them
+        run_tokens = tokens or cfg.total_steps() * cfg.tokens_per_step
+        report["ladder"] = climb(
+            cfg, lambda c: measure_fn(_copy(c), c.train.micro_batch_size, c.train.activation_checkpointing, warmup,
+                                      windows, device),
+            device, candidates(cfg), run_tokens, fpt, peak, memory_gb, headroom, price_per_gpu_hour,
+            budget_minutes * 60, ladder_fp8, clock, log)
+        cfg = with_settings(cfg, report["ladder"]["chosen"])
+        best, reason = _ladder_trial(cfg, report["ladder"]["final"], windows, device), "the ladder's last kept rung"
+        trials = [best]
+    else:  # 3. the micro-batch search
+        settings = memory_settings_for_run(cfg, precision, cfg.train.loss)  # checkpointing: tried both below
+        trials = search(cfg, settings, lambda b, ckpt, w: measure_fn(_copy(cfg), b, ckpt, warmup, w, device),
+                        warmup, windows, fpt, peak, memory_gb, headroom, log)
+        best, reason = choose(trials)
     report["trials"] = [x.__dict__ for x in trials]
     report["chosen"] = {"micro_batch_size": best.micro_batch, "activation_checkpointing": best.checkpointing}
     report["choice_reason"] = reason
@@ -258,6 +274,17 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     predict(report, cfg, tuned, best, tokens, hours, price_per_gpu_hour, fpt, peak, peak_note, log)
     _write(out, report, cfg, tuned, log)
     return report
+
+
+def _ladder_trial(cfg: RunConfig, final: dict[str, Any], windows: int, device: torch.device) -> Trial:
+    """The ladder's final configuration as the trial the prediction and the ceiling start from."""
+    t = cfg.train
+    settings = memory_settings_for_run(cfg, resolve(t.precision, device).name, t.loss)
+    settings = MemorySettings(**{**settings.__dict__, "activation_checkpointing": t.activation_checkpointing})
+    return Trial(t.micro_batch_size, t.activation_checkpointing, "ok", tok_per_s=final["tok_per_s"],
+                 spread=final["spread"], windows=windows, mfu=final["mfu"], peak_gb=final["peak_gb"],
+                 predicted_gb=estimate(cfg.model, t.micro_batch_size, t.seq_len, settings).gb()["total"],
+                 data_share=final["data_share"])
 
 
 def end_to_end(cfg: RunConfig, device: torch.device, log: Log) -> dict[str, Any]:
