@@ -331,6 +331,7 @@ class TrainConfig:
     max_tokens: int = 0  # 0 = no token limit; with both set, the first reached ends the run
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    threads: int = 0  # CPU threads torch computes with (torch.set_num_threads); 0 = torch's own default
     # auto: bf16 on CUDA with bf16, fp16 on CUDA without (V100, T4), else float32;
     # bf16 (autocast, fp32 weights) | bf16-pure (bf16 weights) | fp16 (autocast + scaler) | float32
     precision: PrecisionChoice = "auto"
@@ -378,7 +379,7 @@ class TrainConfig:
         for name in ("seq_len", "micro_batch_size", "global_batch_size", "log_every"):
             p.positive(f"train.{name}", getattr(self, name))
         for name in ("max_steps", "max_tokens", "checkpoint_every", "keep_checkpoints", "milestone_every",
-                     "warmup_log_steps", "seed", "nonfinite_patience", "collapse_steps"):
+                     "warmup_log_steps", "seed", "nonfinite_patience", "collapse_steps", "threads"):
             p.positive(f"train.{name}", getattr(self, name), allow_zero=True)
         for name in ("nonfinite_max_skips", "nonfinite_max_rollbacks", "nonfinite_max_rollbacks_per_checkpoint"):
             p.positive(f"train.{name}", getattr(self, name))  # a bound of 0 would forbid what the policy asks for

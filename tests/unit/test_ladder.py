@@ -33,8 +33,30 @@ def base(overrides=()):
                                                   "train.micro_batch_size=16", *overrides])
 
 
-def test_cpu_rungs_are_compile_loss_and_micro_batch():
-    assert [r[0] for r in rungs(base(), CPU, [1, 2, 4, 8, 16, 32])] == ["compile", "loss", "micro-batch"]
+def test_cpu_rungs_are_compile_loss_micro_batch_and_threads():
+    plan = rungs(base(), CPU, [1, 2, 4, 8, 16, 32])
+    assert [r[0] for r in plan] == ["compile", "loss", "micro-batch", "threads"]
+    assert torch.get_num_threads() not in [o["train.threads"] for o in plan[-1][1]]  # the current count is the start
+
+
+def test_a_trial_computes_with_its_threads_and_gives_them_back(tiny_overrides):
+    from flopwise.train.preflight import measure
+
+    before = torch.get_num_threads()
+    seen = []
+    real = torch.optim.AdamW.step
+
+    def step(self, *a, **kw):  # the optimizer step of the trial: which thread count is it computed with
+        seen.append(torch.get_num_threads())
+        return real(self, *a, **kw)
+
+    torch.optim.AdamW.step = step
+    try:
+        cfg = build_config(overrides=tiny_overrides + ["train.compile=off", "train.threads=1"])
+        measure(cfg, 8, "none", warmup=1, steps=1, device=CPU)
+    finally:
+        torch.optim.AdamW.step = real
+    assert seen and set(seen) == {1} and torch.get_num_threads() == before
 
 
 def test_a_faster_change_is_kept_a_slower_or_noisy_one_is_not():

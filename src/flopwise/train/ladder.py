@@ -3,7 +3,7 @@
 ``flopwise preflight --ladder`` starts from the user's configuration and tries one change
 at a time, in the order people climb: precision, attention kernel, compile, compile mode,
 loss path, micro-batch, activation checkpointing (only where it lets a micro-batch fit that
-does not fit without). Each option is measured on its own (``preflight.measure``: a fresh
+does not fit without), and on a CPU the thread count. Each option is measured on its own (``preflight.measure``: a fresh
 model, optimizer and compiler; on CUDA a reset allocator and peak), and is **kept** only when
 
 - it is faster than the best so far by more than the noise (the two measurements' spreads
@@ -23,6 +23,7 @@ report compares with.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from typing import Any, Callable
 
@@ -68,6 +69,11 @@ def rungs(cfg: RunConfig, device: torch.device, sizes: list[int],
     losses = ["plain", "chunked"] + (["fused"] if fused_linear_cross_entropy_available(device) else [])
     out.append(("loss", [{"train.loss": x} for x in losses if x != t.loss], "same"))
     out.append(("micro-batch", [{"train.micro_batch_size": b} for b in sizes if b != t.micro_batch_size], "same"))
+    if not cuda:  # how many cores torch computes with: all of them is not always fastest
+        cores = os.cpu_count() or 1
+        current = t.threads or torch.get_num_threads()
+        counts = sorted({n for n in (1, 2, 4, 8, 16, 32, 64, cores) if n <= cores} - {current})
+        out.append(("threads", [{"train.threads": n} for n in counts], "same"))
     return out
 
 
@@ -184,4 +190,4 @@ def _settings_of(cfg: RunConfig) -> Settings:
     t = cfg.train
     return {"train.precision": t.precision, "model.attention": cfg.model.attention, "train.compile": t.compile,
             "train.compile_mode": t.compile_mode, "train.loss": t.loss, "train.micro_batch_size": t.micro_batch_size,
-            "train.activation_checkpointing": t.activation_checkpointing}
+            "train.activation_checkpointing": t.activation_checkpointing, "train.threads": t.threads}

@@ -94,6 +94,9 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
     for every later size), not the static graph the run itself compiles."""
     torch._dynamo.reset()
     t = cfg.train
+    threads = torch.get_num_threads()  # a trial's train.threads must not outlive it
+    if t.threads:
+        torch.set_num_threads(t.threads)
     t.micro_batch_size, t.activation_checkpointing = micro_batch, checkpointing
     accum = cfg.grad_accum_steps()
     prec = resolve(t.precision, device)
@@ -156,6 +159,7 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
     finally:
         del model, opt
+        torch.set_num_threads(threads)
         if cuda:
             torch.cuda.empty_cache()
     rates = [cfg.tokens_per_step / w for w in windows]

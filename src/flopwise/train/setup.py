@@ -201,6 +201,8 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
           locks: contextlib.ExitStack, clock: Callable[[], float]) -> Run | TrainResult:
     """Build the run; or, when its checkpoint already holds every step asked for, the
     finished run's result (nothing is built or written then)."""
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
     prec = resolve_precision(cfg.train.precision, device)
     world = env.world_size
     split = batch_split_problems(cfg.train, world)  # the config checked one rank; this is the launch's count
