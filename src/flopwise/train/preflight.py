@@ -53,6 +53,7 @@ from flopwise.train.defaults import resolve_speed
 from flopwise.train.optim import build_optimizer
 from flopwise.train.precision import MasterWeights, apply_fp8, autocast_factory, resolve
 from flopwise.train.step import forward_backward, make_loss_fn
+from flopwise.train.train_step import apply_update, unscale_and_clip
 from flopwise.train.trainer import train
 from flopwise.train.wrap import wrap_model
 
@@ -112,6 +113,7 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
     loss_fn = make_loss_fn(model, t.loss, t.loss_chunk_tokens,
                            compile_mode=t.compile_mode if t.compile == "model" else None)
     opt = build_optimizer(master.master if master else model, cfg.optim, device)
+    params = [p for group in opt.param_groups for p in group["params"]]
     autocast = autocast_factory(device, prec.autocast_dtype)
     data_s = 0.0
     losses: list[torch.Tensor] = []
@@ -128,17 +130,8 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
         loss = forward_backward(model, batches(), cfg.tokens_per_step, autocast, loss_fn, prec.scaler)
         if not losses:
             losses.append(loss.detach())  # the first step's loss: before any update, on the first batch
-        stepped = master.master if master else model
-        if master:
-            master.grads_to_master()
-        torch.nn.utils.clip_grad_norm_(stepped.parameters(), cfg.optim.grad_clip or float("inf"))
-        if prec.scaler is not None:
-            prec.scaler.step(opt)
-            prec.scaler.update()
-        else:
-            opt.step()
-        if master:
-            master.master_to_model()
+        unscale_and_clip(opt, prec.scaler, master, params, cfg.optim.grad_clip or float("inf"))
+        apply_update(opt, prec.scaler, master)  # the trainer's own update (train_step.py)
         opt.zero_grad(set_to_none=True)
 
     cuda = device.type == "cuda"
@@ -158,7 +151,7 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
         wall = sum(windows)
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
     finally:
-        del model, opt
+        del model, opt, params
         torch.set_num_threads(threads)
         if cuda:
             torch.cuda.empty_cache()

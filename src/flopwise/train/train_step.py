@@ -18,6 +18,7 @@ import torch
 
 from flopwise.train.optim import CombinedOptimizer, set_lr, set_lr_factor
 from flopwise.train.parallel import clip_grad_norm, grad_sync
+from flopwise.train.precision import MasterWeights
 from flopwise.train.setup import Run
 from flopwise.train.step import forward_backward
 from flopwise.train.stopping import NonFiniteError
@@ -53,11 +54,7 @@ def train_step(run: Run, step: int, accum: int, step_tokens: int, lr: float) -> 
         loss = forward_backward(run.train_model, micro, step_tokens // run.world, run.autocast, run.loss_fn,
                                 scaler, sync)
     with timer.part("optim"), nvtx(t.nvtx, "optimizer"):
-        if run.master:
-            run.master.grads_to_master()
-        if scaler is not None:
-            scaler.unscale_(optimizer)
-        grad_norm = clip_grad_norm(run.opt_params, run.clip)
+        grad_norm = unscale_and_clip(optimizer, scaler, run.master, run.opt_params, run.clip)
     loss_f, gnorm_f = global_loss(run.env, loss, grad_norm)  # one transfer per step
     # With fp16 loss scaling an overflowing gradient is routine: the scaler skips that update
     # and lowers its scale, so only the loss decides there. A collapse (gradient norm ~0 for
@@ -73,17 +70,34 @@ def train_step(run: Run, step: int, accum: int, step_tokens: int, lr: float) -> 
         if tr.update_ratios:
             before = {n: p.detach().clone() for n, p in run.state_model.named_parameters()}
     with timer.part("optim"), nvtx(t.nvtx, "optimizer"):
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        if run.master:
-            run.master.master_to_model()
+        apply_update(optimizer, scaler, run.master)
     if before is not None:
         stats["update_ratios"] = update_ratios(run.state_model, before)
     optimizer.zero_grad(set_to_none=True)
     return StepOutcome(loss_f, gnorm_f, "", stats)
+
+
+def unscale_and_clip(optimizer: torch.optim.Optimizer, scaler, master: MasterWeights | None,
+                     params: list[torch.nn.Parameter], clip: float) -> torch.Tensor:
+    """The step's gradients made ready for the update: copied to the fp32 master weights
+    (bf16-pure), unscaled (fp16), clipped to ``clip``; returns their norm before clipping."""
+    if master:
+        master.grads_to_master()
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    return clip_grad_norm(params, clip)
+
+
+def apply_update(optimizer: torch.optim.Optimizer, scaler, master: MasterWeights | None) -> None:
+    """The optimizer step (through the fp16 scaler, which skips an overflowing one), rounded
+    back to the bf16 weights under bf16-pure."""
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    if master:
+        master.master_to_model()
 
 
 def global_loss(env, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
