@@ -273,11 +273,15 @@ class DataConfig:
     # random: seeded random windows sampled with replacement (the nanoGPT way), per-rank streams.
     # The default since neither assembles batches measurably faster (docs/benchmarks.md#loader).
     loader: Loader = "epoch"
+    prefetch: int = 0  # batches assembled ahead on a background thread (0 = off)
+    pin_memory: bool = True  # CUDA: pinned host batches, copied asynchronously
 
     def problems(self) -> list[str]:
         p = _Problems(_choice_problems(self, "data"))
         p.positive("data.builtin_vocab_size", self.builtin_vocab_size)
         p.positive("data.builtin_max_mb", self.builtin_max_mb, allow_zero=True)
+        if not 0 <= self.prefetch <= 8:
+            p.append(f"data.prefetch must be in [0, 8], got {self.prefetch}")
         return list(p)
 
 

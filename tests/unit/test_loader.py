@@ -541,6 +541,130 @@ def test_prefetch_same_batches_and_state(dd, mode):
     b.close()
 
 
+def same_batches(got, want):
+    assert len(got) == len(want)
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b)), f"batch {k} differs"
+
+
+@pytest.mark.parametrize("mode", ["random", "epoch"])
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_prefetch_depth_same_batches_and_state(labelled, mode, depth):
+    """Up to `depth` batches in flight (across epoch boundaries: 10 batches per epoch), yet the
+    same batches, doc ids and state after every batch as without prefetch."""
+    dd, _ = labelled
+    ref = make_loader(mode, dd, "train", 16, 8, seed=4, doc_boundaries=True)
+    pre = make_loader(mode, dd, "train", 16, 8, seed=4, doc_boundaries=True, prefetch=depth)
+    assert pre.prefetch == depth
+    for k in range(25):
+        same_batches(batches(pre, 1), batches(ref, 1))
+        assert len(pre._pending) == depth  # really `depth` ahead, and none of them counted:
+        assert snapshot(pre) == snapshot(ref), k
+    if mode == "epoch":
+        assert pre.epoch == ref.epoch == 2 and pre.global_sample_position == ref.global_sample_position
+    pre.close()
+
+
+@pytest.mark.parametrize("mode", ["random", "epoch"])
+@pytest.mark.parametrize("depth", [1, 3])
+def test_prefetch_state_mid_stream_resumes_exactly(labelled, mode, depth):
+    """A state taken with batches in flight resumes, with prefetch off or 3 deep, on exactly the
+    batches the uninterrupted loader goes on to draw."""
+    dd, _ = labelled
+    a = make_loader(mode, dd, "train", 16, 8, seed=6, prefetch=depth)
+    ref = make_loader(mode, dd, "train", 16, 8, seed=6)
+    batches(a, 7)
+    batches(ref, 7)
+    assert len(a._pending) == depth
+    state = snapshot(a)
+    assert state == snapshot(ref) and state["batches"] == 7
+    rest = batches(a, 15)  # across the epoch boundary
+    for resume_depth in (0, 3):
+        b = make_loader(mode, dd, "train", 16, 8, seed=6, prefetch=resume_depth)
+        batches(b, 2)  # batches (and prefetched ones) of its own, which the state replaces
+        b.load_state_dict(state)
+        assert snapshot(b) == state
+        same_batches(batches(b, 15), rest)
+        assert snapshot(b) == snapshot(a)
+        b.close()
+    a.close()
+
+
+@pytest.mark.parametrize("mode", ["random", "epoch"])
+def test_prefetch_close_then_continue(labelled, mode):
+    """close() drops every batch in flight and restores the position as of those handed out:
+    the next batches are the ones an uninterrupted loader draws, again and again."""
+    dd, _ = labelled
+    ref = make_loader(mode, dd, "train", 16, 8, seed=8)
+    pre = make_loader(mode, dd, "train", 16, 8, seed=8, prefetch=4)
+    pre.close()  # nothing in flight yet: harmless
+    for n in (3, 1, 9):  # 13 batches: across the epoch boundary
+        same_batches(batches(pre, n), batches(ref, n))
+        assert len(pre._pending) == 4
+        pre.close()
+        assert not pre._pending and pre._executor is None
+        assert snapshot(pre) == snapshot(ref)
+    same_batches(batches(pre, 5), batches(ref, 5))
+    pre.close()
+    pre.close()
+
+
+def test_prefetch_flag_values_and_pin_memory_on_cpu(dd):
+    ref = batches(make_loader("random", dd, "train", 16, 4, seed=3), 4)
+    assert make_loader("epoch", dd, "train", 16, 4, seed=3, prefetch=True).prefetch == 1
+    assert make_loader("epoch", dd, "train", 16, 4, seed=3, prefetch=False).prefetch == 0
+    assert make_loader("epoch", dd, "train", 16, 4, seed=3).prefetch == 0  # off by default
+    for kw in (dict(prefetch=True), dict(pin_memory=False), dict(prefetch=2, pin_memory=False)):
+        loader = make_loader("random", dd, "train", 16, 4, seed=3, **kw)
+        got = batches(loader, 4)
+        same_batches(got, ref)
+        assert not got[0][0].is_pinned()  # on a CPU nothing is pinned either way
+        loader.close()
+    with pytest.raises(ValueError, match=r"prefetch must be >= 0.*got -1"):
+        make_loader("epoch", dd, "train", 16, 4, seed=3, prefetch=-1)
+
+
+@pytest.mark.parametrize("value", ["-1", "9"])
+def test_config_refuses_prefetch_out_of_range(value):
+    from flopwise.config import ConfigError, DataConfig, build_config
+
+    with pytest.raises(ConfigError) as err:
+        build_config(overrides=[f"data.prefetch={value}"])
+    assert err.value.problems == [f"data.prefetch must be in [0, 8], got {value}"]
+    assert DataConfig(prefetch=int(value)).problems() == [f"data.prefetch must be in [0, 8], got {value}"]
+
+
+def test_config_prefetch_and_pin_memory_defaults_and_bounds():
+    from flopwise.config import DataConfig, build_config
+
+    assert (DataConfig().prefetch, DataConfig().pin_memory) == (0, True)
+    for value in (0, 8):
+        assert DataConfig(prefetch=value).problems() == []
+    cfg = build_config(overrides=["data.prefetch=8", "data.pin_memory=false"])
+    assert cfg.data.prefetch == 8 and cfg.data.pin_memory is False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
+@pytest.mark.parametrize("pin", [True, False])
+def test_cuda_prefetch_depth_and_pinning(labelled, pin):
+    dd, _ = labelled
+    for mode in ("random", "epoch"):
+        ref = make_loader(mode, dd, "train", 16, 8, seed=5, doc_boundaries=True)
+        gpu = make_loader(mode, dd, "train", 16, 8, seed=5, device="cuda", doc_boundaries=True, prefetch=3,
+                          pin_memory=pin)
+        for k in range(14):
+            if k == 6:
+                gpu.close()  # drops 3 in-flight copies; the next batches are unchanged
+            for a, b in zip(gpu.next_batch(), ref.next_batch()):
+                assert a.is_cuda and torch.equal(a.cpu(), b)
+            assert gpu.state_dict() == ref.state_dict()
+            assert gpu._held and all(host[0].is_pinned() == pin for _, host in gpu._held)
+        gpu.close()
+        plain = make_loader(mode, dd, "train", 16, 8, seed=5, device="cuda", pin_memory=pin)
+        assert torch.equal(plain.next_batch()[0].cpu(), make_loader(mode, dd, "train", 16, 8, seed=5).next_batch()[0])
+
+
 def test_epoch_resume_at_another_world_size_with_the_same_step(labelled):
     """2 ranks x 4 x 2 micro-batches -> 1 rank x 4 x 4 micro-batches (16 samples per step either
     way): after the switch, each step takes the same samples as the 2-rank run would have,

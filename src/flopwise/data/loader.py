@@ -34,20 +34,26 @@ alone, which is the same stream): ranks are independent, not disjoint, and its s
 per rank.
 
 **Devices and prefetch.** On CUDA the host batch is put in pinned memory and copied with
-``non_blocking=True``.  ``prefetch=True`` assembles the next batch on a background thread
-while the caller computes on the current one (numpy releases the GIL for large copies,
-torch releases it in its kernels); on CUDA the thread also issues the host-to-device copy
-on a side stream, and ``next_batch`` makes the caller's stream wait for it (a CUDA event)
-and keeps the pinned buffer alive until that copy has completed.  Prefetch is **off by
-default**: on a CPU (``benchmarks/loader.py``; the figures are in docs/benchmarks.md#loader)
-waiting for a batch is a fraction of a percent of a tiny-preset step without it and no
-measurably less with it, while the hand-off to the thread slows batch assembly down
-(and the thread competes with torch's compute threads for the same cores).
-It is there for GPU runs whose steps are short enough for batch assembly to show.
+``non_blocking=True``; ``pin_memory=False`` keeps it in pageable memory and copies it with
+a plain ``.to(device)`` (on a CPU the option does nothing).  ``prefetch=N`` (an int; ``True``
+is 1, ``False`` and ``0`` are off) keeps up to ``N`` next batches assembled ahead, in order,
+on one background thread while the caller computes on the current one (numpy releases the
+GIL for large copies, torch releases it in its kernels).  The positions are still drawn on
+the caller's thread, so the batches are exactly those without prefetch, and ``state_dict()``
+reports the position as of the batches handed out, not counting those in flight.  On CUDA
+the thread also issues the host-to-device copies on a side stream, and ``next_batch`` makes
+the caller's stream wait for its batch's copy (a CUDA event); a batch's pinned sources are
+kept alive until its copy has completed, whether it is still queued or already handed out.
+Prefetch is **off by default**: on a CPU (``benchmarks/loader.py``; the figures are in
+docs/benchmarks.md#loader) waiting for a batch is a fraction of a percent of a tiny-preset
+step without it and no measurably less with it, while the hand-off to the thread slows
+batch assembly down (and the thread competes with torch's compute threads for the same
+cores).  It is there for GPU runs whose steps are short enough for batch assembly to show.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 from dataclasses import dataclass
 from typing import Any
@@ -97,7 +103,7 @@ def document_ids(x: torch.Tensor, eos_id: int, bos_id: int | None = None) -> tor
 @dataclass
 class _Ready:
     """One assembled batch: tokens ``(B, T+1)`` and doc ids ``(B, T)`` (host, or device when
-    ``event`` is set: copied on the side stream, ``host`` keeps the pinned sources alive)."""
+    ``event`` is set: copied on the side stream, ``host`` keeps the host sources alive)."""
 
     tokens: torch.Tensor
     docs: torch.Tensor | None
@@ -124,7 +130,8 @@ class _BatchLoader:
         world_size: int,
         doc_boundaries: bool,
         eos_id: int | None,
-        prefetch: bool,
+        prefetch: int | bool,
+        pin_memory: bool = True,
     ):
         if batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, got {batch_size}")
@@ -141,15 +148,21 @@ class _BatchLoader:
         self.eos_id = datadir.eos_id if eos_id is None else int(eos_id)
         bos = datadir.meta.get("bos_id")
         self.bos_id = None if bos is None else int(bos)
-        self.prefetch = bool(prefetch)
+        if int(prefetch) < 0:
+            raise ValueError(f"prefetch must be >= 0 (batches assembled ahead; 0 = off), got {prefetch}")
+        self.prefetch = int(prefetch)  # True -> 1, False -> 0
+        self.pin_memory = bool(pin_memory)
         self._shards = datadir.shards(split)
         self._vocab = datadir.vocab_size
         self.batches = 0  # batches handed out by this loader (see state_dict for what resumes)
-        self._pending: concurrent.futures.Future | None = None
-        self._pending_position: Any = None  # position as of the batches handed out, while one is prefetched
+        # Prefetched batches, oldest first: (the position before its draw, its future).  The
+        # oldest one's position is the position as of the batches handed out.
+        self._pending: collections.deque[tuple[Any, concurrent.futures.Future]] = collections.deque()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._stream = None  # CUDA side stream for prefetched copies
-        self._held: tuple | None = None  # (event, pinned sources) of the last prefetched CUDA copy
+        # (event, host sources) of handed-out prefetched CUDA batches whose copy may not have
+        # completed, oldest first (queued ones keep theirs in their futures' results).
+        self._held: collections.deque[tuple[Any, tuple]] = collections.deque()
 
     # ------------------------------------------------------------- subclass hooks
     def _draw(self) -> tuple[np.ndarray, np.ndarray]:
@@ -178,13 +191,13 @@ class _BatchLoader:
         tokens = torch.from_numpy(buf)  # (B, T+1)
         docs = document_ids(tokens[:, :-1], self.eos_id, self.bos_id) if self.doc_boundaries else None
         if self.device.type == "cuda":
-            # Pinned host memory lets the copy run asynchronously and overlap compute.
-            tokens = tokens.pin_memory()
-            docs = docs.pin_memory() if docs is not None else None
+            if self.pin_memory:  # pinned host memory lets the copy run asynchronously and overlap compute
+                tokens = tokens.pin_memory()
+                docs = docs.pin_memory() if docs is not None else None
             if self._stream is not None:  # prefetching: copy now, on the side stream
                 with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-                    dev_tokens = tokens.to(self.device, non_blocking=True)
-                    dev_docs = docs.to(self.device, non_blocking=True) if docs is not None else None
+                    dev_tokens = tokens.to(self.device, non_blocking=self.pin_memory)
+                    dev_docs = docs.to(self.device, non_blocking=self.pin_memory) if docs is not None else None
                     event = torch.cuda.Event()
                     event.record(self._stream)
                 return _Ready(dev_tokens, dev_docs, event, (tokens, docs))
@@ -208,49 +221,67 @@ class _BatchLoader:
             tokens.record_stream(current)
             if docs is not None:
                 docs.record_stream(current)
-            if self._held is not None:
-                self._held[0].synchronize()  # the previous copy: long done, its pinned sources may go
-            self._held = (r.event, r.host)
+            self._hold(r.event, r.host)
         elif self.device.type != "cpu":
             tokens = tokens.to(self.device, non_blocking=tokens.is_pinned())
             docs = docs.to(self.device, non_blocking=docs.is_pinned()) if docs is not None else None
         x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()  # (B, T) each
         return (x, y) if docs is None else (x, y, docs)
 
+    def _hold(self, event: Any, host: tuple) -> None:
+        """Keep a handed-out batch's host sources until its side-stream copy has completed."""
+        while self._held and self._held[0][0].query():  # completed copies: their sources may go
+            self._held.popleft()
+        while len(self._held) >= max(1, self.prefetch):  # bound the list: copies issued batches ago
+            self._held.popleft()[0].synchronize()
+        self._held.append((event, host))
+
     # ------------------------------------------------------------- iteration
     def next_batch(self) -> Batch:
         """The next ``(x, y)`` (or ``(x, y, doc_ids)`` with ``doc_boundaries``), on ``device``."""
-        if self._pending is not None:
-            ready = self._pending.result()
-            self._pending = None
+        if self._pending:
+            ready = self._pending[0][1].result()  # an assembly error leaves it queued: raised again
+            self._pending.popleft()
         else:
             ready = self._assemble(self._draw())
         self.batches += 1
         if self.prefetch:
-            self._start_prefetch()
+            self._fill_prefetch()
         return self._finish(ready)
 
-    def _start_prefetch(self) -> None:
+    def _fill_prefetch(self) -> None:
+        """Queue draws until ``prefetch`` batches are in flight (drawn here, on the caller's thread)."""
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flopwise-prefetch")
             if self.device.type == "cuda":
                 self._stream = torch.cuda.Stream(device=self.device)
-        self._pending_position = self._position()  # what state_dict reports while one is in flight
-        self._pending = self._executor.submit(self._assemble, self._draw())
+        while len(self._pending) < self.prefetch:
+            position = self._position()  # before this draw: what state_dict reports while it is in flight
+            self._pending.append((position, self._executor.submit(self._assemble, self._draw())))
 
     def _drop_prefetch(self) -> None:
-        """Forget a prefetched batch, restoring the position as of the batches handed out."""
-        if self._pending is not None:
-            try:
-                dropped = self._pending.result()
+        """Forget all prefetched batches, restoring the position as of the batches handed out.
+
+        Waits for each (its side-stream copy completes before its pinned sources go).  An
+        assembly error of a dropped batch (a corrupt shard) is not raised here: the batch was
+        never handed out, and drawing it again raises it again.
+        """
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, collections.deque()
+        try:
+            for _, future in pending:
+                try:
+                    dropped = future.result()
+                except Exception:
+                    continue
                 if dropped.event is not None:
-                    dropped.event.synchronize()  # its copy is done before its pinned sources go
-            finally:
-                self._pending = None
-                self._set_position(self._pending_position)
+                    dropped.event.synchronize()
+        finally:
+            self._set_position(pending[0][0])
 
     def _current_position(self) -> Any:
-        return self._pending_position if self._pending is not None else self._position()
+        return self._pending[0][0] if self._pending else self._position()
 
     def close(self) -> None:
         """Stop the prefetch thread (a later ``next_batch`` starts a new one)."""
@@ -258,9 +289,8 @@ class _BatchLoader:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        if self._held is not None:
-            self._held[0].synchronize()
-            self._held = None
+        while self._held:
+            self._held.popleft()[0].synchronize()
 
     def __enter__(self):
         return self
@@ -301,10 +331,11 @@ class RandomWindowLoader(_BatchLoader):
         world_size: int = 1,
         doc_boundaries: bool = False,
         eos_id: int | None = None,
-        prefetch: bool = False,
+        prefetch: int | bool = 0,
+        pin_memory: bool = True,
     ):
         super().__init__(datadir, split, seq_len, batch_size, device, rank, world_size, doc_boundaries, eos_id,
-                         prefetch)
+                         prefetch, pin_memory)
         self.seed = int(seed)
         self._usable = _usable(datadir.shard_token_counts(split), self.seq_len)
         _check_enough(datadir, split, self.seq_len, self._usable)
@@ -418,11 +449,12 @@ class EpochLoader(_BatchLoader):
         shuffle: bool = True,
         doc_boundaries: bool = False,
         eos_id: int | None = None,
-        prefetch: bool = False,
+        prefetch: int | bool = 0,
         step_samples: int | None = None,
+        pin_memory: bool = True,
     ):
         super().__init__(datadir, split, seq_len, batch_size, device, rank, world_size, doc_boundaries, eos_id,
-                         prefetch)
+                         prefetch, pin_memory)
         if self.seq_len <= 0:
             raise ValueError(f"seq_len must be > 0, got {seq_len}")
         G = self.global_batch_size
@@ -594,13 +626,16 @@ def make_loader(
     *,
     shuffle: bool = True,
     eos_id: int | None = None,
-    prefetch: bool = False,
+    prefetch: int | bool = 0,
+    pin_memory: bool = True,
     step_samples: int | None = None,
 ) -> RandomWindowLoader | EpochLoader:
     """A training loader: ``mode`` ``"random"`` (:class:`RandomWindowLoader`) or ``"epoch"``
-    (:class:`EpochLoader`; ``shuffle`` and ``step_samples`` apply to it only)."""
+    (:class:`EpochLoader`; ``shuffle`` and ``step_samples`` apply to it only).  ``prefetch``:
+    batches assembled ahead on a background thread (0 = off); ``pin_memory``: on CUDA, pinned
+    host batches copied asynchronously."""
     common = dict(device=device, rank=rank, world_size=world_size, doc_boundaries=doc_boundaries,
-                  eos_id=eos_id, prefetch=prefetch)
+                  eos_id=eos_id, prefetch=prefetch, pin_memory=pin_memory)
     if mode == "random":
         return RandomWindowLoader(datadir, split, seq_len, batch_size, seed, **common)
     if mode == "epoch":

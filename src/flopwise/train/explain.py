@@ -26,12 +26,14 @@ def explain_run(cfg: RunConfig, log: Callable[[str], None] = print) -> dict[str,
     data = open_data(cfg, log)
     m, t = cfg.model, cfg.train
     loader = make_loader(cfg.data.loader, data, "train", t.seq_len, t.micro_batch_size, seed=t.seed,
-                         device=device, doc_boundaries=m.doc_mask)
+                         device=device, doc_boundaries=m.doc_mask, prefetch=cfg.data.prefetch,
+                         pin_memory=cfg.data.pin_memory)
     model = build_model(m, device=device, seed=t.seed)
     configure_attention(model, device, prec.autocast_dtype or torch.float32)
     apply_activation_checkpointing(model, t.activation_checkpointing, t.activation_checkpointing_every)
     loss_fn = make_loss_fn(model, t.loss, t.loss_chunk_tokens)
     batch = loader.next_batch()
+    loader.close()  # one batch is all it needs: stop a prefetch thread
     with autocast_factory(device, prec.autocast_dtype)():
         report = explain(lambda *b: loss_fn(*b)[0], *batch)
     log(f"explain: {report['graphs']} graph(s), {report['graph_breaks']} graph break(s) for one training "

@@ -233,7 +233,8 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
     # The data checks (each split long enough for a window) come before any allocation.
     train_loader = make_loader(cfg.data.loader, data, "train", t.seq_len, t.micro_batch_size, seed=t.seed,
                                device=device, doc_boundaries=m.doc_mask, rank=env.rank, world_size=world,
-                               step_samples=None if ramp else t.global_batch_size)  # epochs end on a step
+                               step_samples=None if ramp else t.global_batch_size,  # epochs end on a step
+                               prefetch=cfg.data.prefetch, pin_memory=cfg.data.pin_memory)
     # The held-out set does not depend on the number of ranks (they share it out), so runs on
     # 1 and 8 GPUs report comparable validation losses; a resumed run keeps its first one.
     val_windows = fixed_windows(data, "val", t.seq_len, e.batches * t.micro_batch_size)

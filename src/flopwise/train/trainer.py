@@ -73,7 +73,10 @@ def _train(run: Run) -> TrainResult:
     run.recompiles = RecompileWatch(t.compile != "off")
     t_loop = run.clock()
     run.meter.pause()
-    stopped = _loop(run)
+    try:
+        stopped = _loop(run)
+    finally:
+        run.train_loader.close()  # its prefetch thread (data.prefetch) does not outlive the loop
     return hooks.finish(run, stopped, run.clock() - t_loop)
 
 
