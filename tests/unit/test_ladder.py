@@ -14,17 +14,20 @@ from flopwise.train.preflight import preflight
 CPU = torch.device("cpu")
 
 
-def scripted(rates, losses=None, oom_from=None):
-    """measure_one: tok/s from the settings that differ from the start, a fixed loss, tight windows."""
-    def measure_one(cfg):
+def scripted(rates, losses=None, oom_from=None, extra=None):
+    """measure_one: tok/s from the settings that differ from the start, a fixed loss, tight windows.
+    ``extra(cfg, world)``, when given, multiplies the rate (the loader and N-rank rungs)."""
+    def measure_one(cfg, world=1):
         t = cfg.train
         if oom_from and t.micro_batch_size >= oom_from and t.activation_checkpointing == "none":
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
         key = (t.compile, t.loss, t.micro_batch_size, t.activation_checkpointing)
-        rate = rates.get(key, 1000.0)
+        rate = rates.get(key, 1000.0) * (extra(cfg, world) if extra else 1.0)
         loss = (losses or {}).get(key, 9.0)
         return {"tok_per_s": rate, "tok_per_s_windows": [rate * 0.995, rate, rate * 1.005], "peak_gb": None,
-                "data_share": 0.01, "first_loss": loss}
+                "data_share": 0.01, "first_loss": loss, "world": world,
+                "strategy": "single" if world == 1 else ("ddp" if cfg.parallel.strategy == "auto"
+                                                         else cfg.parallel.strategy)}
     return measure_one
 
 
@@ -33,9 +36,10 @@ def base(overrides=()):
                                                   "train.micro_batch_size=16", *overrides])
 
 
-def test_cpu_rungs_are_compile_loss_micro_batch_and_threads():
+def test_cpu_rungs_are_compile_loss_micro_batch_checkpointing_loader_and_threads():
     plan = rungs(base(), CPU, [1, 2, 4, 8, 16, 32])
-    assert [r[0] for r in plan] == ["compile", "loss", "micro-batch", "threads"]
+    assert [r[0] for r in plan] == ["compile", "loss", "micro-batch", "checkpointing", "loader", "threads"]
+    assert plan[4][1] == [{"data.prefetch": 1}, {"data.prefetch": 2}]  # no pinning on a CPU
     assert torch.get_num_threads() not in [o["train.threads"] for o in plan[-1][1]]  # the current count is the start
 
 
@@ -73,7 +77,8 @@ def test_a_faster_change_is_kept_a_slower_or_noisy_one_is_not():
     why = {r["change"]: r["why"] for r in lad["rungs"]}
     assert "within the noise" in why["train.compile=blocks"]
     assert "slower than the best so far" in why["train.loss=plain"]
-    assert lad["final"]["tok_per_s"] == 1800.0 and lad["rungs"][-1]["why"] == "every micro-batch tried fits without it"
+    ckpt = next(r for r in lad["rungs"] if r["rung"] == "checkpointing")
+    assert lad["final"]["tok_per_s"] == 1800.0 and ckpt["why"] == "every micro-batch tried fits without it"
     row = next(r for r in lad["rungs"] if r["change"] == "train.micro_batch_size=32")
     assert row["delta_prev"] == pytest.approx(0.2) and row["delta_start"] == pytest.approx(0.8)
     assert row["hours"] == pytest.approx(10**6 / 1800 / 3600)
@@ -128,3 +133,115 @@ def test_preflight_ladder_writes_the_ladder_and_the_tuned_config(tiny_overrides,
     tuned = build_config(config_file=str(tmp_path / "pf" / "preflight.yaml"))
     assert tuned.train.loss == "plain" and tuned.train.micro_batch_size == 8
     assert any(line.startswith("ladder: loss") and "kept" in line for line in lines)
+
+
+def test_the_loader_rung_keeps_prefetch_when_it_pays():
+    def extra(cfg, world):
+        return {0: 1.0, 1: 1.10, 2: 1.12}[cfg.data.prefetch]  # depth 2: +1.8% over depth 1, inside the noise
+
+    lad = climb(base(), scripted({}, extra=extra), CPU, [16], run_tokens=10**6, fpt=1e7, peak=None,
+                log=lambda s: None)
+    rows = {r["change"]: r for r in lad["rungs"] if r["rung"] == "loader"}
+    assert rows["data.prefetch=1"]["kept"] and not rows["data.prefetch=2"]["kept"]
+    assert "within the noise" in rows["data.prefetch=2"]["why"]
+    assert lad["chosen"] == {"data.prefetch": 1}
+
+
+def scaling(efficiency):
+    """N ranks at ``efficiency[strategy, bucket_mb]`` of N x one rank."""
+    def extra(cfg, world):
+        if world == 1:
+            return 1.0
+        strategy = "ddp" if cfg.parallel.strategy == "auto" else cfg.parallel.strategy
+        return world * efficiency.get((strategy, cfg.parallel.bucket_mb), 0.8)
+    return extra
+
+
+def test_at_n_ranks_the_ladder_scales_out_then_climbs_strategy_and_buckets():
+    eff = {("ddp", 25.0): 0.80, ("zero1", 25.0): 0.88, ("zero1", 50.0): 0.95, ("fsdp2", 25.0): 0.70}
+    lines = []
+    lad = climb(base(["train.threads=2", "train.global_batch_size=64"]), scripted({}, extra=scaling(eff)), CPU, [16],
+                run_tokens=10**6, fpt=1e7,
+                peak=1e12, price_per_gpu_hour=2.0, world=4, log=lines.append)
+    rows = [r for r in lad["rungs"] if r["rung"] in ("ranks", "strategy", "buckets")]
+    assert [(r["rung"], r["change"], r["kept"]) for r in rows] == [
+        ("ranks", "4 ranks, parallel.strategy=ddp", True),
+        ("strategy", "parallel.strategy=zero1", True),  # +10%
+        ("strategy", "parallel.strategy=fsdp2", False),  # slower than zero1
+        ("buckets", "parallel.bucket_mb=10.0", False),  # 0.8 of 4 ranks: slower
+        ("buckets", "parallel.bucket_mb=50.0", True),  # +8%
+        ("buckets", "parallel.bucket_mb=100.0", False)]
+    assert lad["chosen"] == {"parallel.strategy": "zero1", "parallel.bucket_mb": 50.0}
+    assert lad["world"] == 4 and lad["scaling_efficiency"] == pytest.approx(0.80)
+    assert "3.20x one rank's rate, 80% scaling efficiency" in rows[0]["why"]
+    final = lad["final"]
+    assert final["tok_per_s"] == pytest.approx(4 * 0.95 * 1000)
+    assert final["mfu"] == pytest.approx(final["tok_per_s"] * 1e7 / (1e12 * 4))  # per device
+    assert final["cost"] == pytest.approx(final["hours"] * 2.0 * 4)  # every device's hours
+
+
+def test_buckets_are_not_climbed_under_fsdp2_nor_strategies_that_cannot_run_this_config():
+    def n_rank_rows(overrides, eff):
+        cfg = base(["train.threads=2", *overrides])
+        lad = climb(cfg, scripted({}, extra=scaling(eff)), CPU, [16], run_tokens=10**6, fpt=1e7, peak=None, world=2,
+                    log=lambda s: None)
+        return [(r["rung"], r["change"]) for r in lad["rungs"] if r["rung"] in ("ranks", "strategy", "buckets")]
+
+    # FSDP2 reduce-scatters block by block: it has no bucket size to climb
+    assert n_rank_rows(["parallel.strategy=fsdp2"], {("fsdp2", 25.0): 0.9}) == [
+        ("ranks", "2 ranks, parallel.strategy=fsdp2"), ("strategy", "parallel.strategy=ddp"),
+        ("strategy", "parallel.strategy=zero1")]
+    # Muon: zero1 and fsdp2 would split its whole-matrix state, so only ddp's buckets are climbed
+    assert n_rank_rows(["parallel.strategy=ddp", "optim.name=muon"], {}) == [
+        ("ranks", "2 ranks, parallel.strategy=ddp"), ("buckets", "parallel.bucket_mb=10.0"),
+        ("buckets", "parallel.bucket_mb=50.0"), ("buckets", "parallel.bucket_mb=100.0")]
+
+
+def test_a_climbed_micro_batch_the_ranks_cannot_split_is_a_skipped_scale_out():
+    rates = {("off", "chunked", 32, "none"): 2000.0}
+    cfg = base(["train.threads=2", "train.global_batch_size=32"])
+    lad = climb(cfg, scripted(rates, extra=scaling({})), CPU, [16, 32], run_tokens=10**6, fpt=1e7, peak=None,
+                world=2, log=lambda s: None)
+    ranks = next(r for r in lad["rungs"] if r["rung"] == "ranks")
+    assert ranks["status"] == "skipped" and "x 2 ranks = 64" in ranks["why"]
+    assert lad["chosen"] == {"train.micro_batch_size": 32} and lad["final"]["tok_per_s"] == 2000.0
+
+
+def test_preflight_sends_n_rank_and_isolated_trials_to_fresh_processes(tiny_overrides, tmp_path):
+    cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100", "train.compile=off", "train.threads=1"])
+    calls = {"here": 0, "spawned": []}
+
+    def measure_fn(c, micro_batch, checkpointing, warmup, steps, device):
+        calls["here"] += 1
+        return scripted({})(c)
+
+    def spawn_fn(c, micro_batch, checkpointing, warmup, steps, device, world=1):
+        calls["spawned"].append(world)
+        return scripted({}, extra=scaling({}))(c, world)
+
+    report = preflight(cfg, out_dir=tmp_path / "a", measure_fn=measure_fn, spawn_fn=spawn_fn, log=lambda s: None,
+                       ladder=True, world=2)
+    assert report["ladder_isolation"] == "reset" and calls["here"] > 0  # auto on a CPU: one-rank trials here
+    assert set(calls["spawned"]) == {2} and report["ladder"]["world"] == 2
+    assert report["prediction"]["tok_per_s"] == pytest.approx(1600.0)  # the 2-rank rate carries the run
+    tuned = build_config(config_file=str(tmp_path / "a" / "preflight.yaml"))
+    assert tuned.parallel.strategy == "ddp"  # what auto resolved to, measured, is what the run launches
+    calls.update(here=0, spawned=[])
+    report = preflight(cfg, out_dir=tmp_path / "b", measure_fn=measure_fn, spawn_fn=spawn_fn, log=lambda s: None,
+                       ladder=True, isolation="process")
+    assert report["ladder_isolation"] == "process" and calls["here"] == 0 and set(calls["spawned"]) == {1}
+
+
+@pytest.mark.parametrize("kwargs, problem", [
+    ({"world": 2}, "--nproc-per-node 2 needs --ladder"),
+    ({"world": 3, "ladder": True}, "must be a multiple of --nproc-per-node 3"),
+    ({"world": 0, "ladder": True}, "--nproc-per-node 0: must be at least 1"),
+    ({"ladder": True, "isolation": "fork"}, "--ladder-isolation 'fork'"),
+])
+def test_preflight_refuses_a_launch_it_cannot_make_before_any_work(tiny_overrides, tmp_path, kwargs, problem):
+    from flopwise.config import ConfigError
+
+    cfg = build_config(overrides=tiny_overrides + ["train.compile=off"])
+    with pytest.raises(ConfigError, match=problem.replace("(", r"\(")):
+        preflight(cfg, out_dir=tmp_path / "pf", measure_fn=None, log=lambda s: None, **kwargs)
+    assert not (tmp_path / "pf" / "preflight.json").exists()

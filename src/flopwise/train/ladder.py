@@ -3,8 +3,15 @@
 ``flopwise preflight --ladder`` starts from the user's configuration and tries one change
 at a time, in the order people climb: precision, attention kernel, compile, compile mode,
 loss path, micro-batch, activation checkpointing (only where it lets a micro-batch fit that
-does not fit without), and on a CPU the thread count. Each option is measured on its own (``preflight.measure``: a fresh
-model, optimizer and compiler; on CUDA a reset allocator and peak), and is **kept** only when
+does not fit without), the loader (batches assembled ahead; pinned host memory on CUDA), and
+on a CPU the thread count. With ``--nproc-per-node N`` the climbed configuration is then
+scaled out to N ranks on this machine, and the data-parallel strategy and the gradient bucket
+size are climbed there.
+
+Each option is measured on its own (``trial.measure``: a fresh model, optimizer and compiler;
+on CUDA an emptied allocator and a reset peak; with ``--ladder-isolation process``, the
+default on a GPU, in a fresh process, which is how N-rank options always run), and is
+**kept** only when
 
 - it is faster than the best so far by more than the noise (the two measurements' spreads
   added, never less than ``MIN_NOISE``);
@@ -29,10 +36,11 @@ from typing import Any, Callable
 
 import torch
 
-from flopwise.config import RunConfig, validate
+from flopwise.config import RunConfig, batch_split_problems, validate
 from flopwise.measure.meter import MIN_NOISE, spread
 from flopwise.model.attention import available_backends
 from flopwise.train.losses import fused_linear_cross_entropy_available
+from flopwise.train.parallel import incompatibilities
 from flopwise.train.precision import resolve as resolve_precision
 
 SAME_NUMERICS = 1e-3  # relative first-step loss difference for a change that should not change it
@@ -50,11 +58,12 @@ def with_settings(cfg: RunConfig, settings: Settings) -> RunConfig:
 
 
 def rungs(cfg: RunConfig, device: torch.device, sizes: list[int],
-          fp8: bool = False) -> list[tuple[str, list[Settings], str]]:
+          fp8: bool = False) -> list[tuple[str, list[Settings] | None, str]]:
     """``(rung, options, numerics)`` in climbing order, each where this device has it.
-    ``numerics``: "same", "changed" (kept within CHANGED_NUMERICS) or "fp8" (kept only if asked)."""
+    ``numerics``: "same", "changed" (kept within CHANGED_NUMERICS) or "fp8" (kept only if asked).
+    The checkpointing rung's options (None here) depend on which micro-batches did not fit."""
     t, cuda = cfg.train, device.type == "cuda"
-    out: list[tuple[str, list[Settings], str]] = []
+    out: list[tuple[str, list[Settings] | None, str]] = []
     if cuda:
         precisions = [p for p in ("bf16", "bf16-pure") if p != resolve_precision(t.precision, device).name]
         out.append(("precision", [{"train.precision": p} for p in precisions], "changed"))
@@ -69,6 +78,13 @@ def rungs(cfg: RunConfig, device: torch.device, sizes: list[int],
     losses = ["plain", "chunked"] + (["fused"] if fused_linear_cross_entropy_available(device) else [])
     out.append(("loss", [{"train.loss": x} for x in losses if x != t.loss], "same"))
     out.append(("micro-batch", [{"train.micro_batch_size": b} for b in sizes if b != t.micro_batch_size], "same"))
+    out.append(("checkpointing", None, "same"))
+    # The host side: batches assembled ahead on a thread; on CUDA pinned (page-locked) host
+    # buffers, which make the copy asynchronous (on by default; tried off only if it is off).
+    loader = [{"data.prefetch": n} for n in (1, 2) if n != cfg.data.prefetch]
+    if cuda and not cfg.data.pin_memory:
+        loader.insert(0, {"data.pin_memory": True})
+    out.append(("loader", loader, "same"))
     if not cuda:  # how many cores torch computes with: all of them is not always fastest
         cores = os.cpu_count() or 1
         current = t.threads or torch.get_num_threads()
@@ -77,56 +93,127 @@ def rungs(cfg: RunConfig, device: torch.device, sizes: list[int],
     return out
 
 
-def climb(cfg: RunConfig, measure_one: Callable[[RunConfig], dict[str, Any]], device: torch.device,
+def data_parallel_rungs(cfg: RunConfig, precision: str, strategy: str) -> list[tuple[str, list[Settings], str]]:
+    """At N ranks, after the scale-out (measured with ``strategy``, what ``parallel.strategy``
+    resolved to): the other strategies that can run this configuration, then for DDP and
+    ZeRO-1 the gradient bucket size (the all-reduce's unit: small buckets start early and
+    overlap more of backward, large ones pay less latency per byte)."""
+    others = [s for s in ("ddp", "zero1", "fsdp2") if s != strategy and not incompatibilities(cfg, s, precision)]
+    buckets = [mb for mb in (10.0, 50.0, 100.0) if mb != cfg.parallel.bucket_mb]
+    return [("strategy", [{"parallel.strategy": s} for s in others], "same"),
+            ("buckets", [{"parallel.bucket_mb": mb} for mb in buckets], "same")]
+
+
+def climb(cfg: RunConfig, measure_one: Callable[..., dict[str, Any]], device: torch.device,
           sizes: list[int], run_tokens: int, fpt: float, peak: float | None, memory_gb: float = 0.0,
           headroom: float = 0.9, price_per_gpu_hour: float = 0.0, budget_s: float = 900.0, fp8: bool = False,
-          clock: Callable[[], float] = time.perf_counter, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Climb from ``cfg``; ``measure_one(cfg)`` times a configuration (``preflight.measure``'s
-    dict, with ``first_loss``) or raises (an out-of-memory is a result). Returns the ladder
-    as ``preflight.json`` records it (``report`` draws it) with the chosen settings."""
+          clock: Callable[[], float] = time.perf_counter, log: Callable[[str], None] = print,
+          world: int = 1) -> dict[str, Any]:
+    """Climb from ``cfg``; ``measure_one(cfg, world=1)`` times a configuration on ``world``
+    ranks (``preflight.measure``'s dict, with ``first_loss``) or raises (an out-of-memory is a
+    result). The per-device rungs run on one rank; with ``world > 1`` the climbed configuration
+    is then scaled out to ``world`` ranks and the strategy and bucket rungs run there. Returns
+    the ladder as ``preflight.json`` records it (``report`` draws it) with the chosen settings."""
     t0 = clock()
     measure_one(cfg)  # untimed: the first measurement in a process pays its warm-up (threads, allocator, caches)
     start = measure_one(cfg)
     best = _summary(start, fpt, peak, run_tokens, price_per_gpu_hour)
-    ladder: dict[str, Any] = {"device": str(device), "budget_minutes": budget_s / 60, "rungs": [],
+    ladder: dict[str, Any] = {"device": str(device), "budget_minutes": budget_s / 60, "rungs": [], "world": world,
                               "start": {**best, "settings": _settings_of(cfg)}}
-    state = {"cfg": cfg, "best": best, "chosen": {}}
+    state: dict[str, Any] = {"cfg": cfg, "best": best, "chosen": {}, "world": 1}
     log(f"ladder: start {best['tok_per_s']:,.0f} tok/s · first-step loss {best['loss']}")
 
     def attempt(name: str, settings: Settings, numerics: str) -> dict[str, Any]:
         row = climb_one(name, settings, numerics, state["cfg"], state["best"], ladder, measure_one, fpt, peak,
-                        run_tokens, price_per_gpu_hour, memory_gb, headroom, fp8, budget_s - (clock() - t0))
+                        run_tokens, price_per_gpu_hour, memory_gb, headroom, fp8, budget_s - (clock() - t0),
+                        state["world"])
+        record(row, settings)
+        return row
+
+    def record(row: dict[str, Any], settings: Settings) -> None:
         ladder["rungs"].append(row)
-        log(f"ladder: {name:<13} {row['change']:<36} {_rate(row)} {'kept' if row['kept'] else '-':>4} · {row['why']}")
+        log(f"ladder: {row['rung']:<13} {row['change']:<36} {_rate(row)} {'kept' if row['kept'] else '-':>4} · "
+            f"{row['why']}")
         if row["kept"]:
             state["cfg"] = with_settings(state["cfg"], settings)
             state["chosen"] = {**state["chosen"], **settings}
             state["best"] = {k: row[k] for k in _summary_keys()}
-        return row
 
     too_big: list[int] = []  # micro-batches that did not fit without checkpointing
     for name, options, numerics in rungs(cfg, device, sizes, fp8):
+        if options is None:  # checkpointing, only where it lets a larger micro-batch fit
+            bigger = [b for b in too_big if b > state["cfg"].train.micro_batch_size]
+            options = [{"train.micro_batch_size": b, "train.activation_checkpointing": mode}
+                       for b in bigger for mode in ("selective", "full")]
+            if not options:
+                ladder["rungs"].append({"rung": name, "change": "-", "numerics": "same", "status": "skipped",
+                                        "kept": False, "why": "every micro-batch tried fits without it", **_empty()})
         for settings in options:
             if name == "compile mode" and state["cfg"].train.compile == "off":
                 continue  # a mode of a compiler that is not on
             row = attempt(name, settings, numerics)
             if name == "micro-batch" and row["status"] in ("oom", "no-fit"):
                 too_big.append(settings["train.micro_batch_size"])
-    bigger = [b for b in too_big if b > state["cfg"].train.micro_batch_size]
-    for b in bigger:  # checkpointing only where it lets a larger micro-batch fit
-        for mode in ("selective", "full"):
-            attempt("checkpointing", {"train.micro_batch_size": b, "train.activation_checkpointing": mode}, "same")
-    if not bigger:
-        ladder["rungs"].append({"rung": "checkpointing", "change": "-", "numerics": "same", "status": "skipped",
-                                "kept": False, "why": "every micro-batch tried fits without it", **_empty()})
+    if world > 1:
+        scale_out(state, ladder, world, device, measure_one, fpt, peak, run_tokens, price_per_gpu_hour,
+                  budget_s - (clock() - t0), record, attempt)
     ladder.update(chosen=state["chosen"], final=state["best"], spent_minutes=(clock() - t0) / 60)
     return ladder
 
 
+def scale_out(state: dict[str, Any], ladder: dict[str, Any], world: int, device: torch.device, measure_one,
+              fpt: float, peak: float | None, run_tokens: int, price: float, budget_left_s: float, record,
+              attempt) -> None:
+    """The climbed configuration on ``world`` ranks (kept: it is the launch the user plans),
+    then the strategy and bucket rungs against it."""
+    cfg = state["cfg"]
+    row = {"rung": "ranks", "change": f"{world} ranks", "numerics": "same", "kept": False, **_empty()}
+    split = batch_split_problems(cfg.train, world)
+    if split or budget_left_s <= 0:
+        record({**row, "status": "skipped", "why": "; ".join(split) or "the time budget is spent"}, {})
+        return
+    try:
+        m = measure_one(cfg, world=world)
+    except Exception as e:  # noqa: BLE001 - the N-rank launch failing is a result; the one-rank climb stands
+        record({**row, "status": _failure(e), "why": str(e).splitlines()[0][:200]}, {})
+        return
+    one = state["best"]
+    row.update(_summary(m, fpt, peak, run_tokens, price, world), status="ok", kept=True)
+    row["change"] = f"{world} ranks, parallel.strategy={m.get('strategy', cfg.parallel.strategy)}"
+    row["delta_prev"] = row["tok_per_s"] / one["tok_per_s"] - 1
+    row["delta_start"] = row["tok_per_s"] / ladder["start"]["tok_per_s"] - 1
+    scaling = row["tok_per_s"] / (world * one["tok_per_s"])
+    drift = _drift(row["loss"], one["loss"])
+    row["why"] = (f"the launch asked for: {row['tok_per_s'] / one['tok_per_s']:.2f}x one rank's rate, "
+                  f"{scaling:.0%} scaling efficiency"
+                  + (f"; first-step loss {drift:.1e} from one rank's" if drift is not None else ""))
+    ladder["scaling_efficiency"] = scaling
+    state["world"] = world
+    strategy = m.get("strategy") or cfg.parallel.strategy
+    record(row, {"parallel.strategy": strategy})
+    precision = resolve_precision(cfg.train.precision, device).name
+    for name, options, numerics in data_parallel_rungs(state["cfg"], precision, strategy):
+        for settings in options:
+            if name == "buckets" and state["cfg"].parallel.strategy not in ("ddp", "zero1"):
+                continue  # FSDP2 reduce-scatters per block: no bucket size
+            attempt(name, settings, numerics)
+
+
+def _failure(e: BaseException) -> str:
+    return "oom" if "out of memory" in str(e).lower() else "error"
+
+
+def _drift(loss: float | None, ref: float | None) -> float | None:
+    if loss is None or ref is None:
+        return None
+    return abs(loss - ref) / max(abs(ref), 1e-12)
+
+
 def climb_one(name: str, settings: Settings, numerics: str, current: RunConfig, best: dict[str, Any],
               ladder: dict[str, Any], measure_one, fpt: float, peak: float | None, run_tokens: int,
-              price: float, memory_gb: float, headroom: float, fp8: bool, budget_left_s: float) -> dict[str, Any]:
-    """One option measured against the best so far: its row, ``kept`` or not and why."""
+              price: float, memory_gb: float, headroom: float, fp8: bool, budget_left_s: float,
+              world: int = 1) -> dict[str, Any]:
+    """One option measured against the best so far (on ``world`` ranks): its row, ``kept`` or not and why."""
     row = {"rung": name, "change": _changes(settings), "numerics": numerics, "kept": False, **_empty()}
     if budget_left_s <= 0:
         return {**row, "status": "skipped", "why": "the time budget is spent"}
@@ -135,18 +222,17 @@ def climb_one(name: str, settings: Settings, numerics: str, current: RunConfig, 
     if problems:
         return {**row, "status": "skipped", "why": "not a valid configuration: " + "; ".join(problems)}
     try:
-        m = measure_one(cand)
+        m = measure_one(cand, world=world) if world > 1 else measure_one(cand)
     except Exception as e:  # noqa: BLE001 - an out-of-memory or an unsupported combination is a result
-        oom = "out of memory" in str(e).lower()
-        return {**row, "status": "oom" if oom else "error", "why": str(e).splitlines()[0][:200]}
-    row.update(_summary(m, fpt, peak, run_tokens, price), status="ok")
+        return {**row, "status": _failure(e), "why": str(e).splitlines()[0][:200]}
+    row.update(_summary(m, fpt, peak, run_tokens, price, world), status="ok")
     row["delta_prev"] = row["tok_per_s"] / best["tok_per_s"] - 1
     row["delta_start"] = row["tok_per_s"] / ladder["start"]["tok_per_s"] - 1
     noise = max(MIN_NOISE, (best.get("spread") or 0.0) + (row["spread"] or 0.0))
     tol = SAME_NUMERICS if numerics == "same" else CHANGED_NUMERICS
-    if row["loss"] is None or best["loss"] is None:
+    drift = _drift(row["loss"], best["loss"])
+    if drift is None:
         return {**row, "why": "no first-step loss measured: numerics cannot be checked"}
-    drift = abs(row["loss"] - best["loss"]) / max(abs(best["loss"]), 1e-12)
     if memory_gb and row["peak_gb"] is not None and row["peak_gb"] > headroom * memory_gb:
         return {**row, "status": "no-fit",
                 "why": f"peak {row['peak_gb']:.2f} GiB > {headroom:.0%} of {memory_gb:.1f} GiB"}
@@ -165,12 +251,16 @@ def _summary_keys() -> tuple[str, ...]:
     return ("tok_per_s", "spread", "mfu", "peak_gb", "loss", "data_share", "hours", "cost")
 
 
-def _summary(m: dict[str, Any], fpt: float, peak: float | None, run_tokens: int, price: float) -> dict[str, Any]:
+def _summary(m: dict[str, Any], fpt: float, peak: float | None, run_tokens: int, price: float,
+             world: int = 1) -> dict[str, Any]:
+    """A measurement as a ladder row's figures; at ``world`` ranks the rate is the global batch's,
+    MFU is per device and the cost counts every device's hours."""
     rate = m["tok_per_s"]
     hours = run_tokens / rate / 3600
     return {"tok_per_s": rate, "spread": spread(m.get("tok_per_s_windows") or [rate]),
-            "mfu": rate * fpt / peak if peak else None, "peak_gb": m.get("peak_gb"), "loss": m.get("first_loss"),
-            "data_share": m.get("data_share"), "hours": hours, "cost": hours * price if price else None}
+            "mfu": rate * fpt / (peak * world) if peak else None, "peak_gb": m.get("peak_gb"),
+            "loss": m.get("first_loss"), "data_share": m.get("data_share"), "hours": hours,
+            "cost": hours * price * world if price else None}
 
 
 def _empty() -> dict[str, Any]:
@@ -190,4 +280,6 @@ def _settings_of(cfg: RunConfig) -> Settings:
     t = cfg.train
     return {"train.precision": t.precision, "model.attention": cfg.model.attention, "train.compile": t.compile,
             "train.compile_mode": t.compile_mode, "train.loss": t.loss, "train.micro_batch_size": t.micro_batch_size,
-            "train.activation_checkpointing": t.activation_checkpointing, "train.threads": t.threads}
+            "train.activation_checkpointing": t.activation_checkpointing, "train.threads": t.threads,
+            "data.prefetch": cfg.data.prefetch, "data.pin_memory": cfg.data.pin_memory,
+            "parallel.strategy": cfg.parallel.strategy, "parallel.bucket_mb": cfg.parallel.bucket_mb}

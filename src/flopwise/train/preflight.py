@@ -34,13 +34,11 @@ import torch
 import yaml
 
 from flopwise.checkpoints import latest_checkpoint, load_checkpoint
-from flopwise.config import RunConfig
-from flopwise.data.datadir import open_data_dir
-from flopwise.data.loader import make_loader
+from flopwise.config import ConfigError, RunConfig, batch_split_problems
 from flopwise.measure.ceiling import measure_ceiling, step_gemms
-from flopwise.measure.meter import MIN_NOISE, median, spread
+from flopwise.measure.meter import MIN_NOISE, spread
 from flopwise.measure.sinks import human
-from flopwise.model import build_model, configure_attention
+from flopwise.model import build_model
 from flopwise.plan.budget import memory_settings_for_run
 from flopwise.plan.flops import flops_per_token
 from flopwise.plan.memory import MemorySettings, estimate
@@ -50,12 +48,9 @@ from flopwise.train.distributed import resolve_device
 from flopwise.train.explain import explain_run
 from flopwise.train.ladder import climb, with_settings
 from flopwise.train.defaults import resolve_speed
-from flopwise.train.optim import build_optimizer
-from flopwise.train.precision import MasterWeights, apply_fp8, autocast_factory, resolve
-from flopwise.train.step import forward_backward, make_loss_fn
-from flopwise.train.train_step import apply_update, unscale_and_clip
+from flopwise.train.precision import resolve
 from flopwise.train.trainer import train
-from flopwise.train.wrap import wrap_model
+from flopwise.train.trial import measure, measure_in_processes
 
 
 Log = Callable[[str], None]
@@ -80,84 +75,6 @@ class Trial:
 
 def _oom(e: BaseException) -> bool:
     return isinstance(e, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(e).lower()
-
-
-def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, steps: int,
-            device: torch.device) -> dict[str, Any]:
-    """Tokens/s, peak memory and data share of ``steps`` optimizer steps after ``warmup``, with
-    the trainer's own step (loss function, wrappers, precision, optimizer) at this micro-batch.
-
-    Each step is timed on its own (a window): ``tok_per_s`` is the median of the windows'
-    rates, ``tok_per_s_windows`` lists them all.
-
-    Each trial starts with a fresh compiler: dynamo would otherwise take the second size for
-    a shape change of the same code and compile a dynamic-batch graph for it (and reuse that
-    for every later size), not the static graph the run itself compiles."""
-    torch._dynamo.reset()
-    t = cfg.train
-    threads = torch.get_num_threads()  # a trial's train.threads must not outlive it
-    if t.threads:
-        torch.set_num_threads(t.threads)
-    t.micro_batch_size, t.activation_checkpointing = micro_batch, checkpointing
-    accum = cfg.grad_accum_steps()
-    prec = resolve(t.precision, device)
-    data = open_data_dir(cfg.data, log=lambda s: None)
-    loader = make_loader(cfg.data.loader, data, "train", t.seq_len, micro_batch, seed=t.seed, device=device,
-                         doc_boundaries=cfg.model.doc_mask)
-    model = build_model(cfg.model, device=device, seed=t.seed)
-    if t.fp8:
-        apply_fp8(model, device)
-    master = MasterWeights(model) if prec.name == "bf16-pure" else None  # as the trainer does
-    configure_attention(model, device, prec.autocast_dtype or model.tok_emb.weight.dtype)
-    wrap_model(model, t)
-    loss_fn = make_loss_fn(model, t.loss, t.loss_chunk_tokens,
-                           compile_mode=t.compile_mode if t.compile == "model" else None)
-    opt = build_optimizer(master.master if master else model, cfg.optim, device)
-    params = [p for group in opt.param_groups for p in group["params"]]
-    autocast = autocast_factory(device, prec.autocast_dtype)
-    data_s = 0.0
-    losses: list[torch.Tensor] = []
-
-    def batches():
-        nonlocal data_s
-        for _ in range(accum):
-            t0 = time.perf_counter()
-            b = loader.next_batch()
-            data_s += time.perf_counter() - t0
-            yield b
-
-    def step():
-        loss = forward_backward(model, batches(), cfg.tokens_per_step, autocast, loss_fn, prec.scaler)
-        if not losses:
-            losses.append(loss.detach())  # the first step's loss: before any update, on the first batch
-        unscale_and_clip(opt, prec.scaler, master, params, cfg.optim.grad_clip or float("inf"))
-        apply_update(opt, prec.scaler, master)  # the trainer's own update (train_step.py)
-        opt.zero_grad(set_to_none=True)
-
-    cuda = device.type == "cuda"
-    try:
-        for _ in range(warmup):
-            step()
-        if cuda:
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-        data_s, windows = 0.0, []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            if cuda:
-                torch.cuda.synchronize(device)
-            windows.append(time.perf_counter() - t0)
-        wall = sum(windows)
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
-    finally:
-        del model, opt, params
-        torch.set_num_threads(threads)
-        if cuda:
-            torch.cuda.empty_cache()
-    rates = [cfg.tokens_per_step / w for w in windows]
-    return {"tok_per_s": median(rates), "tok_per_s_windows": rates, "peak_gb": peak, "data_share": data_s / wall,
-            "first_loss": float(losses[0]) if losses else None}
 
 
 def _label(t: Trial) -> str:
@@ -215,8 +132,18 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
               headroom: float = 0.9, warmup: int = 2, steps: int = 3, price_per_gpu_hour: float = 0.0,
               out_dir: str | Path = "", measure_fn=measure, log: Log = print, ladder: bool = False,
               budget_minutes: float = 15.0, ladder_fp8: bool = False,
-              clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+              clock: Callable[[], float] = time.perf_counter, world: int = 1, isolation: str = "auto",
+              spawn_fn=measure_in_processes) -> dict[str, Any]:
+    """Preflight ``cfg`` on this machine (the module docstring lists the steps). With ``ladder``
+    the micro-batch search is replaced by the optimization ladder (``train/ladder.py``), which
+    with ``world > 1`` also scales out to that many ranks here; ``isolation`` is how its
+    one-rank trials are kept apart: ``reset`` (compiler and allocator, in this process),
+    ``process`` (a fresh process each: ``train/trial.py``) or ``auto`` (process on CUDA).
+    ``measure_fn`` (in this process) and ``spawn_fn`` (in fresh ones) are injectable for tests."""
     device = resolve_device(cfg.train.device)
+    problems = _launch_problems(cfg, device, world, ladder, isolation)
+    if problems:  # before any work
+        raise ConfigError(problems)
     out = Path(out_dir or f"runs/{cfg.preset or 'run'}-preflight")
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"preset": cfg.preset, "device": str(device)}
@@ -239,11 +166,17 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     windows = max(steps, MIN_WINDOWS)
     if ladder:  # 3. every rung, one change at a time (train/ladder.py), the micro-batch among them
         run_tokens = tokens or cfg.total_steps() * cfg.tokens_per_step
-        report["ladder"] = climb(
-            cfg, lambda c: measure_fn(_copy(c), c.train.micro_batch_size, c.train.activation_checkpointing, warmup,
-                                      windows, device),
-            device, candidates(cfg), run_tokens, fpt, peak, memory_gb, headroom, price_per_gpu_hour,
-            budget_minutes * 60, ladder_fp8, clock, log)
+        fresh = isolation == "process" or (isolation == "auto" and device.type == "cuda")
+        report["ladder_isolation"] = "process" if fresh else "reset"
+
+        def measure_one(c: RunConfig, world: int = 1) -> dict[str, Any]:
+            args = (_copy(c), c.train.micro_batch_size, c.train.activation_checkpointing, warmup, windows, device)
+            return spawn_fn(*args, world=world) if fresh or world > 1 else measure_fn(*args)
+
+        sizes = [b for b in candidates(cfg) if not batch_split_problems(with_settings(
+            cfg, {"train.micro_batch_size": b}).train, world)]  # micro-batches the N-rank launch can split into
+        report["ladder"] = climb(cfg, measure_one, device, sizes, run_tokens, fpt, peak, memory_gb, headroom,
+                                 price_per_gpu_hour, budget_minutes * 60, ladder_fp8, clock, log, world)
         cfg = with_settings(cfg, report["ladder"]["chosen"])
         best, reason = _ladder_trial(cfg, report["ladder"]["final"], windows, device), "the ladder's last kept rung"
         trials = [best]
@@ -271,6 +204,24 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     predict(report, cfg, tuned, best, tokens, hours, price_per_gpu_hour, fpt, peak, peak_note, log)
     _write(out, report, cfg, tuned, log)
     return report
+
+
+def _launch_problems(cfg: RunConfig, device: torch.device, world: int, ladder: bool, isolation: str) -> list[str]:
+    """What is wrong with preflight's own launch options, before any work."""
+    out = []
+    if isolation not in ("auto", "reset", "process"):
+        out.append(f"--ladder-isolation {isolation!r}: choose auto, reset or process")
+    if world < 1:
+        out.append(f"--nproc-per-node {world}: must be at least 1")
+    elif world > 1:
+        if not ladder:
+            out.append(f"--nproc-per-node {world} needs --ladder: only the ladder climbs at N ranks")
+        if device.type == "cuda" and world > torch.cuda.device_count():
+            out.append(f"--nproc-per-node {world}: this machine has {torch.cuda.device_count()} visible GPU(s)")
+        if cfg.train.global_batch_size % world:
+            out.append(f"train.global_batch_size ({cfg.train.global_batch_size}) must be a multiple of "
+                       f"--nproc-per-node {world}: every rank takes an equal share of the global batch")
+    return out
 
 
 def _ladder_trial(cfg: RunConfig, final: dict[str, Any], windows: int, device: torch.device) -> Trial:

@@ -1,0 +1,197 @@
+"""A preflight measurement in fresh processes: one for an isolated trial, N for an N-rank one.
+
+``preflight.measure`` resets the compiler and empties the CUDA cache before a trial, but a
+process keeps more than that between trials: CUDA graph pools of ``reduce-overhead``, the
+allocator's reserved segments and their fragmentation, cuBLAS and cuDNN workspaces, threads,
+autotuning choices held in memory. :func:`measure_in_processes` runs the same ``measure`` in
+processes started for it alone (``spawn``), so what one rung left behind cannot speed up or
+slow down the next, and a rung that crashes its process (a CUDA error, an abort inside a
+kernel library) is a failed row instead of the end of the ladder.
+
+With ``world > 1`` it starts ``world`` ranks on this machine (``cuda:0`` .. ``cuda:N-1`` with
+NCCL, or CPU processes with gloo), joined into a process group as ``torchrun`` would; each
+rank runs ``measure`` under the strategy of the configuration, and rank 0's result -- the
+global batch's tokens/s, the ranks' mean first-step loss -- comes back as JSON through a
+file in a private temporary directory (nothing is unpickled from it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from flopwise.config import ConfigError, RunConfig
+from flopwise.data.datadir import open_data_dir
+from flopwise.data.loader import make_loader
+from flopwise.fsio import atomic_write
+from flopwise.measure.meter import median
+from flopwise.model import build_model, configure_attention
+from flopwise.train.distributed import DistEnv, init_distributed
+from flopwise.train.optim import build_optimizer
+from flopwise.train.parallel import grad_sync, resolve_strategy, zero1_optimizer
+from flopwise.train.precision import MasterWeights, apply_fp8, autocast_factory, resolve
+from flopwise.train.step import forward_backward, make_loss_fn
+from flopwise.train.train_step import apply_update, unscale_and_clip
+from flopwise.train.wrap import wrap_for_training
+
+TRIAL_TIMEOUT_MIN = 10.0  # a collective of a trial that waits longer fails the trial instead of hanging it
+
+
+class TrialError(RuntimeError):
+    """A trial that failed in its process: the message is the exception's last line there."""
+
+
+def measure_in_processes(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, steps: int,
+                         device: torch.device, world: int = 1) -> dict[str, Any]:
+    """``preflight.measure``'s result, measured in ``world`` fresh processes on this machine."""
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    if device.type == "cuda" and world > torch.cuda.device_count():
+        raise ConfigError([f"a {world}-rank trial needs {world} GPUs; this machine has {torch.cuda.device_count()}"])
+    with tempfile.TemporaryDirectory(prefix="flopwise-trial-") as tmp:
+        out = Path(tmp) / "result.json"
+        args = (world, _free_port(), cfg, micro_batch, checkpointing, warmup, steps, device.type, str(out))
+        try:
+            mp.start_processes(_rank, args=args, nprocs=world, join=True, start_method="spawn")
+        except mp.ProcessRaisedException as e:
+            raise TrialError(_last_line(str(e))) from None
+        except mp.ProcessExitedException as e:
+            raise TrialError(f"a trial process died: {e}") from None
+        return json.loads(out.read_text())
+
+
+def _rank(local_rank: int, world: int, port: int, cfg: RunConfig, micro_batch: int, checkpointing: str,
+          warmup: int, steps: int, device_type: str, out: str) -> None:
+    """One process of a trial (``mp.start_processes`` passes ``local_rank`` first)."""
+    env, device = DistEnv(), torch.device(device_type)
+    if device_type == "cuda":
+        device = torch.device(f"cuda:{local_rank}")
+        torch.cuda.set_device(device)
+    elif world > 1 and not cfg.train.threads:  # as torchrun does: the ranks share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
+                          LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+        strategy = cfg.parallel.strategy if cfg.parallel.strategy != "single" else "auto"
+        env, device = init_distributed(strategy, device_type, cfg.parallel.backend,
+                                       min(cfg.parallel.timeout_min, TRIAL_TIMEOUT_MIN))
+    try:
+        result = measure(cfg, micro_batch, checkpointing, warmup, steps, device, env)
+        if env.is_main:
+            atomic_write(Path(out), json.dumps(result))
+    finally:
+        env.close()
+
+
+def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, steps: int,
+            device: torch.device, env: DistEnv | None = None) -> dict[str, Any]:
+    """Tokens/s, peak memory and data share of ``steps`` optimizer steps after ``warmup``, with
+    the trainer's own step (loss function, wrappers, precision, optimizer) at this micro-batch.
+
+    Each step is timed on its own (a window): ``tok_per_s`` is the median of the windows'
+    rates (of the global batch), ``tok_per_s_windows`` lists them all.
+
+    Under ``env`` (a process group: ``train/trial.py`` starts one for an N-rank trial) every
+    rank calls this: its share of the batch, the strategy the trainer would resolve
+    (``parallel.strategy``, wrapped as the trainer wraps it), the gradients reduced on each
+    step's last micro-batch; ``first_loss`` is then the mean over ranks, as the trainer logs it.
+
+    Each trial starts with a fresh compiler: dynamo would otherwise take the second size for
+    a shape change of the same code and compile a dynamic-batch graph for it (and reuse that
+    for every later size), not the static graph the run itself compiles."""
+    torch._dynamo.reset()
+    env = env or DistEnv()
+    t = cfg.train
+    threads = torch.get_num_threads()  # a trial's train.threads must not outlive it
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    t.micro_batch_size, t.activation_checkpointing = micro_batch, checkpointing
+    world = env.world_size
+    accum = cfg.grad_accum_steps(world)
+    prec = resolve(t.precision, device)
+    strategy = resolve_strategy(cfg, env, device, prec.name, t.loss).name if env.distributed else "single"
+    data = open_data_dir(cfg.data, log=lambda s: None)
+    loader = make_loader(cfg.data.loader, data, "train", t.seq_len, micro_batch, seed=t.seed, device=device,
+                         rank=env.rank, world_size=world, doc_boundaries=cfg.model.doc_mask,
+                         prefetch=cfg.data.prefetch, pin_memory=cfg.data.pin_memory)
+    model = build_model(cfg.model, device=device, seed=t.seed)
+    if t.fp8:
+        apply_fp8(model, device)
+    master = MasterWeights(model) if prec.name == "bf16-pure" else None  # as the trainer does
+    configure_attention(model, device, prec.autocast_dtype or model.tok_emb.weight.dtype)
+    train_model, _, _ = wrap_for_training(model, cfg, strategy, env, device, prec.autocast_dtype)
+    loss_fn = make_loss_fn(train_model, t.loss, t.loss_chunk_tokens,
+                           compile_mode=t.compile_mode if t.compile == "model" else None)
+    opt = build_optimizer(master.master if master else model, cfg.optim, device)
+    if strategy == "zero1":
+        opt = zero1_optimizer(opt)
+    params = [p for group in opt.param_groups for p in group["params"]]
+    sync = grad_sync(train_model, strategy, accum) if strategy != "single" else None
+    autocast = autocast_factory(device, prec.autocast_dtype)
+    data_s = 0.0
+    losses: list[torch.Tensor] = []
+
+    def batches():
+        nonlocal data_s
+        for _ in range(accum):
+            t0 = time.perf_counter()
+            b = loader.next_batch()
+            data_s += time.perf_counter() - t0
+            yield b
+
+    def step():
+        loss = forward_backward(train_model, batches(), cfg.tokens_per_step // world, autocast, loss_fn,
+                                prec.scaler, sync)
+        if not losses:
+            losses.append(loss.detach())  # the first step's loss: before any update, on the first batch
+        unscale_and_clip(opt, prec.scaler, master, params, cfg.optim.grad_clip or float("inf"))
+        apply_update(opt, prec.scaler, master)  # the trainer's own update (train_step.py)
+        opt.zero_grad(set_to_none=True)
+
+    cuda = device.type == "cuda"
+    try:
+        for _ in range(warmup):
+            step()
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        data_s, windows = 0.0, []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            if cuda:
+                torch.cuda.synchronize(device)
+            windows.append(time.perf_counter() - t0)
+        wall = sum(windows)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
+        first = env.sum([float(losses[0])], device)[0] / world if losses else None  # the ranks' mean
+    finally:
+        loader.close()
+        del model, train_model, opt, params
+        torch.set_num_threads(threads)
+        if cuda:
+            torch.cuda.empty_cache()
+    rates = [cfg.tokens_per_step / w for w in windows]
+    return {"tok_per_s": median(rates), "tok_per_s_windows": rates, "peak_gb": peak, "data_share": data_s / wall,
+            "first_loss": first, "strategy": strategy, "world": world}
+
+
+def _free_port() -> int:
+    """A TCP port free on this machine now (the ranks' rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _last_line(traceback_text: str) -> str:
+    """The exception line of a child's traceback ("RuntimeError: CUDA out of memory ...")."""
+    lines = [x for x in traceback_text.strip().splitlines() if x.strip()]
+    return lines[-1].strip() if lines else traceback_text

@@ -1,0 +1,59 @@
+"""Preflight trials in fresh processes (train/trial.py): one process for an isolated trial,
+2 gloo processes for an N-rank one -- real spawned processes, a tiny model on CPU."""
+
+import json
+
+import pytest
+import torch
+
+from flopwise.config import build_config
+from flopwise.data.datadir import open_data_dir
+from flopwise.train.trial import TrialError, measure, measure_in_processes
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def cfg(tiny_overrides):
+    c = build_config(overrides=tiny_overrides + ["train.compile=off", "train.threads=1", "data.loader=epoch",
+                                                 "train.global_batch_size=32"])
+    open_data_dir(c.data, log=lambda s: None)  # the embedded corpus prepared once, before the ranks open it
+    return c
+
+
+def test_a_trial_in_a_fresh_process_measures_what_the_same_trial_here_does(cfg):
+    here = measure(cfg, 8, "none", warmup=1, steps=3, device=CPU)
+    there = measure_in_processes(cfg, 8, "none", warmup=1, steps=3, device=CPU)
+    assert there["world"] == 1 and there["strategy"] == "single" and len(there["tok_per_s_windows"]) == 3
+    assert there["first_loss"] == pytest.approx(here["first_loss"], rel=1e-6), (there["first_loss"], here["first_loss"])
+    json.dumps(there)  # it came back as JSON, and is one
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp2"])
+def test_a_two_rank_trial_trains_on_the_same_global_batch_as_one_rank(cfg, strategy):
+    """The epoch loader gives the 2 ranks disjoint halves of the one-rank run's global batch,
+    so the ranks' mean first-step loss is the one-rank loss: the N-rank rung measures the same
+    training, under each strategy, as its numerics check assumes."""
+    cfg.parallel.strategy = strategy
+    one = measure(cfg, 8, "none", warmup=1, steps=3, device=CPU)
+    two = measure_in_processes(cfg, 8, "none", warmup=1, steps=3, device=CPU, world=2)
+    assert two["world"] == 2 and two["strategy"] == strategy
+    rel = abs(two["first_loss"] - one["first_loss"]) / abs(one["first_loss"])
+    assert rel < 1e-5, f"2 ranks {two['first_loss']!r} vs 1 rank {one['first_loss']!r}: {rel:.2e} relative"
+    assert two["tok_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_auto_resolves_in_the_ranks_as_the_trainer_would(cfg):
+    cfg.parallel.strategy = "auto"
+    two = measure_in_processes(cfg, 8, "none", warmup=1, steps=3, device=CPU, world=2)
+    assert two["strategy"] == "ddp"  # CPU ranks: no memory limit to plan against
+
+
+def test_a_failing_trial_says_why_in_one_line(cfg, tmp_path):
+    cfg.data.path = str(tmp_path / "no-such-data")
+    with pytest.raises(TrialError) as err:
+        measure_in_processes(cfg, 8, "none", warmup=1, steps=3, device=CPU, world=2)
+    message = str(err.value)  # the ranks' exception, not the spawn machinery's report around it
+    assert "\n" not in message and "Traceback" not in message and "no-such-data" in message, message
