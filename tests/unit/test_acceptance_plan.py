@@ -84,3 +84,19 @@ def test_without_cuda_and_without_out_nothing_is_written(acceptance, tmp_path, m
     monkeypatch.setattr(acceptance, "RESULTS", tmp_path / "results")
     assert acceptance.main(["--only", "1", "--work", str(tmp_path / "w")]) == 0
     assert not (tmp_path / "results").exists()
+
+
+def test_the_ladder_benchmark_reports_the_issues_figures_from_its_three_parts():
+    """benchmarks/gpu/ladder.py's summary: ladder / defaults, run-after / ladder and the goals."""
+    spec = importlib.util.spec_from_file_location("ladder_bench", ROOT / "benchmarks" / "gpu" / "ladder.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ladder = {"start": {"tok_per_s": 40_000.0}, "final": {"tok_per_s": 60_000.0, "mfu": 0.42},
+              "chosen": {"train.compile": "model"}, "spent_minutes": 12.5, "budget_minutes": 15,
+              "rungs": [{"rung": "compile", "change": "train.compile=model", "kept": True},
+                        {"rung": "loss", "change": "train.loss=plain", "kept": False}]}
+    s = mod.summarize(ladder, {"tok_per_s": 50_000.0}, {"tok_per_s": 56_000.0})
+    assert s["ladder_over_defaults"] == pytest.approx(1.2) and s["after_over_ladder"] == pytest.approx(56 / 60)
+    assert s["goal_within_5pct"] is False and s["goal_within_15_min"] is True  # 6.7% below the ladder
+    assert s["kept"] == ["compile: train.compile=model"]
+    assert mod.summarize({**ladder, "spent_minutes": 16}, {}, {"tok_per_s": 59_000.0})["goal_within_15_min"] is False
