@@ -12,6 +12,7 @@ from flopwise.train.ladder import climb, rungs
 from flopwise.train.preflight import preflight
 
 CPU = torch.device("cpu")
+N_RANK_RUNGS = ("ranks", "strategy", "buckets")
 
 
 def scripted(rates, losses=None, oom_from=None, extra=None):
@@ -221,7 +222,9 @@ def test_preflight_sends_n_rank_and_isolated_trials_to_fresh_processes(tiny_over
 
     report = preflight(cfg, out_dir=tmp_path / "a", measure_fn=measure_fn, spawn_fn=spawn_fn, log=lambda s: None,
                        ladder=True, world=2)
-    assert report["ladder_isolation"] == "reset" and calls["here"] > 0  # auto on a CPU: one-rank trials here
+    measured_here = sum(r["status"] == "ok" for r in report["ladder"]["rungs"] if r["rung"] not in N_RANK_RUNGS)
+    # auto on a CPU: one-rank trials in this process, after one untimed warm-up of the start
+    assert report["ladder_isolation"] == "reset" and calls["here"] == 2 + measured_here
     assert set(calls["spawned"]) == {2} and report["ladder"]["world"] == 2
     assert report["prediction"]["tok_per_s"] == pytest.approx(1600.0)  # the 2-rank rate carries the run
     tuned = build_config(config_file=str(tmp_path / "a" / "preflight.yaml"))
@@ -230,6 +233,8 @@ def test_preflight_sends_n_rank_and_isolated_trials_to_fresh_processes(tiny_over
     report = preflight(cfg, out_dir=tmp_path / "b", measure_fn=measure_fn, spawn_fn=spawn_fn, log=lambda s: None,
                        ladder=True, isolation="process")
     assert report["ladder_isolation"] == "process" and calls["here"] == 0 and set(calls["spawned"]) == {1}
+    measured = sum(r["status"] == "ok" for r in report["ladder"]["rungs"])
+    assert len(calls["spawned"]) == 1 + measured  # a fresh process has nothing to warm: no untimed start
 
 
 @pytest.mark.parametrize("kwargs, problem", [

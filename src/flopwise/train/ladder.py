@@ -108,14 +108,16 @@ def climb(cfg: RunConfig, measure_one: Callable[..., dict[str, Any]], device: to
           sizes: list[int], run_tokens: int, fpt: float, peak: float | None, memory_gb: float = 0.0,
           headroom: float = 0.9, price_per_gpu_hour: float = 0.0, budget_s: float = 900.0, fp8: bool = False,
           clock: Callable[[], float] = time.perf_counter, log: Callable[[str], None] = print,
-          world: int = 1) -> dict[str, Any]:
+          world: int = 1, warm_up_process: bool = True) -> dict[str, Any]:
     """Climb from ``cfg``; ``measure_one(cfg, world=1)`` times a configuration on ``world``
     ranks (``preflight.measure``'s dict, with ``first_loss``) or raises (an out-of-memory is a
     result). The per-device rungs run on one rank; with ``world > 1`` the climbed configuration
     is then scaled out to ``world`` ranks and the strategy and bucket rungs run there. Returns
-    the ladder as ``preflight.json`` records it (``report`` draws it) with the chosen settings."""
+    the ladder as ``preflight.json`` records it (``report`` draws it) with the chosen settings.
+    ``warm_up_process``: measure the start once untimed first, for trials that share this process."""
     t0 = clock()
-    measure_one(cfg)  # untimed: the first measurement in a process pays its warm-up (threads, allocator, caches)
+    if warm_up_process:  # the first measurement in a process pays its warm-up (threads, allocator, caches)
+        measure_one(cfg)
     start = measure_one(cfg)
     best = _summary(start, fpt, peak, run_tokens, price_per_gpu_hour)
     ladder: dict[str, Any] = {"device": str(device), "budget_minutes": budget_s / 60, "rungs": [], "world": world,

@@ -175,8 +175,11 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
 
         sizes = [b for b in candidates(cfg) if not batch_split_problems(with_settings(
             cfg, {"train.micro_batch_size": b}).train, world)]  # micro-batches the N-rank launch can split into
+        if fresh and device.type == "cuda":
+            torch.cuda.empty_cache()  # the trials' processes share the GPU with this one: hold nothing cached
         report["ladder"] = climb(cfg, measure_one, device, sizes, run_tokens, fpt, peak, memory_gb, headroom,
-                                 price_per_gpu_hour, budget_minutes * 60, ladder_fp8, clock, log, world)
+                                 price_per_gpu_hour, budget_minutes * 60, ladder_fp8, clock, log, world,
+                                 warm_up_process=not fresh)  # a fresh process per trial: nothing to warm here
         cfg = with_settings(cfg, report["ladder"]["chosen"])
         best, reason = _ladder_trial(cfg, report["ladder"]["final"], windows, device), "the ladder's last kept rung"
         trials = [best]
