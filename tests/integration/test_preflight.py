@@ -8,7 +8,8 @@ import torch
 
 from flopwise.cli import main as cli_main
 from flopwise.config import build_config
-from flopwise.train.preflight import measure, preflight
+from flopwise.train.preflight import preflight
+from flopwise.train.trial import measure
 
 
 def fake_measure(speeds, oom_from=None):

@@ -45,7 +45,7 @@ def test_cpu_rungs_are_compile_loss_micro_batch_checkpointing_loader_and_threads
 
 
 def test_a_trial_computes_with_its_threads_and_gives_them_back(tiny_overrides):
-    from flopwise.train.preflight import measure
+    from flopwise.train.trial import measure
 
     before = torch.get_num_threads()
     seen = []

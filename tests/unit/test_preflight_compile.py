@@ -13,7 +13,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from flopwise.config import build_config
-from flopwise.train.preflight import measure
+from flopwise.train.trial import measure
 
 
 @pytest.mark.slow

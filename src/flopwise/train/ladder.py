@@ -110,7 +110,7 @@ def climb(cfg: RunConfig, measure_one: Callable[..., dict[str, Any]], device: to
           clock: Callable[[], float] = time.perf_counter, log: Callable[[str], None] = print,
           world: int = 1, warm_up_process: bool = True) -> dict[str, Any]:
     """Climb from ``cfg``; ``measure_one(cfg, world=1)`` times a configuration on ``world``
-    ranks (``preflight.measure``'s dict, with ``first_loss``) or raises (an out-of-memory is a
+    ranks (``trial.measure``'s dict, with ``first_loss``) or raises (an out-of-memory is a
     result). The per-device rungs run on one rank; with ``world > 1`` the climbed configuration
     is then scaled out to ``world`` ranks and the strategy and bucket rungs run there. Returns
     the ladder as ``preflight.json`` records it (``report`` draws it) with the chosen settings.

@@ -1,12 +1,14 @@
-"""A preflight measurement in fresh processes: one for an isolated trial, N for an N-rank one.
+"""One preflight trial: the trainer's own step at one configuration, timed -- here, in a fresh
+process, or on N ranks started for it.
 
-``preflight.measure`` resets the compiler and empties the CUDA cache before a trial, but a
-process keeps more than that between trials: CUDA graph pools of ``reduce-overhead``, the
-allocator's reserved segments and their fragmentation, cuBLAS and cuDNN workspaces, threads,
-autotuning choices held in memory. :func:`measure_in_processes` runs the same ``measure`` in
-processes started for it alone (``spawn``), so what one rung left behind cannot speed up or
-slow down the next, and a rung that crashes its process (a CUDA error, an abort inside a
-kernel library) is a failed row instead of the end of the ladder.
+:func:`measure` builds a fresh model, optimizer and compiler (and on CUDA empties the cache
+and resets the peak) before it times, but a process keeps more than that between trials: CUDA
+graph pools of ``reduce-overhead``, the allocator's reserved segments and their fragmentation,
+cuBLAS and cuDNN workspaces, threads, autotuning choices held in memory.
+:func:`measure_in_processes` runs the same ``measure`` in processes started for it alone
+(``spawn``), so what one rung left behind cannot speed up or slow down the next, and a rung
+that crashes its process (a CUDA error, an abort inside a kernel library) is a failed row
+instead of the end of the ladder.
 
 With ``world > 1`` it starts ``world`` ranks on this machine (``cuda:0`` .. ``cuda:N-1`` with
 NCCL, or CPU processes with gloo), joined into a process group as ``torchrun`` would; each
@@ -51,14 +53,14 @@ class TrialError(RuntimeError):
 
 def measure_in_processes(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, steps: int,
                          device: torch.device, world: int = 1) -> dict[str, Any]:
-    """``preflight.measure``'s result, measured in ``world`` fresh processes on this machine."""
+    """:func:`measure`'s result, measured in ``world`` fresh processes on this machine."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     if device.type == "cuda" and world > torch.cuda.device_count():
         raise ConfigError([f"a {world}-rank trial needs {world} GPUs; this machine has {torch.cuda.device_count()}"])
     with tempfile.TemporaryDirectory(prefix="flopwise-trial-") as tmp:
         out = Path(tmp) / "result.json"
-        args = (world, _free_port(), cfg, micro_batch, checkpointing, warmup, steps, device.type, str(out))
+        args = (world, _free_port(), cfg, micro_batch, checkpointing, warmup, steps, str(device), str(out))
         try:
             mp.start_processes(_rank, args=args, nprocs=world, join=True, start_method="spawn")
         except mp.ProcessRaisedException as e:
@@ -69,19 +71,19 @@ def measure_in_processes(cfg: RunConfig, micro_batch: int, checkpointing: str, w
 
 
 def _rank(local_rank: int, world: int, port: int, cfg: RunConfig, micro_batch: int, checkpointing: str,
-          warmup: int, steps: int, device_type: str, out: str) -> None:
-    """One process of a trial (``mp.start_processes`` passes ``local_rank`` first)."""
-    env, device = DistEnv(), torch.device(device_type)
-    if device_type == "cuda":
-        device = torch.device(f"cuda:{local_rank}")
+          warmup: int, steps: int, device_name: str, out: str) -> None:
+    """One process of a trial (``mp.start_processes`` passes ``local_rank`` first). One rank
+    measures on the parent's device (``cuda:1`` stays ``cuda:1``); N ranks on ``cuda:LOCAL_RANK``."""
+    env, device = DistEnv(), torch.device(device_name)
+    if device.type == "cuda" and world == 1:
         torch.cuda.set_device(device)
-    elif world > 1 and not cfg.train.threads:  # as torchrun does: the ranks share the cores
+    elif device.type == "cpu" and world > 1 and not cfg.train.threads:  # as torchrun does: ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
                           LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
         strategy = cfg.parallel.strategy if cfg.parallel.strategy != "single" else "auto"
-        env, device = init_distributed(strategy, device_type, cfg.parallel.backend,
+        env, device = init_distributed(strategy, device.type, cfg.parallel.backend,
                                        min(cfg.parallel.timeout_min, TRIAL_TIMEOUT_MIN))
     try:
         result = measure(cfg, micro_batch, checkpointing, warmup, steps, device, env)
