@@ -94,14 +94,71 @@ def test_a_faster_change_that_moves_the_first_loss_is_not_the_same_training():
 
 
 def test_checkpointing_is_tried_only_for_micro_batches_that_do_not_fit_without():
-    rates = {(  "off", "chunked", 64, "selective"): 1300.0, ("off", "chunked", 64, "full"): 1200.0}
-    lad = climb(base(["train.global_batch_size=64"]), scripted(rates, oom_from=32), CPU, [16, 32, 64],
+    rates = {("off", "chunked", 32, "selective"): 1200.0, ("off", "chunked", 32, "full"): 1100.0,
+             ("off", "chunked", 64, "selective"): 1300.0, ("off", "chunked", 64, "full"): 1250.0}
+    measured = []
+
+    def measure_one(cfg, world=1):
+        measured.append((cfg.train.micro_batch_size, cfg.train.activation_checkpointing))
+        return scripted(rates, oom_from=32)(cfg)
+
+    lad = climb(base(["train.global_batch_size=64"]), measure_one, CPU, [16, 32, 64],
                 run_tokens=10**6, fpt=1e7, peak=None, log=lambda s: None)
     status = {r["change"]: (r["status"], r["kept"]) for r in lad["rungs"]}
     assert status["train.micro_batch_size=32"] == ("oom", False)
-    assert status["train.micro_batch_size=64 train.activation_checkpointing=selective"] == ("ok", True)
-    assert lad["chosen"]["train.activation_checkpointing"] == "selective"
+    assert status["train.micro_batch_size=64"] == ("skipped", False)  # 32 did not fit: 64 is not run
+    assert (64, "none") not in measured
+    assert status["train.micro_batch_size=32 train.activation_checkpointing=selective"] == ("ok", True)
+    assert status["train.micro_batch_size=64 train.activation_checkpointing=selective"] == ("ok", True)  # +8%
+    assert lad["chosen"] == {"train.micro_batch_size": 64, "train.activation_checkpointing": "selective"}
     assert [r["rung"] for r in lad["rungs"]].count("checkpointing") == 4  # 32 and 64, selective and full
+
+
+def test_checkpointing_stops_at_the_first_size_it_does_not_pay_for():
+    rates = {("off", "chunked", 32, "selective"): 900.0, ("off", "chunked", 32, "full"): 800.0,
+             ("off", "chunked", 64, "selective"): 5000.0}  # never reached
+    lad = climb(base(["train.global_batch_size=64"]), scripted(rates, oom_from=32), CPU, [16, 32, 64],
+                run_tokens=10**6, fpt=1e7, peak=None, log=lambda s: None)
+    ckpt = [r["change"] for r in lad["rungs"] if r["rung"] == "checkpointing"]
+    assert ckpt == ["train.micro_batch_size=32 train.activation_checkpointing=selective",
+                    "train.micro_batch_size=32 train.activation_checkpointing=full"]
+    assert lad["chosen"] == {}
+
+
+def test_the_micro_batch_rung_goes_outward_and_stops_past_the_fastest_size():
+    rates = {("off", "chunked", 32, "none"): 1200.0,  # kept
+             ("off", "chunked", 64, "none"): 1100.0,  # slower: 128 is not run
+             ("off", "chunked", 8, "none"): 900.0}  # slower: 4, 2, 1 are not run
+    measured = []
+
+    def measure_one(cfg, world=1):
+        measured.append(cfg.train.micro_batch_size)
+        return scripted(rates)(cfg)
+
+    lad = climb(base(["train.global_batch_size=128"]), measure_one, CPU, [1, 2, 4, 8, 16, 32, 64, 128],
+                run_tokens=10**6, fpt=1e7, peak=None, log=lambda s: None)
+    rows = [(r["change"].split("=")[1], r["status"], r["kept"]) for r in lad["rungs"] if r["rung"] == "micro-batch"]
+    assert rows == [("32", "ok", True), ("64", "ok", False), ("128", "skipped", False),
+                    ("8", "ok", False), ("4", "skipped", False), ("2", "skipped", False), ("1", "skipped", False)]
+    assert sorted(set(measured) - {16}) == [8, 32, 64]
+    why = {r["change"]: r["why"] for r in lad["rungs"]}
+    assert why["train.micro_batch_size=128"] == "micro-batch 64 was slower: tokens/s falls past the fastest size"
+
+
+def test_an_option_the_memory_model_says_cannot_fit_is_not_run():
+    measured = []
+
+    def measure_one(cfg, world=1):
+        measured.append((cfg.train.micro_batch_size, cfg.train.activation_checkpointing))
+        return scripted({}, extra=lambda c, w: 1 + c.train.micro_batch_size / 100)(cfg)  # larger is faster
+
+    # planned peak (tiny preset): 32 -> 0.31 GiB, 64 -> 0.49 GiB; 90% of 0.5 GiB is 0.45
+    lad = climb(base(["train.global_batch_size=128"]), measure_one, CPU, [16, 32, 64, 128], run_tokens=10**6,
+                fpt=1e7, peak=None, memory_gb=0.5, log=lambda s: None)
+    row = next(r for r in lad["rungs"] if r["change"] == "train.micro_batch_size=64")
+    assert row["status"] == "no-fit" and row["why"].startswith("planner: 0.49 GiB > 90% of 0.5 GiB"), row["why"]
+    assert (64, "none") not in measured and (128, "none") not in measured
+    assert any(b == 64 and ckpt != "none" for b, ckpt in measured)  # where checkpointing makes it fit, it runs
 
 
 def test_the_time_budget_stops_the_climb_and_says_so():

@@ -18,7 +18,8 @@ default on a GPU, in a fresh process, which is how N-rank options always run), a
 - its first step's loss -- the same initial weights on the same first global batch -- is
   within ``SAME_NUMERICS`` of the kept configuration's (``CHANGED_NUMERICS`` for a rung that
   changes numerics on purpose, such as bf16; fp8 is kept only when asked for);
-- it fits the memory (measured peak under ``headroom`` of the device).
+- it fits the memory (measured peak under ``headroom`` of the device; an option whose
+  planned peak does not fit is not run at all).
 
 The climb is greedy: a kept option becomes the configuration the next options must beat.
 It stops trying options once ``budget_s`` is spent (those rows say so). The ladder is a
@@ -39,6 +40,8 @@ import torch
 from flopwise.config import RunConfig, batch_split_problems, validate
 from flopwise.measure.meter import MIN_NOISE, spread
 from flopwise.model.attention import available_backends
+from flopwise.plan.budget import memory_settings_for_run
+from flopwise.plan.memory import estimate
 from flopwise.train.losses import fused_linear_cross_entropy_available
 from flopwise.train.parallel import incompatibilities
 from flopwise.train.precision import resolve as resolve_precision
@@ -115,90 +118,187 @@ def climb(cfg: RunConfig, measure_one: Callable[..., dict[str, Any]], device: to
     is then scaled out to ``world`` ranks and the strategy and bucket rungs run there. Returns
     the ladder as ``preflight.json`` records it (``report`` draws it) with the chosen settings.
     ``warm_up_process``: measure the start once untimed first, for trials that share this process."""
-    t0 = clock()
+    c = Climb(measure_one, device, run_tokens, fpt, peak, memory_gb, headroom, price_per_gpu_hour, budget_s, fp8,
+              clock, log)
     if warm_up_process:  # the first measurement in a process pays its warm-up (threads, allocator, caches)
         measure_one(cfg)
-    start = measure_one(cfg)
-    best = _summary(start, fpt, peak, run_tokens, price_per_gpu_hour)
-    ladder: dict[str, Any] = {"device": str(device), "budget_minutes": budget_s / 60, "rungs": [], "world": world,
-                              "start": {**best, "settings": _settings_of(cfg)}}
-    state: dict[str, Any] = {"cfg": cfg, "best": best, "chosen": {}, "world": 1}
-    log(f"ladder: start {best['tok_per_s']:,.0f} tok/s · first-step loss {best['loss']}")
-
-    def attempt(name: str, settings: Settings, numerics: str) -> dict[str, Any]:
-        row = climb_one(name, settings, numerics, state["cfg"], state["best"], ladder, measure_one, fpt, peak,
-                        run_tokens, price_per_gpu_hour, memory_gb, headroom, fp8, budget_s - (clock() - t0),
-                        state["world"])
-        record(row, settings)
-        return row
-
-    def record(row: dict[str, Any], settings: Settings) -> None:
-        ladder["rungs"].append(row)
-        log(f"ladder: {row['rung']:<13} {row['change']:<36} {_rate(row)} {'kept' if row['kept'] else '-':>4} · "
-            f"{row['why']}")
-        if row["kept"]:
-            state["cfg"] = with_settings(state["cfg"], settings)
-            state["chosen"] = {**state["chosen"], **settings}
-            state["best"] = {k: row[k] for k in _summary_keys()}
-
+    c.begin(cfg, measure_one(cfg), world)
     too_big: list[int] = []  # micro-batches that did not fit without checkpointing
     for name, options, numerics in rungs(cfg, device, sizes, fp8):
-        if options is None:  # checkpointing, only where it lets a larger micro-batch fit
-            bigger = [b for b in too_big if b > state["cfg"].train.micro_batch_size]
-            options = [{"train.micro_batch_size": b, "train.activation_checkpointing": mode}
-                       for b in bigger for mode in ("selective", "full")]
-            if not options:
-                ladder["rungs"].append({"rung": name, "change": "-", "numerics": "same", "status": "skipped",
-                                        "kept": False, "why": "every micro-batch tried fits without it", **_empty()})
-        for settings in options:
-            if name == "compile mode" and state["cfg"].train.compile == "off":
-                continue  # a mode of a compiler that is not on
-            row = attempt(name, settings, numerics)
-            if name == "micro-batch" and row["status"] in ("oom", "no-fit"):
-                too_big.append(settings["train.micro_batch_size"])
+        if name == "micro-batch":
+            too_big = c.micro_batches(sizes)
+        elif name == "checkpointing":
+            c.checkpointing(too_big)
+        else:
+            for settings in options or []:
+                if name == "compile mode" and c.cfg.train.compile == "off":
+                    continue  # a mode of a compiler that is not on
+                c.attempt(name, settings, numerics)
     if world > 1:
-        scale_out(state, ladder, world, device, measure_one, fpt, peak, run_tokens, price_per_gpu_hour,
-                  budget_s - (clock() - t0), record, attempt)
-    ladder.update(chosen=state["chosen"], final=state["best"], spent_minutes=(clock() - t0) / 60)
-    return ladder
+        c.scale_out(world)
+    c.ladder.update(chosen=c.chosen, final=c.best, spent_minutes=c.spent_s() / 60)
+    return c.ladder
 
 
-def scale_out(state: dict[str, Any], ladder: dict[str, Any], world: int, device: torch.device, measure_one,
-              fpt: float, peak: float | None, run_tokens: int, price: float, budget_left_s: float, record,
-              attempt) -> None:
-    """The climbed configuration on ``world`` ranks (kept: it is the launch the user plans),
-    then the strategy and bucket rungs against it."""
-    cfg = state["cfg"]
-    row = {"rung": "ranks", "change": f"{world} ranks", "numerics": "same", "kept": False, **_empty()}
-    split = batch_split_problems(cfg.train, world)
-    if split or budget_left_s <= 0:
-        record({**row, "status": "skipped", "why": "; ".join(split) or "the time budget is spent"}, {})
-        return
-    try:
-        m = measure_one(cfg, world=world)
-    except Exception as e:  # noqa: BLE001 - the N-rank launch failing is a result; the one-rank climb stands
-        record({**row, "status": _failure(e), "why": str(e).splitlines()[0][:200]}, {})
-        return
-    one = state["best"]
-    row.update(_summary(m, fpt, peak, run_tokens, price, world), status="ok", kept=True)
-    row["change"] = f"{world} ranks, parallel.strategy={m.get('strategy', cfg.parallel.strategy)}"
-    row["delta_prev"] = row["tok_per_s"] / one["tok_per_s"] - 1
-    row["delta_start"] = row["tok_per_s"] / ladder["start"]["tok_per_s"] - 1
-    scaling = row["tok_per_s"] / (world * one["tok_per_s"])
-    drift = _drift(row["loss"], one["loss"])
-    row["why"] = (f"the launch asked for: {row['tok_per_s'] / one['tok_per_s']:.2f}x one rank's rate, "
-                  f"{scaling:.0%} scaling efficiency"
-                  + (f"; first-step loss {drift:.1e} from one rank's" if drift is not None else ""))
-    ladder["scaling_efficiency"] = scaling
-    state["world"] = world
-    strategy = m.get("strategy") or cfg.parallel.strategy
-    record(row, {"parallel.strategy": strategy})
-    precision = resolve_precision(cfg.train.precision, device).name
-    for name, options, numerics in data_parallel_rungs(state["cfg"], precision, strategy):
-        for settings in options:
-            if name == "buckets" and state["cfg"].parallel.strategy not in ("ddp", "zero1"):
-                continue  # FSDP2 reduce-scatters per block: no bucket size
-            attempt(name, settings, numerics)
+class Climb:
+    """One climb's fixed setting (how an option is measured, judged and priced) and its state:
+    the configuration so far, its figures, the settings kept and the rows."""
+
+    def __init__(self, measure_one: Callable[..., dict[str, Any]], device: torch.device, run_tokens: int,
+                 fpt: float, peak: float | None, memory_gb: float, headroom: float, price: float, budget_s: float,
+                 fp8: bool, clock: Callable[[], float], log: Callable[[str], None]):
+        self.measure_one, self.device, self.run_tokens, self.fpt, self.peak = measure_one, device, run_tokens, fpt, peak
+        self.memory_gb, self.headroom, self.price, self.budget_s, self.fp8 = memory_gb, headroom, price, budget_s, fp8
+        self.clock, self.log, self.t0 = clock, log, clock()
+        self.world = 1  # ranks the options are measured on now
+        self.chosen: Settings = {}
+
+    def spent_s(self) -> float:
+        return self.clock() - self.t0
+
+    def begin(self, cfg: RunConfig, start: dict[str, Any], world: int) -> None:
+        self.cfg, self.best = cfg, self.summary(start)
+        self.ladder: dict[str, Any] = {"device": str(self.device), "budget_minutes": self.budget_s / 60,
+                                       "rungs": [], "world": world,
+                                       "start": {**self.best, "settings": _settings_of(cfg)}}
+        self.log(f"ladder: start {self.best['tok_per_s']:,.0f} tok/s · first-step loss {self.best['loss']}")
+
+    def summary(self, m: dict[str, Any]) -> dict[str, Any]:
+        """A measurement as a ladder row's figures (``_summary`` at the current number of ranks)."""
+        return _summary(m, self.fpt, self.peak, self.run_tokens, self.price, self.world)
+
+    def attempt(self, name: str, settings: Settings, numerics: str) -> dict[str, Any]:
+        """Measure one option against the best so far, record its row, keep it if it earns that."""
+        row = self.judge(name, settings, numerics)
+        self.record(row, settings)
+        return row
+
+    def record(self, row: dict[str, Any], settings: Settings) -> None:
+        self.ladder["rungs"].append(row)
+        self.log(f"ladder: {row['rung']:<13} {row['change']:<36} {_rate(row)} {'kept' if row['kept'] else '-':>4} · "
+                 f"{row['why']}")
+        if row["kept"]:
+            self.cfg = with_settings(self.cfg, settings)
+            self.chosen = {**self.chosen, **settings}
+            self.best = {k: row[k] for k in _summary_keys()}
+
+    def skip(self, name: str, settings: Settings, why: str) -> None:
+        self.record({"rung": name, "change": _changes(settings) if settings else "-", "numerics": "same",
+                     "status": "skipped", "kept": False, "why": why, **_empty()}, settings)
+
+    def judge(self, name: str, settings: Settings, numerics: str) -> dict[str, Any]:
+        """One option measured against the best so far: its row, ``kept`` or not and why."""
+        row = {"rung": name, "change": _changes(settings), "numerics": numerics, "kept": False, **_empty()}
+        if self.spent_s() >= self.budget_s:
+            return {**row, "status": "skipped", "why": "the time budget is spent"}
+        cand = with_settings(self.cfg, settings)
+        problems = validate(cand)
+        if problems:
+            return {**row, "status": "skipped", "why": "not a valid configuration: " + "; ".join(problems)}
+        memory, best = self.memory_gb, self.best
+        planned = planned_gb(cand, self.device) if memory and self.world == 1 else None
+        if planned is not None and planned > self.headroom * memory:  # not worth a compile to see it run out
+            return {**row, "status": "no-fit",
+                    "why": f"planner: {planned:.2f} GiB > {self.headroom:.0%} of {memory:.1f} GiB (not run)"}
+        try:
+            m = self.measure_one(cand, world=self.world) if self.world > 1 else self.measure_one(cand)
+        except Exception as e:  # noqa: BLE001 - an out-of-memory or an unsupported combination is a result
+            return {**row, "status": _failure(e), "why": str(e).splitlines()[0][:200]}
+        row.update(self.summary(m), status="ok")
+        row["delta_prev"] = row["tok_per_s"] / best["tok_per_s"] - 1
+        row["delta_start"] = row["tok_per_s"] / self.ladder["start"]["tok_per_s"] - 1
+        noise = max(MIN_NOISE, (best.get("spread") or 0.0) + (row["spread"] or 0.0))
+        tol = SAME_NUMERICS if numerics == "same" else CHANGED_NUMERICS
+        drift = _drift(row["loss"], best["loss"])
+        if drift is None:
+            return {**row, "why": "no first-step loss measured: numerics cannot be checked"}
+        if memory and row["peak_gb"] is not None and row["peak_gb"] > self.headroom * memory:
+            return {**row, "status": "no-fit",
+                    "why": f"peak {row['peak_gb']:.2f} GiB > {self.headroom:.0%} of {memory:.1f} GiB"}
+        if drift > tol:
+            return {**row, "why": f"first-step loss moved {drift:.1e} (tolerance {tol:.0e}): not the same training"}
+        if row["delta_prev"] <= 0:
+            return {**row, "why": f"{row['delta_prev']:+.1%}: slower than the best so far"}
+        if row["delta_prev"] <= noise:
+            return {**row, "why": f"{row['delta_prev']:+.1%}: within the noise ({noise:.1%})"}
+        if numerics == "fp8" and not self.fp8:
+            return {**row, "why": "fp8 changes numerics: kept only when asked for (--ladder-fp8)"}
+        return {**row, "kept": True, "why": f"{row['delta_prev']:+.1%} (noise {noise:.1%}); loss within {tol:.0e}"}
+
+    def micro_batches(self, sizes: list[int]) -> list[int]:
+        """The micro-batch rung: outward from the current size, larger ones first (ascending),
+        then smaller (descending). Tokens/s rises with the micro-batch to a peak and then falls
+        or runs out of memory, so a direction stops at its first size that is slower than the
+        best so far, fails or does not fit; the sizes left in it get a row saying why and are
+        not measured. Returns the sizes that did not fit without checkpointing (measured, or
+        left out beyond one that did not)."""
+        current = self.cfg.train.micro_batch_size
+        too_big: list[int] = []
+        for direction in (sorted(b for b in sizes if b > current),
+                          sorted((b for b in sizes if b < current), reverse=True)):
+            stop, past_fit = "", False
+            for b in direction:
+                settings = {"train.micro_batch_size": b}
+                if stop:
+                    self.skip("micro-batch", settings, stop)
+                    too_big += [b] if past_fit else []
+                    continue
+                row = self.attempt("micro-batch", settings, "same")
+                if row["status"] in ("oom", "no-fit"):
+                    too_big.append(b)
+                    stop, past_fit = f"micro-batch {b} did not fit: a larger one would not either", True
+                elif row["status"] != "ok":
+                    stop = row["why"] if row["status"] == "skipped" else f"micro-batch {b} failed"
+                elif row["delta_prev"] <= 0:
+                    stop = f"micro-batch {b} was slower: tokens/s falls past the fastest size"
+        return too_big
+
+    def checkpointing(self, too_big: list[int]) -> None:
+        """Activation checkpointing, only for micro-batches larger than the current one that did
+        not fit without it, smallest first: selective, then full. A larger size is tried only
+        while the one before it paid: recomputing the forward costs about a third of a step, and
+        a size whose checkpointed step is not faster leaves the larger ones further behind."""
+        bigger = sorted(b for b in too_big if b > self.cfg.train.micro_batch_size)
+        if not bigger:
+            self.skip("checkpointing", {}, "every micro-batch tried fits without it")
+        for b in bigger:
+            rows = [self.attempt("checkpointing", {"train.micro_batch_size": b, "train.activation_checkpointing": mode},
+                                 "same") for mode in ("selective", "full")]
+            if not any(r["kept"] for r in rows):
+                break
+
+    def scale_out(self, world: int) -> None:
+        """The climbed configuration on ``world`` ranks (kept: it is the launch being planned),
+        then the strategy and bucket rungs against it."""
+        cfg, one = self.cfg, self.best
+        row = {"rung": "ranks", "change": f"{world} ranks", "numerics": "same", "kept": False, **_empty()}
+        split = batch_split_problems(cfg.train, world)
+        if split or self.spent_s() >= self.budget_s:
+            self.record({**row, "status": "skipped", "why": "; ".join(split) or "the time budget is spent"}, {})
+            return
+        try:
+            m = self.measure_one(cfg, world=world)
+        except Exception as e:  # noqa: BLE001 - the N-rank launch failing is a result; the one-rank climb stands
+            self.record({**row, "status": _failure(e), "why": str(e).splitlines()[0][:200]}, {})
+            return
+        self.world = world
+        strategy = m.get("strategy") or cfg.parallel.strategy
+        row.update(self.summary(m), status="ok", kept=True, change=f"{world} ranks, parallel.strategy={strategy}")
+        row["delta_prev"] = row["tok_per_s"] / one["tok_per_s"] - 1
+        row["delta_start"] = row["tok_per_s"] / self.ladder["start"]["tok_per_s"] - 1
+        scaling = row["tok_per_s"] / (world * one["tok_per_s"])
+        drift = _drift(row["loss"], one["loss"])
+        row["why"] = (f"the launch asked for: {row['tok_per_s'] / one['tok_per_s']:.2f}x one rank's rate, "
+                      f"{scaling:.0%} scaling efficiency"
+                      + (f"; first-step loss {drift:.1e} from one rank's" if drift is not None else ""))
+        self.ladder["scaling_efficiency"] = scaling
+        self.record(row, {"parallel.strategy": strategy})
+        precision = resolve_precision(cfg.train.precision, self.device).name
+        for name, options, numerics in data_parallel_rungs(self.cfg, precision, strategy):
+            for settings in options:
+                if name == "buckets" and self.cfg.parallel.strategy not in ("ddp", "zero1"):
+                    continue  # FSDP2 reduce-scatters per block: no bucket size
+                self.attempt(name, settings, numerics)
 
 
 def _failure(e: BaseException) -> str:
@@ -211,42 +311,11 @@ def _drift(loss: float | None, ref: float | None) -> float | None:
     return abs(loss - ref) / max(abs(ref), 1e-12)
 
 
-def climb_one(name: str, settings: Settings, numerics: str, current: RunConfig, best: dict[str, Any],
-              ladder: dict[str, Any], measure_one, fpt: float, peak: float | None, run_tokens: int,
-              price: float, memory_gb: float, headroom: float, fp8: bool, budget_left_s: float,
-              world: int = 1) -> dict[str, Any]:
-    """One option measured against the best so far (on ``world`` ranks): its row, ``kept`` or not and why."""
-    row = {"rung": name, "change": _changes(settings), "numerics": numerics, "kept": False, **_empty()}
-    if budget_left_s <= 0:
-        return {**row, "status": "skipped", "why": "the time budget is spent"}
-    cand = with_settings(current, settings)
-    problems = validate(cand)
-    if problems:
-        return {**row, "status": "skipped", "why": "not a valid configuration: " + "; ".join(problems)}
-    try:
-        m = measure_one(cand, world=world) if world > 1 else measure_one(cand)
-    except Exception as e:  # noqa: BLE001 - an out-of-memory or an unsupported combination is a result
-        return {**row, "status": _failure(e), "why": str(e).splitlines()[0][:200]}
-    row.update(_summary(m, fpt, peak, run_tokens, price, world), status="ok")
-    row["delta_prev"] = row["tok_per_s"] / best["tok_per_s"] - 1
-    row["delta_start"] = row["tok_per_s"] / ladder["start"]["tok_per_s"] - 1
-    noise = max(MIN_NOISE, (best.get("spread") or 0.0) + (row["spread"] or 0.0))
-    tol = SAME_NUMERICS if numerics == "same" else CHANGED_NUMERICS
-    drift = _drift(row["loss"], best["loss"])
-    if drift is None:
-        return {**row, "why": "no first-step loss measured: numerics cannot be checked"}
-    if memory_gb and row["peak_gb"] is not None and row["peak_gb"] > headroom * memory_gb:
-        return {**row, "status": "no-fit",
-                "why": f"peak {row['peak_gb']:.2f} GiB > {headroom:.0%} of {memory_gb:.1f} GiB"}
-    if drift > tol:
-        return {**row, "why": f"first-step loss moved {drift:.1e} (tolerance {tol:.0e}): not the same training"}
-    if row["delta_prev"] <= 0:
-        return {**row, "why": f"{row['delta_prev']:+.1%}: slower than the best so far"}
-    if row["delta_prev"] <= noise:
-        return {**row, "why": f"{row['delta_prev']:+.1%}: within the noise ({noise:.1%})"}
-    if numerics == "fp8" and not fp8:
-        return {**row, "why": "fp8 changes numerics: kept only when asked for (--ladder-fp8)"}
-    return {**row, "kept": True, "why": f"{row['delta_prev']:+.1%} (noise {noise:.1%}); loss within {tol:.0e}"}
+def planned_gb(cfg: RunConfig, device: torch.device) -> float:
+    """The memory model's peak for one rank of ``cfg`` (GiB), as preflight's search uses it."""
+    t = cfg.train
+    settings = memory_settings_for_run(cfg, resolve_precision(t.precision, device).name, t.loss)
+    return estimate(cfg.model, t.micro_batch_size, t.seq_len, settings).gb()["total"]
 
 
 def _summary_keys() -> tuple[str, ...]:
