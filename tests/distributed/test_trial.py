@@ -57,3 +57,11 @@ def test_a_failing_trial_says_why_in_one_line(cfg, tmp_path):
         measure_in_processes(cfg, 8, "none", warmup=1, steps=3, device=CPU, world=2)
     message = str(err.value)  # the ranks' exception, not the spawn machinery's report around it
     assert "\n" not in message and "Traceback" not in message and "no-such-data" in message, message
+
+
+def test_a_trial_past_its_time_is_stopped_and_leaves_no_process(cfg):
+    import multiprocessing
+
+    with pytest.raises(TrialError, match=r"stopped after 3 s: the time budget ran out"):
+        measure_in_processes(cfg, 8, "none", warmup=100_000, steps=3, device=CPU, world=2, timeout_s=3)
+    assert multiprocessing.active_children() == []

@@ -18,7 +18,7 @@ N_RANK_RUNGS = ("ranks", "strategy", "buckets")
 def scripted(rates, losses=None, oom_from=None, extra=None):
     """measure_one: tok/s from the settings that differ from the start, a fixed loss, tight windows.
     ``extra(cfg, world)``, when given, multiplies the rate (the loader and N-rank rungs)."""
-    def measure_one(cfg, world=1):
+    def measure_one(cfg, world=1, timeout_s=None):
         t = cfg.train
         if oom_from and t.micro_batch_size >= oom_from and t.activation_checkpointing == "none":
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
@@ -98,7 +98,7 @@ def test_checkpointing_is_tried_only_for_micro_batches_that_do_not_fit_without()
              ("off", "chunked", 64, "selective"): 1300.0, ("off", "chunked", 64, "full"): 1250.0}
     measured = []
 
-    def measure_one(cfg, world=1):
+    def measure_one(cfg, world=1, timeout_s=None):
         measured.append((cfg.train.micro_batch_size, cfg.train.activation_checkpointing))
         return scripted(rates, oom_from=32)(cfg)
 
@@ -131,7 +131,7 @@ def test_the_micro_batch_rung_goes_outward_and_stops_past_the_fastest_size():
              ("off", "chunked", 8, "none"): 900.0}  # slower: 4, 2, 1 are not run
     measured = []
 
-    def measure_one(cfg, world=1):
+    def measure_one(cfg, world=1, timeout_s=None):
         measured.append(cfg.train.micro_batch_size)
         return scripted(rates)(cfg)
 
@@ -148,7 +148,7 @@ def test_the_micro_batch_rung_goes_outward_and_stops_past_the_fastest_size():
 def test_an_option_the_memory_model_says_cannot_fit_is_not_run():
     measured = []
 
-    def measure_one(cfg, world=1):
+    def measure_one(cfg, world=1, timeout_s=None):
         measured.append((cfg.train.micro_batch_size, cfg.train.activation_checkpointing))
         return scripted({}, extra=lambda c, w: 1 + c.train.micro_batch_size / 100)(cfg)  # larger is faster
 
@@ -164,7 +164,7 @@ def test_an_option_the_memory_model_says_cannot_fit_is_not_run():
 def test_the_time_budget_stops_the_climb_and_says_so():
     now = {"t": 0.0}
 
-    def measure_one(cfg):  # every measurement takes 60 s of the budget
+    def measure_one(cfg, world=1, timeout_s=None):  # every measurement takes 60 s of the budget
         now["t"] += 60
         return scripted({})(cfg)
 
@@ -267,14 +267,15 @@ def test_a_climbed_micro_batch_the_ranks_cannot_split_is_a_skipped_scale_out():
 
 def test_preflight_sends_n_rank_and_isolated_trials_to_fresh_processes(tiny_overrides, tmp_path):
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100", "train.compile=off", "train.threads=1"])
-    calls = {"here": 0, "spawned": []}
+    calls = {"here": 0, "spawned": [], "timeouts": []}
 
     def measure_fn(c, micro_batch, checkpointing, warmup, steps, device):
         calls["here"] += 1
         return scripted({})(c)
 
-    def spawn_fn(c, micro_batch, checkpointing, warmup, steps, device, world=1):
+    def spawn_fn(c, micro_batch, checkpointing, warmup, steps, device, world=1, timeout_s=None):
         calls["spawned"].append(world)
+        calls["timeouts"].append(timeout_s)
         return scripted({}, extra=scaling({}))(c, world)
 
     report = preflight(cfg, out_dir=tmp_path / "a", measure_fn=measure_fn, spawn_fn=spawn_fn, log=lambda s: None,
@@ -286,9 +287,18 @@ def test_preflight_sends_n_rank_and_isolated_trials_to_fresh_processes(tiny_over
     assert report["prediction"]["tok_per_s"] == pytest.approx(1600.0)  # the 2-rank rate carries the run
     tuned = build_config(config_file=str(tmp_path / "a" / "preflight.yaml"))
     assert tuned.parallel.strategy == "ddp"  # what auto resolved to, measured, is what the run launches
-    calls.update(here=0, spawned=[])
+    calls.update(here=0, spawned=[], timeouts=[])
+    now = {"t": 0.0}
+
+    def clock():  # every look at the clock: 1 s later
+        now["t"] += 1
+        return now["t"]
+
     report = preflight(cfg, out_dir=tmp_path / "b", measure_fn=measure_fn, spawn_fn=spawn_fn, log=lambda s: None,
-                       ladder=True, isolation="process")
+                       ladder=True, isolation="process", budget_minutes=1, clock=clock)
+    start, *options = calls["timeouts"]
+    assert start is None and options and all(0 < t < 60 for t in options)  # the start is not timed out
+    assert options == sorted(options, reverse=True)  # each option gets what is left of the minute
     assert report["ladder_isolation"] == "process" and calls["here"] == 0 and set(calls["spawned"]) == {1}
     measured = sum(r["status"] == "ok" for r in report["ladder"]["rungs"])
     assert len(calls["spawned"]) == 1 + measured  # a fresh process has nothing to warm: no untimed start

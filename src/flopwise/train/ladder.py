@@ -112,9 +112,9 @@ def climb(cfg: RunConfig, measure_one: Callable[..., dict[str, Any]], device: to
           headroom: float = 0.9, price_per_gpu_hour: float = 0.0, budget_s: float = 900.0, fp8: bool = False,
           clock: Callable[[], float] = time.perf_counter, log: Callable[[str], None] = print,
           world: int = 1, warm_up_process: bool = True) -> dict[str, Any]:
-    """Climb from ``cfg``; ``measure_one(cfg, world=1)`` times a configuration on ``world``
-    ranks (``trial.measure``'s dict, with ``first_loss``) or raises (an out-of-memory is a
-    result). The per-device rungs run on one rank; with ``world > 1`` the climbed configuration
+    """Climb from ``cfg``; ``measure_one(cfg, world=1, timeout_s=None)`` times a configuration
+    on ``world`` ranks (``trial.measure``'s dict, with ``first_loss``), within ``timeout_s`` where
+    it can stop a trial (one in its own processes), or raises (an out-of-memory is a result). The per-device rungs run on one rank; with ``world > 1`` the climbed configuration
     is then scaled out to ``world`` ranks and the strategy and bucket rungs run there. Returns
     the ladder as ``preflight.json`` records it (``report`` draws it) with the chosen settings.
     ``warm_up_process``: measure the start once untimed first, for trials that share this process."""
@@ -200,8 +200,8 @@ class Climb:
         if planned is not None and planned > self.headroom * memory:  # not worth a compile to see it run out
             return {**row, "status": "no-fit",
                     "why": f"planner: {planned:.2f} GiB > {self.headroom:.0%} of {memory:.1f} GiB (not run)"}
-        try:
-            m = self.measure_one(cand, world=self.world) if self.world > 1 else self.measure_one(cand)
+        try:  # a trial in its own processes is stopped where the budget ends
+            m = self.measure_one(cand, world=self.world, timeout_s=self.budget_s - self.spent_s())
         except Exception as e:  # noqa: BLE001 - an out-of-memory or an unsupported combination is a result
             return {**row, "status": _failure(e), "why": str(e).splitlines()[0][:200]}
         row.update(self.summary(m), status="ok")
@@ -277,7 +277,7 @@ class Climb:
             self.record({**row, "status": "skipped", "why": "; ".join(split) or "the time budget is spent"}, {})
             return
         try:
-            m = self.measure_one(cfg, world=world)
+            m = self.measure_one(cfg, world=world, timeout_s=self.budget_s - self.spent_s())
         except Exception as e:  # noqa: BLE001 - the N-rank launch failing is a result; the one-rank climb stands
             self.record({**row, "status": _failure(e), "why": str(e).splitlines()[0][:200]}, {})
             return

@@ -169,9 +169,13 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
         fresh = isolation == "process" or (isolation == "auto" and device.type == "cuda")
         report["ladder_isolation"] = "process" if fresh else "reset"
 
-        def measure_one(c: RunConfig, world: int = 1) -> dict[str, Any]:
+        def measure_one(c: RunConfig, world: int = 1, timeout_s: float | None = None) -> dict[str, Any]:
+            """One option: in fresh processes (stopped at ``timeout_s``) or here (not stoppable:
+            the climb checks its budget between options)."""
             args = (_copy(c), c.train.micro_batch_size, c.train.activation_checkpointing, warmup, windows, device)
-            return spawn_fn(*args, world=world) if fresh or world > 1 else measure_fn(*args)
+            if fresh or world > 1:
+                return spawn_fn(*args, world=world, timeout_s=timeout_s)
+            return measure_fn(*args)
 
         sizes = [b for b in candidates(cfg) if not batch_split_problems(with_settings(
             cfg, {"train.micro_batch_size": b}).train, world)]  # micro-batches the N-rank launch can split into

@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 from flopwise.config import ConfigError, RunConfig
 from flopwise.data.datadir import open_data_dir
 from flopwise.data.loader import make_loader
+from flopwise.data.prepare import die_with_parent
 from flopwise.fsio import atomic_write
 from flopwise.measure.meter import median
 from flopwise.model import build_model, configure_attention
@@ -52,28 +53,48 @@ class TrialError(RuntimeError):
 
 
 def measure_in_processes(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, steps: int,
-                         device: torch.device, world: int = 1) -> dict[str, Any]:
-    """:func:`measure`'s result, measured in ``world`` fresh processes on this machine."""
+                         device: torch.device, world: int = 1, timeout_s: float | None = None) -> dict[str, Any]:
+    """:func:`measure`'s result, measured in ``world`` fresh processes on this machine.
+
+    ``timeout_s``: the trial's processes are killed when it has not finished by then (a
+    ``max-autotune`` compile that would eat the rest of the ladder's budget), a TrialError."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     if device.type == "cuda" and world > torch.cuda.device_count():
         raise ConfigError([f"a {world}-rank trial needs {world} GPUs; this machine has {torch.cuda.device_count()}"])
     with tempfile.TemporaryDirectory(prefix="flopwise-trial-") as tmp:
         out = Path(tmp) / "result.json"
-        args = (world, _free_port(), cfg, micro_batch, checkpointing, warmup, steps, str(device), str(out))
+        args = (world, _free_port(), cfg, micro_batch, checkpointing, warmup, steps, str(device), str(out),
+                os.getpid())
+        ctx = mp.start_processes(_rank, args=args, nprocs=world, join=False, start_method="spawn")
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
-            mp.start_processes(_rank, args=args, nprocs=world, join=True, start_method="spawn")
+            while not ctx.join(timeout=0.5):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TrialError(f"stopped after {timeout_s:.0f} s: the time budget ran out during this trial")
         except mp.ProcessRaisedException as e:
             raise TrialError(_last_line(str(e))) from None
         except mp.ProcessExitedException as e:
             raise TrialError(f"a trial process died: {e}") from None
+        finally:
+            _kill(ctx)
         return json.loads(out.read_text())
 
 
+def _kill(ctx: "mp.ProcessContext") -> None:
+    """End every process of a trial still running (after a timeout, or a rank's failure)."""
+    for proc in ctx.processes:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+
+
 def _rank(local_rank: int, world: int, port: int, cfg: RunConfig, micro_batch: int, checkpointing: str,
-          warmup: int, steps: int, device_name: str, out: str) -> None:
+          warmup: int, steps: int, device_name: str, out: str, parent_pid: int) -> None:
     """One process of a trial (``mp.start_processes`` passes ``local_rank`` first). One rank
-    measures on the parent's device (``cuda:1`` stays ``cuda:1``); N ranks on ``cuda:LOCAL_RANK``."""
+    measures on the parent's device (``cuda:1`` stays ``cuda:1``); N ranks on ``cuda:LOCAL_RANK``.
+    It ends with the preflight that started it, however that ends (``kill -9`` included)."""
+    die_with_parent(parent_pid)
     env, device = DistEnv(), torch.device(device_name)
     if device.type == "cuda" and world == 1:
         torch.cuda.set_device(device)
