@@ -133,3 +133,27 @@ def test_compile_diagnostics_are_part_of_the_report(tiny_overrides, tmp_path):
     assert report["compile"]["graphs"] >= 1 and "graph_breaks" in report["compile"]
     assert report["end_to_end"]["recompiles"] == []  # fixed shapes: nothing recompiled after warm-up
     assert any(line.startswith("explain: ") for line in lines)
+
+
+@pytest.mark.slow
+def test_the_ladder_at_two_ranks_from_the_command_line_writes_what_torchrun_launches(tiny_overrides, tmp_path,
+                                                                                      capsys):
+    """flopwise preflight --ladder --nproc-per-node 2, for real: the one-rank rungs in this process
+    (the CPU default), then 2 gloo ranks started by the ladder itself; the tuned config names the
+    strategy that was measured. (Fresh one-rank processes: tests/distributed/test_trial.py.)"""
+    out = tmp_path / "pf"
+    rc = cli_main(["preflight", "--ladder", "--nproc-per-node", "2",
+                   "--warmup", "1", "--budget-minutes", "10", "--out", str(out), *tiny_overrides,
+                   "train.max_steps=40", "train.compile=off", "train.threads=1", "train.global_batch_size=32"])
+    assert rc == 0
+    report = json.loads((out / "preflight.json").read_text())
+    lad = report["ladder"]
+    assert report["ladder_isolation"] == "reset" and lad["world"] == 2
+    ranks = next(r for r in lad["rungs"] if r["rung"] == "ranks")
+    assert ranks["status"] == "ok" and ranks["kept"] and "scaling efficiency" in ranks["why"]
+    assert 0 < lad["scaling_efficiency"] and abs(ranks["loss"] - lad["start"]["loss"]) < 1e-4 * lad["start"]["loss"]
+    rows = {r["rung"] for r in lad["rungs"]}
+    assert {"strategy", "buckets"} <= rows or "fsdp2" in ranks["change"]
+    tuned = build_config(config_file=str(out / "preflight.yaml"))
+    assert tuned.parallel.strategy == lad["chosen"]["parallel.strategy"] != "auto"
+    assert "ladder: ranks" in capsys.readouterr().out
