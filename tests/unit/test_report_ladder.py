@@ -120,6 +120,20 @@ def test_ladder_section_chart_table_and_ratio(tmp_path):
     assert cells[("run-a", "tok_per_s", "preflight")] == pytest.approx(4500.0)
 
 
+def test_a_ladder_scaled_out_to_n_ranks_says_so_with_its_scaling_efficiency(tmp_path):
+    ranks = {"rung": "ranks", "change": "4 ranks, parallel.strategy=ddp", "tok_per_s": 18000.0, "kept": True,
+             "why": "the launch asked for: 3.60x one rank's rate, 90% scaling efficiency", "status": "ok"}
+    ladder = {**LADDER, "world": 4, "scaling_efficiency": 0.9, "rungs": [*RUNGS, ranks]}
+    run = add_ladder(write_run(tmp_path, "run-a", lr=3e-3, cuda=True), ladder)
+    html = build_report([run], out=tmp_path / "r.html", png=False).read_text()
+    section = html[html.index('<h2 id="Ladder">'):html.index('<h2 id="Training">')]
+    assert "scaled out to 4 ranks at 90% scaling efficiency" in section
+    assert "rung 6 (4 ranks, parallel.strategy=ddp)" in section  # the run is compared with the N-rank rate
+    one_rank = build_report([add_ladder(write_run(tmp_path, "run-b", lr=3e-3, cuda=True))], out=tmp_path / "s.html",
+                            png=False).read_text()
+    assert "scaled out" not in one_rank
+
+
 def test_ladder_vs_actual_from_the_metrics_and_the_start_when_nothing_kept(tmp_path):
     run = write_run(tmp_path, "run-a", lr=3e-3, cuda=False)
     record = json.loads((run / "run.json").read_text())

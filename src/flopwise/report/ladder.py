@@ -9,7 +9,8 @@ measured steady throughput.
 
 Only the JSON is read (the report sits above ``train`` but never imports it). The schema::
 
-    "ladder": {"device": str, "budget_minutes": float, "spent_minutes": float,
+    "ladder": {"device": str, "budget_minutes": float, "spent_minutes": float, "world": int,
+               "scaling_efficiency": float,  # world > 1: the N-rank rate over N x one rank's
                "start": {"tok_per_s", "mfu", "peak_gb", "loss", "settings": {key: value}},
                "rungs": [{"rung", "change", "tok_per_s", "mfu", "peak_gb", "loss", "kept", "why",
                           "numerics", "delta_prev", "delta_start", "hours", "cost", "status"}, ...],
@@ -64,6 +65,8 @@ class Ladder:
     device: str = ""
     budget_minutes: float | None = None
     spent_minutes: float | None = None
+    world: int = 1  # ranks the last rungs ran on (preflight --nproc-per-node)
+    scaling_efficiency: float | None = None
     start_settings: dict[str, Any] = field(default_factory=dict)
     chosen: dict[str, Any] = field(default_factory=dict)
 
@@ -95,6 +98,7 @@ def read_ladder(preflight: dict[str, Any] | None) -> Ladder | None:
                                number(start.get("peak_gb")), number(start.get("loss")), kept=True),
                     rungs=[], device=_text(raw.get("device")), budget_minutes=number(raw.get("budget_minutes")),
                     spent_minutes=number(raw.get("spent_minutes")), start_settings=_dict(start.get("settings")),
+                    world=int(number(raw.get("world")) or 1), scaling_efficiency=number(raw.get("scaling_efficiency")),
                     chosen=_dict(raw.get("chosen")))
     rungs = raw.get("rungs") if isinstance(raw.get("rungs"), list) else []
     for r in (r for r in rungs if isinstance(r, dict)):
@@ -194,8 +198,12 @@ def ladder_section(ladder: Ladder, run: Run, figure: str) -> str:
         spent = f"{ladder.spent_minutes:.1f}" + (f" of {ladder.budget_minutes:g}" if ladder.budget_minutes else "")
         spent += " min spent"
     kept = sum(r.kept for r in ladder.rungs)
+    ranks = ""
+    if ladder.world > 1:
+        ranks = f"scaled out to {ladder.world} ranks" + (f" at {ladder.scaling_efficiency:.0%} scaling efficiency"
+                                                         if ladder.scaling_efficiency is not None else "")
     summary = " · ".join(x for x in (f"device {ladder.device}" if ladder.device else "", spent,
-                                     f"{len(ladder.rungs)} rungs tried, {kept} kept") if x)
+                                     f"{len(ladder.rungs)} rungs tried, {kept} kept", ranks) if x)
     chosen = (f'<p class="note">chosen: <code>{esc(_settings(ladder.chosen))}</code></p>' if ladder.chosen else "")
     start = (f"<details><summary>starting configuration</summary><p><code>{esc(_settings(ladder.start_settings))}"
              "</code></p></details>" if ladder.start_settings else "")
