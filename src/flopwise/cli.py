@@ -36,7 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"flopwise {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    for add in (_train_parser, _prepare_parser, _preflight_parser, _eval_parser, _generate_parser,  # --help's order
+                _report_parser, _export_parser, _checkpoint_parser, _plan_parser, _presets_parser):
+        add(sub)  # one function per command
+    return parser
 
+
+def _train_parser(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("train", help="train a model (no arguments: the tiny preset on the embedded corpus)")
     _add_config_args(p)
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -49,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "instead of resuming it")
     p.set_defaults(func=cmd_train)
 
+
+def _prepare_parser(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser(
         "prepare",
         help="text -> tokenizer -> validated token shards (a data directory for data.path)",
@@ -82,9 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overwrite", action="store_true", help="replace --out if it holds other data")
     p.set_defaults(func=cmd_prepare)
 
+
+def _preflight_parser(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser(
         "preflight",
-        help="short trial runs: end-to-end check, compile report, micro-batch search, prediction",
+        help="short trial runs: end-to-end check, compile report, micro-batch search or the optimization ladder, "
+             "prediction",
         description="Fit the run to this machine before spending the budget: a few real steps, the graph-break "
                     "report, the fastest micro-batch that fits, data starvation, and the full run's predicted "
                     "time. Writes preflight.json and preflight.yaml (flopwise train --config preflight.yaml).",
@@ -114,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the data-parallel strategy and bucket size there (default 1)")
     p.set_defaults(func=cmd_preflight)
 
+
+def _eval_parser(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser(
         "eval",
         help="validation loss, perplexity, bits per byte and multiple-choice tasks of a run or model",
@@ -142,6 +155,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=0.0, help="--watch: give up after this many seconds (0 = never)")
     p.set_defaults(func=cmd_eval)
 
+
+def _generate_parser(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("generate", help="sample text from a run, a checkpoint or a Hugging Face model directory")
     p.add_argument("source", help="a run directory, a checkpoints/step-N directory or a Hugging Face model directory")
     p.add_argument("--prompt", default="", help="text to continue (default: the tokenizer's BOS or EOS)")
@@ -155,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.set_defaults(func=cmd_generate)
 
+
+def _report_parser(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("report", help="a self-contained HTML page (and PNG figures) of one or several runs",
                        description="Loss, throughput, MFU, memory, LR, gradient norm, step-time breakdown, "
                                    "evaluations and plan vs preflight vs actual; several runs overlaid. "
@@ -164,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-png", action="store_true", help="skip the PNG copies of the figures")
     p.set_defaults(func=cmd_report)
 
+
+def _export_parser(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser(
         "export",
         help="write a run or checkpoint as a Hugging Face model directory (or one consolidated file)",
@@ -181,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
     p.set_defaults(func=cmd_export)
 
+
+def _checkpoint_parser(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser(
         "checkpoint",
         help="verify a checkpoint against its manifest, or adopt one that has none",
@@ -193,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="a checkpoints/step-NNNNNNN directory")
     p.set_defaults(func=cmd_checkpoint)
 
+
+def _plan_parser(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser(
         "plan",
         help="FLOPs, memory, time, cost, Chinchilla sizing and scaling, before any GPU time is spent",
@@ -246,9 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=cmd_plan)
 
+
+def _presets_parser(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("presets", help="list the shipped presets")
     p.set_defaults(func=cmd_presets)
-    return parser
 
 
 def cmd_train(args: argparse.Namespace) -> int:
