@@ -278,8 +278,10 @@ def test_preflight_sends_n_rank_and_isolated_trials_to_fresh_processes(tiny_over
         calls["timeouts"].append(timeout_s)
         return scripted({}, extra=scaling({}))(c, world)
 
-    report = preflight(cfg, out_dir=tmp_path / "a", measure_fn=measure_fn, spawn_fn=spawn_fn, log=lambda s: None,
+    lines = []
+    report = preflight(cfg, out_dir=tmp_path / "a", measure_fn=measure_fn, spawn_fn=spawn_fn, log=lines.append,
                        ladder=True, world=2)
+    assert f"(torchrun --nproc-per-node 2 -m flopwise train --config {tmp_path / 'a' / 'preflight.yaml'})" in lines[-1]
     measured_here = sum(r["status"] == "ok" for r in report["ladder"]["rungs"] if r["rung"] not in N_RANK_RUNGS)
     # auto on a CPU: one-rank trials in this process, after one untimed warm-up of the start
     assert report["ladder_isolation"] == "reset" and calls["here"] == 2 + measured_here

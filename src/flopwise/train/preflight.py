@@ -35,6 +35,7 @@ import yaml
 
 from flopwise.checkpoints import latest_checkpoint, load_checkpoint
 from flopwise.config import ConfigError, RunConfig, batch_split_problems
+from flopwise.fsio import atomic_write
 from flopwise.measure.ceiling import measure_ceiling, step_gemms
 from flopwise.measure.meter import MIN_NOISE, spread
 from flopwise.measure.sinks import human
@@ -361,13 +362,17 @@ def predict(report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, best: Tria
 
 
 def _write(out: Path, report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, log: Log) -> None:
-    (out / "preflight.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    """preflight.json and preflight.yaml, each replaced whole (an earlier preflight's stay intact
+    until then), and the command that runs the tuned configuration as it was measured."""
+    atomic_write(out / "preflight.json", json.dumps(report, indent=2, default=str) + "\n")
     tuned.train.run_dir = ""
     data = tuned.to_dict()
     data["train"]["preflight"] = str((out / "preflight.json").resolve())
-    (out / "preflight.yaml").write_text(yaml.safe_dump({"preset": cfg.preset, **data}, sort_keys=False))
+    atomic_write(out / "preflight.yaml", yaml.safe_dump({"preset": cfg.preset, **data}, sort_keys=False))
+    world = (report.get("ladder") or {}).get("world", 1)
+    launch = f"torchrun --nproc-per-node {world} -m flopwise train" if world > 1 else "flopwise train"
     log(f"preflight: wrote {out / 'preflight.json'} and {out / 'preflight.yaml'} "
-        f"(flopwise train --config {out / 'preflight.yaml'})")
+        f"({launch} --config {out / 'preflight.yaml'})")
 
 
 def _run_trial(trial: Trial, run: Callable[[], dict[str, Any]], fpt: float, peak: float | None,
