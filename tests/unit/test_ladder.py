@@ -273,7 +273,8 @@ def test_preflight_sends_n_rank_and_isolated_trials_to_fresh_processes(tiny_over
         calls["here"] += 1
         return scripted({})(c)
 
-    def spawn_fn(c, micro_batch, checkpointing, warmup, steps, device, world=1, timeout_s=None):
+    def spawn_fn(c, micro_batch, checkpointing, warmup, steps, device, world=1, timeout_s=None,
+                 probe_sequences=0):
         calls["spawned"].append(world)
         calls["timeouts"].append(timeout_s)
         return scripted({}, extra=scaling({}))(c, world)
@@ -319,3 +320,59 @@ def test_preflight_refuses_a_launch_it_cannot_make_before_any_work(tiny_override
     with pytest.raises(ConfigError, match=problem.replace("(", r"\(")):
         preflight(cfg, out_dir=tmp_path / "pf", measure_fn=None, log=lambda s: None, **kwargs)
     assert not (tmp_path / "pf" / "preflight.json").exists()
+
+
+def test_a_step_is_extrapolated_from_its_parts():
+    from flopwise.train.trial import extrapolated_step_s
+
+    micro, opt = [0.10, 0.12, 0.30], 0.05  # two that accumulate, a last one that also reduces
+    assert extrapolated_step_s(micro, opt, accum=3) == pytest.approx(sum(micro) + opt)  # the probe is the step
+    assert extrapolated_step_s(micro, opt, accum=8) == pytest.approx(7 * 0.11 + 0.30 + 0.05)
+    assert extrapolated_step_s([0.2], opt, accum=4) == pytest.approx(4 * 0.2 + 0.05)  # one measured: it stands for all
+    with pytest.raises(ValueError, match="accum >= 1"):
+        extrapolated_step_s([], opt, accum=2)
+
+
+def test_the_ladder_probe_is_two_of_the_largest_micro_batch_that_may_fit(tiny_overrides):
+    from flopwise.train.preflight import probe_sequences
+
+    cfg = build_config(overrides=tiny_overrides + ["train.global_batch_size=256"])
+    sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert probe_sequences(cfg, sizes, CPU, memory_gb=0, headroom=0.9) == 0  # no memory size: the whole batch
+    probe = probe_sequences(cfg, sizes, CPU, memory_gb=0.05, headroom=0.9)
+    assert 0 < probe < 256 and probe & (probe - 1) == 0  # a power of two every smaller size divides
+    from flopwise.train.ladder import planned_gb, with_settings
+
+    def fits(b):
+        return planned_gb(with_settings(cfg, {"train.micro_batch_size": b, "train.activation_checkpointing": "full"}),
+                          CPU) <= 0.9 * 0.05
+    assert fits(probe // 2) and not fits(probe)
+    assert probe_sequences(cfg, sizes, CPU, memory_gb=1000, headroom=0.9) == 0  # all fit: 2 x 256 is not smaller
+
+
+def test_a_probed_trial_trains_on_the_probe_batch_and_reports_the_runs_rate(tiny_overrides):
+    from flopwise.train.trial import measure
+
+    cfg = build_config(overrides=tiny_overrides + ["train.compile=off", "train.threads=1", "data.loader=epoch",
+                                                   "train.global_batch_size=64"])
+    probed = measure(cfg, 8, "none", warmup=1, steps=3, device=CPU, probe_sequences=16)
+    small = build_config(overrides=tiny_overrides + ["train.compile=off", "train.threads=1", "data.loader=epoch",
+                                                     "train.global_batch_size=16"])
+    whole_probe = measure(small, 8, "none", warmup=1, steps=3, device=CPU)
+    assert probed["probe_sequences"] == 16 and whole_probe["probe_sequences"] is None
+    assert probed["first_loss"] == whole_probe["first_loss"]  # the same 16 sequences, the same step
+    assert len(probed["tok_per_s_windows"]) == 3 and probed["tok_per_s"] > 0
+
+
+def test_preflight_probes_the_ladder_where_a_memory_size_bounds_the_micro_batch(tiny_overrides, tmp_path):
+    cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100", "train.compile=off", "train.threads=1",
+                                                   "train.global_batch_size=256"])
+    probes = []
+
+    def measure_fn(c, micro_batch, checkpointing, warmup, steps, device, probe_sequences=0):
+        probes.append(probe_sequences)
+        return scripted({})(c)
+
+    report = preflight(cfg, out_dir=tmp_path / "pf", measure_fn=measure_fn, log=lambda s: None, ladder=True,
+                       memory_gb=0.05)
+    assert report["ladder_probe_sequences"] and set(probes) == {report["ladder_probe_sequences"]}

@@ -47,7 +47,7 @@ from flopwise.train.checkpoint import save_checkpoint
 from flopwise.train.device import device_peak
 from flopwise.train.distributed import resolve_device
 from flopwise.train.explain import explain_run
-from flopwise.train.ladder import climb, with_settings
+from flopwise.train.ladder import climb, planned_gb, with_settings
 from flopwise.train.defaults import resolve_speed
 from flopwise.train.precision import resolve
 from flopwise.train.trainer import train
@@ -170,16 +170,20 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
         fresh = isolation == "process" or (isolation == "auto" and device.type == "cuda")
         report["ladder_isolation"] = "process" if fresh else "reset"
 
-        def measure_one(c: RunConfig, world: int = 1, timeout_s: float | None = None) -> dict[str, Any]:
-            """One option: in fresh processes (stopped at ``timeout_s``) or here (not stoppable:
-            the climb checks its budget between options)."""
-            args = (_copy(c), c.train.micro_batch_size, c.train.activation_checkpointing, warmup, windows, device)
-            if fresh or world > 1:
-                return spawn_fn(*args, world=world, timeout_s=timeout_s)
-            return measure_fn(*args)
-
         sizes = [b for b in candidates(cfg) if not batch_split_problems(with_settings(
             cfg, {"train.micro_batch_size": b}).train, world)]  # micro-batches the N-rank launch can split into
+        probe = probe_sequences(cfg, sizes, device, memory_gb, headroom)
+        report["ladder_probe_sequences"] = probe or None
+
+        def measure_one(c: RunConfig, world: int = 1, timeout_s: float | None = None) -> dict[str, Any]:
+            """One option: in fresh processes (stopped at ``timeout_s``) or here (not stoppable:
+            the climb checks its budget between options); each step accumulates ``probe`` sequences
+            per rank (all of the global batch when 0) and the run's step is extrapolated."""
+            args = (_copy(c), c.train.micro_batch_size, c.train.activation_checkpointing, warmup, windows, device)
+            if fresh or world > 1:
+                return spawn_fn(*args, world=world, timeout_s=timeout_s, probe_sequences=probe * world)
+            return measure_fn(*args, **({"probe_sequences": probe} if probe else {}))
+
         if fresh and device.type == "cuda":
             torch.cuda.empty_cache()  # the trials' processes share the GPU with this one: hold nothing cached
         report["ladder"] = climb(cfg, measure_one, device, sizes, run_tokens, fpt, peak, memory_gb, headroom,
@@ -212,6 +216,23 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     predict(report, cfg, tuned, best, tokens, hours, price_per_gpu_hour, fpt, peak, peak_note, log)
     _write(out, report, cfg, tuned, log)
     return report
+
+
+def probe_sequences(cfg: RunConfig, sizes: list[int], device: torch.device, memory_gb: float,
+                    headroom: float) -> int:
+    """Sequences per rank a ladder trial's step accumulates (0: the whole global batch): two of
+    the largest micro-batch the memory model says may fit with full checkpointing (the most
+    frugal option the ladder tries), so every micro-batch the ladder can try divides it -- all
+    trials see the same data, as the first-step loss check needs -- and both a micro-batch that
+    only accumulates and a last one are timed. Without a memory size (a CPU) every size may fit
+    and the probe is the whole batch."""
+    if not memory_gb:
+        return 0
+    full = with_settings(cfg, {"train.activation_checkpointing": "full"})
+    fit = [b for b in sizes if planned_gb(with_settings(full, {"train.micro_batch_size": b}), device)
+           <= headroom * memory_gb]
+    probe = 2 * max(fit or sizes[:1] or [cfg.train.micro_batch_size])
+    return probe if probe < cfg.train.global_batch_size else 0
 
 
 def _launch_problems(cfg: RunConfig, device: torch.device, world: int, ladder: bool, isolation: str) -> list[str]:

@@ -53,7 +53,8 @@ class TrialError(RuntimeError):
 
 
 def measure_in_processes(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, steps: int,
-                         device: torch.device, world: int = 1, timeout_s: float | None = None) -> dict[str, Any]:
+                         device: torch.device, world: int = 1, timeout_s: float | None = None,
+                         probe_sequences: int = 0) -> dict[str, Any]:
     """:func:`measure`'s result, measured in ``world`` fresh processes on this machine.
 
     ``timeout_s``: the trial's processes are killed when it has not finished by then (a
@@ -65,7 +66,7 @@ def measure_in_processes(cfg: RunConfig, micro_batch: int, checkpointing: str, w
     with tempfile.TemporaryDirectory(prefix="flopwise-trial-") as tmp:
         out = Path(tmp) / "result.json"
         args = (world, _free_port(), cfg, micro_batch, checkpointing, warmup, steps, str(device), str(out),
-                os.getpid())
+                os.getpid(), probe_sequences)
         ctx = mp.start_processes(_rank, args=args, nprocs=world, join=False, start_method="spawn")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         try:
@@ -90,7 +91,7 @@ def _kill(ctx: "mp.ProcessContext") -> None:
 
 
 def _rank(local_rank: int, world: int, port: int, cfg: RunConfig, micro_batch: int, checkpointing: str,
-          warmup: int, steps: int, device_name: str, out: str, parent_pid: int) -> None:
+          warmup: int, steps: int, device_name: str, out: str, parent_pid: int, probe_sequences: int) -> None:
     """One process of a trial (``mp.start_processes`` passes ``local_rank`` first). One rank
     measures on the parent's device (``cuda:1`` stays ``cuda:1``); N ranks on ``cuda:LOCAL_RANK``.
     It ends with the preflight that started it, however that ends (``kill -9`` included)."""
@@ -107,7 +108,7 @@ def _rank(local_rank: int, world: int, port: int, cfg: RunConfig, micro_batch: i
         env, device = init_distributed(strategy, device.type, cfg.parallel.backend,
                                        min(cfg.parallel.timeout_min, TRIAL_TIMEOUT_MIN))
     try:
-        result = measure(cfg, micro_batch, checkpointing, warmup, steps, device, env)
+        result = measure(cfg, micro_batch, checkpointing, warmup, steps, device, env, probe_sequences)
         if env.is_main:
             atomic_write(Path(out), json.dumps(result))
     finally:
@@ -115,12 +116,19 @@ def _rank(local_rank: int, world: int, port: int, cfg: RunConfig, micro_batch: i
 
 
 def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, steps: int,
-            device: torch.device, env: DistEnv | None = None) -> dict[str, Any]:
+            device: torch.device, env: DistEnv | None = None, probe_sequences: int = 0) -> dict[str, Any]:
     """Tokens/s, peak memory and data share of ``steps`` optimizer steps after ``warmup``, with
     the trainer's own step (loss function, wrappers, precision, optimizer) at this micro-batch.
 
     Each step is timed on its own (a window): ``tok_per_s`` is the median of the windows'
     rates (of the global batch), ``tok_per_s_windows`` lists them all.
+
+    ``probe_sequences`` (fewer than ``train.global_batch_size``): each step accumulates only
+    that many sequences (over all ranks), and the run's step is extrapolated from its parts --
+    the micro-batches that only accumulate, the last one (whose backward reduces gradients
+    under data parallelism) and the optimizer, each timed (:func:`extrapolated_step_s`). A
+    run of 256 sequences of 2,048 tokens takes seconds a step; the probe makes a trial cost
+    a compile and a few short steps, with the same per-micro-batch and per-step work.
 
     Under ``env`` (a process group: ``train/trial.py`` starts one for an N-rank trial) every
     rank calls this: its share of the batch, the strategy the trainer would resolve
@@ -138,6 +146,9 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
         torch.set_num_threads(t.threads)
     t.micro_batch_size, t.activation_checkpointing = micro_batch, checkpointing
     world = env.world_size
+    run_accum, run_tokens = cfg.grad_accum_steps(world), cfg.tokens_per_step  # the run's step
+    if probe_sequences and probe_sequences < t.global_batch_size:
+        t.global_batch_size = max(probe_sequences, micro_batch * world)  # every trial's probe batch: the same data
     accum = cfg.grad_accum_steps(world)
     prec = resolve(t.precision, device)
     strategy = resolve_strategy(cfg, env, device, prec.name, t.loss).name if env.distributed else "single"
@@ -159,41 +170,62 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
     params = [p for group in opt.param_groups for p in group["params"]]
     sync = grad_sync(train_model, strategy, accum) if strategy != "single" else None
     autocast = autocast_factory(device, prec.autocast_dtype)
+    cuda = device.type == "cuda"
     data_s = 0.0
     losses: list[torch.Tensor] = []
+    marks: list[Any] = []  # a stamp before each micro-batch, after the last one, after the optimizer
+
+    def stamp() -> Any:  # CUDA: when the GPU reaches this point of the stream, without a sync
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
 
     def batches():
         nonlocal data_s
-        for _ in range(accum):
+        for i in range(accum):
+            if i:
+                marks.append(stamp())
             t0 = time.perf_counter()
             b = loader.next_batch()
             data_s += time.perf_counter() - t0
             yield b
 
     def step():
+        marks.clear()
+        marks.append(stamp())
         loss = forward_backward(train_model, batches(), cfg.tokens_per_step // world, autocast, loss_fn,
                                 prec.scaler, sync)
+        marks.append(stamp())
         if not losses:
             losses.append(loss.detach())  # the first step's loss: before any update, on the first batch
         unscale_and_clip(opt, prec.scaler, master, params, cfg.optim.grad_clip or float("inf"))
         apply_update(opt, prec.scaler, master)  # the trainer's own update (train_step.py)
         opt.zero_grad(set_to_none=True)
+        marks.append(stamp())
 
-    cuda = device.type == "cuda"
+    def seconds(a: Any, b: Any) -> float:
+        return a.elapsed_time(b) / 1000 if cuda else b - a
+
     try:
         for _ in range(warmup):
             step()
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-        data_s, windows = 0.0, []
+        data_s, windows, wall = 0.0, [], 0.0
         for _ in range(steps):
             t0 = time.perf_counter()
             step()
             if cuda:
                 torch.cuda.synchronize(device)
-            windows.append(time.perf_counter() - t0)
-        wall = sum(windows)
+            wall += time.perf_counter() - t0
+            if accum == run_accum:  # the run's own step, timed whole
+                windows.append(time.perf_counter() - t0)
+            else:
+                micro = [seconds(marks[i], marks[i + 1]) for i in range(accum)]
+                windows.append(extrapolated_step_s(micro, seconds(marks[-2], marks[-1]), run_accum))
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
         first = env.sum([float(losses[0])], device)[0] / world if losses else None  # the ranks' mean
     finally:
@@ -202,9 +234,24 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
         torch.set_num_threads(threads)
         if cuda:
             torch.cuda.empty_cache()
-    rates = [cfg.tokens_per_step / w for w in windows]
+    rates = [run_tokens / w for w in windows]
     return {"tok_per_s": median(rates), "tok_per_s_windows": rates, "peak_gb": peak, "data_share": data_s / wall,
-            "first_loss": first, "strategy": strategy, "world": world}
+            "first_loss": first, "strategy": strategy, "world": world,
+            "probe_sequences": t.global_batch_size if accum != run_accum else None}
+
+
+def extrapolated_step_s(micro_s: list[float], optimizer_s: float, accum: int) -> float:
+    """Seconds of a step of ``accum`` micro-batches (per rank) from one measured with fewer:
+    ``micro_s`` the measured micro-batches in order, the last one being the step's last (its
+    backward reduces the gradients under data parallelism: counted once, like the optimizer);
+    the others only accumulate, and their mean stands for the run's ``accum - 1``. A probe of
+    one micro-batch has no such mean: its last one stands for all (an over-estimate of the
+    step by the exposed reduction, under data parallelism only)."""
+    if accum < 1 or not micro_s:
+        raise ValueError(f"need accum >= 1 and a measured micro-batch, got accum={accum}, {len(micro_s)} measured")
+    last = micro_s[-1]
+    accumulate = sum(micro_s[:-1]) / (len(micro_s) - 1) if len(micro_s) > 1 else last
+    return (accum - 1) * accumulate + last + optimizer_s
 
 
 def _free_port() -> int:
