@@ -157,3 +157,17 @@ def test_the_ladder_at_two_ranks_from_the_command_line_writes_what_torchrun_laun
     tuned = build_config(config_file=str(out / "preflight.yaml"))
     assert tuned.parallel.strategy == lad["chosen"]["parallel.strategy"] != "auto"
     assert "ladder: ranks" in capsys.readouterr().out
+
+
+def test_the_search_times_a_probe_of_a_large_global_batch(tiny_overrides, tmp_path):
+    """Global batch 256 on a simulated 0.05 GiB device: the trials accumulate a probe (two of the
+    largest micro-batch that may fit), not all 256 sequences."""
+    cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100", "train.global_batch_size=256"])
+    probes = []
+
+    def run(cfg, micro_batch, checkpointing, warmup, steps, device, probe_sequences=0):
+        probes.append(probe_sequences)
+        return {"tok_per_s": 100.0 * micro_batch, "peak_gb": None, "data_share": 0.01}
+
+    report = preflight(cfg, memory_gb=0.05, out_dir=tmp_path / "pf", measure_fn=run, log=lambda s: None)
+    assert 0 < report["probe_sequences"] < 256 and set(probes) == {report["probe_sequences"]}

@@ -166,35 +166,16 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
             log(f"preflight: {warning}")
     windows = max(steps, MIN_WINDOWS)
     if ladder:  # 3. every rung, one change at a time (train/ladder.py), the micro-batch among them
-        run_tokens = tokens or cfg.total_steps() * cfg.tokens_per_step
-        fresh = isolation == "process" or (isolation == "auto" and device.type == "cuda")
-        report["ladder_isolation"] = "process" if fresh else "reset"
-
-        sizes = [b for b in candidates(cfg) if not batch_split_problems(with_settings(
-            cfg, {"train.micro_batch_size": b}).train, world)]  # micro-batches the N-rank launch can split into
-        probe = probe_sequences(cfg, sizes, device, memory_gb, headroom)
-        report["ladder_probe_sequences"] = probe or None
-
-        def measure_one(c: RunConfig, world: int = 1, timeout_s: float | None = None) -> dict[str, Any]:
-            """One option: in fresh processes (stopped at ``timeout_s``) or here (not stoppable:
-            the climb checks its budget between options); each step accumulates ``probe`` sequences
-            per rank (all of the global batch when 0) and the run's step is extrapolated."""
-            args = (_copy(c), c.train.micro_batch_size, c.train.activation_checkpointing, warmup, windows, device)
-            if fresh or world > 1:
-                return spawn_fn(*args, world=world, timeout_s=timeout_s, probe_sequences=probe * world)
-            return measure_fn(*args, **({"probe_sequences": probe} if probe else {}))
-
-        if fresh and device.type == "cuda":
-            torch.cuda.empty_cache()  # the trials' processes share the GPU with this one: hold nothing cached
-        report["ladder"] = climb(cfg, measure_one, device, sizes, run_tokens, fpt, peak, memory_gb, headroom,
-                                 price_per_gpu_hour, budget_minutes * 60, ladder_fp8, clock, log, world,
-                                 warm_up_process=not fresh)  # a fresh process per trial: nothing to warm here
-        cfg = with_settings(cfg, report["ladder"]["chosen"])
-        best, reason = _ladder_trial(cfg, report["ladder"]["final"], windows, device), "the ladder's last kept rung"
-        trials = [best]
-    else:  # 3. the micro-batch search
+        cfg, best = climb_ladder(cfg, report, device, world, isolation, tokens, warmup, windows, fpt, peak,
+                                 memory_gb, headroom, price_per_gpu_hour, budget_minutes, ladder_fp8, measure_fn,
+                                 spawn_fn, clock, log)
+        trials, reason = [best], "the ladder's last kept rung"
+    else:  # 3. the micro-batch search, each trial on a probe of the batch where memory bounds the micro-batch
         settings = memory_settings_for_run(cfg, precision, cfg.train.loss)  # checkpointing: tried both below
-        trials = search(cfg, settings, lambda b, ckpt, w: measure_fn(_copy(cfg), b, ckpt, warmup, w, device),
+        probe = probe_sequences(cfg, candidates(cfg), device, memory_gb, headroom)
+        report["probe_sequences"] = probe or None
+        kw = {"probe_sequences": probe} if probe else {}
+        trials = search(cfg, settings, lambda b, ckpt, w: measure_fn(_copy(cfg), b, ckpt, warmup, w, device, **kw),
                         warmup, windows, fpt, peak, memory_gb, headroom, log)
         best, reason = choose(trials)
     report["trials"] = [x.__dict__ for x in trials]
@@ -216,6 +197,38 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     predict(report, cfg, tuned, best, tokens, hours, price_per_gpu_hour, fpt, peak, peak_note, log)
     _write(out, report, cfg, tuned, log)
     return report
+
+
+def climb_ladder(cfg: RunConfig, report: dict[str, Any], device: torch.device, world: int, isolation: str,
+                 tokens: int, warmup: int, windows: int, fpt: float, peak: float | None, memory_gb: float,
+                 headroom: float, price_per_gpu_hour: float, budget_minutes: float, ladder_fp8: bool, measure_fn,
+                 spawn_fn, clock: Callable[[], float], log: Log) -> tuple[RunConfig, Trial]:
+    """Preflight's step 3 with ``--ladder``: the climb (``report["ladder"]``), its trials here or in
+    fresh processes, on a probe of the batch; the climbed configuration and its final rung as a trial."""
+    run_tokens = tokens or cfg.total_steps() * cfg.tokens_per_step
+    fresh = isolation == "process" or (isolation == "auto" and device.type == "cuda")
+    report["ladder_isolation"] = "process" if fresh else "reset"
+    sizes = [b for b in candidates(cfg) if not batch_split_problems(with_settings(
+        cfg, {"train.micro_batch_size": b}).train, world)]  # micro-batches the N-rank launch can split into
+    probe = probe_sequences(cfg, sizes, device, memory_gb, headroom)
+    report["ladder_probe_sequences"] = probe or None
+
+    def measure_one(c: RunConfig, world: int = 1, timeout_s: float | None = None) -> dict[str, Any]:
+        """One option: in fresh processes (stopped at ``timeout_s``) or here (not stoppable:
+        the climb checks its budget between options); each step accumulates ``probe`` sequences
+        per rank (all of the global batch when 0) and the run's step is extrapolated."""
+        args = (_copy(c), c.train.micro_batch_size, c.train.activation_checkpointing, warmup, windows, device)
+        if fresh or world > 1:
+            return spawn_fn(*args, world=world, timeout_s=timeout_s, probe_sequences=probe * world)
+        return measure_fn(*args, **({"probe_sequences": probe} if probe else {}))
+
+    if fresh and device.type == "cuda":
+        torch.cuda.empty_cache()  # the trials' processes share the GPU with this one: hold nothing cached
+    report["ladder"] = climb(cfg, measure_one, device, sizes, run_tokens, fpt, peak, memory_gb, headroom,
+                             price_per_gpu_hour, budget_minutes * 60, ladder_fp8, clock, log, world,
+                             warm_up_process=not fresh)  # a fresh process per trial: nothing to warm here
+    cfg = with_settings(cfg, report["ladder"]["chosen"])
+    return cfg, _ladder_trial(cfg, report["ladder"]["final"], windows, device)
 
 
 def probe_sequences(cfg: RunConfig, sizes: list[int], device: torch.device, memory_gb: float,
