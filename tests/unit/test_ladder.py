@@ -325,28 +325,30 @@ def test_preflight_refuses_a_launch_it_cannot_make_before_any_work(tiny_override
 def test_a_step_is_extrapolated_from_its_parts():
     from flopwise.train.trial import extrapolated_step_s
 
-    micro, opt = [0.10, 0.12, 0.30], 0.05  # two that accumulate, a last one that also reduces
-    assert extrapolated_step_s(micro, opt, accum=3) == pytest.approx(sum(micro) + opt)  # the probe is the step
-    assert extrapolated_step_s(micro, opt, accum=8) == pytest.approx(7 * 0.11 + 0.30 + 0.05)
+    micro, opt = [0.08, 0.12, 0.14, 0.30], 0.05  # a first, two middle ones, a last one that also reduces
+    assert extrapolated_step_s(micro, opt, accum=4) == pytest.approx(sum(micro) + opt)  # the probe is the step
+    assert extrapolated_step_s(micro, opt, accum=8) == pytest.approx(0.08 + 6 * 0.13 + 0.30 + 0.05)
+    assert extrapolated_step_s([0.1, 0.3], opt, accum=8) == pytest.approx(7 * 0.1 + 0.3 + 0.05)  # no middle one
     assert extrapolated_step_s([0.2], opt, accum=4) == pytest.approx(4 * 0.2 + 0.05)  # one measured: it stands for all
     with pytest.raises(ValueError, match="accum >= 1"):
         extrapolated_step_s([], opt, accum=2)
 
 
-def test_the_ladder_probe_is_two_of_the_largest_micro_batch_that_may_fit(tiny_overrides):
+def test_the_ladder_probe_is_three_of_the_largest_micro_batch_that_fits(tiny_overrides):
     from flopwise.train.preflight import probe_sequences
 
     cfg = build_config(overrides=tiny_overrides + ["train.global_batch_size=256"])
     sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert probe_sequences(cfg, sizes, CPU, memory_gb=0, headroom=0.9) == 0  # no memory size: the whole batch
     probe = probe_sequences(cfg, sizes, CPU, memory_gb=0.05, headroom=0.9)
-    assert 0 < probe < 256 and probe & (probe - 1) == 0  # a power of two every smaller size divides
+    largest = probe // 3
+    assert 0 < probe < 256 and probe == 3 * largest and largest & (largest - 1) == 0  # every size up to it divides it
     from flopwise.train.ladder import planned_gb, with_settings
 
     def fits(b):
         return planned_gb(with_settings(cfg, {"train.micro_batch_size": b}), CPU) <= 0.9 * 0.05
-    assert fits(probe // 2) and not fits(probe)
-    assert probe_sequences(cfg, sizes, CPU, memory_gb=1000, headroom=0.9) == 0  # all fit: 2 x 256 is not smaller
+    assert fits(largest) and not fits(2 * largest)
+    assert probe_sequences(cfg, sizes, CPU, memory_gb=1000, headroom=0.9) == 0  # all fit: 3 x 256 is not smaller
 
 
 def test_a_probed_trial_trains_on_the_probe_batch_and_reports_the_runs_rate(tiny_overrides):

@@ -241,17 +241,19 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
 
 
 def extrapolated_step_s(micro_s: list[float], optimizer_s: float, accum: int) -> float:
-    """Seconds of a step of ``accum`` micro-batches (per rank) from one measured with fewer:
-    ``micro_s`` the measured micro-batches in order, the last one being the step's last (its
-    backward reduces the gradients under data parallelism: counted once, like the optimizer);
-    the others only accumulate, and their mean stands for the run's ``accum - 1``. A probe of
-    one micro-batch has no such mean: its last one stands for all (an over-estimate of the
-    step by the exposed reduction, under data parallelism only)."""
+    """Seconds of a step of ``accum`` micro-batches (per rank) from one measured with fewer,
+    ``micro_s`` in order. A step has three kinds of micro-batch: the first (its batch was
+    assembled while the previous step's optimizer ran: with prefetch it waits for nothing),
+    the middle ones (they only accumulate) and the last (its backward reduces the gradients
+    under data parallelism); then the optimizer, once. A probe of three or more measures all
+    three kinds; with two, the first stands for the middle ones too; with one, it stands for all."""
     if accum < 1 or not micro_s:
         raise ValueError(f"need accum >= 1 and a measured micro-batch, got accum={accum}, {len(micro_s)} measured")
-    last = micro_s[-1]
-    accumulate = sum(micro_s[:-1]) / (len(micro_s) - 1) if len(micro_s) > 1 else last
-    return (accum - 1) * accumulate + last + optimizer_s
+    if accum == 1 or len(micro_s) == 1:
+        return accum * micro_s[-1] + optimizer_s
+    first, last = micro_s[0], micro_s[-1]
+    middle = sum(micro_s[1:-1]) / (len(micro_s) - 2) if len(micro_s) > 2 else first
+    return first + (accum - 2) * middle + last + optimizer_s
 
 
 def _free_port() -> int:
