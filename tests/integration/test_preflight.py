@@ -160,7 +160,7 @@ def test_the_ladder_at_two_ranks_from_the_command_line_writes_what_torchrun_laun
 
 
 def test_the_search_times_a_probe_of_a_large_global_batch(tiny_overrides, tmp_path):
-    """Global batch 256 on a simulated 0.05 GiB device: the trials accumulate a probe (three of the
+    """Global batch 256 on a simulated 0.05 GiB device: the trials accumulate a probe (four of the
     largest micro-batch that may fit), not all 256 sequences."""
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100", "train.global_batch_size=256"])
     probes = []

@@ -325,30 +325,45 @@ def test_preflight_refuses_a_launch_it_cannot_make_before_any_work(tiny_override
 def test_a_step_is_extrapolated_from_its_parts():
     from flopwise.train.trial import extrapolated_step_s
 
-    micro, opt = [0.08, 0.12, 0.14, 0.30], 0.05  # a first, two middle ones, a last one that also reduces
+    micro, opt = [0.08, 0.12, 0.14, 0.30], 0.05  # a first, two steady ones, a last one that also reduces
     assert extrapolated_step_s(micro, opt, accum=4) == pytest.approx(sum(micro) + opt)  # the probe is the step
     assert extrapolated_step_s(micro, opt, accum=8) == pytest.approx(0.08 + 6 * 0.13 + 0.30 + 0.05)
-    assert extrapolated_step_s([0.1, 0.3], opt, accum=8) == pytest.approx(7 * 0.1 + 0.3 + 0.05)  # no middle one
+    # two prefetched heads (data.prefetch=2): both counted once, the steady one stands for the other five
+    assert extrapolated_step_s(micro, opt, accum=8, head=2) == pytest.approx(0.08 + 0.12 + 5 * 0.14 + 0.30 + 0.05)
+    assert extrapolated_step_s([0.1, 0.3], opt, accum=8) == pytest.approx(7 * 0.1 + 0.3 + 0.05)  # no steady one
     assert extrapolated_step_s([0.2], opt, accum=4) == pytest.approx(4 * 0.2 + 0.05)  # one measured: it stands for all
     with pytest.raises(ValueError, match="accum >= 1"):
         extrapolated_step_s([], opt, accum=2)
 
 
-def test_the_ladder_probe_is_three_of_the_largest_micro_batch_that_fits(tiny_overrides):
+def test_a_checkpointed_size_beyond_the_probe_runs_whole_micro_batches_of_the_same_loss(tiny_overrides):
+    """A probe of 48 sequences and a micro-batch of 32: the step is rounded up to 64 (two whole
+    micro-batches), not 48 sequences' divisor applied to 32 (which scaled the loss by 2/3)."""
+    from flopwise.train.trial import measure
+
+    overrides = tiny_overrides + ["train.compile=off", "train.threads=1", "data.loader=epoch"]
+    probed = measure(build_config(overrides=overrides + ["train.global_batch_size=128"]), 32, "none", warmup=0,
+                     steps=1, device=CPU, probe_sequences=48)
+    whole = measure(build_config(overrides=overrides + ["train.global_batch_size=64"]), 32, "none", warmup=0,
+                    steps=1, device=CPU)
+    assert probed["probe_sequences"] == 64 and probed["first_loss"] == whole["first_loss"]
+
+
+def test_the_ladder_probe_is_four_of_the_largest_micro_batch_that_fits(tiny_overrides):
     from flopwise.train.preflight import probe_sequences
 
     cfg = build_config(overrides=tiny_overrides + ["train.global_batch_size=256"])
     sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert probe_sequences(cfg, sizes, CPU, memory_gb=0, headroom=0.9) == 0  # no memory size: the whole batch
     probe = probe_sequences(cfg, sizes, CPU, memory_gb=0.05, headroom=0.9)
-    largest = probe // 3
-    assert 0 < probe < 256 and probe == 3 * largest and largest & (largest - 1) == 0  # every size up to it divides it
+    largest = probe // 4  # the prefetched head (up to 2), a steady micro-batch, the last
+    assert 0 < probe < 256 and probe == 4 * largest and largest & (largest - 1) == 0  # every size up to it divides it
     from flopwise.train.ladder import planned_gb, with_settings
 
     def fits(b):
         return planned_gb(with_settings(cfg, {"train.micro_batch_size": b}), CPU) <= 0.9 * 0.05
     assert fits(largest) and not fits(2 * largest)
-    assert probe_sequences(cfg, sizes, CPU, memory_gb=1000, headroom=0.9) == 0  # all fit: 3 x 256 is not smaller
+    assert probe_sequences(cfg, sizes, CPU, memory_gb=1000, headroom=0.9) == 0  # all fit: 4 x 256 is not smaller
 
 
 def test_a_probed_trial_trains_on_the_probe_batch_and_reports_the_runs_rate(tiny_overrides):

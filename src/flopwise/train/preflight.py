@@ -233,10 +233,11 @@ def climb_ladder(cfg: RunConfig, report: dict[str, Any], device: torch.device, w
 
 def probe_sequences(cfg: RunConfig, sizes: list[int], device: torch.device, memory_gb: float,
                     headroom: float) -> int:
-    """Sequences per rank a trial's step accumulates (0: the whole global batch): three of the
-    largest micro-batch the memory model says fits as configured, so every size up to it
-    divides the probe -- those trials see the same data, as the first-step loss check needs --
-    and a step's first, middle and last micro-batch are all timed (``trial.extrapolated_step_s``).
+    """Sequences per rank a trial's step accumulates (0: the whole global batch): a few of the
+    largest micro-batch the memory model says fits as configured -- the prefetched head
+    (``data.prefetch``, up to the 2 the ladder tries), a steady one and the last, each timed
+    (``trial.extrapolated_step_s``) -- so every size up to it divides the probe: those trials
+    see the same data, as the first-step loss check needs.
     A larger size, which fits only with checkpointing, runs one micro-batch of its own, a
     larger batch drawn the same way (at the initial weights its first loss moved 3e-4 to 5e-4
     from a batch half its size on the tiny preset at 128 tokens a sequence; the ladder's
@@ -246,7 +247,7 @@ def probe_sequences(cfg: RunConfig, sizes: list[int], device: torch.device, memo
         return 0
     fit = [b for b in sizes if planned_gb(with_settings(cfg, {"train.micro_batch_size": b}), device)
            <= headroom * memory_gb]
-    probe = 3 * max(fit or sizes[:1] or [cfg.train.micro_batch_size])
+    probe = (2 + max(2, cfg.data.prefetch)) * max(fit or sizes[:1] or [cfg.train.micro_batch_size])
     return probe if probe < cfg.train.global_batch_size else 0
 
 

@@ -147,8 +147,10 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
     t.micro_batch_size, t.activation_checkpointing = micro_batch, checkpointing
     world = env.world_size
     run_accum, run_tokens = cfg.grad_accum_steps(world), cfg.tokens_per_step  # the run's step
-    if probe_sequences and probe_sequences < t.global_batch_size:
-        t.global_batch_size = max(probe_sequences, micro_batch * world)  # every trial's probe batch: the same data
+    unit = micro_batch * world  # a step is whole micro-batches on every rank
+    probe = -(-probe_sequences // unit) * unit  # a checkpointed size beyond the probe: its own, larger batch
+    if probe and probe < t.global_batch_size:
+        t.global_batch_size = probe
     accum = cfg.grad_accum_steps(world)
     prec = resolve(t.precision, device)
     strategy = resolve_strategy(cfg, env, device, prec.name, t.loss).name if env.distributed else "single"
@@ -225,7 +227,8 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
                 windows.append(time.perf_counter() - t0)
             else:
                 micro = [seconds(marks[i], marks[i + 1]) for i in range(accum)]
-                windows.append(extrapolated_step_s(micro, seconds(marks[-2], marks[-1]), run_accum))
+                windows.append(extrapolated_step_s(micro, seconds(marks[-2], marks[-1]), run_accum,
+                                                   head=max(1, cfg.data.prefetch)))
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
         first = env.sum([float(losses[0])], device)[0] / world if losses else None  # the ranks' mean
     finally:
@@ -240,20 +243,23 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
             "probe_sequences": t.global_batch_size if accum != run_accum else None}
 
 
-def extrapolated_step_s(micro_s: list[float], optimizer_s: float, accum: int) -> float:
+def extrapolated_step_s(micro_s: list[float], optimizer_s: float, accum: int, head: int = 1) -> float:
     """Seconds of a step of ``accum`` micro-batches (per rank) from one measured with fewer,
-    ``micro_s`` in order. A step has three kinds of micro-batch: the first (its batch was
-    assembled while the previous step's optimizer ran: with prefetch it waits for nothing),
-    the middle ones (they only accumulate) and the last (its backward reduces the gradients
-    under data parallelism); then the optimizer, once. A probe of three or more measures all
-    three kinds; with two, the first stands for the middle ones too; with one, it stands for all."""
+    ``micro_s`` in order. A step has three kinds of micro-batch: the ``head`` first ones (their
+    batches were assembled while the previous step's optimizer ran: one, or ``data.prefetch``
+    of them), the steady ones after them (they only accumulate, their batches assembled
+    alongside the compute), and the last (its backward reduces the gradients under data
+    parallelism); then the optimizer, once. A probe of ``head + 2`` or more micro-batches
+    measures all three kinds; a shorter one lets its middle (or, lacking one, its first)
+    micro-batches stand for the steady ones, and a single one stand for all."""
     if accum < 1 or not micro_s:
         raise ValueError(f"need accum >= 1 and a measured micro-batch, got accum={accum}, {len(micro_s)} measured")
-    if accum == 1 or len(micro_s) == 1:
+    k = len(micro_s)
+    if accum == 1 or k == 1:
         return accum * micro_s[-1] + optimizer_s
-    first, last = micro_s[0], micro_s[-1]
-    middle = sum(micro_s[1:-1]) / (len(micro_s) - 2) if len(micro_s) > 2 else first
-    return first + (accum - 2) * middle + last + optimizer_s
+    head = max(1, min(head, k - 2, accum - 1)) if k > 2 else 1
+    steady = micro_s[head:-1] or micro_s[:1]
+    return sum(micro_s[:head]) + (accum - head - 1) * sum(steady) / len(steady) + micro_s[-1] + optimizer_s
 
 
 def _free_port() -> int:
