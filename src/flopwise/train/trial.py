@@ -124,11 +124,12 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
     rates (of the global batch), ``tok_per_s_windows`` lists them all.
 
     ``probe_sequences`` (fewer than ``train.global_batch_size``): each step accumulates only
-    that many sequences (over all ranks), and the run's step is extrapolated from its parts --
-    the micro-batches that only accumulate, the last one (whose backward reduces gradients
-    under data parallelism) and the optimizer, each timed (:func:`extrapolated_step_s`). A
-    run of 256 sequences of 2,048 tokens takes seconds a step; the probe makes a trial cost
-    a compile and a few short steps, with the same per-micro-batch and per-step work.
+    that many sequences over all ranks (rounded up to whole micro-batches), and the run's step
+    is extrapolated from its timed parts -- the prefetched first micro-batches, the steady ones,
+    the last one (whose backward reduces gradients under data parallelism) and the optimizer
+    (:func:`extrapolated_step_s`). A run of 256 sequences of 2,048 tokens takes seconds a step;
+    the probe makes a trial cost a compile and a few short steps of the same per-micro-batch
+    and per-step work.
 
     Under ``env`` (a process group: ``train/trial.py`` starts one for an N-rank trial) every
     rank calls this: its share of the batch, the strategy the trainer would resolve
