@@ -11,6 +11,7 @@ Only the JSON is read (the report sits above ``train`` but never imports it). Th
 
     "ladder": {"device": str, "budget_minutes": float, "spent_minutes": float, "world": int,
                "scaling_efficiency": float,  # world > 1: the N-rank rate over N x one rank's
+               "selection_bias": float,  # the last kept rate over its "confirm" re-measurement, - 1
                "start": {"tok_per_s", "mfu", "peak_gb", "loss", "settings": {key: value}},
                "rungs": [{"rung", "change", "tok_per_s", "mfu", "peak_gb", "loss", "kept", "why",
                           "numerics", "delta_prev", "delta_start", "hours", "cost", "status"}, ...],

@@ -22,6 +22,8 @@ default on a GPU, in a fresh process, which is how N-rank options always run), a
   planned peak does not fit is not run at all).
 
 The climb is greedy: a kept option becomes the configuration the next options must beat.
+At the end the climbed configuration is measured once more (``confirm``): the kept rate is
+the best of noisy measurements and reads high; the fresh one is the ladder's final rate.
 It stops trying options once ``budget_s`` is spent (those rows say so). The ladder is a
 preflight option rather than its own command because it ends where preflight ends: the
 tuned ``preflight.yaml`` that ``flopwise train --config`` runs, and the prediction the run's
@@ -136,6 +138,7 @@ def climb(cfg: RunConfig, measure_one: Callable[..., dict[str, Any]], device: to
                 c.attempt(name, settings, numerics)
     if world > 1:
         c.scale_out(world)
+    c.confirm()
     c.ladder.update(chosen=c.chosen, final=c.best, spent_minutes=c.spent_s() / 60)
     return c.ladder
 
@@ -266,6 +269,35 @@ class Climb:
                                  "same") for mode in ("selective", "full")]
             if not any(r["kept"] for r in rows):
                 break
+
+    def confirm(self) -> None:
+        """The climbed configuration measured once more, as the ladder's final rate. A kept rung's
+        rate is the best of several noisy measurements, so it reads high (the winner's curse);
+        a fresh measurement of the same configuration does not, and is what the run that follows
+        is predicted from. Its row says how far the kept rate was above it. Nothing to confirm
+        when no rung was kept (the start was measured once, unselected) or on the scale-out's
+        own measurement (the ranks row: no choice was made on it)."""
+        kept = [r for r in self.ladder["rungs"] if r["kept"]]
+        if not kept or kept[-1]["rung"] == "ranks":
+            return
+        row = {"rung": "confirm", "change": "-", "numerics": "same", "kept": False, **_empty()}
+        if self.spent_s() >= self.budget_s:
+            self.record({**row, "status": "skipped", "why": "the time budget is spent: the final rate is the kept "
+                                                            "rung's, the best of its measurements (it may read high)"}, {})
+            return
+        try:
+            m = self.measure_one(self.cfg, world=self.world, timeout_s=self.budget_s - self.spent_s())
+        except Exception as e:  # noqa: BLE001 - the kept rung's own figures stand
+            self.record({**row, "status": _failure(e), "why": str(e).splitlines()[0][:200]}, {})
+            return
+        kept = self.best["tok_per_s"]
+        row.update(self.summary(m), status="ok", kept=True)
+        row["delta_prev"] = row["tok_per_s"] / kept - 1
+        row["delta_start"] = row["tok_per_s"] / self.ladder["start"]["tok_per_s"] - 1
+        row["why"] = (f"the climbed configuration measured again: {row['delta_prev']:+.1%} against its kept "
+                      "rate (the best of several measurements reads high); the run is predicted from this one")
+        self.ladder["selection_bias"] = kept / row["tok_per_s"] - 1
+        self.record(row, {})
 
     def scale_out(self, world: int) -> None:
         """The climbed configuration on ``world`` ranks (kept: it is the launch being planned),
