@@ -188,7 +188,7 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     report["data_share"] = best.data_share
     if best.data_share is not None and best.data_share > STARVATION_WARN:
         remedies = (["data.loader=epoch (no random sampling)"] if cfg.data.loader == "random" else []) + [
-            "a faster disk", "data.prefetch"]
+            "a faster disk", "data.prefetch=1 (the next batch assembled ahead)"]
         log(f"preflight: WARNING: {100 * best.data_share:.1f}% of step time waits for data: try "
             f"{', '.join(remedies[:-1])} or {remedies[-1]}")
     # 5. the prediction, and the tuned configuration that `flopwise train --config` runs as is
