@@ -111,6 +111,7 @@ def _rank(local_rank: int, world: int, port: int, cfg: RunConfig, micro_batch: i
         result = measure(cfg, micro_batch, checkpointing, warmup, steps, device, env, probe_sequences)
         if env.is_main:
             atomic_write(Path(out), json.dumps(result))
+        env.barrier()  # ranks leave together: a group torn down under a rank still using it aborts (SIGABRT)
     finally:
         env.close()
 
