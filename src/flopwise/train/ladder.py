@@ -47,6 +47,7 @@ from flopwise.plan.memory import estimate
 from flopwise.train.losses import fused_linear_cross_entropy_available
 from flopwise.train.parallel import incompatibilities
 from flopwise.train.precision import resolve as resolve_precision
+from flopwise.train.trial import failure_status
 
 SAME_NUMERICS = 1e-3  # relative first-step loss difference for a change that should not change it
 CHANGED_NUMERICS = 2e-2  # ... for one that changes numerics on purpose (float32 -> bf16)
@@ -166,9 +167,24 @@ class Climb:
                                        "start": {**self.best, "settings": _settings_of(cfg)}}
         self.log(f"ladder: start {self.best['tok_per_s']:,.0f} tok/s · first-step loss {self.best['loss']}")
 
-    def summary(self, m: dict[str, Any]) -> dict[str, Any]:
-        """A measurement as a ladder row's figures (``_summary`` at the current number of ranks)."""
-        return _summary(m, self.fpt, self.peak, self.run_tokens, self.price, self.world)
+    def summary(self, m: dict[str, Any], world: int = 1) -> dict[str, Any]:
+        """A measurement on ``world`` ranks as a ladder row's figures."""
+        return _summary(m, self.fpt, self.peak, self.run_tokens, self.price, world)
+
+    def measure(self, row: dict[str, Any], cfg: RunConfig, world: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``row`` with ``cfg`` measured on ``world`` ranks: its figures and its change against the
+        best so far and the start (status ok), or why there are none (the budget is spent: skipped;
+        out of memory; an error); and the measurement ({} without one)."""
+        if self.spent_s() >= self.budget_s:
+            return {**row, "status": "skipped", "why": "the time budget is spent"}, {}
+        try:  # a trial in its own processes is stopped where the budget ends
+            m = self.measure_one(cfg, world=world, timeout_s=self.budget_s - self.spent_s())
+        except Exception as e:  # noqa: BLE001 - an out-of-memory or an unsupported combination is a result
+            return {**row, "status": failure_status(e), "why": str(e).splitlines()[0][:200]}, {}
+        out = {**row, **self.summary(m, world), "status": "ok"}
+        out["delta_prev"] = out["tok_per_s"] / self.best["tok_per_s"] - 1
+        out["delta_start"] = out["tok_per_s"] / self.ladder["start"]["tok_per_s"] - 1
+        return out, m
 
     def attempt(self, name: str, settings: Settings, numerics: str) -> dict[str, Any]:
         """Measure one option against the best so far, record its row, keep it if it earns that."""
@@ -192,8 +208,6 @@ class Climb:
     def judge(self, name: str, settings: Settings, numerics: str) -> dict[str, Any]:
         """One option measured against the best so far: its row, ``kept`` or not and why."""
         row = {"rung": name, "change": _changes(settings), "numerics": numerics, "kept": False, **_empty()}
-        if self.spent_s() >= self.budget_s:
-            return {**row, "status": "skipped", "why": "the time budget is spent"}
         cand = with_settings(self.cfg, settings)
         problems = validate(cand)
         if problems:
@@ -203,13 +217,9 @@ class Climb:
         if planned is not None and planned > self.headroom * memory:  # not worth a compile to see it run out
             return {**row, "status": "no-fit",
                     "why": f"planner: {planned:.2f} GiB > {self.headroom:.0%} of {memory:.1f} GiB (not run)"}
-        try:  # a trial in its own processes is stopped where the budget ends
-            m = self.measure_one(cand, world=self.world, timeout_s=self.budget_s - self.spent_s())
-        except Exception as e:  # noqa: BLE001 - an out-of-memory or an unsupported combination is a result
-            return {**row, "status": _failure(e), "why": str(e).splitlines()[0][:200]}
-        row.update(self.summary(m), status="ok")
-        row["delta_prev"] = row["tok_per_s"] / best["tok_per_s"] - 1
-        row["delta_start"] = row["tok_per_s"] / self.ladder["start"]["tok_per_s"] - 1
+        row, _ = self.measure(row, cand, self.world)
+        if row["status"] != "ok":
+            return row
         noise = max(MIN_NOISE, (best.get("spread") or 0.0) + (row["spread"] or 0.0))
         tol = SAME_NUMERICS if numerics == "same" else CHANGED_NUMERICS
         drift = _drift(row["loss"], best["loss"])
@@ -280,23 +290,15 @@ class Climb:
         kept = [r for r in self.ladder["rungs"] if r["kept"]]
         if not kept or kept[-1]["rung"] == "ranks":
             return
-        row = {"rung": "confirm", "change": "-", "numerics": "same", "kept": False, **_empty()}
-        if self.spent_s() >= self.budget_s:
-            self.record({**row, "status": "skipped", "why": "the time budget is spent: the final rate is the kept "
-                                                            "rung's, the best of its measurements (it may read high)"}, {})
-            return
-        try:
-            m = self.measure_one(self.cfg, world=self.world, timeout_s=self.budget_s - self.spent_s())
-        except Exception as e:  # noqa: BLE001 - the kept rung's own figures stand
-            self.record({**row, "status": _failure(e), "why": str(e).splitlines()[0][:200]}, {})
-            return
-        kept = self.best["tok_per_s"]
-        row.update(self.summary(m), status="ok", kept=True)
-        row["delta_prev"] = row["tok_per_s"] / kept - 1
-        row["delta_start"] = row["tok_per_s"] / self.ladder["start"]["tok_per_s"] - 1
-        row["why"] = (f"the climbed configuration measured again: {row['delta_prev']:+.1%} against its kept "
-                      "rate (the best of several measurements reads high); the run is predicted from this one")
-        self.ladder["selection_bias"] = kept / row["tok_per_s"] - 1
+        row, _ = self.measure({"rung": "confirm", "change": "-", "numerics": "same", "kept": False, **_empty()},
+                              self.cfg, self.world)
+        if row["status"] == "skipped":
+            row["why"] += ": the final rate is the kept rung's, the best of its measurements (it may read high)"
+        if row["status"] == "ok":
+            row["kept"] = True
+            row["why"] = (f"the climbed configuration measured again: {row['delta_prev']:+.1%} against its kept "
+                          "rate (the best of several measurements reads high); the run is predicted from this one")
+            self.ladder["selection_bias"] = self.best["tok_per_s"] / row["tok_per_s"] - 1
         self.record(row, {})
 
     def scale_out(self, world: int) -> None:
@@ -305,19 +307,16 @@ class Climb:
         cfg, one = self.cfg, self.best
         row = {"rung": "ranks", "change": f"{world} ranks", "numerics": "same", "kept": False, **_empty()}
         split = batch_split_problems(cfg.train, world)
-        if split or self.spent_s() >= self.budget_s:
-            self.record({**row, "status": "skipped", "why": "; ".join(split) or "the time budget is spent"}, {})
+        if split:
+            self.record({**row, "status": "skipped", "why": "; ".join(split)}, {})
             return
-        try:
-            m = self.measure_one(cfg, world=world, timeout_s=self.budget_s - self.spent_s())
-        except Exception as e:  # noqa: BLE001 - the N-rank launch failing is a result; the one-rank climb stands
-            self.record({**row, "status": _failure(e), "why": str(e).splitlines()[0][:200]}, {})
+        row, m = self.measure(row, cfg, world)
+        if row["status"] != "ok":  # the N-rank launch failing is a result; the one-rank climb stands
+            self.record(row, {})
             return
         self.world = world
         strategy = m.get("strategy") or cfg.parallel.strategy
-        row.update(self.summary(m), status="ok", kept=True, change=f"{world} ranks, parallel.strategy={strategy}")
-        row["delta_prev"] = row["tok_per_s"] / one["tok_per_s"] - 1
-        row["delta_start"] = row["tok_per_s"] / self.ladder["start"]["tok_per_s"] - 1
+        row.update(kept=True, change=f"{world} ranks, parallel.strategy={strategy}")
         scaling = row["tok_per_s"] / (world * one["tok_per_s"])
         drift = _drift(row["loss"], one["loss"])
         row["why"] = (f"the launch asked for: {row['tok_per_s'] / one['tok_per_s']:.2f}x one rank's rate, "
@@ -331,10 +330,6 @@ class Climb:
                 if name == "buckets" and self.cfg.parallel.strategy not in ("ddp", "zero1"):
                     continue  # FSDP2 reduce-scatters per block: no bucket size
                 self.attempt(name, settings, numerics)
-
-
-def _failure(e: BaseException) -> str:
-    return "oom" if "out of memory" in str(e).lower() else "error"
 
 
 def _drift(loss: float | None, ref: float | None) -> float | None:

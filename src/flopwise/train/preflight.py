@@ -51,7 +51,7 @@ from flopwise.train.ladder import climb, planned_gb, with_settings
 from flopwise.train.defaults import resolve_speed
 from flopwise.train.precision import resolve
 from flopwise.train.trainer import train
-from flopwise.train.trial import measure, measure_in_processes
+from flopwise.train.trial import failure_status, measure, measure_in_processes
 
 
 Log = Callable[[str], None]
@@ -72,10 +72,6 @@ class Trial:
     predicted_gb: float | None = None
     data_share: float | None = None
     note: str = ""
-
-
-def _oom(e: BaseException) -> bool:
-    return isinstance(e, getattr(torch.cuda, "OutOfMemoryError", ())) or "out of memory" in str(e).lower()
 
 
 def _label(t: Trial) -> str:
@@ -418,7 +414,7 @@ def _run_trial(trial: Trial, run: Callable[[], dict[str, Any]], fpt: float, peak
     try:
         m = run()
     except Exception as e:
-        trial.status = "oom" if _oom(e) else "error"
+        trial.status = failure_status(e)
         trial.note = str(e).splitlines()[0][:200]
         return
     rates = m.get("tok_per_s_windows") or [m["tok_per_s"]]

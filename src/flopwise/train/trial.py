@@ -52,6 +52,12 @@ class TrialError(RuntimeError):
     """A trial that failed in its process: the message is the exception's last line there."""
 
 
+def failure_status(e: BaseException) -> str:
+    """A failed trial's status: "oom" (CUDA's own error, or one that says so -- as a trial in
+    its own process reports it, by its message) or "error"."""
+    return "oom" if isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower() else "error"
+
+
 def measure_in_processes(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, steps: int,
                          device: torch.device, world: int = 1, timeout_s: float | None = None,
                          probe_sequences: int = 0) -> dict[str, Any]:
