@@ -430,3 +430,42 @@ def test_nothing_kept_nothing_to_confirm_and_no_budget_no_confirmation():
     confirm = lad["rungs"][-1]
     assert confirm["rung"] == "confirm" and confirm["status"] == "skipped" and "may read high" in confirm["why"]
     assert lad["final"]["tok_per_s"] == 2000.0
+
+
+def test_time_is_held_back_so_the_climb_ends_confirmed():
+    """Every trial takes 60 s. Once a rung is kept, an option may use the budget only down to
+    one start trial's worth (60 s), so the confirmation still runs -- without that hold the
+    last option would take the budget's end and the final rate would be an unconfirmed best."""
+    now, timeouts = {"t": 0.0}, []
+
+    def measure_one(cfg, world=1, timeout_s=None):
+        now["t"] += 60
+        timeouts.append(timeout_s)
+        return scripted({("blocks", "chunked", 16, "none"): 2000.0})(cfg)
+
+    lad = climb(base(), measure_one, CPU, [8, 16, 32], run_tokens=10**6, fpt=1e7, peak=None, budget_s=300,
+                clock=lambda: now["t"], log=lambda s: None)
+    rows = lad["rungs"]
+    assert [r["rung"] for r in rows if r["status"] == "ok"] == ["compile", "compile", "confirm"], rows
+    assert rows[-1]["kept"] and lad["final"]["tok_per_s"] == 2000.0
+    held = [r for r in rows if r["status"] == "skipped"]
+    assert held and held[0]["why"] == "the time budget is spent (the last 60 s are held for the confirmation)"
+    assert lad["start"]["seconds"] == 60 and all(r["seconds"] == 60 for r in rows if r["status"] == "ok")
+    # the start is never cut; options get what is left above the hold; the confirmation all that is left
+    assert timeouts == [None, None, 180.0, 60.0, 60.0], timeouts
+
+
+def test_on_cuda_the_attention_rung_skips_autos_own_pick_and_compile_modes_come_last():
+    cuda = torch.device("cuda")
+    cfg = build_config(preset="tiny", overrides=["train.compile=model", "train.loss=plain", "train.precision=bf16"])
+    plan = dict((name, options) for name, options, _ in rungs(cfg, cuda, [8, 16, 32]))
+    names = [name for name, _, _ in rungs(cfg, cuda, [8, 16, 32])]
+    from flopwise.model.attention import select_backend
+
+    auto = select_backend("auto", cuda, torch.bfloat16)[0]
+    assert {"model.attention": auto} not in plan["attention"]  # measuring auto's pick again is a wasted trial
+    assert names[-1] == "compile mode" and names.index("compile mode") > names.index("micro-batch")
+    assert plan["compile mode"] == [{"train.compile_mode": "max-autotune"}, {"train.compile_mode": "reduce-overhead"}]
+    cfg.train.compile_mode = "max-autotune"
+    assert [o["train.compile_mode"] for o in dict((n, o) for n, o, _ in rungs(cfg, cuda, [16]))["compile mode"]] == [
+        "reduce-overhead"]

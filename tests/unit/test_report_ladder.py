@@ -17,7 +17,8 @@ from flopwise.report.ladder import read_ladder
 RUNGS = [
     {"rung": "compile", "change": "train.compile=model", "tok_per_s": 4000.0, "mfu": 0.25, "peak_gb": 3.5,
      "loss": 9.0102, "kept": True, "why": "60.0% faster than the previous rung (noise 2.0%); loss within <1e-3",
-     "numerics": "same", "delta_prev": 0.6, "delta_start": 0.6, "hours": 1.0, "cost": 20.0, "status": "ok"},
+     "numerics": "same", "delta_prev": 0.6, "delta_start": 0.6, "hours": 1.0, "cost": 20.0, "status": "ok",
+     "seconds": 41.6},
     {"rung": "micro_batch", "change": "train.micro_batch_size=16", "tok_per_s": 3900.0, "mfu": 0.24,
      "peak_gb": 6.0, "loss": 9.0101, "kept": False, "why": "2.5% slower than the previous rung",
      "numerics": "same", "delta_prev": -0.025, "delta_start": 0.56, "hours": 1.03, "cost": 20.5, "status": "ok"},
@@ -102,6 +103,7 @@ def test_ladder_section_chart_table_and_ratio(tmp_path):
     assert compile_["change"][0] == "train.compile=model" and compile_["tok_per_s"] == ("4,000", 4000.0)
     assert compile_["delta_prev"] == ("+60.0%", 0.6) and compile_["delta_start"][0] == "+60.0%"
     assert compile_["hours"] == ("1.00", 1.0) and compile_["cost"] == ("$20.00", 20.0)
+    assert compile_["seconds"] == ("42", 41.6) and micro["seconds"] == ("-", None)  # a ladder before seconds
     assert compile_["numerics"][0] == "same" and compile_["why"][0].startswith("60.0% faster")
     assert micro["delta_prev"][0] == "-2.5%" and micro["delta_start"][0] == "+56.0%" and not micro["_kept"]
     assert all(flash[c] == ("-", None) for c in ("tok_per_s", "mfu", "peak_gb", "delta_prev", "hours", "cost"))

@@ -12,9 +12,10 @@ Only the JSON is read (the report sits above ``train`` but never imports it). Th
     "ladder": {"device": str, "budget_minutes": float, "spent_minutes": float, "world": int,
                "scaling_efficiency": float,  # world > 1: the N-rank rate over N x one rank's
                "selection_bias": float,  # the last kept rate over its "confirm" re-measurement, - 1
-               "start": {"tok_per_s", "mfu", "peak_gb", "loss", "settings": {key: value}},
+               "start": {"tok_per_s", "mfu", "peak_gb", "loss", "seconds", "settings": {key: value}},
                "rungs": [{"rung", "change", "tok_per_s", "mfu", "peak_gb", "loss", "kept", "why",
-                          "numerics", "delta_prev", "delta_start", "hours", "cost", "status"}, ...],
+                          "numerics", "delta_prev", "delta_start", "hours", "cost", "status",
+                          "seconds"}, ...],  # seconds: what the rung's trial took of the budget
                "chosen": {key: value}}
 
 Any number may be null (a rung that ran out of memory measured nothing): it shows as "-".
@@ -52,6 +53,7 @@ class Rung:
     hours: float | None = None  # the full run at this rung's rate
     cost: float | None = None
     status: str = "ok"  # ok | oom | error | skipped
+    seconds: float | None = None  # what its trial took of the ladder's budget (compile included)
 
     @property
     def label(self) -> str:
@@ -96,7 +98,8 @@ def read_ladder(preflight: dict[str, Any] | None) -> Ladder | None:
         return None
     start = _dict(raw.get("start"))
     ladder = Ladder(start=Rung(0, "start", "", number(start.get("tok_per_s")), number(start.get("mfu")),
-                               number(start.get("peak_gb")), number(start.get("loss")), kept=True),
+                               number(start.get("peak_gb")), number(start.get("loss")), kept=True,
+                               seconds=number(start.get("seconds"))),
                     rungs=[], device=_text(raw.get("device")), budget_minutes=number(raw.get("budget_minutes")),
                     spent_minutes=number(raw.get("spent_minutes")), start_settings=_dict(start.get("settings")),
                     world=int(number(raw.get("world")) or 1), scaling_efficiency=number(raw.get("scaling_efficiency")),
@@ -107,7 +110,7 @@ def read_ladder(preflight: dict[str, Any] | None) -> Ladder | None:
             len(ladder.rungs) + 1, _text(r.get("rung")), _text(r.get("change")), number(r.get("tok_per_s")),
             number(r.get("mfu")), number(r.get("peak_gb")), number(r.get("loss")), r.get("kept") is True,
             _text(r.get("why")), _text(r.get("numerics")), number(r.get("delta_prev")), number(r.get("delta_start")),
-            number(r.get("hours")), number(r.get("cost")), _text(r.get("status")) or "ok"))
+            number(r.get("hours")), number(r.get("cost")), _text(r.get("status")) or "ok", number(r.get("seconds"))))
     if not ladder.rungs and ladder.start.tok_per_s is None:
         return None
     return ladder
@@ -161,7 +164,7 @@ def _settings(d: dict[str, Any]) -> str:
 
 def ladder_table(ladder: Ladder, run_name: str) -> str:
     head = ["rung", "change", "tok/s", "MFU", "peak GiB", "Δ vs previous kept", "Δ vs start", "kept?", "why",
-            "numerics", "full run (h)", "full run cost"]
+            "numerics", "full run (h)", "full run cost", "trial (s)"]
     body = []
     for r in ladder.all:
         kept = "start" if r.index == 0 else ("yes" if r.kept else "no") + ("" if r.status == "ok" else f" ({r.status})")
@@ -173,7 +176,7 @@ def ladder_table(ladder: Ladder, run_name: str) -> str:
                  ("delta_start", _pct(r.delta_start, True), r.delta_start, "num"),
                  ("kept", kept, None, "kept" if r.kept else "rejected"), ("why", r.why, None, "note"),
                  ("numerics", r.numerics, None, ""), ("hours", _num(r.hours, ".2f"), r.hours, "num"),
-                 ("cost", _cost(r.cost), r.cost, "num")]
+                 ("cost", _cost(r.cost), r.cost, "num"), ("seconds", _num(r.seconds, ".0f"), r.seconds, "num")]
         tds = "".join((f'<td class="{klass}" ' if klass else "<td ") + f'data-col="{col}"'
                       + (f' data-value="{"" if value is None else repr(value)}"' if klass == "num" else "")
                       + f">{esc(text)}</td>" for col, text, value, klass in cells)
@@ -230,5 +233,5 @@ def ladder_section(ladder: Ladder, run: Run, figure: str) -> str:
             '<p class="note">Δ: the change in tokens/s against the previous kept rung (what the ladder decided '
             "on) and against the starting configuration. Numerics: whether the change left the training numerics "
             "the same, as preflight judged it from the rung's loss. Full run: hours and cost of the whole run at "
-            "that rung's rate. Ladder vs actual: the run's measured steady tokens/s over the last kept rung's; "
+            "that rung's rate. Trial: the seconds its measurement took of the ladder's budget, compile included. Ladder vs actual: the run's measured steady tokens/s over the last kept rung's; "
             "below 1 the run was slower than the ladder measured.</p></section>")

@@ -1,10 +1,12 @@
 """The optimization ladder: the rungs people climb by hand to make a run fast, climbed for them.
 
 ``flopwise preflight --ladder`` starts from the user's configuration and tries one change
-at a time, in the order people climb: precision, attention kernel, compile, compile mode,
-loss path, micro-batch, activation checkpointing (only where it lets a micro-batch fit that
-does not fit without), the loader (batches assembled ahead; pinned host memory on CUDA), and
-on a CPU the thread count. With ``--nproc-per-node N`` the climbed configuration is then
+at a time, in the order people climb: precision, attention kernel, compile, loss path,
+micro-batch, activation checkpointing (only where it lets a micro-batch fit that does not fit
+without), the loader (batches assembled ahead; pinned host memory on CUDA), then on CUDA the
+compile mode and on a CPU the thread count. The compile modes come last: ``max-autotune``
+tunes kernels for the shapes of the chosen micro-batch, and its compile can take minutes, which
+the rungs that usually pay more (the micro-batch above all) should not wait behind. With ``--nproc-per-node N`` the climbed configuration is then
 scaled out to N ranks on this machine, and the data-parallel strategy and the gradient bucket
 size are climbed there.
 
@@ -24,7 +26,10 @@ default on a GPU, in a fresh process, which is how N-rank options always run), a
 The climb is greedy: a kept option becomes the configuration the next options must beat.
 At the end the climbed configuration is measured once more (``confirm``): the kept rate is
 the best of noisy measurements and reads high; the fresh one is the ladder's final rate.
-It stops trying options once ``budget_s`` is spent (those rows say so). The ladder is a
+It stops trying options once ``budget_s`` is spent (those rows say so); each row records the
+seconds its trial took. Before the budget is spent, time is held back for the rows that end
+the climb -- the scale-out to N ranks and, once a rung is kept, the confirmation -- about one
+start trial each, so a slow option (a long compile) cannot leave the climb unconfirmed. The ladder is a
 preflight option rather than its own command because it ends where preflight ends: the
 tuned ``preflight.yaml`` that ``flopwise train --config`` runs, and the prediction the run's
 report compares with.
@@ -41,7 +46,7 @@ import torch
 
 from flopwise.config import RunConfig, batch_split_problems, validate
 from flopwise.measure.meter import MIN_NOISE, spread
-from flopwise.model.attention import available_backends
+from flopwise.model.attention import available_backends, select_backend
 from flopwise.plan.budget import memory_settings_for_run
 from flopwise.plan.memory import estimate
 from flopwise.train.losses import fused_linear_cross_entropy_available
@@ -76,11 +81,10 @@ def rungs(cfg: RunConfig, device: torch.device, sizes: list[int],
         if fp8:
             out.append(("fp8", [{"train.fp8": True}], "fp8"))
         usable = available_backends(device, torch.bfloat16)
+        current = select_backend(cfg.model.attention, device, torch.bfloat16, cfg.model.doc_mask)[0]  # auto's pick
         out.append(("attention", [{"model.attention": b} for b in ("flash", "flex", "sdpa")
-                                  if usable.get(b) is None and b != cfg.model.attention], "same"))
+                                  if usable.get(b) is None and b != current], "same"))
     out.append(("compile", [{"train.compile": c} for c in ("blocks", "model") if c != t.compile], "same"))
-    if cuda:
-        out.append(("compile mode", [{"train.compile_mode": m} for m in ("max-autotune", "reduce-overhead")], "same"))
     losses = ["plain", "chunked"] + (["fused"] if fused_linear_cross_entropy_available(device) else [])
     out.append(("loss", [{"train.loss": x} for x in losses if x != t.loss], "same"))
     out.append(("micro-batch", [{"train.micro_batch_size": b} for b in sizes if b != t.micro_batch_size], "same"))
@@ -91,7 +95,10 @@ def rungs(cfg: RunConfig, device: torch.device, sizes: list[int],
     if cuda and not cfg.data.pin_memory:
         loader.insert(0, {"data.pin_memory": True})
     out.append(("loader", loader, "same"))
-    if not cuda:  # how many cores torch computes with: all of them is not always fastest
+    if cuda:  # last: max-autotune tunes for the chosen micro-batch, and may compile for minutes
+        out.append(("compile mode", [{"train.compile_mode": m} for m in ("max-autotune", "reduce-overhead")
+                                     if m != t.compile_mode], "same"))
+    else:  # how many cores torch computes with: all of them is not always fastest
         cores = os.cpu_count() or 1
         current = t.threads or torch.get_num_threads()
         counts = sorted({n for n in (1, 2, 4, 8, 16, 32, 64, cores) if n <= cores} - {current})
@@ -125,7 +132,9 @@ def climb(cfg: RunConfig, measure_one: Callable[..., dict[str, Any]], device: to
               clock, log)
     if warm_up_process:  # the first measurement in a process pays its warm-up (threads, allocator, caches)
         measure_one(cfg)
-    c.begin(cfg, measure_one(cfg), world)
+    t0 = clock()
+    start = measure_one(cfg)
+    c.begin(cfg, start, world, seconds=clock() - t0)
     too_big: list[int] = []  # micro-batches that did not fit without checkpointing
     for name, options, numerics in rungs(cfg, device, sizes, fp8):
         if name == "micro-batch":
@@ -155,17 +164,20 @@ class Climb:
         self.memory_gb, self.headroom, self.price, self.budget_s, self.fp8 = memory_gb, headroom, price, budget_s, fp8
         self.clock, self.log, self.t0 = clock, log, clock()
         self.world = 1  # ranks the options are measured on now
+        self.world_asked = 1  # ranks the climb ends on (the scale-out, when more than one)
+        self.trial_s = 0.0  # the start's trial: what one more trial of the climbed configuration costs
         self.chosen: Settings = {}
 
     def spent_s(self) -> float:
         return self.clock() - self.t0
 
-    def begin(self, cfg: RunConfig, start: dict[str, Any], world: int) -> None:
-        self.cfg, self.best = cfg, self.summary(start)
+    def begin(self, cfg: RunConfig, start: dict[str, Any], world: int, seconds: float = 0.0) -> None:
+        self.cfg, self.best, self.world_asked, self.trial_s = cfg, self.summary(start), world, seconds
         self.ladder: dict[str, Any] = {"device": str(self.device), "budget_minutes": self.budget_s / 60,
                                        "rungs": [], "world": world,
-                                       "start": {**self.best, "settings": _settings_of(cfg)}}
-        self.log(f"ladder: start {self.best['tok_per_s']:,.0f} tok/s · first-step loss {self.best['loss']}")
+                                       "start": {**self.best, "seconds": seconds, "settings": _settings_of(cfg)}}
+        self.log(f"ladder: start {self.best['tok_per_s']:,.0f} tok/s · first-step loss {self.best['loss']} · "
+                 f"{seconds:.0f} s a trial")
 
     def summary(self, m: dict[str, Any], world: int = 1) -> dict[str, Any]:
         """A measurement on ``world`` ranks as a ladder row's figures."""
@@ -175,16 +187,31 @@ class Climb:
         """``row`` with ``cfg`` measured on ``world`` ranks: its figures and its change against the
         best so far and the start (status ok), or why there are none (the budget is spent: skipped;
         out of memory; an error); and the measurement ({} without one)."""
-        if self.spent_s() >= self.budget_s:
-            return {**row, "status": "skipped", "why": "the time budget is spent"}, {}
-        try:  # a trial in its own processes is stopped where the budget ends
-            m = self.measure_one(cfg, world=world, timeout_s=self.budget_s - self.spent_s())
+        held, for_what = self.held_back(row["rung"])
+        left = self.budget_s - self.spent_s() - held
+        if left <= 0:
+            why = "the time budget is spent" + (f" (the last {held:.0f} s are held for {for_what})" if held else "")
+            return {**row, "status": "skipped", "why": why}, {}
+        t0 = self.clock()
+        try:  # a trial in its own processes is stopped where its share of the budget ends
+            m = self.measure_one(cfg, world=world, timeout_s=left)
         except Exception as e:  # noqa: BLE001 - an out-of-memory or an unsupported combination is a result
-            return {**row, "status": failure_status(e), "why": str(e).splitlines()[0][:200]}, {}
-        out = {**row, **self.summary(m, world), "status": "ok"}
+            return {**row, "status": failure_status(e), "why": str(e).splitlines()[0][:200],
+                    "seconds": self.clock() - t0}, {}
+        out = {**row, **self.summary(m, world), "status": "ok", "seconds": self.clock() - t0}
         out["delta_prev"] = out["tok_per_s"] / self.best["tok_per_s"] - 1
         out["delta_start"] = out["tok_per_s"] / self.ladder["start"]["tok_per_s"] - 1
         return out, m
+
+    def held_back(self, rung: str) -> tuple[float, str]:
+        """Seconds of the budget an option may not use, and what for: about one start trial for
+        each row still to come that ends the climb -- the scale-out to N ranks, and the
+        confirmation once a rung has been kept. Those rows themselves use all that is left."""
+        if rung in ("ranks", "confirm"):
+            return 0.0, ""
+        rows = (["the scale-out"] if self.world_asked > 1 and self.world == 1 else []) + (
+            ["the confirmation"] if any(r["kept"] for r in self.ladder["rungs"]) else [])
+        return self.trial_s * len(rows), " and ".join(rows)
 
     def attempt(self, name: str, settings: Settings, numerics: str) -> dict[str, Any]:
         """Measure one option against the best so far, record its row, keep it if it earns that."""
@@ -194,8 +221,9 @@ class Climb:
 
     def record(self, row: dict[str, Any], settings: Settings) -> None:
         self.ladder["rungs"].append(row)
+        took = f" · {row['seconds']:.0f} s" if row.get("seconds") is not None else ""
         self.log(f"ladder: {row['rung']:<13} {row['change']:<36} {_rate(row)} {'kept' if row['kept'] else '-':>4} · "
-                 f"{row['why']}")
+                 f"{row['why']}{took}")
         if row["kept"]:
             self.cfg = with_settings(self.cfg, settings)
             self.chosen = {**self.chosen, **settings}
@@ -363,7 +391,7 @@ def _summary(m: dict[str, Any], fpt: float, peak: float | None, run_tokens: int,
 
 def _empty() -> dict[str, Any]:
     return {"tok_per_s": None, "spread": None, "mfu": None, "peak_gb": None, "loss": None, "data_share": None,
-            "hours": None, "cost": None, "delta_prev": None, "delta_start": None}
+            "hours": None, "cost": None, "delta_prev": None, "delta_start": None, "seconds": None}
 
 
 def _changes(settings: Settings) -> str:
