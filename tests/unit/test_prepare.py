@@ -73,15 +73,42 @@ def test_router_fills_explicit_budgets_first_when_train_is_unbounded():
     assert PrepareOptions(source="x", out="y", vocab_size=300, train_tokens=100, val_tokens=5).fill_first() == frozenset()
 
 
-def test_router_shares_out_a_long_document_in_pieces():
+def test_router_shares_a_lone_long_document_as_a_train_head_and_a_held_out_tail():
     r = Router({"val": None, "test": 0, "train": None}, {"val": 0.01, "test": 0.0, "train": 0.99}, piece_tokens=100)
-    pieces = r.route_document(10_050)  # one document: a book in a single .txt file
-    assert pieces[0] == ("val", 0, 100) and [o for _, o, _ in pieces] == list(range(0, 10_050, 100))
-    assert sum(k for _, _, k in pieces) == 10_050 and r.tokens["val"] <= 150  # ~1%, not all of it
-    assert r.route_document(80) == [("train", 0, 80)]  # short documents stay whole
-    # A budget met in the middle of a document: the remaining pieces are not routed.
+    # one document, a book in a single .txt: validation owes 100 of it (1%), takes that as its tail
+    assert r.route_document(10_050) == [("train", 0, 9_950), ("val", 9_950, 100)]
+    assert [keep for _, _, keep in r.route_document(80)] == [80]  # short documents stay whole
+    # A budget met inside a document: what is past it is routed nowhere.
     b = Router({"val": 150, "test": 0, "train": 200}, {"val": 150.0, "test": 0.0, "train": 200.0}, piece_tokens=100)
-    assert sum(k for _, _, k in b.route_document(1_000)) == 350 and b.done() and b.route_document(10) == []
+    parts = b.route_document(1_000)
+    assert parts == [("train", 0, 200), ("val", 850, 150)] and b.done() and b.route_document(10) == []
+    assert b.cut_documents == 1  # the head, cut at train's budget (validation's tail is what it owes)
+
+
+def test_held_out_splits_take_whole_documents_of_every_length_and_tails_only_early():
+    """A stream of mixed lengths: a held-out split takes a document whole once it has room
+    for it (one share ahead of its share of the stream so far), so long documents are in
+    validation as often as short ones; before that, a long document gives it a tail, never a
+    stretch with training text of the same document on both sides."""
+    rng = np.random.default_rng(0)
+    lengths = [int(x) for x in rng.choice([40, 60, 90, 400, 5_000], size=3_000)]
+    r = Router({"val": None, "test": 0, "train": None}, {"val": 0.02, "test": 0.0, "train": 0.98}, piece_tokens=1_000)
+    routed = [r.route_document(n) for n in lengths]
+    shared = [i for i, p in enumerate(routed) if len(p) > 1]
+    assert all(routed[i][0][0] == "train" and routed[i][1][1] == routed[i][0][2] for i in shared)  # head, then tail
+    assert shared and max(shared) < 200, shared  # tails only while the stream is short against a long document
+    assert abs(r.tokens["val"] / sum(r.tokens.values()) - 0.02) < 0.002
+    whole = [(p[0][0], n) for p, n in zip(routed, lengths) if len(p) == 1]
+    long_share = {s: sum(n for t, n in whole if t == s and n == 5_000) / sum(n for t, n in whole if t == s)
+                  for s in ("train", "val")}
+    assert abs(long_share["val"] - long_share["train"]) < 0.1, long_share  # no bias against long documents
+    # only long documents (books): tails of at least a piece at first, then whole books
+    books = Router({"val": None, "test": 0, "train": None}, {"val": 0.02, "test": 0.0, "train": 0.98}, piece_tokens=100)
+    parts = [books.route_document(3_000) for _ in range(200)]
+    tails = [p[-1] for p in parts if len(p) == 2]
+    assert tails and all(s == "val" and keep >= 100 and offset + keep == 3_000 for s, offset, keep in tails)
+    assert [("val", 0, 3_000)] in parts  # once the stream is long enough, a whole book
+    assert abs(books.tokens["val"] / sum(books.tokens.values()) - 0.02) < 3_000 / (200 * 3_000)  # within a book
 
 
 def test_bos_and_eos_frame_every_document():
@@ -136,10 +163,10 @@ def test_a_single_long_text_file_is_shared_between_splits(tmp_path):
     out = prepare(opts(tmp_path, val_fraction=0.01), log=quiet)
     meta = json.loads((out / "meta.json").read_text())
     val, train = meta["splits"]["val"]["tokens"], meta["splits"]["train"]["tokens"]
-    assert 0 < val <= 4096 and train > 10 * val
-    # one document: counted once, where it starts (val), and as continued in train
-    assert meta["splits"]["val"]["documents"] == 1 and meta["splits"]["train"]["documents"] == 0
-    assert meta["splits"]["train"]["continued_documents"] == 1 and meta["documents"] == 1
+    assert val == 4096 and train > 10 * val  # validation's share (1%) is less than a piece: a piece, the tail
+    # one document: counted once, where it starts (train), and as continued in validation
+    assert meta["splits"]["train"]["documents"] == 1 and meta["splits"]["val"]["documents"] == 0
+    assert meta["splits"]["val"]["continued_documents"] == 1 and meta["documents"] == 1
 
 
 def test_output_does_not_depend_on_worker_count(tmp_path):
@@ -300,7 +327,8 @@ def test_document_counts_add_up_when_a_long_document_spans_two_splits(tmp_path):
     by_split = {s: info["documents"] for s, info in meta["splits"].items()}
     total, printed = _summary_docs(lines)
     assert printed == by_split and sum(by_split.values()) == total == 61  # the book once, the 60 records once
-    assert meta["documents"] == 61 and meta["splits"]["train"]["continued_documents"] == 1
+    # the book: its head in train (counted there), its tail continued in validation
+    assert meta["documents"] == 61 and meta["splits"]["val"]["continued_documents"] == 1
 
 
 def test_document_counts_add_up_when_the_budget_stops_mid_batch(tmp_path):

@@ -14,11 +14,13 @@ Pipeline (bounded memory whatever the corpus size)::
   (the last document of a split is cut). Documents are routed as the stream goes: each
   goes to the split furthest behind its share of the budget, so every split samples the
   whole stream evenly rather than its beginning, and the first document always goes to
-  validation. A document over ``ROUTE_PIECE_TOKENS`` (4,096) is routed in pieces of that
-  size, so a source of a few long documents (a book in one ``.txt``) is shared out too;
-  the pieces of one long document may then land in different splits. Such a document is
+  validation (a long one: its tail). Documents go whole to one split, so held-out text does not share a document
+  with training text -- except a document over ``ROUTE_PIECE_TOKENS`` (4,096) too long
+  for the held-out split's room (its budget's rest, and at most one share ahead of its
+  share so far: a book in one ``.txt``, or a long document early in the stream), which
+  gives that split its tail and train its head (:class:`Router`). Such a document is
   counted once, in the split holding its first token (``documents`` per split in
-  ``meta.json``), and as ``continued_documents`` in the others, so the splits' document
+  ``meta.json``), and as ``continued_documents`` in the other, so the splits' document
   counts add up to the documents used (``meta.json`` ``documents``, and the count in the
   final summary; documents read but left out once the budget is met are not counted).
   Without a train budget the whole source is used and validation gets
@@ -86,8 +88,8 @@ from .sources import open_source
 from .tokenizer import encode_documents, file_sha256, load_tokenizer, special_ids, train_bpe
 
 Log = Callable[[str], None]
-RECIPE_VERSION = 2  # 2: documents longer than ROUTE_PIECE_TOKENS are routed in pieces
-ROUTE_PIECE_TOKENS = 4096
+RECIPE_VERSION = 3  # 2: long documents routed in pieces; 3: whole, or a train head and a held-out tail
+ROUTE_PIECE_TOKENS = 4096  # the least a held-out split takes of a long document it shares with train
 SPLITS = ("val", "test", "train")  # routing priority on ties: validation first
 
 
@@ -341,11 +343,17 @@ def encoded_stream(documents: Iterable[str], tok, bos: int | None, eos: int, dty
 # --------------------------------------------------------------------------- writing
 
 class Router:
-    """Sends each document to the split furthest behind its share; cuts at exact budgets.
+    """Sends each document, whole, to the split furthest behind its share; cuts at exact budgets.
 
-    A document longer than ``piece_tokens`` is routed in pieces of that size, so that a
-    source of a few long documents (one book in a ``.txt`` file) is still shared out
-    by the splits' shares instead of landing whole in validation, its first split.
+    A held-out split (val, test) takes a document whole when it fits the split's room: what
+    is left of its budget, and no more than one share ahead of its share of the stream so
+    far (this document counted). A longer document -- a book in a ``.txt`` file, or a long
+    one early in the stream -- gives that split its tail instead, what it owes of its share
+    (at least ``piece_tokens``, at most what its budget has left), and train its head. So
+    held-out text is whole documents, drawn whatever their length, except for those tails:
+    never a stretch of a document with training text on both sides, and a source of one
+    long document is still shared out. Short documents (up to ``piece_tokens``) are always
+    whole, cut only where a budget ends.
     """
 
     def __init__(self, targets: dict[str, int | None], weights: dict[str, float],
@@ -365,33 +373,63 @@ class Router:
         """Every split is full (never, while train is unbounded)."""
         return not self.open_splits()
 
-    def route(self, n_tokens: int) -> tuple[str, int] | None:
-        """(split, tokens to keep) for a document of ``n_tokens``, or None when all are full."""
+    def pick(self) -> str | None:
+        """The split furthest behind its share (a split filled first before the others), or None when all are full."""
         candidates = self.open_splits()
         if not candidates:
             return None
         candidates = [s for s in candidates if s in self.fill_first] or candidates
-        split = min(candidates, key=lambda s: (self.tokens[s] / self.weights[s], SPLITS.index(s)))
+        return min(candidates, key=lambda s: (self.tokens[s] / self.weights[s], SPLITS.index(s)))
+
+    def take(self, split: str, n_tokens: int) -> int:
+        """Count up to ``n_tokens`` into ``split``; the tokens kept (fewer where its budget ends)."""
         keep = n_tokens
         if self.targets[split] is not None:
             keep = min(n_tokens, self.targets[split] - self.tokens[split])
             if keep < n_tokens:
                 self.cut_documents += 1
         self.tokens[split] += keep
-        return split, keep
+        return keep
+
+    def route(self, n_tokens: int) -> tuple[str, int] | None:
+        """(split, tokens to keep) for a whole document of ``n_tokens``, or None when all are full."""
+        split = self.pick()
+        return None if split is None else (split, self.take(split, n_tokens))
+
+    def owed(self, split: str, n_tokens: int) -> int:
+        """Tokens ``split`` is short of its share once a document of ``n_tokens`` is counted (a
+        split filled first: short of its budget)."""
+        left = None if self.targets[split] is None else self.targets[split] - self.tokens[split]
+        if split in self.fill_first:
+            return max(0, left or 0)
+        need = self.share(split) * (sum(self.tokens.values()) + n_tokens) - self.tokens[split]
+        return max(0, int(need if left is None else min(need, left)))
+
+    def share(self, split: str) -> float:
+        return self.weights[split] / sum(w for w in self.weights.values() if w > 0)
+
+    def room(self, split: str, n_tokens: int) -> float:
+        """Tokens a held-out ``split`` may take of a document of ``n_tokens``: what is left of its
+        budget, and (unless it is filled first) no more than puts it one share ahead -- twice
+        its share of the stream so far, this document counted."""
+        room = float("inf") if self.targets[split] is None else self.targets[split] - self.tokens[split]
+        if split not in self.fill_first:
+            room = min(room, 2 * self.share(split) * (sum(self.tokens.values()) + n_tokens) - self.tokens[split])
+        return room
 
     def route_document(self, n_tokens: int) -> list[tuple[str, int, int]]:
-        """(split, offset, tokens to keep) per piece of a document; empty when all splits are full."""
-        if n_tokens <= self.piece_tokens:  # nearly every document: one piece
-            routed = self.route(n_tokens)
-            return [] if routed is None else [(routed[0], 0, routed[1])]
-        pieces = []
-        for offset in range(0, n_tokens, self.piece_tokens):
-            routed = self.route(min(self.piece_tokens, n_tokens - offset))
-            if routed is None:
-                break
-            pieces.append((routed[0], offset, routed[1]))
-        return pieces
+        """(split, offset, tokens to keep) per part of a document, in document order: the whole
+        document in one split, or a long one's head in train and its tail in a held-out split
+        (the class docstring says when); empty when all splits are full."""
+        split = self.pick()
+        if split is None:
+            return []
+        if (n_tokens <= self.piece_tokens or split == "train" or "train" not in self.open_splits()
+                or n_tokens <= self.room(split, n_tokens)):
+            return [(split, 0, self.take(split, n_tokens))]
+        left = n_tokens if self.targets[split] is None else self.targets[split] - self.tokens[split]
+        tail = min(n_tokens, left, max(self.owed(split, n_tokens), self.piece_tokens))
+        return [("train", 0, self.take("train", n_tokens - tail)), (split, n_tokens - tail, self.take(split, tail))]
 
 
 # --------------------------------------------------------------------------- estimate
