@@ -222,7 +222,8 @@ def _plan_parser(sub: "argparse._SubParsersAction") -> None:
         description="Plan a run: parameters, FLOPs, memory per GPU, time, cost, Chinchilla, batch, scaling.",
     )
     g = p.add_argument_group("model (one of)")
-    g.add_argument("--model", help=f"a preset ({', '.join(preset_names())})")
+    g.add_argument("--model", "--preset", dest="model",
+                   help=f"a preset ({', '.join(preset_names())}); --preset is the same, as train spells it")
     g.add_argument("--config", help="a run config YAML or a run directory (its config.yaml): plans that run as "
                    "configured -- model, seq_len, micro-batch, global batch, token budget, precision, loss, "
                    "activation checkpointing, attention, strategy; the flags below override it")

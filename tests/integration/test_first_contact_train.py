@@ -128,3 +128,17 @@ def test_an_option_in_the_wrong_section_names_the_right_one():
     assert "unknown key train.lr (did you mean 'optim.lr'?)" in text
     assert "unknown key optim.max_steps (did you mean 'train.max_steps'?)" in text
     assert "unknown key train.min_lr (did you mean 'optim.min_lr_ratio'?)" in text
+
+
+def test_a_model_vocabulary_larger_than_the_datas_is_noted_at_the_start(tiny_overrides):
+    """A user who prepared a corpus with a 512-token BPE and trained a preset built for 8,192
+    saw a first loss of 9.0 under "uniform ln V = 6.2" and no word why."""
+    lines = []
+    cfg = build_config(overrides=tiny_overrides + ["train.max_steps=1", "model.vocab_size=8192", *QUIET])
+    train(cfg, log=lines.append)
+    note = [ln for ln in lines if "model.vocab_size 8,192 is larger than the data's vocabulary 512" in ln]
+    assert note and "model.vocab_size=512 matches the data" in note[0], lines[:6]
+    from flopwise.train.describe import unused_vocab_note
+
+    assert unused_vocab_note(50_304, 50_257, 768) == ""  # GPT-2's padding to a multiple of 64 is not waste
+    assert unused_vocab_note(512, 512, 64) == ""

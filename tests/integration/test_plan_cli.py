@@ -25,6 +25,8 @@ def test_plan_json_and_list_gpus(cli):
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["params"] == 361_821_120 and plan["hours"] == 30 and 4.5e9 < plan["tokens"] < 4.7e9
+    same = cli("plan", "--preset", "smollm-360m", "--gpu", "a100", "--hours", "30", "--json")  # as train spells it
+    assert same.returncode == 0 and json.loads(same.stdout)["params"] == plan["params"], same.stderr
     proc = cli("plan", "--list-gpus")
     assert proc.returncode == 0 and "H100 SXM" in proc.stdout and "989.4" in proc.stdout
     assert "1979" not in proc.stdout  # never the sparse figure

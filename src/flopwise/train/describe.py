@@ -34,6 +34,9 @@ def describe(run: Run) -> list[str]:
         epochs = f" ({total * step_tokens / run.train_loader.target_tokens_per_epoch:.2f} epochs)"
     lines.append(f"  data       {data.path} · vocab {data.vocab_size:,} · train {human(data.num_tokens('train'))} "
                  f"tokens · val {human(data.num_tokens('val'))} tokens · loader {cfg.data.loader}{epochs}")
+    unused = unused_vocab_note(m.vocab_size, data.vocab_size, m.d_model)
+    if unused:
+        lines.append(f"  {'':<10} {unused}")
     counts = run.flops.counts
     experts = f" · {m.n_experts} experts top-{m.moe_top_k} ({human(counts['active'])} active)" if m.is_moe else ""
     lines.append(f"  model      {m.arch} · {m.n_layers} layers · d_model {m.d_model} · heads {m.n_heads} q / "
@@ -70,3 +73,16 @@ def describe(run: Run) -> list[str]:
                      f"{human(t.batch_ramp_tokens)} tokens · {run.ramp.steps:,} steps for "
                      f"{human(t.max_tokens)} tokens")
     return lines
+
+
+def unused_vocab_note(model_vocab: int, data_vocab: int, d_model: int, pad: int = 128) -> str:
+    """A note when the model's vocabulary is larger than the data's by more than padding to a
+    multiple of ``pad`` (GPT-2's 50,257 -> 50,304 is padding, not waste): the extra rows of the
+    embedding and LM head are never a target, yet the head computes their logits every token,
+    and the loss starts at ln(model vocab), above the data's uniform ln V."""
+    padded = -(-data_vocab // pad) * pad
+    if model_vocab <= padded:
+        return ""
+    return (f"NOTE: model.vocab_size {model_vocab:,} is larger than the data's vocabulary {data_vocab:,}: "
+            f"{(model_vocab - data_vocab) * d_model:,} embedding and LM-head weights are never a target and the "
+            f"head computes their logits every token; model.vocab_size={padded} matches the data")

@@ -176,7 +176,7 @@ class Climb:
         self.ladder: dict[str, Any] = {"device": str(self.device), "budget_minutes": self.budget_s / 60,
                                        "rungs": [], "world": world,
                                        "start": {**self.best, "seconds": seconds, "settings": _settings_of(cfg)}}
-        self.log(f"ladder: start {self.best['tok_per_s']:,.0f} tok/s · first-step loss {self.best['loss']} · "
+        self.log(f"ladder: start {self.best['tok_per_s']:,.0f} tok/s · first-step loss {self.best['loss']:.6g} · "
                  f"{seconds:.0f} s a trial")
 
     def summary(self, m: dict[str, Any], world: int = 1) -> dict[str, Any]:
