@@ -137,8 +137,27 @@ def test_a_model_vocabulary_larger_than_the_datas_is_noted_at_the_start(tiny_ove
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=1", "model.vocab_size=8192", *QUIET])
     train(cfg, log=lines.append)
     note = [ln for ln in lines if "model.vocab_size 8,192 is larger than the data's vocabulary 512" in ln]
-    assert note and "model.vocab_size=512 matches the data" in note[0], lines[:6]
+    assert note and "model.vocab_size=512 fits the data" in note[0], lines[:6]
     from flopwise.train.describe import unused_vocab_note
 
     assert unused_vocab_note(50_304, 50_257, 768) == ""  # GPT-2's padding to a multiple of 64 is not waste
     assert unused_vocab_note(512, 512, 64) == ""
+
+
+def test_validation_windows_that_overlap_are_said_to(tiny_overrides, tmp_path, cli):
+    """eval.batches x micro-batch windows on a validation split smaller than they need: the
+    start-up summary and `flopwise eval` say the windows overlap and by how much."""
+    from flopwise.data.loader import overlap_note
+
+    assert overlap_note(4, 63, 256) == "" and "each token scored ~2x" in overlap_note(8, 63, 256)
+    cfg = build_config(overrides=tiny_overrides + ["train.max_steps=1", *QUIET])
+    val = open_data_dir(cfg.data, log=lambda s: None).num_tokens("val")
+    batches = -(-2 * val // (64 * 8))  # windows enough to score each validation token about twice
+    lines = []
+    train(build_config(overrides=tiny_overrides + ["train.max_steps=1", *QUIET, f"eval.batches={batches}"]),
+          log=lines.append)
+    assert any(f"NOTE: validation: {batches * 8:,} windows need" in ln and "so they overlap" in ln for ln in lines)
+    proc = cli("eval", str(tmp_path / "run"), "--windows", "4")
+    assert proc.returncode == 0 and "overlap" not in proc.stdout, proc.stdout + proc.stderr
+    proc = cli("eval", str(tmp_path / "run"), "--windows", str(batches * 8))
+    assert proc.returncode == 0 and "so they overlap (each token scored ~2x)" in proc.stdout, proc.stdout

@@ -644,6 +644,17 @@ def make_loader(
     raise ValueError(f"unknown loader mode {mode!r}: expected 'random' or 'epoch'")
 
 
+def overlap_note(n_windows: int, seq_len: int, split_tokens: int) -> str:
+    """"" when ``n_windows`` windows of ``seq_len + 1`` tokens fit in the split side by side;
+    else that they overlap (each token is scored about N times: the loss is of fewer tokens
+    than the count of windows suggests, and noisier)."""
+    need = n_windows * (seq_len + 1)
+    if need <= split_tokens:
+        return ""
+    return (f"{n_windows:,} windows need {need:,} tokens and the split holds {split_tokens:,}, so they overlap "
+            f"(each token scored ~{need / max(split_tokens, 1):.0f}x)")
+
+
 def fixed_windows(datadir: DataDir, split: str, seq_len: int, n_windows: int) -> torch.Tensor:
     """``n_windows`` evenly spaced windows of ``seq_len + 1`` tokens: ``(n, seq_len + 1)`` int64.
 

@@ -33,7 +33,7 @@ from tokenizers import Tokenizer
 from flopwise.checkpoints import latest_checkpoint, list_checkpoints
 from flopwise.config import DataConfig, RunConfig, load_run_config
 from flopwise.data.datadir import DataDir, check_cache_path, open_data_dir
-from flopwise.data.loader import fixed_windows
+from flopwise.data.loader import fixed_windows, overlap_note
 from flopwise.evaluate.loss import bits_per_byte, evaluate_loss, perplexity, target_bytes
 from flopwise.evaluate.tasks import evaluate_tasks
 from flopwise.model.io import EXPORT_RECORD, ModelSource, load_model, read_export_record, resolve
@@ -91,8 +91,9 @@ def evaluate(path: str | os.PathLike, data: str = "", tasks: list[str] | None = 
         out.update(val_loss=loss, val_ppl=perplexity(loss),
                    val_bpb=bits_per_byte(loss, w[:, 1:].numel(), target_bytes(w, dd.tokenizer)),
                    val_windows=n, val_seq_len=T)
+        overlap = overlap_note(n, T, dd.num_tokens("val"))
         log(f"  val        loss {loss:.4f} · ppl {out['val_ppl']:,.1f} · bpb {out['val_bpb']:.4f} "
-            f"({n} windows x {T} tokens: {why}; {dd.path})")
+            f"({n} windows x {T} tokens: {why}; {dd.path}{'; ' + overlap if overlap else ''})")
     elif not tasks and not said:
         log("  val        skipped: no data directory (give --data DIR)")
     if tasks:

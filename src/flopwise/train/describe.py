@@ -8,6 +8,7 @@ ramp), each a fact the user can check against their config; a pure function of t
 
 from __future__ import annotations
 
+from flopwise.data.loader import overlap_note
 from flopwise.measure.sinks import human
 from flopwise.train.device import device_label
 from flopwise.train.optim import describe_optimizer
@@ -35,8 +36,10 @@ def describe(run: Run) -> list[str]:
     lines.append(f"  data       {data.path} · vocab {data.vocab_size:,} · train {human(data.num_tokens('train'))} "
                  f"tokens · val {human(data.num_tokens('val'))} tokens · loader {cfg.data.loader}{epochs}")
     unused = unused_vocab_note(m.vocab_size, data.vocab_size, m.d_model)
-    if unused:
-        lines.append(f"  {'':<10} {unused}")
+    overlap = overlap_note(len(run.val_windows), t.seq_len, data.num_tokens("val")) if len(run.val_windows) else ""
+    for note in (unused, f"NOTE: validation: {overlap}; a larger val split gives a steadier loss" if overlap else ""):
+        if note:
+            lines.append(f"  {'':<10} {note}")
     counts = run.flops.counts
     experts = f" · {m.n_experts} experts top-{m.moe_top_k} ({human(counts['active'])} active)" if m.is_moe else ""
     lines.append(f"  model      {m.arch} · {m.n_layers} layers · d_model {m.d_model} · heads {m.n_heads} q / "
@@ -85,4 +88,5 @@ def unused_vocab_note(model_vocab: int, data_vocab: int, d_model: int, pad: int 
         return ""
     return (f"NOTE: model.vocab_size {model_vocab:,} is larger than the data's vocabulary {data_vocab:,}: "
             f"{(model_vocab - data_vocab) * d_model:,} embedding and LM-head weights are never a target and the "
-            f"head computes their logits every token; model.vocab_size={padded} matches the data")
+            f"head computes their logits every token; model.vocab_size={padded} fits the data (padded to a "
+            f"multiple of {pad})")
