@@ -160,7 +160,8 @@ def _generate_parser(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("generate", help="sample text from a run, a checkpoint or a Hugging Face model directory")
     p.add_argument("source", help="a run directory, a checkpoints/step-N directory or a Hugging Face model directory")
     p.add_argument("--prompt", default="", help="text to continue (default: the tokenizer's BOS or EOS)")
-    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=200,
+                   help="tokens to generate after the prompt (default 200)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=50, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 = off")
@@ -194,7 +195,8 @@ def _export_parser(sub: "argparse._SubParsersAction") -> None:
                     "consolidate a checkpoint that FSDP2 ranks wrote in shards.",
     )
     p.add_argument("source", help="a run directory or a checkpoints/step-NNNNNNN directory")
-    p.add_argument("out", help="the directory to write")
+    p.add_argument("out", nargs="?", help="the directory to write (or --out, as prepare and preflight spell it)")
+    p.add_argument("--out", dest="out_flag", metavar="OUT", help="the directory to write")
     p.add_argument("--format", default="hf", choices=["hf", "pt"],
                    help="hf: Hugging Face transformers (default); pt: one flopwise model.pt")
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it is not empty")
@@ -480,8 +482,11 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from flopwise.model.io import export_consolidated, export_hf  # lazy: torch
 
+    if (args.out is None) == (args.out_flag is None):
+        print("flopwise export: give the directory to write once: as OUT or as --out OUT", file=sys.stderr)
+        return 2
     write = export_consolidated if args.format == "pt" else export_hf
-    write(args.source, args.out, overwrite=args.overwrite, log=lambda line: print(line, flush=True))
+    write(args.source, args.out or args.out_flag, overwrite=args.overwrite, log=lambda line: print(line, flush=True))
     return 0
 
 

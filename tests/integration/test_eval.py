@@ -97,6 +97,8 @@ def test_generate_command_is_deterministic_and_the_cache_changes_nothing(run, ca
     greedy = capsys.readouterr().out
     assert cli_main(args + ["--temperature", "0", "--no-cache"]) == 0
     assert capsys.readouterr().out == greedy
+    hf_spelling = [a.replace("--max-tokens", "--max-new-tokens") for a in args]  # as transformers spells it
+    assert cli_main(hf_spelling) == 0 and capsys.readouterr().out == a
 
 
 def test_tensorboard_mirrors_the_metrics(run):

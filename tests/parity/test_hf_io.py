@@ -82,6 +82,16 @@ def test_export_does_not_overwrite_without_the_flag(tmp_path, capsys):
     assert (out / "model.safetensors").is_file() and not (out / "keep.txt").exists()
 
 
+def test_export_takes_out_as_a_flag_too_but_only_once(tmp_path, capsys):
+    run, _, _ = make_run(tmp_path, "llama-untied")
+    assert cli_main(["export", str(run), "--out", str(tmp_path / "flag")]) == 0  # as prepare and preflight spell it
+    assert (tmp_path / "flag" / "model.safetensors").is_file()
+    for args in ([], [str(tmp_path / "a"), "--out", str(tmp_path / "b")]):
+        assert cli_main(["export", str(run), *args]) == 2
+        assert "give the directory to write once" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_load_a_hugging_face_directory(tmp_path, name):
     cfg = CONFIGS[name]
