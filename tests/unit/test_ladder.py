@@ -313,6 +313,7 @@ def test_preflight_sends_n_rank_and_isolated_trials_to_fresh_processes(tiny_over
     ({"world": 3, "ladder": True}, "must be a multiple of --nproc-per-node 3"),
     ({"world": 0, "ladder": True}, "--nproc-per-node 0: must be at least 1"),
     ({"ladder": True, "isolation": "fork"}, "--ladder-isolation 'fork'"),
+    ({"ladder": True, "budget_minutes": -1}, "--budget-minutes -1: the ladder needs a time budget above 0"),
 ])
 def test_preflight_refuses_a_launch_it_cannot_make_before_any_work(tiny_overrides, tmp_path, kwargs, problem):
     from flopwise.config import ConfigError

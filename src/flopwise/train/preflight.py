@@ -138,7 +138,7 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     ``process`` (a fresh process each: ``train/trial.py``) or ``auto`` (process on CUDA).
     ``measure_fn`` (in this process) and ``spawn_fn`` (in fresh ones) are injectable for tests."""
     device = resolve_device(cfg.train.device)
-    problems = _launch_problems(cfg, device, world, ladder, isolation)
+    problems = _launch_problems(cfg, device, world, ladder, isolation, budget_minutes)
     if problems:  # before any work
         raise ConfigError(problems)
     out = Path(out_dir or f"runs/{cfg.preset or 'run'}-preflight")
@@ -247,9 +247,12 @@ def probe_sequences(cfg: RunConfig, sizes: list[int], device: torch.device, memo
     return probe if probe < cfg.train.global_batch_size else 0
 
 
-def _launch_problems(cfg: RunConfig, device: torch.device, world: int, ladder: bool, isolation: str) -> list[str]:
+def _launch_problems(cfg: RunConfig, device: torch.device, world: int, ladder: bool, isolation: str,
+                     budget_minutes: float = 15.0) -> list[str]:
     """What is wrong with preflight's own launch options, before any work."""
     out = []
+    if ladder and not budget_minutes > 0:
+        out.append(f"--budget-minutes {budget_minutes:g}: the ladder needs a time budget above 0")
     if isolation not in ("auto", "reset", "process"):
         out.append(f"--ladder-isolation {isolation!r}: choose auto, reset or process")
     if world < 1:
