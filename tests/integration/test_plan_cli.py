@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 import yaml
 
 from flopwise.config import build_config
@@ -88,6 +90,27 @@ def test_plan_that_does_not_fit_says_so_at_the_top(cli):
     for line in proc.stdout.splitlines():
         if line.strip().startswith(("wall time", "cost")):
             assert "NOT runnable" in line, line
+
+
+def test_a_set_up_that_fits_nowhere_is_told_what_would_make_it_fit(cli):
+    """smollm-1.7b on one 24 GB L4 needs 36 GiB: the plan names the changes that fit, each
+    planned, cheapest first, instead of a list of things to try."""
+    proc = cli("plan", "--model", "smollm-1.7b", "--gpu", "l4", "--tokens", "10B")
+    top = proc.stdout.splitlines()[:5]
+    assert proc.returncode == 0 and "  ! fits with --gpus 2 --strategy fsdp2: 20.50 GiB per GPU" in top, top
+    asked = ["--model", "smollm-360m", "--gpu", "l4", "--micro-batch", "8"]  # 8 x 2,048 tokens: too many
+    plan, _ = _plan_json(cli, *asked)
+    ways = plan["fit"]["suggestions"]
+    assert [w["flags"] for w in ways] == ["--micro-batch 2", "--checkpointing full",
+                                          "--gpus 2 --strategy fsdp2 --micro-batch 4"], ways
+    for w in ways:  # each suggestion, planned as its flags say, fits with the memory it named
+        again, _ = _plan_json(cli, *asked, *w["flags"].split())
+        assert again["runnable"] and again["memory_gb"] == pytest.approx(w["memory_gb"]), w
+    params, _ = _plan_json(cli, "--params", "70B", "--gpu", "h100")  # states only: the GPU count alone
+    assert [w["flags"] for w in params["fit"]["suggestions"]] == ["--gpus 16 --strategy fsdp2"]
+    proc = cli("plan", "--model", "smollm-1.7b", "--gpu", "l4", "--seq-len", "2048", "--micro-batch", "1",
+               "--memory-gb", "2")
+    assert "nothing up to 1,024 GPUs fits" in proc.stdout, proc.stdout[:400]
 
 
 def _plan_json(cli, *args):

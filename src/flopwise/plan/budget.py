@@ -295,9 +295,76 @@ def build_plan(inp: PlanInputs) -> dict[str, Any]:
         if fit["proposed"] and inp.auto_strategy:
             plan = others[fit["proposed"]]
             fit.update(strategy=fit["proposed"], switched=True)
+    if plan["fits"] is False:
+        fit["suggestions"] = fit_suggestions(inp)
     plan["fit"] = fit
     plan["runnable"] = plan["fits"] is not False
     return plan
+
+
+MAX_SUGGESTED_GPUS = 1024
+
+
+def fit_suggestions(inp: PlanInputs) -> list[dict[str, Any]]:
+    """What would make a set-up that does not fit in memory fit, the change to the run that
+    costs least first, each as the flags that plan it and the memory per GPU it needs:
+
+    1. a smaller micro-batch (when one was given) on the GPUs asked: the same global batch,
+       more accumulation;
+    2. full activation checkpointing on the GPUs asked (recomputing the forward costs about
+       a third of a step);
+    3. the fewest GPUs (a power of two) that fit with fsdp2, and with fsdp2 and full
+       checkpointing where that needs fewer; at the micro-batch the planner picks there (the
+       largest that fits), named when one was given.
+
+    Empty when nothing up to ``MAX_SUGGESTED_GPUS`` fits (one sequence is too big: shorten
+    it). With ``--params`` only the GPU count is suggested: only the states are counted."""
+    out: list[dict[str, Any]] = []
+    asked = inp.memory.strategy if inp.gpus > 1 else "single"
+
+    def plan_of(gpus: int, strategy: str, checkpointing: str, micro_batch: int = -1) -> dict[str, Any]:
+        mem = replace(inp.memory, strategy=strategy, activation_checkpointing=checkpointing, n_gpus=gpus)
+        return _build_plan(replace(inp, gpus=gpus, memory=mem,
+                                   micro_batch=inp.micro_batch if micro_batch < 0 else micro_batch))
+
+    def need_gb(gpus: int, strategy: str, checkpointing: str, micro_batch: int = -1) -> float | None:
+        p = plan_of(gpus, strategy, checkpointing, micro_batch)
+        return p["memory_gb"] if p["fits"] else None
+
+    def add(flags: str, gpus: int, strategy: str, checkpointing: str, gb: float, **more: Any) -> None:
+        out.append({"flags": flags, "gpus": gpus, "strategy": strategy, "checkpointing": checkpointing,
+                    "memory_gb": gb, **more})
+
+    ckpt = inp.memory.activation_checkpointing
+    if inp.model is not None and inp.micro_batch > 1:
+        b = inp.micro_batch // 2
+        while b >= 1:
+            gb = need_gb(inp.gpus, asked, ckpt, b)
+            if gb is not None:
+                add(f"--micro-batch {b}", inp.gpus, asked, ckpt, gb, micro_batch=b)
+                break
+            b //= 2
+    if inp.model is not None and ckpt != "full":
+        gb = need_gb(inp.gpus, asked, "full")
+        if gb is not None:
+            add("--checkpointing full", inp.gpus, asked, "full", gb)
+    fewest = MAX_SUGGESTED_GPUS + 1
+    for checkpointing in ([ckpt, "full"] if inp.model is not None and ckpt != "full" else [ckpt]):
+        n = 2
+        while n < fewest and n <= MAX_SUGGESTED_GPUS:
+            p = plan_of(n, "fsdp2", checkpointing, 0)  # the planner's micro-batch: the largest that fits there
+            if p["fits"]:
+                if n > inp.gpus:
+                    extra = " --checkpointing full" if checkpointing == "full" and ckpt != "full" else ""
+                    micro = p["batch"]["micro_batch"]
+                    if inp.micro_batch and micro != inp.micro_batch:
+                        extra += f" --micro-batch {micro}"
+                    add(f"--gpus {n} --strategy fsdp2{extra}", n, "fsdp2", checkpointing, p["memory_gb"],
+                        micro_batch=micro)
+                fewest = n
+                break
+            n *= 2
+    return out
 
 
 def _build_plan(inp: PlanInputs) -> dict[str, Any]:

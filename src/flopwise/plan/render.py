@@ -220,8 +220,12 @@ def _fit_banner(plan: dict[str, Any]) -> list[str]:
                      f"rerun with --strategy {proposed}. The time, cost and scaling below are NOT runnable as set up "
                      f"({asked}).")
     else:
-        lines.append("  ! no strategy fits as set up: the time, cost and scaling below are NOT runnable "
-                     "(try more GPUs, --checkpointing full, a smaller --micro-batch or --seq-len).")
+        lines.append("  ! no strategy fits as set up: the time, cost and scaling below are NOT runnable.")
+        ways = fit.get("suggestions") or []
+        for way in ways:
+            lines.append(f"  ! fits with {way['flags']}: {_gb(way['memory_gb'])} per GPU")
+        if not ways:
+            lines.append("  ! nothing up to 1,024 GPUs fits: a shorter --seq-len (or a smaller model) is needed")
     return lines
 
 
