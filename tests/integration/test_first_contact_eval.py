@@ -40,6 +40,9 @@ def test_run_and_its_export_give_the_same_validation_loss(run_and_export, small_
     assert cli_main(["eval", str(hf)]) == 0
     loss_hf, *geo_hf, why_hf = _val(capsys.readouterr().out)
     assert tuple(geo_hf) == want and "flopwise.json" in why_hf
+    # the embedded corpus the run trained on is named by its fingerprint, as a data directory is
+    builtin = json.loads((small_builtin[1] / "meta.json").read_text())["fingerprint"]
+    assert json.loads((hf / "flopwise.json").read_text())["validation"]["data_fingerprint"] == builtin
     assert loss_hf == pytest.approx(loss_run, abs=2e-4)  # the log's 4 decimals
     final = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if "val_loss" in line][-1]
     assert loss_run == pytest.approx(final["val_loss"], abs=2e-4)

@@ -652,7 +652,7 @@ def overlap_note(n_windows: int, seq_len: int, split_tokens: int) -> str:
     if need <= split_tokens:
         return ""
     return (f"{n_windows:,} windows need {need:,} tokens and the split holds {split_tokens:,}, so they overlap "
-            f"(each token scored ~{need / max(split_tokens, 1):.0f}x)")
+            f"(each token scored ~{need / max(split_tokens, 1):.1f}x)")
 
 
 def fixed_windows(datadir: DataDir, split: str, seq_len: int, n_windows: int) -> torch.Tensor:

@@ -194,8 +194,10 @@ def _export_record(src: ModelSource) -> dict[str, Any] | None:
         state = json.loads((src.path / "state.json").read_text())
     except (OSError, ValueError):
         state = {}
-    fingerprint = None
-    if cfg.data.path:  # the embedded corpus' directory is named by its fingerprint already
+    fingerprint = state.get("data_fingerprint")  # what the run trained on: its data directory or the embedded corpus
+    if not isinstance(fingerprint, str):
+        fingerprint = None
+    if fingerprint is None and cfg.data.path:  # a checkpoint from before state.json recorded it
         with contextlib.suppress(OSError, ValueError):
             fingerprint = json.loads((Path(cfg.data.path).expanduser() / "meta.json").read_text()).get("fingerprint")
     return {
