@@ -12,7 +12,9 @@ Three subprocesses, in order, on one model (default smollm-360m at seq 2048, a g
 
 It records the ladder's table, ``ladder / defaults`` (what the climb won) and ``after / ladder``
 (the issue's goal: within 5%), the minutes spent (goal: 15) and the hand-tuned figures the
-issue quotes for context, into ``<out>/ladder-<device>-<date>.json``. Without CUDA nothing is
+issue quotes for context, into ``<out>/ladder-<device>-<date>.json``, rewritten after each
+phase: a phase that fails is recorded under ``failed`` (the ones that need it are skipped)
+and the call that was cut short keeps what it measured. Without CUDA nothing is
 written unless ``--out`` is given (a CPU run of ``--preset tiny`` checks the script itself).
 
     PYTHONPATH=src python benchmarks/gpu/ladder.py [--preset smollm-360m] [--budget-minutes 7] [--out DIR]
@@ -94,31 +96,62 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(work=work, results={})
     doc: dict[str, Any] = {"benchmark": "ladder", "date": date.today().isoformat(), "device": name, "tag": tag,
                            "versions": versions, "preset": args.preset, "seq_len": args.seq,
-                           "global_batch": args.global_batch, "hand_tuned_context": HAND_TUNED}
-    flopwise = [sys.executable, "-m", "flopwise"]
-    _, doc["defaults_s"] = run([*flopwise, "train", "--preset", args.preset, *common, *steps,
-                                f"train.run_dir={ctx.run_dir('defaults')}"], work / "defaults.log")
-    defaults = parse_train(ctx, "", "defaults")
-    pf = work / "preflight"
-    out, doc["ladder_s"] = run([*flopwise, "preflight", "--ladder", "--preset", args.preset, *common,
-                                "--budget-minutes", f"{args.budget_minutes:g}", "--out", str(pf)], work / "ladder.log")
-    ladder = json.loads((pf / "preflight.json").read_text())["ladder"]
-    _, doc["after_s"] = run([*flopwise, "train", "--config", str(pf / "preflight.yaml"), *steps, *QUIET,
-                             f"train.run_dir={ctx.run_dir('after')}"], work / "after.log")
-    after = parse_train(ctx, "", "after")
-    doc["summary"] = summarize(ladder, defaults, after)
-    doc["ladder"] = ladder
-    doc["ladder_log"] = [ln for ln in out.splitlines() if ln.startswith(("ladder:", "preflight: measured ceiling"))]
-    doc["defaults"] = {k: defaults.get(k) for k in ("tok_per_s", "mfu", "mem_peak_gb", "startup")}
-    doc["after"] = {k: after.get(k) for k in ("tok_per_s", "mfu", "mem_peak_gb", "startup")}
-    print(json.dumps(doc["summary"], indent=2))
+                           "global_batch": args.global_batch, "hand_tuned_context": HAND_TUNED, "failed": {}}
     dest = Path(args.out) if args.out else (RESULTS if torch.cuda.is_available() else None)
-    if dest:
-        dest.mkdir(parents=True, exist_ok=True)
-        path = dest / f"ladder-{tag}-{doc['date']}.json"
-        path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    path = dest / f"ladder-{tag}-{doc['date']}.json" if dest else None
+
+    def save() -> None:  # after every phase: a call cut short keeps what it measured
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+
+    def phase(key: str, fn) -> Any:
+        """Run one phase; its failure is recorded (and the phases that need it skipped), not raised."""
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - a failed phase is a result of the benchmark
+            doc["failed"][key] = str(e)[-2000:]
+            print(f"{key}: FAILED: {e}", file=sys.stderr)
+            return None
+        finally:
+            save()
+
+    flopwise = [sys.executable, "-m", "flopwise"]
+
+    def defaults_phase() -> dict[str, Any]:
+        _, doc["defaults_s"] = run([*flopwise, "train", "--preset", args.preset, *common, *steps,
+                                    f"train.run_dir={ctx.run_dir('defaults')}"], work / "defaults.log")
+        parsed = parse_train(ctx, "", "defaults")
+        doc["defaults"] = {k: parsed.get(k) for k in ("tok_per_s", "mfu", "mem_peak_gb", "startup")}
+        return parsed
+
+    pf = work / "preflight"
+
+    def ladder_phase() -> dict[str, Any]:
+        out, doc["ladder_s"] = run([*flopwise, "preflight", "--ladder", "--preset", args.preset, *common,
+                                    "--budget-minutes", f"{args.budget_minutes:g}", "--out", str(pf)],
+                                   work / "ladder.log")
+        doc["ladder_log"] = [ln for ln in out.splitlines() if ln.startswith(("ladder:", "preflight: measured ceiling"))]
+        doc["ladder"] = json.loads((pf / "preflight.json").read_text())["ladder"]
+        return doc["ladder"]
+
+    def after_phase() -> dict[str, Any]:
+        _, doc["after_s"] = run([*flopwise, "train", "--config", str(pf / "preflight.yaml"), *steps, *QUIET,
+                                 f"train.run_dir={ctx.run_dir('after')}"], work / "after.log")
+        parsed = parse_train(ctx, "", "after")
+        doc["after"] = {k: parsed.get(k) for k in ("tok_per_s", "mfu", "mem_peak_gb", "startup")}
+        return parsed
+
+    defaults = phase("defaults", defaults_phase) or {}
+    ladder = phase("ladder", ladder_phase)
+    after = phase("after", after_phase) if ladder is not None else None
+    if ladder is not None:
+        doc["summary"] = summarize(ladder, defaults, after or {})
+        print(json.dumps(doc["summary"], indent=2))
+    save()
+    if path is not None:
         print(f"wrote {path}")
-    return 0
+    return 1 if doc["failed"] else 0
 
 
 if __name__ == "__main__":
