@@ -4,7 +4,6 @@ gradient sync only on the last micro-batch, agreed stop decisions, the data spli
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from pathlib import Path
 
@@ -14,14 +13,9 @@ import torch.multiprocessing as mp
 
 from flopwise.config import ConfigError, build_config
 from flopwise.train.distributed import init_distributed, read_launch_env
+from flopwise.train.trial import free_port
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, fn_name: str, out_dir: str, arg) -> None:
@@ -42,7 +36,7 @@ def _worker(rank: int, port: int, fn_name: str, out_dir: str, arg) -> None:
 
 
 def spawn(fn_name: str, tmp_path: Path, arg=None) -> list:
-    mp.spawn(_worker, args=(_free_port(), fn_name, str(tmp_path), arg), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), fn_name, str(tmp_path), arg), nprocs=WORLD, join=True)
     errors = [p.read_text() for p in sorted(tmp_path.glob("rank*.err"))]
     assert not errors, "\n".join(errors)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]

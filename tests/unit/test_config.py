@@ -6,8 +6,8 @@ import typing
 import pytest
 import yaml
 
-from flopwise.config import (SECTIONS, ConfigError, RunConfig, build_config, load_run_config, parse_override,
-                             preset_names, validate)
+from flopwise.config import (SECTIONS, ConfigError, DataConfig, RunConfig, build_config, load_run_config,
+                             parse_override, preset_names, validate)
 
 
 def test_every_issue_preset_is_shipped():
@@ -297,3 +297,19 @@ def test_a_quoted_boolean_word_is_the_choices_word_too(tmp_path):
     f.write_text("train:\n  compile: 'false'\ntracking:\n  tensorboard: 'off'\n")
     cfg = build_config(config_file=f)
     assert (cfg.train.compile, cfg.tracking.tensorboard) == ("off", "false")
+
+
+@pytest.mark.parametrize("value", ["-1", "9"])
+def test_config_refuses_prefetch_out_of_range(value):
+    with pytest.raises(ConfigError) as err:
+        build_config(overrides=[f"data.prefetch={value}"])
+    assert err.value.problems == [f"data.prefetch must be in [0, 8], got {value}"]
+    assert DataConfig(prefetch=int(value)).problems() == [f"data.prefetch must be in [0, 8], got {value}"]
+
+
+def test_config_prefetch_and_pin_memory_defaults_and_bounds():
+    assert (DataConfig().prefetch, DataConfig().pin_memory) == (0, True)
+    for value in (0, 8):
+        assert DataConfig(prefetch=value).problems() == []
+    cfg = build_config(overrides=["data.prefetch=8", "data.pin_memory=false"])
+    assert cfg.data.prefetch == 8 and cfg.data.pin_memory is False

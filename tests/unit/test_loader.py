@@ -624,26 +624,6 @@ def test_prefetch_flag_values_and_pin_memory_on_cpu(dd):
         make_loader("epoch", dd, "train", 16, 4, seed=3, prefetch=-1)
 
 
-@pytest.mark.parametrize("value", ["-1", "9"])
-def test_config_refuses_prefetch_out_of_range(value):
-    from flopwise.config import ConfigError, DataConfig, build_config
-
-    with pytest.raises(ConfigError) as err:
-        build_config(overrides=[f"data.prefetch={value}"])
-    assert err.value.problems == [f"data.prefetch must be in [0, 8], got {value}"]
-    assert DataConfig(prefetch=int(value)).problems() == [f"data.prefetch must be in [0, 8], got {value}"]
-
-
-def test_config_prefetch_and_pin_memory_defaults_and_bounds():
-    from flopwise.config import DataConfig, build_config
-
-    assert (DataConfig().prefetch, DataConfig().pin_memory) == (0, True)
-    for value in (0, 8):
-        assert DataConfig(prefetch=value).problems() == []
-    cfg = build_config(overrides=["data.prefetch=8", "data.pin_memory=false"])
-    assert cfg.data.prefetch == 8 and cfg.data.pin_memory is False
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
 @pytest.mark.parametrize("pin", [True, False])

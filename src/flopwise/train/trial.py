@@ -71,7 +71,7 @@ def measure_in_processes(cfg: RunConfig, micro_batch: int, checkpointing: str, w
         raise ConfigError([f"a {world}-rank trial needs {world} GPUs; this machine has {torch.cuda.device_count()}"])
     with tempfile.TemporaryDirectory(prefix="flopwise-trial-") as tmp:
         out = Path(tmp) / "result.json"
-        args = (world, _free_port(), cfg, micro_batch, checkpointing, warmup, steps, str(device), str(out),
+        args = (world, free_port(), cfg, micro_batch, checkpointing, warmup, steps, str(device), str(out),
                 os.getpid(), probe_sequences)
         ctx = mp.start_processes(_rank, args=args, nprocs=world, join=False, start_method="spawn")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -270,7 +270,7 @@ def extrapolated_step_s(micro_s: list[float], optimizer_s: float, accum: int, he
     return sum(micro_s[:head]) + (accum - head - 1) * sum(steady) / len(steady) + micro_s[-1] + optimizer_s
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A TCP port free on this machine now (the ranks' rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
