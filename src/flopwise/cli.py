@@ -117,9 +117,10 @@ def _preflight_parser(sub: "argparse._SubParsersAction") -> None:
                         "faster beyond the noise with the same first-step loss")
     p.add_argument("--budget-minutes", type=float, default=15.0, help="time the ladder may spend (default 15)")
     p.add_argument("--ladder-fp8", action="store_true", help="let the ladder keep fp8 (it changes numerics)")
-    p.add_argument("--ladder-isolation", choices=("auto", "reset", "process"), default="auto",
-                   help="how the ladder's trials are kept apart: a reset compiler and allocator in this process, "
-                        "or a fresh process each (auto: process on a GPU, reset on a CPU)")
+    p.add_argument("--isolation", "--ladder-isolation", dest="isolation", choices=("auto", "reset", "process"),
+                   default="auto",
+                   help="how trials (of the search or the ladder) are kept apart: a reset compiler and allocator in "
+                        "this process, or a fresh process each (auto: process on a GPU, reset on a CPU)")
     p.add_argument("--nproc-per-node", type=int, default=1,
                    help="with --ladder: scale the climbed configuration out to N ranks on this machine and climb "
                         "the data-parallel strategy and bucket size there (default 1)")
@@ -392,7 +393,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     preflight(cfg, tokens=args.tokens, hours=args.hours, memory_gb=args.memory_gb, headroom=args.headroom,
               warmup=args.warmup, steps=args.steps, price_per_gpu_hour=args.price_per_gpu_hour, out_dir=args.out,
               log=lambda s: print(s, flush=True), ladder=args.ladder, budget_minutes=args.budget_minutes,
-              ladder_fp8=args.ladder_fp8, world=args.nproc_per_node, isolation=args.ladder_isolation)
+              ladder_fp8=args.ladder_fp8, world=args.nproc_per_node, isolation=args.isolation)
     return 0
 
 

@@ -148,7 +148,7 @@ def test_the_ladder_at_two_ranks_from_the_command_line_writes_what_torchrun_laun
     assert rc == 0
     report = json.loads((out / "preflight.json").read_text())
     lad = report["ladder"]
-    assert report["ladder_isolation"] == "reset" and lad["world"] == 2
+    assert report["isolation"] == "reset" and lad["world"] == 2
     ranks = next(r for r in lad["rungs"] if r["rung"] == "ranks")
     assert ranks["status"] == "ok" and ranks["kept"] and "scaling efficiency" in ranks["why"]
     assert 0 < lad["scaling_efficiency"] and abs(ranks["loss"] - lad["start"]["loss"]) < 1e-4 * lad["start"]["loss"]
@@ -171,3 +171,39 @@ def test_the_search_times_a_probe_of_a_large_global_batch(tiny_overrides, tmp_pa
 
     report = preflight(cfg, memory_gb=0.05, out_dir=tmp_path / "pf", measure_fn=run, log=lambda s: None)
     assert 0 < report["probe_sequences"] < 256 and set(probes) == {report["probe_sequences"]}
+
+
+def test_the_search_measures_each_size_in_a_fresh_process_when_isolated(tiny_overrides, tmp_path):
+    """--isolation process (the default on a GPU): the plain search's trials run in processes of
+    their own, as the ladder's do, so one size's out-of-memory or fragmented allocator cannot
+    touch the next; auto on a CPU keeps them in this process."""
+    cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100"])
+    calls = {"here": 0, "spawned": []}
+
+    def here(cfg, micro_batch, checkpointing, warmup, steps, device):
+        calls["here"] += 1
+        return {"tok_per_s": 100.0 * micro_batch, "peak_gb": None, "data_share": 0.01}
+
+    def spawned(cfg, micro_batch, checkpointing, warmup, steps, device, world=1, timeout_s=None,
+                probe_sequences=0):
+        calls["spawned"].append((micro_batch, world, probe_sequences))
+        return {"tok_per_s": 100.0 * micro_batch, "peak_gb": None, "data_share": 0.01}
+
+    report = preflight(cfg, out_dir=tmp_path / "a", measure_fn=here, spawn_fn=spawned, log=lambda s: None,
+                       isolation="process")
+    assert calls["here"] == 0 and [b for b, _, _ in calls["spawned"]] == [1, 2, 4, 8, 16]
+    assert report["isolation"] == "process" and report["chosen"]["micro_batch_size"] == 16
+    calls.update(here=0, spawned=[])
+    report = preflight(cfg, out_dir=tmp_path / "b", measure_fn=here, spawn_fn=spawned, log=lambda s: None)
+    assert calls["here"] == 5 and not calls["spawned"] and report["isolation"] == "reset"
+
+
+@pytest.mark.slow
+def test_an_isolated_search_on_a_cpu_measures_for_real(tiny_overrides, tmp_path):
+    cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100", "train.global_batch_size=8",
+                                                   "train.micro_batch_size=4", "train.compile=off"])
+    lines = []
+    report = preflight(cfg, steps=3, warmup=1, out_dir=tmp_path / "pf", log=lines.append, isolation="process")
+    ok = [t for t in report["trials"] if t["status"] == "ok"]
+    assert [t["micro_batch"] for t in ok] == [1, 2, 4, 8] and all(t["tok_per_s"] > 0 for t in ok), report["trials"]
+    assert report["isolation"] == "process"

@@ -286,7 +286,7 @@ def test_preflight_sends_n_rank_and_isolated_trials_to_fresh_processes(tiny_over
     assert f"(torchrun --nproc-per-node 2 -m flopwise train --config {tmp_path / 'a' / 'preflight.yaml'})" in lines[-1]
     measured_here = sum(r["status"] == "ok" for r in report["ladder"]["rungs"] if r["rung"] not in N_RANK_RUNGS)
     # auto on a CPU: one-rank trials in this process, after one untimed warm-up of the start
-    assert report["ladder_isolation"] == "reset" and calls["here"] == 2 + measured_here
+    assert report["isolation"] == "reset" and calls["here"] == 2 + measured_here
     assert set(calls["spawned"]) == {2} and report["ladder"]["world"] == 2
     assert report["prediction"]["tok_per_s"] == pytest.approx(1600.0)  # the 2-rank rate carries the run
     tuned = build_config(config_file=str(tmp_path / "a" / "preflight.yaml"))
@@ -303,7 +303,7 @@ def test_preflight_sends_n_rank_and_isolated_trials_to_fresh_processes(tiny_over
     start, *options = calls["timeouts"]
     assert start is None and options and all(0 < t < 60 for t in options)  # the start is not timed out
     assert options == sorted(options, reverse=True)  # each option gets what is left of the minute
-    assert report["ladder_isolation"] == "process" and calls["here"] == 0 and set(calls["spawned"]) == {1}
+    assert report["isolation"] == "process" and calls["here"] == 0 and set(calls["spawned"]) == {1}
     measured = sum(r["status"] == "ok" for r in report["ladder"]["rungs"])
     assert len(calls["spawned"]) == 1 + measured  # a fresh process has nothing to warm: no untimed start
 
@@ -312,7 +312,7 @@ def test_preflight_sends_n_rank_and_isolated_trials_to_fresh_processes(tiny_over
     ({"world": 2}, "--nproc-per-node 2 needs --ladder"),
     ({"world": 3, "ladder": True}, "must be a multiple of --nproc-per-node 3"),
     ({"world": 0, "ladder": True}, "--nproc-per-node 0: must be at least 1"),
-    ({"ladder": True, "isolation": "fork"}, "--ladder-isolation 'fork'"),
+    ({"ladder": True, "isolation": "fork"}, "--isolation 'fork'"),
     ({"ladder": True, "budget_minutes": -1}, "--budget-minutes -1: the ladder needs a time budget above 0"),
 ])
 def test_preflight_refuses_a_launch_it_cannot_make_before_any_work(tiny_overrides, tmp_path, kwargs, problem):

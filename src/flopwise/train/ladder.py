@@ -11,7 +11,7 @@ scaled out to N ranks on this machine, and the data-parallel strategy and the gr
 size are climbed there.
 
 Each option is measured on its own (``trial.measure``: a fresh model, optimizer and compiler;
-on CUDA an emptied allocator and a reset peak; with ``--ladder-isolation process``, the
+on CUDA an emptied allocator and a reset peak; with ``--isolation process``, the
 default on a GPU, in a fresh process, which is how N-rank options always run), and is
 **kept** only when
 

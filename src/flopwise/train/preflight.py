@@ -133,9 +133,12 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
               spawn_fn=measure_in_processes) -> dict[str, Any]:
     """Preflight ``cfg`` on this machine (the module docstring lists the steps). With ``ladder``
     the micro-batch search is replaced by the optimization ladder (``train/ladder.py``), which
-    with ``world > 1`` also scales out to that many ranks here; ``isolation`` is how its
-    one-rank trials are kept apart: ``reset`` (compiler and allocator, in this process),
-    ``process`` (a fresh process each: ``train/trial.py``) or ``auto`` (process on CUDA).
+    with ``world > 1`` also scales out to that many ranks here; ``isolation`` is how the
+    one-rank trials (of the search or of the ladder) are kept apart: ``reset`` (compiler and
+    allocator, in this process), ``process`` (a fresh process each: ``train/trial.py``) or
+    ``auto`` (process on CUDA, where an out-of-memory or a crashed kernel must not take the
+    next trial's memory or the preflight with it; reset on a CPU, where a process costs more
+    than a tiny trial).
     ``measure_fn`` (in this process) and ``spawn_fn`` (in fresh ones) are injectable for tests."""
     device = resolve_device(cfg.train.device)
     problems = _launch_problems(cfg, device, world, ladder, isolation, budget_minutes)
@@ -161,8 +164,12 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
         for warning in report["end_to_end"]["recompiles"]:
             log(f"preflight: {warning}")
     windows = max(steps, MIN_WINDOWS)
+    fresh = isolation == "process" or (isolation == "auto" and device.type == "cuda")
+    report["isolation"] = "process" if fresh else "reset"
+    if fresh and device.type == "cuda":
+        torch.cuda.empty_cache()  # the trials' processes share the GPU with this one: hold nothing cached
     if ladder:  # 3. every rung, one change at a time (train/ladder.py), the micro-batch among them
-        cfg, best = climb_ladder(cfg, report, device, world, isolation, tokens, warmup, windows, fpt, peak,
+        cfg, best = climb_ladder(cfg, report, device, world, fresh, tokens, warmup, windows, fpt, peak,
                                  memory_gb, headroom, price_per_gpu_hour, budget_minutes, ladder_fp8, measure_fn,
                                  spawn_fn, clock, log)
         trials, reason = [best], "the ladder's last kept rung"
@@ -171,8 +178,13 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
         probe = probe_sequences(cfg, candidates(cfg), device, memory_gb, headroom)
         report["probe_sequences"] = probe or None
         kw = {"probe_sequences": probe} if probe else {}
-        trials = search(cfg, settings, lambda b, ckpt, w: measure_fn(_copy(cfg), b, ckpt, warmup, w, device, **kw),
-                        warmup, windows, fpt, peak, memory_gb, headroom, log)
+
+        def measure_one(b: int, ckpt: str, w: int) -> dict[str, Any]:
+            if fresh:  # a fresh process per trial, as the ladder's
+                return spawn_fn(_copy(cfg), b, ckpt, warmup, w, device, world=1, timeout_s=None, probe_sequences=probe)
+            return measure_fn(_copy(cfg), b, ckpt, warmup, w, device, **kw)
+
+        trials = search(cfg, settings, measure_one, warmup, windows, fpt, peak, memory_gb, headroom, log)
         best, reason = choose(trials)
     report["trials"] = [x.__dict__ for x in trials]
     report["chosen"] = {"micro_batch_size": best.micro_batch, "activation_checkpointing": best.checkpointing}
@@ -195,15 +207,13 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     return report
 
 
-def climb_ladder(cfg: RunConfig, report: dict[str, Any], device: torch.device, world: int, isolation: str,
+def climb_ladder(cfg: RunConfig, report: dict[str, Any], device: torch.device, world: int, fresh: bool,
                  tokens: int, warmup: int, windows: int, fpt: float, peak: float | None, memory_gb: float,
                  headroom: float, price_per_gpu_hour: float, budget_minutes: float, ladder_fp8: bool, measure_fn,
                  spawn_fn, clock: Callable[[], float], log: Log) -> tuple[RunConfig, Trial]:
     """Preflight's step 3 with ``--ladder``: the climb (``report["ladder"]``), its trials here or in
-    fresh processes, on a probe of the batch; the climbed configuration and its final rung as a trial."""
+    ``fresh`` processes, on a probe of the batch; the climbed configuration and its final rung as a trial."""
     run_tokens = tokens or cfg.total_steps() * cfg.tokens_per_step
-    fresh = isolation == "process" or (isolation == "auto" and device.type == "cuda")
-    report["ladder_isolation"] = "process" if fresh else "reset"
     sizes = [b for b in candidates(cfg) if not batch_split_problems(with_settings(
         cfg, {"train.micro_batch_size": b}).train, world)]  # micro-batches the N-rank launch can split into
     probe = probe_sequences(cfg, sizes, device, memory_gb, headroom)
@@ -218,8 +228,6 @@ def climb_ladder(cfg: RunConfig, report: dict[str, Any], device: torch.device, w
             return spawn_fn(*args, world=world, timeout_s=timeout_s, probe_sequences=probe * world)
         return measure_fn(*args, **({"probe_sequences": probe} if probe else {}))
 
-    if fresh and device.type == "cuda":
-        torch.cuda.empty_cache()  # the trials' processes share the GPU with this one: hold nothing cached
     report["ladder"] = climb(cfg, measure_one, device, sizes, run_tokens, fpt, peak, memory_gb, headroom,
                              price_per_gpu_hour, budget_minutes * 60, ladder_fp8, clock, log, world,
                              warm_up_process=not fresh)  # a fresh process per trial: nothing to warm here
@@ -254,7 +262,7 @@ def _launch_problems(cfg: RunConfig, device: torch.device, world: int, ladder: b
     if ladder and not budget_minutes > 0:
         out.append(f"--budget-minutes {budget_minutes:g}: the ladder needs a time budget above 0")
     if isolation not in ("auto", "reset", "process"):
-        out.append(f"--ladder-isolation {isolation!r}: choose auto, reset or process")
+        out.append(f"--isolation {isolation!r}: choose auto, reset or process")
     if world < 1:
         out.append(f"--nproc-per-node {world}: must be at least 1")
     elif world > 1:
