@@ -194,6 +194,19 @@ def test_train_refuses_a_shard_overwritten_with_one_repeated_valid_token(small_b
         train(cfg, log=lambda s: None)
 
 
+def test_a_run_on_data_of_the_piece_routing_recipe_warns_that_held_out_loss_reads_low(small_builtin, tiny_overrides,
+                                                                                     tmp_path):
+    data = copy_data(small_builtin, tmp_path)
+    meta = json.loads((data / "meta.json").read_text())
+    meta["recipe"] = {"version": 2}  # as flopwise prepare's recipe 2 wrote it: pieces continuing into val
+    meta["splits"]["val"]["continued_documents"] = 5
+    (data / "meta.json").write_text(json.dumps(meta))
+    lines = []
+    train(build_config(overrides=tiny_overrides + ["train.max_steps=1", f"data.path={data}"]), log=lines.append)
+    warning = [ln for ln in lines if "WARNING: val holds pieces of at least 5 documents that train also holds" in ln]
+    assert warning and "--overwrite" in warning[0], lines[:8]
+
+
 def rewrite_with_valid_crc(shard: Path, ids: np.ndarray) -> None:
     raw = bytearray(shard.read_bytes())
     magic, version, code, vocab, n, _crc = struct.unpack_from("<8sIIQQI", raw)

@@ -431,3 +431,24 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return raw[raw.rindex(")") + 2] not in "ZX"
+
+
+def test_a_directory_of_the_piece_routing_recipe_is_named_for_what_it_holds(tmp_path):
+    """Recipe 2 cut long documents into pieces that could alternate between splits. Such a
+    directory still trains, but the start of a run warns that held-out loss reads low, and a
+    prepare into it without --overwrite says which recipe made it."""
+    from flopwise.data.meta import held_out_overlap_note
+
+    write_corpus(tmp_path / "corpus", n_docs=120)
+    out = prepare(opts(tmp_path), log=quiet)
+    meta_path = out / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["recipe"]["version"] == 3 and held_out_overlap_note(meta) == ""
+    meta["recipe"]["version"], meta["fingerprint"] = 2, "0" * 64  # as recipe 2 wrote it
+    meta["splits"]["val"]["continued_documents"] = 7
+    meta_path.write_text(json.dumps(meta))
+    note = held_out_overlap_note(meta)
+    assert note.startswith("val holds pieces of at least 7 documents that train also holds") and "--overwrite" in note
+    assert held_out_overlap_note({"recipe": {"version": 1}, "splits": {"val": {"continued_documents": 3}}}) == ""
+    with pytest.raises(PrepareError, match=r"prepared by recipe 2; this flopwise prepares recipe 3"):
+        prepare(opts(tmp_path), log=quiet)

@@ -54,3 +54,22 @@ def write_text(path: Path, text: str) -> None:
         atomic_write(path, text)
     except OSError as e:
         raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+
+
+def held_out_overlap_note(meta: dict[str, Any]) -> str:
+    """"" unless ``meta`` is of a directory ``flopwise prepare`` wrote with its recipe 2, which
+    routed documents over 4,096 tokens in pieces that could alternate between splits; then how
+    many documents validation (and test) hold pieces of that began in another split -- text
+    whose own document train also holds, which makes their loss read low."""
+    recipe = meta.get("recipe")
+    splits = meta.get("splits")
+    if not isinstance(recipe, dict) or recipe.get("version") != 2 or not isinstance(splits, dict):
+        return ""
+    held = {s: (info or {}).get("continued_documents") for s, info in splits.items() if s in ("val", "test")}
+    held = {s: n for s, n in held.items() if isinstance(n, int) and n > 0}
+    if not held:
+        return ""
+    return (" and ".join(f"{s} holds pieces of at least {n:,} documents" for s, n in held.items())
+            + " that train also holds (flopwise prepare's recipe 2 cut long documents into pieces that could "
+            "alternate between splits), so held-out loss reads low; run the same flopwise prepare again with "
+            "--overwrite for whole-document splits")

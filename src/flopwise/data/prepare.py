@@ -60,6 +60,7 @@ Pipeline (bounded memory whatever the corpus size)::
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -498,6 +499,14 @@ def fingerprint(opts: PrepareOptions, source_identity: dict, tokenizer_sha: str 
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def _existing_recipe(out: Path) -> int | None:
+    """The recipe version of the data directory at ``out``, or None."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        version = json.loads((out / "meta.json").read_text()).get("recipe", {}).get("version")
+        return version if isinstance(version, int) else None
+    return None
+
+
 def _existing_fingerprint(out: Path) -> str | None:
     try:
         return json.loads((out / "meta.json").read_text()).get("fingerprint")
@@ -556,6 +565,9 @@ def _prepare_locked(opts: PrepareOptions, out: Path, source, fp: str, log: Log, 
             return out
         if any(out.iterdir()) and not opts.overwrite:
             what = "a prepared data directory with other inputs" if (out / "meta.json").is_file() else "files"
+            old = _existing_recipe(out)
+            if old is not None and old != RECIPE_VERSION:
+                what += f" (prepared by recipe {old}; this flopwise prepares recipe {RECIPE_VERSION})"
             raise PrepareError(f"--out {str(out)!r} already holds {what}; pass --overwrite to replace it "
                                "(it is only replaced once the new data is complete)")
     had_out = out.exists()

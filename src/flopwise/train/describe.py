@@ -9,6 +9,7 @@ ramp), each a fact the user can check against their config; a pure function of t
 from __future__ import annotations
 
 from flopwise.data.loader import overlap_note
+from flopwise.data.meta import held_out_overlap_note
 from flopwise.measure.sinks import human
 from flopwise.train.device import device_label
 from flopwise.train.optim import describe_optimizer
@@ -37,7 +38,9 @@ def describe(run: Run) -> list[str]:
                  f"tokens · val {human(data.num_tokens('val'))} tokens · loader {cfg.data.loader}{epochs}")
     unused = unused_vocab_note(m.vocab_size, data.vocab_size, m.d_model)
     overlap = overlap_note(len(run.val_windows), t.seq_len, data.num_tokens("val")) if len(run.val_windows) else ""
-    for note in (unused, f"NOTE: validation: {overlap}; a larger val split gives a steadier loss" if overlap else ""):
+    leak = held_out_overlap_note(data.meta)
+    for note in (unused, f"NOTE: validation: {overlap}; a larger val split gives a steadier loss" if overlap else "",
+                 f"WARNING: {leak}" if leak else ""):
         if note:
             lines.append(f"  {'':<10} {note}")
     counts = run.flops.counts
