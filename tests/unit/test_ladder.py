@@ -470,3 +470,30 @@ def test_on_cuda_the_attention_rung_skips_autos_own_pick_and_compile_modes_come_
     cfg.train.compile_mode = "max-autotune"
     assert [o["train.compile_mode"] for o in dict((n, o) for n, o, _ in rungs(cfg, cuda, [16]))["compile mode"]] == [
         "reduce-overhead"]
+
+
+@pytest.mark.parametrize("asked", [False, True])
+def test_fp8_is_measured_where_it_runs_and_kept_only_when_asked(monkeypatch, asked):
+    """On a GPU that runs float8 (capability 8.9+, torchao installed) the fp8 rung is measured
+    and its row marked; it changes numerics, so it is kept only with --ladder-fp8."""
+    import flopwise.train.ladder as ladder_mod
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(ladder_mod, "fp8_problem", lambda device: None)
+
+    def measure_one(cfg, world=1, timeout_s=None):
+        rate = 1500.0 if cfg.train.fp8 else 1000.0
+        loss = 9.004 if cfg.train.fp8 else 9.0  # fp8 moves the first loss by 4e-4: inside 2e-2
+        return {"tok_per_s": rate, "tok_per_s_windows": [rate] * 3, "peak_gb": None, "data_share": 0.01,
+                "first_loss": loss}
+
+    cfg = build_config(preset="tiny", overrides=["train.compile=model", "train.loss=plain", "train.precision=bf16"])
+    lad = climb(cfg, measure_one, cuda, [16], run_tokens=10**6, fpt=1e7, peak=None, log=lambda s: None, fp8=asked)
+    row = next(r for r in lad["rungs"] if r["rung"] == "fp8")
+    assert row["numerics"] == "fp8" and row["status"] == "ok" and row["delta_prev"] == pytest.approx(0.5)
+    assert row["kept"] is asked and lad["chosen"].get("train.fp8", False) is asked
+    if not asked:
+        assert row["why"] == "fp8 changes numerics: kept only when asked for (--ladder-fp8)"
+    monkeypatch.setattr(ladder_mod, "fp8_problem", lambda device: "train.fp8=true needs torchao")
+    assert "fp8" not in [name for name, _, _ in rungs(cfg, cuda, [16])]  # not offered where it cannot run
+    assert "fp8" in [name for name, _, _ in rungs(cfg, cuda, [16], fp8=True)]  # asked for: its row says why not

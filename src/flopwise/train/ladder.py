@@ -19,7 +19,7 @@ default on a GPU, in a fresh process, which is how N-rank options always run), a
   added, never less than ``MIN_NOISE``);
 - its first step's loss -- the same initial weights on the same first global batch -- is
   within ``SAME_NUMERICS`` of the kept configuration's (``CHANGED_NUMERICS`` for a rung that
-  changes numerics on purpose, such as bf16; fp8 is kept only when asked for);
+  changes numerics on purpose, such as bf16; fp8 is measured where it runs and kept only when asked for);
 - it fits the memory (measured peak under ``headroom`` of the device; an option whose
   planned peak does not fit is not run at all).
 
@@ -51,7 +51,7 @@ from flopwise.plan.budget import memory_settings_for_run
 from flopwise.plan.memory import estimate
 from flopwise.train.losses import fused_linear_cross_entropy_available
 from flopwise.train.parallel import incompatibilities
-from flopwise.train.precision import resolve as resolve_precision
+from flopwise.train.precision import fp8_problem, resolve as resolve_precision
 from flopwise.train.trial import failure_status
 
 SAME_NUMERICS = 1e-3  # relative first-step loss difference for a change that should not change it
@@ -71,14 +71,15 @@ def with_settings(cfg: RunConfig, settings: Settings) -> RunConfig:
 def rungs(cfg: RunConfig, device: torch.device, sizes: list[int],
           fp8: bool = False) -> list[tuple[str, list[Settings] | None, str]]:
     """``(rung, options, numerics)`` in climbing order, each where this device has it.
-    ``numerics``: "same", "changed" (kept within CHANGED_NUMERICS) or "fp8" (kept only if asked).
+    ``numerics``: "same", "changed" (kept within CHANGED_NUMERICS) or "fp8" (measured where the
+    device and torchao can run it, kept only if asked).
     The checkpointing rung's options (None here) depend on which micro-batches did not fit."""
     t, cuda = cfg.train, device.type == "cuda"
     out: list[tuple[str, list[Settings] | None, str]] = []
     if cuda:
         precisions = [p for p in ("bf16", "bf16-pure") if p != resolve_precision(t.precision, device).name]
         out.append(("precision", [{"train.precision": p} for p in precisions], "changed"))
-        if fp8:
+        if (fp8 or fp8_problem(device) is None) and not t.fp8:  # measured where it runs; kept only if asked
             out.append(("fp8", [{"train.fp8": True}], "fp8"))
         usable = available_backends(device, torch.bfloat16)
         current = select_backend(cfg.model.attention, device, torch.bfloat16, cfg.model.doc_mask)[0]  # auto's pick

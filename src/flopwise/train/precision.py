@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -78,18 +79,28 @@ class MasterWeights:
             p.copy_(m)
 
 
+def fp8_problem(device: torch.device) -> str | None:
+    """Why float8 training cannot run on ``device`` here, or None when it can: a CUDA GPU of
+    compute capability 8.9+ (Ada, Hopper) and torchao installed."""
+    if device.type != "cuda":
+        return "train.fp8=true needs a CUDA GPU (Hopper or newer), not " + device.type
+    if not torch.cuda.is_available():
+        return "train.fp8=true needs a CUDA GPU: CUDA is not available here"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return f"train.fp8=true needs compute capability 8.9+ (Ada/Hopper), this GPU has {major}.{minor}"
+    if importlib.util.find_spec("torchao") is None:
+        return "train.fp8=true needs torchao (pip install torchao)"
+    return None
+
+
 def apply_fp8(model: torch.nn.Module, device: torch.device) -> str:
     """Swap the blocks' linear layers for float8 training ones (torchao); the LM head stays
     in bf16. Raises ConfigError with the reason when that cannot be done here."""
-    if device.type != "cuda":
-        raise ConfigError(["train.fp8=true needs a CUDA GPU (Hopper or newer), not " + device.type])
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) < (8, 9):
-        raise ConfigError([f"train.fp8=true needs compute capability 8.9+ (Ada/Hopper), this GPU has {major}.{minor}"])
-    try:
-        from torchao.float8 import convert_to_float8_training  # lazy: torchao is optional, fp8 only
-    except ImportError:
-        raise ConfigError(["train.fp8=true needs torchao (pip install torchao)"]) from None
+    problem = fp8_problem(device)
+    if problem:
+        raise ConfigError([problem])
+    from torchao.float8 import convert_to_float8_training  # lazy: torchao is optional, fp8 only
 
     def only_blocks(module: torch.nn.Module, fqn: str) -> bool:
         # float8 GEMMs need both dimensions divisible by 16; the head stays higher precision
