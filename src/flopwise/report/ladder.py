@@ -233,5 +233,6 @@ def ladder_section(ladder: Ladder, run: Run, figure: str) -> str:
             '<p class="note">Δ: the change in tokens/s against the previous kept rung (what the ladder decided '
             "on) and against the starting configuration. Numerics: whether the change left the training numerics "
             "the same, as preflight judged it from the rung's loss. Full run: hours and cost of the whole run at "
-            "that rung's rate. Trial: the seconds its measurement took of the ladder's budget, compile included. Ladder vs actual: the run's measured steady tokens/s over the last kept rung's; "
-            "below 1 the run was slower than the ladder measured.</p></section>")
+            "that rung's rate. Trial: the seconds its measurement took of the ladder's budget, compile included. "
+            "Ladder vs actual: the run's measured steady tokens/s over the last kept rung's; below 1 the run was "
+            "slower than the ladder measured.</p></section>")

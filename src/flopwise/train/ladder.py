@@ -5,10 +5,10 @@ at a time, in the order people climb: precision, attention kernel, compile, loss
 micro-batch, activation checkpointing (only where it lets a micro-batch fit that does not fit
 without), the loader (batches assembled ahead; pinned host memory on CUDA), then on CUDA the
 compile mode and on a CPU the thread count. The compile modes come last: ``max-autotune``
-tunes kernels for the shapes of the chosen micro-batch, and its compile can take minutes, which
-the rungs that usually pay more (the micro-batch above all) should not wait behind. With ``--nproc-per-node N`` the climbed configuration is then
-scaled out to N ranks on this machine, and the data-parallel strategy and the gradient bucket
-size are climbed there.
+tunes kernels for the shapes of the chosen micro-batch, and its compile can take minutes,
+which the rungs that usually pay more (the micro-batch above all) should not wait behind.
+With ``--nproc-per-node N`` the climbed configuration is then scaled out to N ranks on this
+machine, and the data-parallel strategy and the gradient bucket size are climbed there.
 
 Each option is measured on its own (``trial.measure``: a fresh model, optimizer and compiler;
 on CUDA an emptied allocator and a reset peak; with ``--isolation process``, the
@@ -19,7 +19,8 @@ default on a GPU, in a fresh process, which is how N-rank options always run), a
   added, never less than ``MIN_NOISE``);
 - its first step's loss -- the same initial weights on the same first global batch -- is
   within ``SAME_NUMERICS`` of the kept configuration's (``CHANGED_NUMERICS`` for a rung that
-  changes numerics on purpose, such as bf16; fp8 is measured where it runs and kept only when asked for);
+  changes numerics on purpose, such as bf16; fp8 is measured where it runs and kept only
+  when asked for);
 - it fits the memory (measured peak under ``headroom`` of the device; an option whose
   planned peak does not fit is not run at all).
 
@@ -29,10 +30,10 @@ the best of noisy measurements and reads high; the fresh one is the ladder's fin
 It stops trying options once ``budget_s`` is spent (those rows say so); each row records the
 seconds its trial took. Before the budget is spent, time is held back for the rows that end
 the climb -- the scale-out to N ranks and, once a rung is kept, the confirmation -- about one
-start trial each, so a slow option (a long compile) cannot leave the climb unconfirmed. The ladder is a
-preflight option rather than its own command because it ends where preflight ends: the
-tuned ``preflight.yaml`` that ``flopwise train --config`` runs, and the prediction the run's
-report compares with.
+start trial each, so a slow option (a long compile) cannot leave the climb unconfirmed. The
+ladder is a preflight option rather than its own command because it ends where preflight
+ends: the tuned ``preflight.yaml`` that ``flopwise train --config`` runs, and the prediction
+the run's report compares with.
 """
 
 from __future__ import annotations
@@ -177,7 +178,8 @@ class Climb:
         self.ladder: dict[str, Any] = {"device": str(self.device), "budget_minutes": self.budget_s / 60,
                                        "rungs": [], "world": world,
                                        "start": {**self.best, "seconds": seconds, "settings": _settings_of(cfg)}}
-        self.log(f"ladder: start {self.best['tok_per_s']:,.0f} tok/s · first-step loss {self.best['loss']:.6g} · "
+        loss = "not measured" if self.best["loss"] is None else f"{self.best['loss']:.6g}"
+        self.log(f"ladder: start {self.best['tok_per_s']:,.0f} tok/s · first-step loss {loss} · "
                  f"{seconds:.0f} s a trial")
 
     def summary(self, m: dict[str, Any], world: int = 1) -> dict[str, Any]:
