@@ -8,7 +8,8 @@ import torch
 
 from flopwise.config import build_config
 from flopwise.data.datadir import open_data_dir
-from flopwise.train.trial import TrialError, measure, measure_in_processes
+from flopwise.train import trial as trial_mod
+from flopwise.train.trial import TrialError, measure, measure_in_processes, ready_processes
 
 CPU = torch.device("cpu")
 
@@ -65,3 +66,33 @@ def test_a_trial_past_its_time_is_stopped_and_leaves_no_process(cfg):
     with pytest.raises(TrialError, match=r"stopped after 3 s: the time budget ran out"):
         measure_in_processes(cfg, 8, "none", warmup=100_000, steps=3, device=CPU, world=2, timeout_s=3)
     assert multiprocessing.active_children() == []
+
+
+def test_a_one_rank_trial_that_fails_or_runs_past_its_time_says_so_and_leaves_no_process(cfg, tmp_path):
+    import multiprocessing
+
+    bad = build_config(overrides=[f"data.path={tmp_path / 'no-such-data'}", "train.compile=off"])
+    with pytest.raises(TrialError) as err:
+        measure_in_processes(bad, 8, "none", warmup=1, steps=3, device=CPU)
+    assert "\n" not in str(err.value) and "no-such-data" in str(err.value), str(err.value)
+    with pytest.raises(TrialError, match=r"stopped after 3 s: the time budget ran out"):
+        measure_in_processes(cfg, 8, "none", warmup=100_000, steps=3, device=CPU, timeout_s=3)
+    assert multiprocessing.active_children() == []
+
+
+def test_the_next_trials_process_is_made_ready_while_one_runs_and_closed_at_the_end(cfg):
+    """Inside ready_processes each one-rank trial starts the next one's process, which imports
+    while the trial runs and then runs nothing until its own trial: the same measurement, and
+    nothing left running after."""
+    import multiprocessing
+
+    here = measure(cfg, 8, "none", warmup=1, steps=3, device=CPU)
+    with ready_processes():
+        first = measure_in_processes(cfg, 8, "none", warmup=1, steps=3, device=CPU)
+        waiting = [p.proc.pid for p in trial_mod._ready]
+        assert len(waiting) == 1 and multiprocessing.active_children()  # the next one, already started
+        second = measure_in_processes(cfg, 8, "none", warmup=1, steps=3, device=CPU)
+        assert waiting[0] not in [p.proc.pid for p in trial_mod._ready]  # the second trial ran in it
+    for there in (first, second):
+        assert there["first_loss"] == pytest.approx(here["first_loss"], rel=1e-6)
+    assert trial_mod._ready == [] and multiprocessing.active_children() == []

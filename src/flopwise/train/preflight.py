@@ -21,6 +21,7 @@ settings: ``flopwise train --config preflight.yaml`` runs it as is).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import shutil
@@ -51,7 +52,7 @@ from flopwise.train.ladder import climb, planned_gb, with_settings
 from flopwise.train.defaults import resolve_speed
 from flopwise.train.precision import resolve
 from flopwise.train.trainer import train
-from flopwise.train.trial import failure_status, measure, measure_in_processes
+from flopwise.train.trial import failure_status, measure, measure_in_processes, ready_processes
 
 
 Log = Callable[[str], None]
@@ -168,10 +169,13 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     report["isolation"] = "process" if fresh else "reset"
     if fresh and device.type == "cuda":
         torch.cuda.empty_cache()  # the trials' processes share the GPU with this one: hold nothing cached
+    # On a GPU the next trial's process imports while one runs (on a CPU that would take the cores being timed)
+    ready = ready_processes() if fresh and device.type == "cuda" else contextlib.nullcontext()
     if ladder:  # 3. every rung, one change at a time (train/ladder.py), the micro-batch among them
-        cfg, best = climb_ladder(cfg, report, device, world, fresh, tokens, warmup, windows, fpt, peak,
-                                 memory_gb, headroom, price_per_gpu_hour, budget_minutes, ladder_fp8, measure_fn,
-                                 spawn_fn, clock, log)
+        with ready:
+            cfg, best = climb_ladder(cfg, report, device, world, fresh, tokens, warmup, windows, fpt, peak,
+                                     memory_gb, headroom, price_per_gpu_hour, budget_minutes, ladder_fp8, measure_fn,
+                                     spawn_fn, clock, log)
         trials, reason = [best], "the ladder's last kept rung"
     else:  # 3. the micro-batch search, each trial on a probe of the batch where memory bounds the micro-batch
         settings = memory_settings_for_run(cfg, precision, cfg.train.loss)  # checkpointing: tried both below
@@ -184,7 +188,8 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
                 return spawn_fn(_copy(cfg), b, ckpt, warmup, w, device, world=1, timeout_s=None, probe_sequences=probe)
             return measure_fn(_copy(cfg), b, ckpt, warmup, w, device, **kw)
 
-        trials = search(cfg, settings, measure_one, warmup, windows, fpt, peak, memory_gb, headroom, log)
+        with ready:
+            trials = search(cfg, settings, measure_one, warmup, windows, fpt, peak, memory_gb, headroom, log)
         best, reason = choose(trials)
     report["trials"] = [x.__dict__ for x in trials]
     report["chosen"] = {"micro_batch_size": best.micro_batch, "activation_checkpointing": best.checkpointing}
