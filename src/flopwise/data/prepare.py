@@ -60,7 +60,6 @@ Pipeline (bounded memory whatever the corpus size)::
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import json
@@ -499,19 +498,13 @@ def fingerprint(opts: PrepareOptions, source_identity: dict, tokenizer_sha: str 
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _existing_recipe(out: Path) -> int | None:
-    """The recipe version of the data directory at ``out``, or None."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        version = json.loads((out / "meta.json").read_text()).get("recipe", {}).get("version")
-        return version if isinstance(version, int) else None
-    return None
-
-
-def _existing_fingerprint(out: Path) -> str | None:
+def _existing_meta(out: Path) -> dict:
+    """The ``meta.json`` of the data directory at ``out``; {} when there is none readable."""
     try:
-        return json.loads((out / "meta.json").read_text()).get("fingerprint")
-    except (OSError, ValueError, AttributeError):
-        return None
+        meta = json.loads((out / "meta.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def output_lock(out: Path) -> DirLock:
@@ -560,13 +553,15 @@ def _prepare_locked(opts: PrepareOptions, out: Path, source, fp: str, log: Log, 
     if out.exists():
         if not out.is_dir():
             raise PrepareError(f"--out {str(out)!r} is a file, not a directory")
-        if _existing_fingerprint(out) == fp and (out / "meta.json").is_file():
+        meta = _existing_meta(out)
+        if meta.get("fingerprint") == fp:
             log(f"prepare: {out} already holds this data (same inputs, fingerprint {fp[:12]}); nothing to do")
             return out
         if any(out.iterdir()) and not opts.overwrite:
             what = "a prepared data directory with other inputs" if (out / "meta.json").is_file() else "files"
-            old = _existing_recipe(out)
-            if old is not None and old != RECIPE_VERSION:
+            recipe = meta.get("recipe")
+            old = recipe.get("version") if isinstance(recipe, dict) else None
+            if isinstance(old, int) and old != RECIPE_VERSION:
                 what += f" (prepared by recipe {old}; this flopwise prepares recipe {RECIPE_VERSION})"
             raise PrepareError(f"--out {str(out)!r} already holds {what}; pass --overwrite to replace it "
                                "(it is only replaced once the new data is complete)")

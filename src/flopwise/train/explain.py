@@ -8,13 +8,12 @@ from typing import Any, Callable
 import torch
 
 from flopwise.config import RunConfig
-from flopwise.data.loader import make_loader
 from flopwise.model import build_model, configure_attention
 from flopwise.train.distributed import resolve_device
 from flopwise.train.defaults import resolve_speed
 from flopwise.train.precision import autocast_factory
 from flopwise.train.precision import resolve as resolve_precision
-from flopwise.train.setup import open_data
+from flopwise.train.setup import open_data, train_loader
 from flopwise.train.step import make_loss_fn
 from flopwise.train.wrap import apply_activation_checkpointing, explain
 
@@ -25,9 +24,7 @@ def explain_run(cfg: RunConfig, log: Callable[[str], None] = print) -> dict[str,
     cfg, _ = resolve_speed(cfg, device, prec.name, 1)
     data = open_data(cfg, log)
     m, t = cfg.model, cfg.train
-    loader = make_loader(cfg.data.loader, data, "train", t.seq_len, t.micro_batch_size, seed=t.seed,
-                         device=device, doc_boundaries=m.doc_mask, prefetch=cfg.data.prefetch,
-                         pin_memory=cfg.data.pin_memory)
+    loader = train_loader(cfg, data, device)
     model = build_model(m, device=device, seed=t.seed)
     configure_attention(model, device, prec.autocast_dtype or torch.float32)
     apply_activation_checkpointing(model, t.activation_checkpointing, t.activation_checkpointing_every)

@@ -166,15 +166,13 @@ class Climb:
         self.memory_gb, self.headroom, self.price, self.budget_s, self.fp8 = memory_gb, headroom, price, budget_s, fp8
         self.clock, self.log, self.t0 = clock, log, clock()
         self.world = 1  # ranks the options are measured on now
-        self.world_asked = 1  # ranks the climb ends on (the scale-out, when more than one)
-        self.trial_s = 0.0  # the start's trial: what one more trial of the climbed configuration costs
         self.chosen: Settings = {}
 
     def spent_s(self) -> float:
         return self.clock() - self.t0
 
     def begin(self, cfg: RunConfig, start: dict[str, Any], world: int, seconds: float = 0.0) -> None:
-        self.cfg, self.best, self.world_asked, self.trial_s = cfg, self.summary(start), world, seconds
+        self.cfg, self.best = cfg, self.summary(start)
         self.ladder: dict[str, Any] = {"device": str(self.device), "budget_minutes": self.budget_s / 60,
                                        "rungs": [], "world": world,
                                        "start": {**self.best, "seconds": seconds, "settings": _settings_of(cfg)}}
@@ -212,9 +210,9 @@ class Climb:
         confirmation once a rung has been kept. Those rows themselves use all that is left."""
         if rung in ("ranks", "confirm"):
             return 0.0, ""
-        rows = (["the scale-out"] if self.world_asked > 1 and self.world == 1 else []) + (
+        rows = (["the scale-out"] if self.ladder["world"] > 1 and self.world == 1 else []) + (
             ["the confirmation"] if any(r["kept"] for r in self.ladder["rungs"]) else [])
-        return self.trial_s * len(rows), " and ".join(rows)
+        return self.ladder["start"]["seconds"] * len(rows), " and ".join(rows)  # the start's trial: one more
 
     def attempt(self, name: str, settings: Settings, numerics: str) -> dict[str, Any]:
         """Measure one option against the best so far, record its row, keep it if it earns that."""

@@ -197,6 +197,59 @@ def run_flops(cfg: RunConfig, device: torch.device, precision: str) -> Flops:
     return Flops(fpt, flops_per_token_6n(m), hfpt, peak, note, param_counts(m))
 
 
+def train_loader(cfg: RunConfig, data: DataDir, device: torch.device, rank: int = 0, world_size: int = 1,
+                 step_samples: int | None = None):
+    """The training split's loader as configured (``data.loader``, ``data.prefetch``,
+    ``data.pin_memory``, documents' boundaries for ``model.doc_mask``): the trainer's, a
+    preflight trial's and ``--explain``'s."""
+    t = cfg.train
+    return make_loader(cfg.data.loader, data, "train", t.seq_len, t.micro_batch_size, seed=t.seed, device=device,
+                       rank=rank, world_size=world_size, doc_boundaries=cfg.model.doc_mask,
+                       step_samples=step_samples, prefetch=cfg.data.prefetch, pin_memory=cfg.data.pin_memory)
+
+
+@dataclass
+class StepParts:
+    """What a training step is made of."""
+
+    model: torch.nn.Module  # the parameters (sharded in place under FSDP2)
+    master: MasterWeights | None  # bf16-pure: the fp32 copy the optimizer steps
+    train_model: torch.nn.Module  # the model as wrapped for training (compile, DDP, FSDP2, checkpointing)
+    loss_fn: Callable
+    optimizer: torch.optim.Optimizer
+    notes: dict[str, list[str]]  # for the start-up summary: "init", "speed", "attention", "parallel"
+
+
+def build_step(cfg: RunConfig, strategy: str, env: DistEnv, device: torch.device, prec: Precision,
+               init_weights: bool = False) -> StepParts:
+    """The model, its precision, attention kernel, wrappers, loss and optimizer, built in the
+    order they depend on each other. The trainer builds its run with this, and a preflight
+    trial (``trial.measure``) measures what it builds, so the two cannot drift apart.
+    ``init_weights``: load ``model.hf_config``'s weights (a new run; a trial times random ones)."""
+    m, t = cfg.model, cfg.train
+    model = build_model(m, device=device, seed=t.seed)
+    notes: dict[str, list[str]] = {"init": [], "speed": []}
+    if m.hf_config and init_weights:
+        notes["init"].append(load_hf_init(model, m.hf_config))
+    if t.fp8:
+        notes["speed"].append(apply_fp8(model, device))
+        if t.compile == "off":  # eager float8: the casts and scalings are separate kernels around each GEMM
+            notes["speed"].append("WARNING: fp8 without torch.compile is usually slower than bf16; "
+                                  "train.compile=model (the CUDA default) fuses its casts")
+    master = MasterWeights(model) if prec.name == "bf16-pure" else None
+    notes["attention"] = configure_attention(model, device, prec.autocast_dtype or model.tok_emb.weight.dtype)
+    # FSDP2 shards `model` in place: the optimizer is built after, on the shards
+    train_model, wrap_notes, notes["parallel"] = wrap_for_training(model, cfg, strategy, env, device,
+                                                                   prec.autocast_dtype)
+    notes["speed"] += wrap_notes
+    loss_fn = make_loss_fn(train_model, t.loss, t.loss_chunk_tokens,
+                           compile_mode=t.compile_mode if t.compile == "model" else None)
+    optimizer = build_optimizer(master.master if master else model, cfg.optim, device)
+    if strategy == "zero1":
+        optimizer = zero1_optimizer(optimizer)
+    return StepParts(model, master, train_model, loss_fn, optimizer, notes)
+
+
 def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.device, t_start: float,
           locks: contextlib.ExitStack, clock: Callable[[], float]) -> Run | TrainResult:
     """Build the run; or, when its checkpoint already holds every step asked for, the
@@ -231,40 +284,22 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
     task_names = [x.strip() for x in e.tasks.split(",") if x.strip()]
     task_paths = task_files(e.task_dir, task_names)  # a missing task file is named before any work
     # The data checks (each split long enough for a window) come before any allocation.
-    train_loader = make_loader(cfg.data.loader, data, "train", t.seq_len, t.micro_batch_size, seed=t.seed,
-                               device=device, doc_boundaries=m.doc_mask, rank=env.rank, world_size=world,
-                               step_samples=None if ramp else t.global_batch_size,  # epochs end on a step
-                               prefetch=cfg.data.prefetch, pin_memory=cfg.data.pin_memory)
+    loader = train_loader(cfg, data, device, env.rank, world,
+                          step_samples=None if ramp else t.global_batch_size)  # epochs end on a step
     # The held-out set does not depend on the number of ranks (they share it out), so runs on
     # 1 and 8 GPUs report comparable validation losses; a resumed run keeps its first one.
     val_windows = fixed_windows(data, "val", t.seq_len, e.batches * t.micro_batch_size)
 
     torch.manual_seed(t.seed)
-    model = build_model(m, device=device, seed=t.seed)
-    notes: dict[str, list[str]] = {"init": [], "speed": []}
+    parts = build_step(cfg, strategy.name, env, device, prec, init_weights=start.checkpoint is None)
+    model, master, train_model, loss_fn, optimizer = (parts.model, parts.master, parts.train_model, parts.loss_fn,
+                                                      parts.optimizer)
+    notes = parts.notes
     if "compile" in speed_notes:
-        notes["speed"].append(f"compile {speed_notes['compile']}")
-    if m.hf_config and start.checkpoint is None:
-        notes["init"].append(load_hf_init(model, m.hf_config))
-    if t.fp8:
-        notes["speed"].append(apply_fp8(model, device))
-        if t.compile == "off":  # eager float8: the casts and scalings are separate kernels around each GEMM
-            notes["speed"].append("WARNING: fp8 without torch.compile is usually slower than bf16; "
-                                  "train.compile=model (the CUDA default) fuses its casts")
-    master = MasterWeights(model) if prec.name == "bf16-pure" else None
-    notes["attention"] = configure_attention(model, device, prec.autocast_dtype or model.tok_emb.weight.dtype)
-    # FSDP2 shards `model` in place: the optimizer is built after, on the shards
-    train_model, wrap_notes, notes["parallel"] = wrap_for_training(model, cfg, strategy.name, env, device,
-                                                                   prec.autocast_dtype)
-    notes["speed"] += wrap_notes
-    loss_fn = make_loss_fn(train_model, loss_impl, t.loss_chunk_tokens,
-                           compile_mode=t.compile_mode if t.compile == "model" else None)
+        notes["speed"].insert(0, f"compile {speed_notes['compile']}")
     chunks = f", {t.loss_chunk_tokens} tokens per chunk" if loss_impl == "chunked" else ""
     notes["speed"].append(f"loss {speed_notes.get('loss', loss_impl)}{chunks}")
     state_model = master.master if master else model
-    optimizer = build_optimizer(state_model, o, device)
-    if strategy.name == "zero1":
-        optimizer = zero1_optimizer(optimizer)
     state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights + AdamW m, v
     deadline = Deadline(t.max_hours, t_start, state_bytes, clock=clock)
     run = Run(
@@ -272,7 +307,7 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
         prec=prec, autocast=autocast_factory(device, prec.autocast_dtype), strategy=strategy,
         loss_impl=loss_impl, model=model, train_model=train_model, state_model=state_model, master=master,
         optimizer=optimizer, opt_params=[q for group in optimizer.param_groups for q in group["params"]],
-        clip=o.grad_clip if o.grad_clip > 0 else float("inf"), loss_fn=loss_fn, train_loader=train_loader,
+        clip=o.grad_clip if o.grad_clip > 0 else float("inf"), loss_fn=loss_fn, train_loader=loader,
         val_windows=val_windows,
         val_bytes=0, task_names=task_names, task_paths=task_paths,
         guard=NonFiniteGuard.from_config(t, uniform_loss=math.log(m.vocab_size)),  # the logits' uniform loss

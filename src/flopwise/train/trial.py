@@ -40,18 +40,15 @@ import torch.multiprocessing as mp
 
 from flopwise.config import ConfigError, RunConfig
 from flopwise.data.datadir import open_data_dir
-from flopwise.data.loader import make_loader
 from flopwise.data.prepare import die_with_parent
 from flopwise.fsio import atomic_write
 from flopwise.measure.meter import median
-from flopwise.model import build_model, configure_attention
 from flopwise.train.distributed import DistEnv, init_distributed
-from flopwise.train.optim import build_optimizer
-from flopwise.train.parallel import grad_sync, resolve_strategy, zero1_optimizer
-from flopwise.train.precision import MasterWeights, apply_fp8, autocast_factory, resolve
-from flopwise.train.step import forward_backward, make_loss_fn
+from flopwise.train.parallel import grad_sync, resolve_strategy
+from flopwise.train.precision import autocast_factory, resolve
+from flopwise.train.setup import build_step, train_loader
+from flopwise.train.step import forward_backward
 from flopwise.train.train_step import apply_update, unscale_and_clip
-from flopwise.train.wrap import wrap_for_training
 
 TRIAL_TIMEOUT_MIN = 10.0  # a collective of a trial that waits longer fails the trial instead of hanging it
 
@@ -257,20 +254,10 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
     prec = resolve(t.precision, device)
     strategy = resolve_strategy(cfg, env, device, prec.name, t.loss).name if env.distributed else "single"
     data = open_data_dir(cfg.data, log=lambda s: None)
-    loader = make_loader(cfg.data.loader, data, "train", t.seq_len, micro_batch, seed=t.seed, device=device,
-                         rank=env.rank, world_size=world, doc_boundaries=cfg.model.doc_mask,
-                         prefetch=cfg.data.prefetch, pin_memory=cfg.data.pin_memory)
-    model = build_model(cfg.model, device=device, seed=t.seed)
-    if t.fp8:
-        apply_fp8(model, device)
-    master = MasterWeights(model) if prec.name == "bf16-pure" else None  # as the trainer does
-    configure_attention(model, device, prec.autocast_dtype or model.tok_emb.weight.dtype)
-    train_model, _, _ = wrap_for_training(model, cfg, strategy, env, device, prec.autocast_dtype)
-    loss_fn = make_loss_fn(train_model, t.loss, t.loss_chunk_tokens,
-                           compile_mode=t.compile_mode if t.compile == "model" else None)
-    opt = build_optimizer(master.master if master else model, cfg.optim, device)
-    if strategy == "zero1":
-        opt = zero1_optimizer(opt)
+    loader = train_loader(cfg, data, device, env.rank, world)
+    parts = build_step(cfg, strategy, env, device, prec)  # as the trainer builds its step
+    model, master, train_model, loss_fn, opt = (parts.model, parts.master, parts.train_model, parts.loss_fn,
+                                                parts.optimizer)
     params = [p for group in opt.param_groups for p in group["params"]]
     sync = grad_sync(train_model, strategy, accum) if strategy != "single" else None
     autocast = autocast_factory(device, prec.autocast_dtype)
@@ -335,7 +322,7 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
         first = env.sum([float(losses[0])], device)[0] / world if losses else None  # the ranks' mean
     finally:
         loader.close()
-        del model, train_model, opt, params
+        del parts, model, master, train_model, loss_fn, opt, params  # their memory goes before empty_cache
         torch.set_num_threads(threads)
         if cuda:
             torch.cuda.empty_cache()
