@@ -6,6 +6,7 @@ Each subcommand imports the modules that need torch (or numpy) inside itself, ma
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -18,6 +19,8 @@ from flopwise.plan.flops import param_counts
 from flopwise.plan.memory import MemorySettings, current_name
 from flopwise.plan.render import format_gpu_table, format_plan
 from flopwise.report import ReportError, build_report
+from flopwise.tune.dryrun import DEFAULT_GPU, DryRunFailed, dry_run, render
+from flopwise.tune.shim import DryRunUnavailable
 
 OVERRIDE_HELP = "section.key=value overrides, e.g. model.n_layers=4 optim.lr=1e-3 data.path=DIR"
 
@@ -123,7 +126,18 @@ def _preflight_parser(sub: "argparse._SubParsersAction") -> None:
                         "this process, or a fresh process each (auto: process on a GPU, reset on a CPU)")
     p.add_argument("--nproc-per-node", type=int, default=1,
                    help="with --ladder: scale the climbed configuration out to N ranks on this machine and climb "
-                        "the data-parallel strategy and bucket size there (default 1)")
+                        "the data-parallel strategy and bucket size there; with --dry-run: the GPUs per node traced "
+                        "(default 1)")
+    g = p.add_argument_group("dry run: the CUDA step traced on fake tensors, on any machine (no GPU needed)")
+    g.add_argument("--dry-run", action="store_true",
+                   help="trace the step a CUDA run of this config builds, on --gpu at --nproc-per-node x --nnodes "
+                        "ranks: whether it runs, per-rank memory by kind beside the planner's, the largest "
+                        "micro-batch that fits, host syncs, FLOPs, graph breaks and collectives (all traced, "
+                        "none measured)")
+    g.add_argument("--gpu", default=None, help=f"the GPU to trace for, from flopwise plan --list-gpus "
+                                               f"(default {DEFAULT_GPU})")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes to trace for (default 1)")
+    g.add_argument("--json", action="store_true", help="print the dry run's result as JSON")
     p.set_defaults(func=cmd_preflight)
 
 
@@ -388,12 +402,35 @@ def cmd_preflight(args: argparse.Namespace) -> int:
                        read_hf_config=_read_hf_config)
     _print_notes("preflight", cfg.notes)
     _one_process_only("preflight")
+    if args.dry_run:
+        return _dry_run(cfg, args)
+    if args.gpu or args.nnodes != 1 or args.json:
+        raise ConfigError(["--gpu, --nnodes and --json go with --dry-run (a preflight without it measures the "
+                           "device at hand)"])
     from flopwise.train.preflight import preflight  # lazy: torch
 
     preflight(cfg, tokens=args.tokens, hours=args.hours, memory_gb=args.memory_gb, headroom=args.headroom,
               warmup=args.warmup, steps=args.steps, price_per_gpu_hour=args.price_per_gpu_hour, out_dir=args.out,
               log=lambda s: print(s, flush=True), ladder=args.ladder, budget_minutes=args.budget_minutes,
               ladder_fp8=args.ladder_fp8, world=args.nproc_per_node, isolation=args.isolation)
+    return 0
+
+
+def _dry_run(cfg, args: argparse.Namespace) -> int:
+    if args.ladder:
+        raise ConfigError(["--dry-run traces one configuration; --ladder measures on the device at hand: "
+                           "choose one"])
+    say = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
+    try:
+        result = dry_run(cfg, gpu=args.gpu, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
+                         memory_gb=args.memory_gb, headroom=args.headroom, log=say)
+    except (DryRunUnavailable, DryRunFailed) as e:
+        print(f"flopwise preflight --dry-run: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print("\n".join(render(result)))
     return 0
 
 

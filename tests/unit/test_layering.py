@@ -6,7 +6,7 @@ Layers, low to high (a module may import its own layer and the ones below, never
     1  model, data, plan, measure
     2  evaluate
     3  train
-    4  report
+    4  report, tune (the dry run: it traces train's step)
     5  cli, __main__
 
 ``checkpoints`` (the checkpoint directory: find, verify, read) sits with ``fsio`` at the bottom:
@@ -40,11 +40,11 @@ LAYERS: dict[str, int] = {
     "model": 1, "data": 1, "plan": 1, "measure": 1,
     "evaluate": 2,
     "train": 3,
-    "report": 4,
+    "report": 4, "tune": 4,
     "cli": 5, "__main__": 5,
 }
 LAYER_NAMES = {0: "base (fsio/deps/config/checkpoints)", 1: "model/data/plan/measure", 2: "evaluate", 3: "train",
-               4: "report", 5: "cli"}
+               4: "report/tune", 5: "cli"}
 
 # (file relative to src/flopwise, imported module) -> why it is still inside a function without `# lazy:`
 ALLOWED_INNER: dict[tuple[str, str], str] = {}

@@ -100,6 +100,17 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec("T4",             None,   65.0,   None,   None,   8.1, 16, 0.32, ("t4 16gb", "Tesla T4")),
 )
 
+# CUDA compute capability of each entry (NVIDIA's CUDA GPUs list): what the dry run tells a
+# traced step's kernel choices (flash attention needs 8.0+, fp8 8.9+) about the GPU it traces.
+CAPABILITY: dict[str, tuple[int, int]] = {
+    "H200 NVL": (9, 0), "H200": (9, 0), "GH200": (9, 0), "H100 NVL": (9, 0), "H100 PCIe": (9, 0), "H100 SXM": (9, 0),
+    "B200": (10, 0), "A100 SXM 80GB": (8, 0), "A100 PCIe 80GB": (8, 0), "A100 SXM 40GB": (8, 0),
+    "A100 PCIe 40GB": (8, 0), "A10G": (8, 6), "A10": (8, 6), "L40S": (8, 9), "L4": (8, 9),
+    "RTX PRO 6000 Blackwell": (12, 0), "RTX 6000 Ada": (8, 9), "RTX A6000": (8, 6), "RTX 5090": (12, 0),
+    "RTX 4090": (8, 9), "RTX 3090": (8, 6), "V100 SXM2 32GB": (7, 0), "V100 SXM2 16GB": (7, 0), "T4": (7, 5),
+}
+
+
 DTYPES = ("bf16", "fp16", "fp8", "tf32", "fp32")
 
 # Words that say nothing about which card it is.

@@ -1,0 +1,183 @@
+"""``flopwise preflight --dry-run``: the CUDA step of a run, traced on fake tensors, on any machine.
+
+Before a GPU is rented: does the step this config builds on N × GPU run, does it fit, and will
+it keep the GPU busy? The trace (``tune/worker.py``, in a process of its own with the
+fake-CUDA shim preloaded: ``tune/shim.py``) answers with the step's per-rank peak memory by
+kind beside the planner's and the GPU's, the largest micro-batch that fits by trace, the host
+synchronisations per step with their source lines, the FLOPs against the analytic count, the
+graphs, breaks and recompiles under compile, and the collectives per step. Every figure is
+**traced**: computed from shapes, dtypes and the ops the step dispatches, never measured;
+:data:`UNSEEN` is what a trace cannot see.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+from flopwise.config import ConfigError, RunConfig, batch_split_problems
+from flopwise.measure.sinks import human
+from flopwise.plan import hardware
+from flopwise.tune.shim import DryRunUnavailable, ensure_shim, torch_install
+
+Log = Callable[[str], None]
+DEFAULT_GPU = "h100"
+TIMEOUT_S = 1800.0  # a 2B model at 8 ranks takes about a minute on 2 cores; a loaded machine far more
+UNSEEN = ("allocator caching and fragmentation (reserved above allocated)", "inductor's fused buffers and Triton code",
+          "CUDA graphs", "NCCL's own memory and communication overlap", "the flash-attn package's and cuDNN's kernels",
+          "numerics (NaN, overflow, fp16 loss scaling)", "ranks other than rank 0", "the data loader's copies")
+
+
+class DryRunFailed(RuntimeError):
+    """The traced step failed: what and where, in one line."""
+
+
+def gpu_spec(name: str | None) -> hardware.DeviceSpec:
+    spec = hardware.find(name or DEFAULT_GPU)
+    if spec is None:
+        raise ConfigError([hardware.unknown_gpu_message(name or "")])
+    return spec
+
+
+def torch_name(spec: hardware.DeviceSpec) -> str:
+    """The name torch.cuda would report for ``spec`` (so the run's own lookups find it again)."""
+    for alias in spec.aliases:
+        if alias.upper().startswith(("NVIDIA", "TESLA")):
+            return alias
+    return f"NVIDIA {spec.name}"
+
+
+def dry_run(cfg: RunConfig, gpu: str | None = None, nproc_per_node: int = 1, nnodes: int = 1,
+            memory_gb: float = 0.0, headroom: float = 0.9, log: Log = print,
+            timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
+    """Trace ``cfg``'s CUDA step on ``nproc_per_node`` × ``nnodes`` ranks of ``gpu``; the result
+    (what the worker wrote, plus the request). Raises ConfigError (bad input, before any work),
+    DryRunUnavailable (this machine cannot trace) or DryRunFailed (the step fails)."""
+    spec = gpu_spec(gpu)
+    problems = []
+    if nproc_per_node < 1 or nnodes < 1:
+        problems.append(f"--nproc-per-node {nproc_per_node} and --nnodes {nnodes} must both be >= 1")
+    if not 0 < headroom <= 1:
+        problems.append(f"--headroom {headroom} must be in (0, 1]")
+    if memory_gb < 0:
+        problems.append(f"--memory-gb {memory_gb} must be >= 0")
+    world = max(1, nproc_per_node) * max(1, nnodes)
+    problems += batch_split_problems(cfg.train, world)
+    if problems:
+        raise ConfigError(problems)
+    install = torch_install()
+    if install.cuda_build:
+        raise DryRunUnavailable(f"torch {install.version} is a CUDA build; the dry run traces with a CPU-only build "
+                                "of torch (./install.sh installs one where no torch is present). On a machine with "
+                                "the GPU, flopwise preflight measures the step itself")
+    shim = ensure_shim(install, log=log)
+    memory_bytes = int((memory_gb or spec.memory_gb) * 1024**3)
+    request = {"gpu": {"name": torch_name(spec), "capability": list(hardware.CAPABILITY[spec.name]),
+                       "memory_bytes": memory_bytes},
+               "world": world, "nproc_per_node": nproc_per_node, "nnodes": nnodes, "headroom": headroom}
+    with tempfile.TemporaryDirectory(prefix="flopwise-dryrun-") as tmp:
+        config_path, request_path, result_path = (Path(tmp) / n for n in ("config.yaml", "request.json", "result.json"))
+        config_path.write_text(cfg.to_yaml())
+        request["config_path"] = str(config_path)
+        request_path.write_text(json.dumps(request))
+        env = dict(os.environ, LD_PRELOAD=":".join(filter(None, [str(shim), os.environ.get("LD_PRELOAD", "")])),
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)  # not a launched rank
+        log(f"  tracing the step on {world} × {spec.name} (fake tensors; about a minute for a 2B model) ...")
+        try:
+            done = subprocess.run([sys.executable, "-m", "flopwise.tune.worker", str(request_path), str(result_path)],
+                                  env=env, capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise DryRunFailed(f"the trace did not finish in {timeout_s:.0f} s") from None
+        if not result_path.is_file():
+            raise DryRunUnavailable(_crash_line(done))
+        result = json.loads(result_path.read_text())
+    result["request"] = {k: v for k, v in request.items() if k != "config_path"}
+    result["request"]["gpu"]["spec"] = spec.name
+    if "error" in result:
+        where = f" at {result['where']}" if result.get("where") and result["where"] != "config" else ""
+        if result.get("where") == "config":
+            raise ConfigError([result["error"]])
+        raise DryRunFailed(f"the step fails on {world} × {spec.name}: {result['error']}{where}")
+    return result
+
+
+def _crash_line(done: subprocess.CompletedProcess) -> str:
+    """One line for a tracing process that ended without a result."""
+    if done.returncode < 0:
+        try:
+            how = signal.Signals(-done.returncode).name
+        except ValueError:
+            how = f"signal {-done.returncode}"
+        what = f"the tracing process was killed by {how}"
+    else:
+        what = f"the tracing process exited with status {done.returncode}"
+    lines = [ln.strip() for ln in done.stderr.splitlines() if ln.strip()]
+    return f"{what} ({lines[-1][:300] if lines else 'no output'}); the dry run is tested with torch 2.13 (CPU build)"
+
+
+# --------------------------------------------------------------------------- the report
+
+def _gib(x: float) -> str:
+    return f"{x:.2f} GiB"
+
+
+def _share(a: float, b: float) -> str:
+    return f"{100 * (a - b) / b:+.1f}%" if b else "n/a"
+
+
+def render(result: dict[str, Any]) -> list[str]:
+    """The dry run's report, a line each: what ran, memory, fit, syncs, FLOPs, compile, collectives."""
+    r, t = result["request"], result["trace"]
+    world, mem_gib = r["world"], r["gpu"]["memory_bytes"] / 1024**3
+    lines = [f"flopwise preflight --dry-run · {world} × {r['gpu']['spec']} ({r['nproc_per_node']} per node × "
+             f"{r['nnodes']} node(s)) · traced on fake tensors with torch {result['torch']}: nothing ran on a GPU"]
+    kernels = ", ".join(f"{k} ×{v}" for k, v in sorted(t.get("sdpa_kernels", {}).items())) or "no SDPA"
+    lines.append(f"  step       runs · {result['strategy']} · {result['precision']} · compile {result['compile']} · loss "
+                 f"{result['loss']} · SDPA kernels {kernels} · micro-batch {result['micro_batch']} × accumulation "
+                 f"{result['accum']} (traced: {t['traced_accum']}) · seq {result['seq_len']}")
+    eager, plan = t["eager_memory"], result["plan"]
+    kinds = " · ".join(f"{k} {v:.2f}" for k, v in eager["by_kind_gib"].items())
+    lines.append(f"  memory     rank 0's traced peak (eager): {_gib(eager['peak_gib'])} of {mem_gib:.0f} GiB · {kinds}")
+    compiled = t.get("compiled")
+    if compiled:
+        cm = compiled["memory"]
+        lines.append(f"             compiled ({cm['backend']}: the partitioner's saved activations, unfused "
+                     f"temporaries): {_gib(cm['peak_gib'])} ({_share(cm['peak_gib'], eager['peak_gib'])} vs eager)")
+    lines.append(f"             planner (flopwise plan): {_gib(plan['total'])} ({_share(plan['total'], eager['peak_gib'])} "
+                 "vs the eager trace)")
+    fit = result["fit"]
+    if fit.get("micro_batch"):
+        peak = fit["tried_gib"].get(str(fit["micro_batch"]), fit["tried_gib"].get(fit["micro_batch"]))
+        lines.append(f"  fits       largest micro-batch by trace: {fit['micro_batch']} ({_gib(peak)} within "
+                     f"{fit['cap_gib']:.1f} GiB = {100 * r['headroom']:.0f}% of {mem_gib:.0f})")
+    else:
+        lines.append(f"  fits       no micro-batch fits within {fit['cap_gib']:.1f} GiB by trace")
+    syncs = t["syncs"]
+    lines.append(f"  host syncs {len(syncs)} per step" + (":" if syncs else ""))
+    lines += [f"             {s['op'].split('.')[1] if '.' in s['op'] else s['op']} at {s['source']}" for s in syncs]
+    f = t["flops"]
+    scale = f["per_step_scale"]
+    exact = "exact" if f["matmul"] == f["matmul_expected"] else _share(f["matmul"], f["matmul_expected"])
+    lines.append(f"  FLOPs      rank 0 per step: matmuls {human(f['matmul'] * scale)} = analytic 6·N_matmul"
+                 f"{' + recompute' if f['recompute_fraction'] else ''} ({exact}) · attention "
+                 f"{human(f['attention'] * scale)} traced vs {human(f['attention_model'] * scale)} model "
+                 "(the flash backward recomputes the scores: hardware, not model FLOPs)")
+    if compiled:
+        last = compiled["per_step"][-1]
+        recompiles = len(compiled["recompile_reasons"])
+        lines.append(f"  compile    {last['graphs']} graph(s), {last['graph_breaks']} graph break(s), {recompiles} "
+                     f"recompile(s) over {len(compiled['per_step'])} steps")
+        lines += [f"             break: {k} (×{v})" for k, v in compiled["break_reasons"].items()]
+        lines += [f"             recompile: {m}" for m in compiled["recompile_reasons"]]
+    if t["collectives"]:
+        parts = [f"{op.strip('_')} ×{c['calls']} ({human(c['bytes'], 'B')})" for op, c in t["collectives"].items()]
+        lines.append(f"  collectives per traced step: {' · '.join(parts)}")
+    lines.append(f"  not seen   a trace cannot see {'; '.join(UNSEEN)}")
+    return lines

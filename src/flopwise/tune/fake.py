@@ -1,0 +1,470 @@
+"""A GPU that is not there: the fake-CUDA environment the dry run traces the training step in.
+
+Under ``FakeTensorMode`` every op runs its shape and dtype logic and allocates nothing, so the
+trainer's own step can run on tensors that say ``cuda`` on a machine without one. What a CPU
+build of torch lacks for that, and what flopwise's CUDA path asks of the device, is supplied
+here, all in one place (:func:`install`), in the worker process only:
+
+- the C++ shim (``shim.py``, preloaded) answers device guards and CUDA hooks;
+- ``torch.cuda`` answers for the GPU being traced: its name, compute capability, memory and
+  count; streams and events are the generic ones, served by the shim's no-op guard;
+- SDPA takes the kernel a CUDA build would choose (:func:`cuda_sdpa_choice`): a CPU build's
+  fake tensors would silently take the math kernel and store (B, H, T, T) scores;
+- ``torch.compile`` traces with a device-agnostic backend (no Triton): AOTAutograd with the
+  min-cut partitioner inductor uses, so the saved activations are the compiled step's;
+- the model is built as ``build_model`` builds it, minus the random values (none exist);
+- DDP skips the cross-rank checks and broadcasts that read storage, and reduces buckets through
+  a Python hook (the fake process group's works carry no tensors); its bucket order is kept;
+- FSDP2's default device mesh is built outside fake mode (its rank map is read on the host);
+- bf16-pure's deep copy of the model stays in the one fake mode.
+
+Recorders that need no dispatch mode (one on the stack makes dynamo skip compiling without a
+word): :class:`LiveMemory` counts every fake storage as it is made and freed. Recorders that
+do: :class:`StepWatch` (host reads and collectives). ``tune/worker.py`` uses them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import traceback
+import types
+import weakref
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+import flopwise.model.transformer as transformer
+import flopwise.train.parallel as parallel
+import flopwise.train.precision as precision
+import flopwise.train.setup as setup
+
+
+@dataclass(frozen=True)
+class FakeGpu:
+    name: str  # as torch.cuda.get_device_name reports it
+    capability: tuple[int, int]
+    memory_bytes: int
+    count: int = 8  # GPUs torch.cuda says this node has
+
+
+def shim_loaded() -> bool:
+    """Whether the C++ shim is in this process (preloaded before torch initialised CUDA)."""
+    import ctypes
+    try:
+        return bool(ctypes.CDLL(None).flopwise_fake_cuda_shim())
+    except AttributeError:
+        return False
+
+
+def install(gpu: FakeGpu) -> None:
+    """Make this process trace for ``gpu``; call once, before building anything."""
+    _patch_cuda(gpu)
+    _patch_streams()
+    _patch_sdpa(gpu.capability)
+    _patch_compile()
+    _patch_device_mesh()
+    _patch_ddp()
+    _patch_flopwise()
+
+
+def fake_mode() -> FakeTensorMode:
+    return FakeTensorMode(allow_non_fake_inputs=False)
+
+
+# --------------------------------------------------------------------------- torch.cuda
+
+def _patch_cuda(gpu: FakeGpu) -> None:
+    c = torch.cuda
+    props = types.SimpleNamespace(name=gpu.name, total_memory=gpu.memory_bytes, major=gpu.capability[0],
+                                  minor=gpu.capability[1], multi_processor_count=132, is_integrated=False)
+    c.is_available = lambda: True
+    c.is_bf16_supported = lambda *a, **k: gpu.capability >= (8, 0)
+    c.device_count = lambda: gpu.count
+    c.current_device = lambda: 0
+    c.set_device = lambda d: None
+    c.synchronize = lambda *a, **k: None
+    c.get_device_name = lambda d=None: gpu.name
+    c.get_device_capability = lambda d=None: gpu.capability
+    c.get_device_properties = lambda d=None: props
+    c._lazy_init = lambda: None  # torch.accelerator's device index calls it back
+    c.is_initialized = lambda: True
+
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:  # dynamo saves and restores it around tracing
+        with unset_fake_temporarily():
+            return torch.zeros(16, dtype=torch.uint8)
+
+    c.get_rng_state = get_rng_state
+    c.get_rng_state_all = lambda: [get_rng_state()]
+    c.set_rng_state = lambda *a, **k: None
+    c.set_rng_state_all = lambda *a, **k: None
+    # nn.Module._apply on fake tensors replaces parameters rather than swapping their payloads
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+
+
+def _patch_streams() -> None:
+    """The CPU build's torch.cuda.Stream/Event are placeholders that raise; FSDP2 and DDP use
+    them. The generic torch.Stream/Event on "cuda" go through the shim's guard: every stream is
+    the default one and events are complete, so the order of work is not modelled."""
+    c = torch.cuda
+    c.Stream = lambda device=None, priority=0, **kw: torch.Stream(device="cuda", priority=priority)
+    c.Event = lambda enable_timing=False, blocking=False, interprocess=False: torch.Event(
+        device="cuda", enable_timing=enable_timing)
+    c.current_stream = lambda device=None: torch.accelerator.current_stream()
+    c.default_stream = lambda device=None: torch.accelerator.current_stream()
+    c.set_stream = lambda s: torch.accelerator.set_stream(s)
+
+    @contextlib.contextmanager
+    def stream(s: Any):
+        if s is None:
+            yield
+            return
+        previous = torch.accelerator.current_stream()
+        torch.accelerator.set_stream(s)
+        try:
+            yield
+        finally:
+            torch.accelerator.set_stream(previous)
+
+    c.stream = stream
+
+
+# --------------------------------------------------------------------------- attention
+
+SDPA_KERNELS = {0: "math", 1: "flash", 2: "efficient"}
+SDPA_CHOICES: Counter = Counter()  # kernel name -> calls, outside compiled graphs
+_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+
+def cuda_sdpa_choice(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None,
+                     capability: tuple[int, int]) -> int:
+    """The kernel a CUDA build of torch picks for SDPA (``sdp_utils.cpp``, its main rules):
+    flash for fp16/bf16 without a mask, head_dim <= 256 and a multiple of 8, on sm80+ (GQA
+    included); memory-efficient with a mask when query and key heads match (it takes no GQA);
+    else math. cuDNN attention is not modelled (not preferred by default)."""
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    hd = q.shape[-1]
+    if half and attn_mask is None and hd <= 256 and hd % 8 == 0 and capability >= (8, 0):
+        return 1
+    if q.shape[1] == k.shape[1] and hd % 8 == 0:
+        return 2
+    return 0
+
+
+def _patch_sdpa(capability: tuple[int, int]) -> None:
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if q.device.type != "cuda":
+            return _sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        choice = cuda_sdpa_choice(q, k, attn_mask, capability)
+        if not torch.compiler.is_compiling():  # a global changed while tracing would guard and recompile
+            SDPA_CHOICES[SDPA_KERNELS[choice]] += 1
+        if choice == 1:
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False,
+                                                                      scale=scale)[0]
+        if choice == 2:
+            bias = attn_mask
+            if bias is not None and bias.dtype == torch.bool:  # CUDA SDPA turns a boolean mask into a -inf bias
+                bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device).masked_fill_(~bias, float("-inf"))
+            if bias is not None:
+                bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+            return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout_p, is_causal,
+                                                                          scale=scale)[0]
+        return _sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    torch.nn.functional.scaled_dot_product_attention = sdpa
+
+
+# --------------------------------------------------------------------------- compile
+
+COMPILED_BACKEND = "aot_eager_decomp_partition"  # inductor's decompositions and min-cut partitioner, no codegen
+
+
+def _patch_compile() -> None:
+    """Whatever mode flopwise asks for, trace with :data:`COMPILED_BACKEND`: the same graphs,
+    breaks and recompiles, and the activations the partitioner saves for backward."""
+    compile_ = torch.compile
+
+    def compile_traced(model: Any = None, **kwargs: Any):
+        kwargs.pop("mode", None)
+        kwargs.pop("options", None)
+        kwargs["backend"] = COMPILED_BACKEND
+        return compile_(model, **kwargs) if model is not None else compile_(**kwargs)
+
+    torch.compile = compile_traced
+    module_compile = torch.nn.Module.compile
+
+    def compile_module(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        kwargs.pop("mode", None)
+        kwargs.pop("options", None)
+        module_compile(self, backend=COMPILED_BACKEND, **kwargs)
+
+    torch.nn.Module.compile = compile_module
+
+
+# --------------------------------------------------------------------------- data parallel
+
+def _patch_device_mesh() -> None:
+    """fully_shard builds its default mesh inside the caller's fake mode, where the rank map (a
+    torch.arange) is fake and its .tolist() has no values: build it outside."""
+    import torch.distributed.device_mesh as device_mesh
+    import torch.distributed.fsdp._fully_shard._fsdp_init as fsdp_init
+
+    original = device_mesh.init_device_mesh
+
+    def init_device_mesh(*args: Any, **kwargs: Any):
+        with unset_fake_temporarily():
+            return original(*args, **kwargs)
+
+    device_mesh.init_device_mesh = init_device_mesh
+    fsdp_init.init_device_mesh = init_device_mesh
+
+
+class _KeepBuckets:
+    """DDP's reducer, less the bucket rebuild after the first step (it broadcasts rank 0's order
+    through storage written in C++; one process has nothing to agree with)."""
+
+    def __init__(self, reducer: Any):
+        object.__setattr__(self, "_reducer", reducer)
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+
+def _allreduce_hook(state: Any, bucket: Any) -> torch.futures.Future:
+    """DDP's default all-reduce (sum, then divide by the world), in Python: the fake process
+    group's works carry no tensors, which the built-in C++ hook asserts on."""
+    buf = bucket.buffer()
+    dist.all_reduce(buf)
+    buf.div_(dist.get_world_size())
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+def _patch_ddp() -> None:
+    import torch.nn.parallel.distributed as ddp
+
+    ddp._verify_param_shape_across_processes = lambda *a, **k: None  # reads storage; one process anyway
+    ddp._sync_module_states = lambda *a, **k: None
+
+    class TracedDDP(ddp.DistributedDataParallel):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            self.register_comm_hook(None, _allreduce_hook)
+            self.reducer = _KeepBuckets(self.reducer)
+
+    parallel.DDP = TracedDDP
+
+
+# --------------------------------------------------------------------------- flopwise's own pieces
+
+def _build_model_shapes(cfg: Any, device: Any = "cpu", seed: int = 1337) -> transformer.Transformer:
+    """``build_model`` without the random values (none exist here, and a CPU build has no CUDA
+    generator): built on the meta device outside fake mode, materialised on the fake device,
+    RoPE tables recomputed there, attention configured as build_model configures it."""
+    with unset_fake_temporarily(), torch.device("meta"):
+        model = transformer.Transformer(cfg)
+    if torch.device(device).type == "meta":
+        return model
+    fake = next(m for m in _get_current_dispatch_mode_stack() if isinstance(m, FakeTensorMode))
+    allow, fake.allow_non_fake_inputs = fake.allow_non_fake_inputs, True  # the meta parameters, only here
+    try:
+        model.to_empty(device=device)
+    finally:
+        fake.allow_non_fake_inputs = allow
+    model.reset_rope()
+    transformer.configure_attention(model, torch.device(device), torch.float32)
+    return model
+
+
+def _deepcopy_in_mode(obj: Any, memo: dict | None = None) -> Any:
+    """copy.deepcopy of a module of fake tensors, in the current fake mode (a plain deep copy
+    gives each copy a fake mode of its own, which the first master->model copy refuses)."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.nn.Module):
+        for t in obj.parameters():
+            memo.setdefault(id(t), torch.nn.Parameter(t.detach().clone(), requires_grad=t.requires_grad))
+        for t in obj.buffers():
+            memo.setdefault(id(t), t.clone())
+    return copy.deepcopy(obj, memo)
+
+
+def _patch_flopwise() -> None:
+    setup.build_model = _build_model_shapes
+    precision.copy = types.SimpleNamespace(deepcopy=_deepcopy_in_mode)
+
+
+# --------------------------------------------------------------------------- recorders
+
+class LiveMemory:
+    """Bytes of fake CUDA storage alive, by kind, and their peak -- without a dispatch mode, so
+    it sees compiled graphs run too. Every fake tensor is made through ``FakeTensor.__new__``;
+    a storage counts from its first tensor until its last is gone. Storages start as
+    ``activations`` while :attr:`phase` says forward, ``temporaries`` otherwise; parameters,
+    optimizer state and gradients are moved to their own kinds when told (:meth:`mark`)."""
+
+    KINDS = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+
+    def __init__(self, mode: FakeTensorMode) -> None:
+        self.mode = mode  # tensors of other fake modes (dynamo's and AOTAutograd's, while tracing) are not memory
+        self.live: dict[int, list] = {}  # storage -> [bytes, tensors alive, kind]
+        self.by_kind = dict.fromkeys(self.KINDS, 0)
+        self.total = 0
+        self.peak = 0
+        self.peak_by_kind = dict(self.by_kind)
+        self.phase = "temporaries"
+        self._new: Callable | None = None
+        self._resize: Callable | None = None
+
+    def __enter__(self) -> "LiveMemory":
+        new = self._new = FakeTensor.__new__
+        tracker = self
+
+        def tracked_new(cls: type, *args: Any, **kwargs: Any) -> FakeTensor:
+            t = new(cls, *args, **kwargs)
+            if t.fake_mode is tracker.mode and t.device.type == "cuda":
+                tracker._born(t)
+            return t
+
+        FakeTensor.__new__ = tracked_new  # type: ignore[method-assign]
+        resize = self._resize = torch.UntypedStorage.resize_
+
+        def tracked_resize(storage: torch.UntypedStorage, size: int) -> Any:
+            # FSDP2 frees and refills its unsharded parameters by resizing their storage in place
+            result = resize(storage, size)
+            entry = tracker.live.get(storage._cdata)
+            if entry is not None:
+                tracker._add(entry[2], size - entry[0])
+                entry[0] = size
+            return result
+
+        torch.UntypedStorage.resize_ = tracked_resize  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        FakeTensor.__new__ = self._new  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+
+    def _born(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        entry = self.live.get(key)
+        if entry is None:
+            entry = self.live[key] = [storage.nbytes(), 0, self.phase]
+            self._add(entry[2], entry[0])
+        entry[1] += 1
+        weakref.finalize(t, self._died, key)
+
+    def _died(self, key: int) -> None:
+        entry = self.live.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self._add(entry[2], -entry[0])
+            del self.live[key]
+
+    def _add(self, kind: str, nbytes: int) -> None:
+        self.by_kind[kind] += nbytes
+        self.total += nbytes
+        if self.total > self.peak:
+            self.peak = self.total
+            self.peak_by_kind = dict(self.by_kind)
+
+    def mark(self, tensors: Any, kind: str) -> None:
+        """Count these tensors' storages as ``kind`` from now on (local shards of DTensors)."""
+        for t in tensors:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            if not isinstance(t, FakeTensor) or t.fake_mode is not self.mode:
+                continue
+            entry = self.live.get(t.untyped_storage()._cdata)
+            if entry is not None and entry[2] != kind:
+                self._add(entry[2], -entry[0])
+                entry[2] = kind
+                self._add(kind, entry[0])
+
+    def reset_peak(self) -> None:
+        self.peak, self.peak_by_kind = self.total, dict(self.by_kind)
+
+
+def _source(skip: tuple[str, ...] = ("/torch/", "/flopwise/tune/", "contextlib.py", "<frozen")) -> str:
+    """The innermost frames of flopwise's own code on the stack: where a host read came from."""
+    frames = [f for f in traceback.extract_stack()[:-2] if not any(s in f.filename for s in skip)]
+    out = []
+    for f in frames[-3:]:
+        name = f.filename.split(f"{os.sep}src{os.sep}", 1)[-1] if "flopwise" in f.filename else os.path.basename(
+            f.filename)
+        out.append(f"{name}:{f.lineno} ({f.name})")
+    return " <- ".join(reversed(out))
+
+
+class StepWatch(TorchDispatchMode):
+    """Host reads of device data and collectives, as a dispatch mode (eager only: with it on the
+    stack dynamo runs frames uncompiled). A read of a device scalar (``.item()``, ``.tolist()``)
+    is answered with ``fill`` so the step goes on; the reads of one Python call (a
+    ``.tolist()`` of several values) are one synchronisation."""
+
+    SYNCING = frozenset({"aten._local_scalar_dense.default", "aten.item.default", "aten.nonzero.default",
+                         "aten.masked_select.default", "aten.unique_consecutive.default", "aten._unique2.default",
+                         "aten.equal.default", "aten.is_nonzero.default"})
+
+    def __init__(self, fill: float = 1.0):
+        super().__init__()
+        self.fill = fill
+        self.syncs: list[tuple[str, str]] = []  # (op, source)
+        self.collectives: Counter = Counter()  # op -> calls
+        self.collective_bytes: Counter = Counter()  # op -> bytes of the tensors it moves
+        self._last: tuple[str, str] | None = None
+
+    def __torch_dispatch__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = str(func)
+        first = args[0] if args else None
+        if name in self.SYNCING and isinstance(first, torch.Tensor) and first.device.type == "cuda":
+            self._sync(name)
+            if name in ("aten._local_scalar_dense.default", "aten.item.default"):
+                return self.fill if first.dtype.is_floating_point else int(self.fill)
+        elif name in ("aten._to_copy.default", "aten.copy_.default"):
+            src = args[1] if name == "aten.copy_.default" else first
+            dst = str(first.device if name == "aten.copy_.default" else kwargs.get("device", src.device))
+            if isinstance(src, torch.Tensor) and src.device.type == "cuda" and dst.startswith("cpu"):
+                self._sync(f"{name} cuda->cpu")
+        elif func.namespace in ("c10d", "_c10d_functional"):
+            op = name.split(".")[1]
+            self.collectives[op] += 1
+            self.collective_bytes[op] += _tensor_bytes(args)
+        return func(*args, **kwargs)
+
+    def _sync(self, op: str) -> None:
+        where = _source()
+        key = (op.split(" ")[0], where)
+        if self._last == key and op.startswith("aten._local_scalar_dense"):  # the same .tolist()
+            return
+        self._last = key
+        self.syncs.append((op, where))
+
+    def step_done(self) -> None:
+        self._last = None
+
+
+def _tensor_bytes(args: Any) -> int:
+    """Bytes of the tensors among ``args`` (lists of tensors included), each counted once."""
+    seen, total = set(), 0
+    stack = list(args)
+    while stack:
+        a = stack.pop()
+        if isinstance(a, (list, tuple)):
+            stack.extend(a)
+        elif isinstance(a, torch.Tensor) and id(a) not in seen:
+            seen.add(id(a))
+            total += a.numel() * a.element_size()
+    return total

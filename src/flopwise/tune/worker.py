@@ -1,0 +1,364 @@
+"""The dry run's tracing process: the run's own CUDA step on fake tensors, and what it shows.
+
+Started by ``tune/dryrun.py`` as ``python -m flopwise.tune.worker REQUEST RESULT`` with the
+fake-CUDA shim preloaded (``tune/shim.py``); a crash here cannot take the caller down. It
+reads the request (the resolved config, the GPU, the ranks), traces, and writes the result
+as JSON, an ``error`` with where it happened included when the step fails.
+
+One trace (:func:`trace`) builds the step exactly as a CUDA run of the config would
+(``setup.build_step``: precision, attention, loss path, activation checkpointing, compile,
+DDP / ZeRO-1 / FSDP2 at N ranks with a fake process group, fused AdamW) and runs the
+trainer's ``train_step``:
+
+1. with compile on: three steps as compiled (the partitioner's graphs, no dispatch mode on
+   the stack), counting graphs, graph breaks and recompiles, and the compiled step's memory;
+2. two eager steps under the recorders: host synchronisations with their source lines,
+   collectives with their bytes, FLOPs (``FlopCounterMode``) and memory by kind.
+
+The traced step accumulates at most :data:`TRACED_MICRO_BATCHES` micro-batches (what the
+run does with more repeats them); FLOPs are scaled to the run's accumulation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+import sys
+import traceback
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
+
+from flopwise.config import ConfigError, RunConfig, batch_split_problems, load_run_config
+from flopwise.plan.budget import memory_settings_for_run
+from flopwise.plan.flops import (attention_flops_per_token, param_counts, recompute_flops_per_token,
+                                 recomputed_fraction)
+from flopwise.plan.memory import estimate
+from flopwise.train import train_step as train_step_module
+from flopwise.train.defaults import resolve_speed
+from flopwise.train.distributed import DistEnv
+from flopwise.train.parallel import resolve_strategy
+from flopwise.train.precision import autocast_factory
+from flopwise.train.precision import resolve as resolve_precision
+from flopwise.train.setup import build_step
+from flopwise.train.stopping import NonFiniteGuard
+from flopwise.train.timing import StepTimer
+from flopwise.tune import fake
+
+TRACED_MICRO_BATCHES = 2  # the first micro-batch's gradients exist during the second one's backward
+COMPILED_STEPS = 3  # the first compiles; the second and third show recompiles
+GIB = 1024**3
+ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_flash_attention", "_efficient_attention", "bmm")
+
+
+def main(argv: list[str]) -> int:
+    request_path, result_path = Path(argv[0]), Path(argv[1])
+    try:
+        request = json.loads(request_path.read_text())
+        result = run_request(request)
+    except ConfigError as e:
+        result = {"error": str(e), "where": "config"}
+    except Exception as e:  # noqa: BLE001 - the step failing is the answer: what and where
+        result = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
+                  "where": _where(e), "traceback": traceback.format_exc()[-6000:]}
+    tmp = result_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str))
+    os.replace(tmp, result_path)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # a normal exit can abort in the fake-CUDA shim's teardown
+
+
+def _where(e: BaseException) -> str:
+    """The innermost frame of flopwise's own code (outside this package) that the error passed."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "/flopwise/" in f.filename
+              and "/flopwise/tune/" not in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"{f.filename.split('/src/', 1)[-1]}:{f.lineno} ({f.name})"
+
+
+def run_request(request: dict[str, Any]) -> dict[str, Any]:
+    """Trace the request's config at its micro-batch, then find the largest that fits by trace."""
+    if torch.version.cuda is None and not fake.shim_loaded():
+        raise RuntimeError("the fake-CUDA shim is not loaded (start this through flopwise preflight --dry-run)")
+    gpu = fake.FakeGpu(request["gpu"]["name"], tuple(request["gpu"]["capability"]),
+                       int(request["gpu"]["memory_bytes"]), count=max(8, int(request["nproc_per_node"])))
+    fake.install(gpu)
+    world = int(request["world"])
+    if world > 1:
+        from torch.testing._internal.distributed.fake_pg import FakeStore  # lazy: only at N ranks
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    env = DistEnv(rank=0, local_rank=0, world_size=world, backend="nccl" if world > 1 else None,
+                  launched=f"traced: rank 0 of {world}")
+    asked = load_run_config(request["config_path"])
+    asked.train.device = "cuda"
+    device = torch.device("cuda", 0)
+    split = batch_split_problems(asked.train, world)
+    if split:
+        raise ConfigError(split)
+    prec = resolve_precision(asked.train.precision, device)
+    cfg, speed = resolve_speed(asked, device, prec.name, world)
+    strategy = resolve_strategy(cfg, env, device, prec.name, cfg.train.loss)
+    out: dict[str, Any] = {
+        "torch": torch.__version__, "gpu": gpu.name, "world": world, "precision": prec.name,
+        "compile": cfg.train.compile, "loss": cfg.train.loss, "strategy": strategy.name, "strategy_why": strategy.why,
+        "speed": speed, "accum": cfg.grad_accum_steps(world), "micro_batch": cfg.train.micro_batch_size,
+        "seq_len": cfg.train.seq_len,
+    }
+    out["trace"] = trace(cfg, env, device, prec, strategy.name, cfg.train.micro_batch_size, full=True)
+    out["plan"] = planned(cfg, prec.name, strategy.name, world, cfg.train.micro_batch_size)
+    cap = int(request["headroom"] * gpu.memory_bytes)
+    out["fit"] = largest_fit(cfg, env, device, prec, strategy.name, out["trace"], cap,
+                             int(request.get("max_micro_batch", 1024)))
+    return out
+
+
+def planned(cfg: RunConfig, precision: str, strategy: str, world: int, micro_batch: int) -> dict[str, Any]:
+    """The planner's memory for this step (flopwise plan's figure), in GiB."""
+    settings = memory_settings_for_run(cfg, precision, cfg.train.loss, strategy, world)
+    est = estimate(cfg.model, micro_batch, cfg.train.seq_len, settings)
+    return {k: round(v, 3) for k, v in est.gb().items()}
+
+
+def _step_run(cfg: RunConfig, parts: Any, env: DistEnv, device: torch.device, prec: Any, strategy: str,
+              micro_batch: int) -> types.SimpleNamespace:
+    """What ``train_step`` reads of a :class:`~flopwise.train.setup.Run`, with batches of
+    random token ids made on the device (a run's come from its loader)."""
+    V, T, m = cfg.model.vocab_size, cfg.train.seq_len, cfg.model
+
+    class Batches:
+        def next_batch(self) -> tuple[torch.Tensor, ...]:
+            x = torch.randint(0, V, (micro_batch, T), device=device)
+            y = torch.randint(0, V, (micro_batch, T), device=device)
+            if m.doc_mask:  # document ids: non-decreasing along the sequence, as the loader makes them
+                return x, y, torch.randint(0, 2, (micro_batch, T), device=device).cumsum(1)
+            return x, y
+
+    return types.SimpleNamespace(
+        cfg=cfg, timer=StepTimer(device), prec=prec, optimizer=parts.optimizer,
+        strategy=types.SimpleNamespace(name=strategy), train_model=parts.train_model, train_loader=Batches(),
+        world=env.world_size, autocast=autocast_factory(device, prec.autocast_dtype), loss_fn=parts.loss_fn,
+        master=parts.master, opt_params=[q for g in parts.optimizer.param_groups for q in g["params"]],
+        clip=cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"), env=env,
+        guard=NonFiniteGuard.from_config(cfg.train, uniform_loss=10.0),
+        state_model=parts.master.master if parts.master else parts.model)
+
+
+def _in_forward(loss_fn: Any, memory: fake.LiveMemory) -> Any:
+    """``loss_fn`` with the memory recorder told that what it makes is the forward's."""
+    def wrapped(*args: Any) -> Any:
+        memory.phase = "activations"
+        try:
+            return loss_fn(*args)
+        finally:
+            memory.phase = "temporaries"
+    return wrapped
+
+
+def _states(parts: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(parameters and buffers, optimizer state tensors) of a built step."""
+    modules = [parts.model] + ([parts.master.master] if parts.master else [])
+    params = [t for mod in modules for t in (*mod.parameters(), *mod.buffers())]
+    state = parts.optimizer.state
+    opt = [v for s in state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    inner = getattr(parts.optimizer, "optim", None)  # ZeRO-1: the local optimizer holds this rank's state
+    if inner is not None:
+        opt += [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return params, opt
+
+
+class _Graphs:
+    """Dynamo's graphs, graph breaks (with reasons) and recompiles (with reasons) since made."""
+
+    def __init__(self) -> None:
+        from torch._dynamo.utils import counters  # lazy: only a compiled trace needs dynamo's counters
+
+        self.counters = counters
+        self.counters.clear()
+        self.messages: list[str] = []
+        handler = self.handler = logging.Handler()
+        handler.emit = lambda record: self.messages.append(record.getMessage())  # type: ignore[method-assign]
+        torch._logging.set_logs(recompiles=True)
+        logging.getLogger("torch._dynamo").addHandler(handler)
+
+    def snapshot(self) -> dict[str, int]:
+        return {"graphs": int(self.counters["stats"]["unique_graphs"]),
+                "graph_breaks": int(sum(self.counters["graph_break"].values()))}
+
+    def close(self) -> dict[str, Any]:
+        logging.getLogger("torch._dynamo").removeHandler(self.handler)
+        torch._logging.set_logs(recompiles=False)
+        return {"break_reasons": {k[:300]: v for k, v in self.counters["graph_break"].items()},
+                "recompile_reasons": [m.strip().replace("\n", " ")[:400] for m in self.messages if "ecompil" in m][:5]}
+
+
+@contextlib.contextmanager
+def _no_host_read():
+    """``train_step``'s one read of the loss and gradient norm, answered without reading: the
+    compiled pass runs with no dispatch mode, and a fake tensor has no value to read. The eager
+    pass reads (and counts) it."""
+    original = train_step_module.global_loss
+    train_step_module.global_loss = lambda env, loss, grad_norm: (1.0, 1.0)
+    try:
+        yield
+    finally:
+        train_step_module.global_loss = original
+
+
+def trace(cfg: RunConfig, env: DistEnv, device: torch.device, prec: Any, strategy: str, micro_batch: int,
+          full: bool) -> dict[str, Any]:
+    """One configuration traced (see the module docstring); ``full=False``: memory only, eager."""
+    cfg = copy.deepcopy(cfg)
+    t = cfg.train
+    accum = min(cfg.grad_accum_steps(env.world_size), TRACED_MICRO_BATCHES)
+    t.micro_batch_size = micro_batch
+    t.global_batch_size = micro_batch * accum * env.world_size
+    step_tokens = t.global_batch_size * t.seq_len
+    torch._dynamo.reset()
+    out: dict[str, Any] = {"micro_batch": micro_batch, "traced_accum": accum}
+    compiled = full and t.compile != "off"
+    mode = fake.fake_mode()
+    with mode, fake.LiveMemory(mode) as memory:
+        parts = build_step(cfg, strategy, env, device, prec)
+        run = _step_run(cfg, parts, env, device, prec, strategy, micro_batch)
+        run.loss_fn = _in_forward(parts.loss_fn, memory)
+        params, _ = _states(parts)
+        memory.mark(params, "parameters")
+        grads = _GradMarker(run.opt_params, memory)
+        step = 0
+        if compiled:
+            graphs = _Graphs()
+            per_step = []
+            with _no_host_read():
+                for _ in range(COMPILED_STEPS):
+                    if step == COMPILED_STEPS - 1:
+                        memory.mark(_states(parts)[1], "optimizer")
+                        memory.reset_peak()
+                    train_step_module.train_step(run, step, accum, step_tokens, 1e-4)
+                    step += 1
+                    per_step.append(graphs.snapshot())
+            out["compiled"] = {"per_step": per_step, **graphs.close(),
+                               "memory": _memory(memory, "compiled", fake.COMPILED_BACKEND)}
+        watch = fake.StepWatch()
+        fake.SDPA_CHOICES.clear()
+        for i in range(2):  # the first step makes the optimizer state; the second is the one reported
+            last = i == 1
+            if last:
+                memory.mark(_states(parts)[1], "optimizer")
+                memory.reset_peak()
+                watch.syncs.clear()
+                watch.collectives.clear()
+                watch.collective_bytes.clear()
+            with contextlib.ExitStack() as modes:
+                counter = modes.enter_context(FlopCounterMode(display=False)) if (last and full) else None
+                modes.enter_context(watch)
+                train_step_module.train_step(run, step, accum, step_tokens, 1e-4)
+            watch.step_done()
+            step += 1
+        out["eager_memory"] = _memory(memory, "eager", "")
+        out["grads_marked"] = grads.marked
+        if full:
+            out["syncs"] = [{"op": op, "source": where} for op, where in watch.syncs]
+            out["collectives"] = {op: {"calls": n, "bytes": watch.collective_bytes[op]}
+                                  for op, n in sorted(watch.collectives.items())}
+            out["flops"] = _flops(counter, cfg, accum, env.world_size, micro_batch)
+            out["sdpa_kernels"] = dict(fake.SDPA_CHOICES)
+            out["notes"] = parts.notes
+            out["dtypes"] = {"parameters": sorted({str(p.dtype) for p in parts.model.parameters()}),
+                             "optimizer_state": sorted({str(v.dtype) for v in _states(parts)[1]})}
+        grads.close()
+        del parts, run
+    return out
+
+
+class _GradMarker:
+    """Counts each parameter's gradient as a gradient once it is accumulated (hooks on the
+    parameters the optimizer steps)."""
+
+    def __init__(self, params: list[torch.Tensor], memory: fake.LiveMemory):
+        self.marked = 0
+        self.handles = []
+        for p in params:
+            if hasattr(p, "register_post_accumulate_grad_hook"):
+                self.handles.append(p.register_post_accumulate_grad_hook(lambda q: self._mark(q, memory)))
+
+    def _mark(self, p: torch.Tensor, memory: fake.LiveMemory) -> None:
+        if p.grad is not None:
+            memory.mark([p.grad], "gradients")
+            self.marked += 1
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _memory(memory: fake.LiveMemory, how: str, backend: str) -> dict[str, Any]:
+    return {"how": how, "backend": backend, "peak_gib": memory.peak / GIB,
+            "by_kind_gib": {k: v / GIB for k, v in memory.peak_by_kind.items()}}
+
+
+def _flops(counter: FlopCounterMode | None, cfg: RunConfig, accum: int, world: int, micro_batch: int) -> dict[str, Any]:
+    """The traced step's FLOPs on this rank against the analytic count (docs/planning.md#conventions),
+    scaled from the traced micro-batches to the run's accumulation."""
+    if counter is None:
+        return {}
+    by_op = {str(k): int(v) for k, v in counter.get_flop_counts()["Global"].items()}
+    tokens = accum * micro_batch * cfg.train.seq_len  # this rank's traced tokens
+    m, T, t = cfg.model, cfg.train.seq_len, cfg.train
+    frac = recomputed_fraction(m.n_layers, t.activation_checkpointing, t.activation_checkpointing_every)
+    n_matmul = param_counts(m)["matmul"]
+    attention = {k: v for k, v in by_op.items() if k.split(".")[-1] in ATTENTION_OPS or "attention" in k}
+    matmul = sum(v for k, v in by_op.items() if k not in attention)
+    recompute_matmul = round(frac * (recompute_flops_per_token(m, T) - 4 * m.n_layers * m.n_heads
+                                     * m.resolved_head_dim * T)) * tokens
+    return {
+        "traced_tokens": tokens, "by_op": by_op, "total": sum(by_op.values()),
+        "matmul": matmul, "matmul_expected": 6 * n_matmul * tokens + recompute_matmul,
+        "attention": sum(attention.values()),
+        "attention_model": attention_flops_per_token(m, T) * tokens,
+        "recompute_fraction": frac,
+        "per_step_scale": cfg.grad_accum_steps(world) / accum,
+    }
+
+
+def largest_fit(cfg: RunConfig, env: DistEnv, device: torch.device, prec: Any, strategy: str,
+                main: dict[str, Any], cap: int, limit: int) -> dict[str, Any]:
+    """The largest micro-batch whose traced (eager) peak is within ``cap`` bytes. A step's memory
+    is its states plus activations linear in the micro-batch: two traces give the line, and at
+    most three more confirm where it crosses ``cap`` (``confirmed``: the next size was traced
+    and does not fit)."""
+    def peak(b: int) -> float:
+        return trace(cfg, env, device, prec, strategy, b, full=False)["eager_memory"]["peak_gib"] * GIB
+
+    b0 = main["micro_batch"]
+    tried = {b0: main["eager_memory"]["peak_gib"] * GIB}
+    b1 = 2 * b0 if b0 < 2 else b0 // 2
+    tried[b1] = peak(b1)
+    per = (tried[b0] - tried[b1]) / (b0 - b1)  # bytes per sequence of the micro-batch
+    guess = int((cap - (tried[b0] - per * b0)) // per) if per > 0 else limit
+    guess = max(1, min(limit, guess))
+    for _ in range(3):
+        if guess in tried:
+            break
+        tried[guess] = peak(guess)
+        guess = guess - 1 if tried[guess] > cap else min(limit, guess + 1)
+    fits = [b for b, p in tried.items() if p <= cap]
+    best = max(fits) if fits else None
+    confirmed = best is not None and (best == limit or tried.get(best + 1, 0.0) > cap)
+    return {"micro_batch": best, "confirmed": confirmed, "cap_gib": cap / GIB, "per_sequence_gib": per / GIB,
+            "tried_gib": {str(b): round(p / GIB, 3) for b, p in sorted(tried.items())}}
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
