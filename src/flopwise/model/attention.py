@@ -187,7 +187,11 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: t
     T = q.shape[2]
     n_rep = q.shape[1] // k.shape[1]
     if use_gqa is None:
-        use_gqa = _SDPA_HAS_GQA
+        # With a document mask on CUDA, flash is out (it takes no mask) and the memory-efficient
+        # kernel takes no GQA: native GQA would send it to the math kernel, which stores
+        # (B, H, T, T) scores. Repeated KV heads keep it on the efficient one (the dry run's
+        # trace found it: tests/integration/test_dryrun.py).
+        use_gqa = _SDPA_HAS_GQA and not (doc_ids is not None and q.device.type == "cuda")
     kwargs = {}
     if n_rep > 1:
         if use_gqa:

@@ -132,8 +132,11 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             # Qwen3 normalises each head's q and k BEFORE the rotation: it bounds the
             # attention logits, which keeps bf16/large-lr training stable.
-            q = self.q_norm(q)
-            k = self.k_norm(k)
+            # Back to v's dtype: the norm's fp32 weight promotes its output to fp32 under
+            # autocast, and SDPA on CUDA takes fp32 GQA to the math kernel, (B, H, T, T) scores
+            # stored (found by the dry run's trace: tests/integration/test_dryrun.py).
+            q = self.q_norm(q).to(v.dtype)
+            k = self.k_norm(k).to(v.dtype)
         if rope is not None:
             cos, sin = rope
             q = apply_rope(q, cos, sin)

@@ -24,6 +24,7 @@ from typing import Any, Callable
 from flopwise.config import ConfigError, RunConfig, batch_split_problems
 from flopwise.measure.sinks import human
 from flopwise.plan import hardware
+from flopwise.plan.budget import PlanError
 from flopwise.tune.shim import DryRunUnavailable, ensure_shim, torch_install
 
 Log = Callable[[str], None]
@@ -41,7 +42,7 @@ class DryRunFailed(RuntimeError):
 def gpu_spec(name: str | None) -> hardware.DeviceSpec:
     spec = hardware.find(name or DEFAULT_GPU)
     if spec is None:
-        raise ConfigError([hardware.unknown_gpu_message(name or "")])
+        raise PlanError(hardware.unknown_gpu_message(name or ""))
     return spec
 
 
@@ -67,10 +68,12 @@ def dry_run(cfg: RunConfig, gpu: str | None = None, nproc_per_node: int = 1, nno
         problems.append(f"--headroom {headroom} must be in (0, 1]")
     if memory_gb < 0:
         problems.append(f"--memory-gb {memory_gb} must be >= 0")
-    world = max(1, nproc_per_node) * max(1, nnodes)
-    problems += batch_split_problems(cfg.train, world)
-    if problems:
-        raise ConfigError(problems)
+    if problems:  # the flags': one line
+        raise PlanError("; ".join(problems))
+    world = nproc_per_node * nnodes
+    split = batch_split_problems(cfg.train, world)
+    if split:
+        raise ConfigError(split)
     install = torch_install()
     if install.cuda_build:
         raise DryRunUnavailable(f"torch {install.version} is a CUDA build; the dry run traces with a CPU-only build "

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import os
 import traceback
 import types
@@ -40,6 +41,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
+import flopwise.model.moe as moe
 import flopwise.model.transformer as transformer
 import flopwise.train.parallel as parallel
 import flopwise.train.precision as precision
@@ -63,15 +65,22 @@ def shim_loaded() -> bool:
         return False
 
 
+_installed = False
+
+
 def install(gpu: FakeGpu) -> None:
-    """Make this process trace for ``gpu``; call once, before building anything."""
+    """Make this process trace for ``gpu``, before building anything; once (a second call is a no-op)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
     _patch_cuda(gpu)
     _patch_streams()
     _patch_sdpa(gpu.capability)
     _patch_compile()
     _patch_device_mesh()
     _patch_ddp()
-    _patch_flopwise()
+    _patch_flopwise(gpu)
 
 
 def fake_mode() -> FakeTensorMode:
@@ -96,9 +105,10 @@ def _patch_cuda(gpu: FakeGpu) -> None:
     c._lazy_init = lambda: None  # torch.accelerator's device index calls it back
     c.is_initialized = lambda: True
 
-    def get_rng_state(device: Any = "cuda") -> torch.Tensor:  # dynamo saves and restores it around tracing
-        with unset_fake_temporarily():
-            return torch.zeros(16, dtype=torch.uint8)
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        # dynamo saves and restores it around tracing; a recomputed random op (flash attention
+        # in a checkpointed region) receives it in the step's own fake mode, where it is made
+        return torch.zeros(16, dtype=torch.uint8)
 
     c.get_rng_state = get_rng_state
     c.get_rng_state_all = lambda: [get_rng_state()]
@@ -197,6 +207,9 @@ def _patch_compile() -> None:
         return compile_(model, **kwargs) if model is not None else compile_(**kwargs)
 
     torch.compile = compile_traced
+    # Recomputed random ops (checkpointed regions) carry the CUDA generator's state through the
+    # graph; a CPU build has no CUDA generators to clone: the older functionalisation instead.
+    torch._functorch.config.graphsafe_rng_functionalization = False
     module_compile = torch.nn.Module.compile
 
     def compile_module(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -239,7 +252,7 @@ class _KeepBuckets:
         return getattr(self._reducer, name)
 
 
-def _allreduce_hook(state: Any, bucket: Any) -> torch.futures.Future:
+def _allreduce_hook(state, bucket):  # unannotated: DDP checks the annotations it finds
     """DDP's default all-reduce (sum, then divide by the world), in Python: the fake process
     group's works carry no tensors, which the built-in C++ hook asserts on."""
     buf = bucket.buffer()
@@ -257,6 +270,8 @@ def _patch_ddp() -> None:
     ddp._sync_module_states = lambda *a, **k: None
 
     class TracedDDP(ddp.DistributedDataParallel):
+        __signature__ = inspect.signature(ddp.DistributedDataParallel)  # flopwise asks it which options exist
+
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
             self.register_comm_hook(None, _allreduce_hook)
@@ -298,8 +313,11 @@ def _deepcopy_in_mode(obj: Any, memo: dict | None = None) -> Any:
     return copy.deepcopy(obj, memo)
 
 
-def _patch_flopwise() -> None:
+def _patch_flopwise(gpu: FakeGpu) -> None:
     setup.build_model = _build_model_shapes
+    # MoE experts: torch._grouped_mm runs bf16 on sm80+ (moe.py probes it by running it: no values here)
+    for index in range(gpu.count):
+        moe._GROUPED_MM_OK[("cuda", index, torch.bfloat16)] = gpu.capability >= (8, 0)
     precision.copy = types.SimpleNamespace(deepcopy=_deepcopy_in_mode)
 
 

@@ -61,20 +61,28 @@ ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_eff
 
 def main(argv: list[str]) -> int:
     request_path, result_path = Path(argv[0]), Path(argv[1])
-    try:
-        request = json.loads(request_path.read_text())
-        result = run_request(request)
-    except ConfigError as e:
-        result = {"error": str(e), "where": "config"}
-    except Exception as e:  # noqa: BLE001 - the step failing is the answer: what and where
-        result = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
-                  "where": _where(e), "traceback": traceback.format_exc()[-6000:]}
+    request = json.loads(request_path.read_text())
+    if "configs" in request:  # a batch (the traced test matrix): one process, the same GPU and ranks
+        result = {"results": [_answer(dict(request, config_path=path, fit=False)) for path in request["configs"]]}
+    else:
+        result = _answer(request)
     tmp = result_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=1, default=str))
     os.replace(tmp, result_path)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # a normal exit can abort in the fake-CUDA shim's teardown
+
+
+def _answer(request: dict[str, Any]) -> dict[str, Any]:
+    """:func:`run_request`'s result, or the error that ended it (what, and where in flopwise)."""
+    try:
+        return run_request(request)
+    except ConfigError as e:
+        return {"error": str(e), "where": "config"}
+    except Exception as e:  # noqa: BLE001 - the step failing is the answer: what and where
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return {"error": f"{type(e).__name__}: {first}", "where": _where(e), "traceback": traceback.format_exc()[-6000:]}
 
 
 def _where(e: BaseException) -> str:
@@ -95,7 +103,7 @@ def run_request(request: dict[str, Any]) -> dict[str, Any]:
                        int(request["gpu"]["memory_bytes"]), count=max(8, int(request["nproc_per_node"])))
     fake.install(gpu)
     world = int(request["world"])
-    if world > 1:
+    if world > 1 and not dist.is_initialized():
         from torch.testing._internal.distributed.fake_pg import FakeStore  # lazy: only at N ranks
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
@@ -118,6 +126,8 @@ def run_request(request: dict[str, Any]) -> dict[str, Any]:
     }
     out["trace"] = trace(cfg, env, device, prec, strategy.name, cfg.train.micro_batch_size, full=True)
     out["plan"] = planned(cfg, prec.name, strategy.name, world, cfg.train.micro_batch_size)
+    if not request.get("fit", True):
+        return out
     cap = int(request["headroom"] * gpu.memory_bytes)
     out["fit"] = largest_fit(cfg, env, device, prec, strategy.name, out["trace"], cap,
                              int(request.get("max_micro_batch", 1024)))
@@ -221,6 +231,7 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, prec: Any, strateg
     """One configuration traced (see the module docstring); ``full=False``: memory only, eager."""
     cfg = copy.deepcopy(cfg)
     t = cfg.train
+    prec = resolve_precision(t.precision, device)  # a fresh loss scaler: each trace has its own fake mode
     accum = min(cfg.grad_accum_steps(env.world_size), TRACED_MICRO_BATCHES)
     t.micro_batch_size = micro_batch
     t.global_batch_size = micro_batch * accum * env.world_size
@@ -261,7 +272,8 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, prec: Any, strateg
                 watch.collectives.clear()
                 watch.collective_bytes.clear()
             with contextlib.ExitStack() as modes:
-                counter = modes.enter_context(FlopCounterMode(display=False)) if (last and full) else None
+                counter = (modes.enter_context(FlopCounterMode(display=False, custom_mapping=GROUPED_MM_FLOPS))
+                           if (last and full) else None)
                 modes.enter_context(watch)
                 train_step_module.train_step(run, step, accum, step_tokens, 1e-4)
             watch.step_done()
@@ -301,6 +313,21 @@ class _GradMarker:
     def close(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def _grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """torch._grouped_mm (MoE experts), which FlopCounterMode does not count: each row of the
+    output is one K-long dot product per column, whichever group it is in (2·rows·K·N)."""
+    if len(a_shape) == 2 and len(b_shape) == 3:  # (S, K) x (G, K, N) -> (S, N)
+        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+    if len(a_shape) == 2 and len(b_shape) == 2:  # (K, S) x (S, N) -> (G, K, N): the weights' gradient
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    if len(a_shape) == 3 and len(b_shape) == 2:  # (G, M, K) x (K, S) -> (M, S)
+        return 2 * a_shape[1] * a_shape[2] * b_shape[1]
+    return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]  # batched (G, M, K) x (G, K, N)
+
+
+GROUPED_MM_FLOPS = {torch.ops.aten._grouped_mm: _grouped_mm_flops} if hasattr(torch.ops.aten, "_grouped_mm") else {}
 
 
 def _memory(memory: fake.LiveMemory, how: str, backend: str) -> dict[str, Any]:

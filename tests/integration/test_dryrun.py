@@ -1,0 +1,229 @@
+"""The CUDA step, traced on fake tensors (``flopwise preflight --dry-run``): the configurations
+flopwise ships, and the command itself.
+
+The matrix runs each configuration through the dry run's own worker (``flopwise/tune/worker.py``,
+the fake-CUDA shim preloaded), a batch per world size: every preset at one device, the switches
+(compile, document masking, precision, activation checkpointing) around one small preset, and the
+data-parallel strategies at 8 ranks on a fake process group. Each must run, read the device once
+per step (the loss and gradient norm), count matmul FLOPs equal to 6·N_matmul (plus the
+recompute under checkpointing), compile to one graph without breaks or recompiles, take flash or
+the memory-efficient SDPA kernel (never math), and peak within 10% of the planner's memory --
+except where :data:`PLANNER_GAPS` says the planner is known to be off, each with its reason;
+an entry the planner no longer needs fails, so the list only shrinks. Nothing is computed: the
+lane takes a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flopwise.config import build_config, preset_names
+from flopwise.tune.dryrun import dry_run, render, torch_name
+from flopwise.tune.shim import DryRunUnavailable, compiler, ensure_shim
+from flopwise.plan import hardware
+
+H100 = hardware.find("h100")
+SMALL = "smollm-135m"
+SHAPE = ["train.seq_len=1024", "train.micro_batch_size=2"]
+
+# (name, preset, overrides) at one GPU; global batch = 2 micro-batches
+SINGLE = [(f"{p} eager", p, ["train.compile=off"]) for p in preset_names() if p != "tiny"] + [
+    ("compile model", SMALL, ["train.compile=model"]),
+    ("compile blocks", SMALL, ["train.compile=blocks"]),
+    ("doc mask, compile model", SMALL, ["model.doc_mask=true", "train.compile=model"]),
+    ("doc mask, eager", SMALL, ["model.doc_mask=true", "train.compile=off"]),
+    ("fp16 + scaler", SMALL, ["train.precision=fp16", "train.compile=model"]),
+    ("bf16-pure", SMALL, ["train.precision=bf16-pure", "train.compile=model"]),
+    ("full checkpointing, blocks", SMALL, ["train.activation_checkpointing=full", "train.compile=blocks"]),
+    ("selective checkpointing, model", SMALL, ["train.activation_checkpointing=selective", "train.compile=model"]),
+    ("qk-norm moe, compile model", "qwen3-moe-500m-a330m", ["train.compile=model"]),
+]
+# at 8 ranks (fake process group)
+RANKS = 8
+MULTI = [
+    ("ddp", SMALL, ["parallel.strategy=ddp", "train.compile=model"]),
+    ("zero1", SMALL, ["parallel.strategy=zero1", "train.compile=off"]),
+    ("fsdp2", SMALL, ["parallel.strategy=fsdp2", "train.compile=model"]),
+    ("fsdp2 eager", SMALL, ["parallel.strategy=fsdp2", "train.compile=off"]),
+    ("fsdp2 llama3.2-1b", "llama3.2-1b", ["parallel.strategy=fsdp2", "train.compile=off"]),
+]
+# name -> why the planner's memory is more than 10% from the trace (traced eager peak / planner)
+PLANNER_GAPS: dict[str, str] = {
+    "full checkpointing, blocks": "not yet explained: the eager trace of full activation checkpointing peaks about 44% "
+                                  "above the planner (4.00 against 2.78 GiB), the compiled one within it (2.65); "
+                                  "the planner models one shape for eager and compiled alike",
+    "fsdp2 llama3.2-1b": "not yet explained: rank 0's eager trace at 8 ranks peaks about 34% above the planner "
+                         "(12.54 against 9.35 GiB at micro-batch 2 of 1,024 tokens, 2 micro-batches)",
+}
+# name -> (graph breaks per step, a phrase of the reason): breaks the trace found under
+# compile=model and that are not fixed yet. A change in their number fails, so they only go.
+KNOWN_BREAKS: dict[str, tuple[int, str]] = {
+    "ddp": (3, "_inside_ddp_forward"),  # the compiled loss function calls the DDP wrapper, which dynamo skips
+    "fsdp2": (2, "disable"),  # FSDP2's forward hooks are compiler-disabled: a break at each side of them
+}
+MEMORY_BOUND = 0.10
+
+
+def _shim_or_skip() -> Path:
+    if compiler() is None:
+        pytest.skip("no C++ compiler: the dry run's shim cannot be built (install g++)")
+    return ensure_shim()
+
+
+@pytest.fixture(scope="module")
+def shim() -> Path:
+    return _shim_or_skip()
+
+
+def trace_batch(shim: Path, tmp: Path, world: int, configs: list[tuple[str, str, list[str]]]) -> dict[str, dict]:
+    """Each configuration traced by the dry run's worker, in one process per batch."""
+    paths = []
+    for i, (_, preset, overrides) in enumerate(configs):
+        cfg = build_config(preset, overrides=[*SHAPE, f"train.global_batch_size={2 * 2 * world}", *overrides])
+        path = tmp / f"config-{i}.yaml"
+        path.write_text(cfg.to_yaml())
+        paths.append(str(path))
+    request = {"gpu": {"name": torch_name(H100), "capability": [9, 0], "memory_bytes": H100.memory_bytes},
+               "world": world, "nproc_per_node": world, "headroom": 0.9, "configs": paths}
+    (tmp / "request.json").write_text(json.dumps(request))
+    env = dict(os.environ, LD_PRELOAD=str(shim), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "flopwise.tune.worker", str(tmp / "request.json"),
+                           str(tmp / "result.json")], env=env, capture_output=True, text=True, timeout=3600)
+    assert (tmp / "result.json").is_file(), f"the worker died (status {done.returncode}): {done.stderr[-3000:]}"
+    results = json.loads((tmp / "result.json").read_text())["results"]
+    return {name: r for (name, _, _), r in zip(configs, results)}
+
+
+def check(name: str, r: dict) -> list[str]:
+    """What is wrong with one traced configuration (nothing: an empty list)."""
+    if "error" in r:
+        return [f"{name}: the step fails: {r['error']} at {r.get('where')}\n{r.get('traceback', '')[-1500:]}"]
+    t, problems = r["trace"], []
+    syncs = t["syncs"]
+    if len(syncs) != 1 or "global_loss" not in syncs[0]["source"]:
+        problems.append(f"{name}: {len(syncs)} host syncs per step, expected 1 (global_loss): {syncs}")
+    f = t["flops"]
+    if f["matmul"] != f["matmul_expected"]:
+        problems.append(f"{name}: matmul FLOPs {f['matmul']:.4e} traced vs {f['matmul_expected']:.4e} analytic "
+                        f"({100 * (f['matmul'] / f['matmul_expected'] - 1):+.2f}%)")
+    kernels = t["sdpa_kernels"]
+    if kernels.get("math") or not kernels:
+        problems.append(f"{name}: SDPA kernels {kernels}: the math kernel stores (B, H, T, T) scores")
+    compiled = t.get("compiled")
+    if r["compile"] != "off":
+        steps = compiled["per_step"]
+        breaks, phrase = KNOWN_BREAKS.get(name, (0, ""))
+        reasons = " ".join(compiled["break_reasons"])
+        if (steps[-1]["graph_breaks"] != breaks or phrase not in reasons or steps[-1]["graphs"] != steps[0]["graphs"]
+                or compiled["recompile_reasons"]):
+            problems.append(f"{name}: compile {r['compile']}: {steps}, breaks {compiled['break_reasons']}, "
+                            f"recompiles {compiled['recompile_reasons']}")
+    traced, planned = t["eager_memory"]["peak_gib"], r["plan"]["total"]
+    off = planned / traced - 1
+    if name in PLANNER_GAPS:
+        if abs(off) <= MEMORY_BOUND:
+            problems.append(f"{name}: the planner is now within {100 * MEMORY_BOUND:.0f}% of the trace "
+                            f"({100 * off:+.1f}%): remove it from PLANNER_GAPS")
+    elif abs(off) > MEMORY_BOUND:
+        problems.append(f"{name}: planner {planned:.2f} GiB vs traced {traced:.2f} GiB ({100 * off:+.1f}%)")
+    return problems
+
+
+@pytest.mark.slow
+def test_every_preset_and_switch_traced_at_one_gpu(shim, tmp_path):
+    results = trace_batch(shim, tmp_path, 1, SINGLE)
+    problems = [p for name, r in results.items() for p in check(name, r)]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+def test_data_parallel_strategies_traced_at_8_ranks(shim, tmp_path):
+    results = trace_batch(shim, tmp_path, RANKS, MULTI)
+    problems = [p for name, r in results.items() for p in check(name, r)]
+    assert not problems, "\n".join(problems)
+    for name, r in results.items():
+        calls = r["trace"]["collectives"]
+        if r["strategy"] == "fsdp2":  # parameters gathered, gradients reduce-scattered
+            assert calls.get("_allgather_base_", {}).get("calls") and calls.get("_reduce_scatter_base_"), (name, calls)
+        else:  # gradients all-reduced by DDP (zero1: and the updated shards broadcast)
+            assert calls.get("allreduce_", {}).get("bytes", 0) > 1e6, (name, calls)
+
+
+# --------------------------------------------------------------------------- the command
+
+def test_dry_run_command_reports_a_traced_step(shim, capsys):
+    from flopwise.cli import main
+
+    assert main(["preflight", "--dry-run", "--preset", "tiny", "--gpu", "l4", "--nproc-per-node", "2", "--json",
+                 "train.seq_len=128", "train.micro_batch_size=4", "train.global_batch_size=16"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["request"]["gpu"]["spec"] == "L4" and result["world"] == 2 and result["strategy"] == "ddp"
+    assert len(result["trace"]["syncs"]) == 1 and result["fit"]["micro_batch"] > 4
+    lines = render(result)
+    assert "traced on fake tensors" in lines[0] and any(ln.strip().startswith("not seen") for ln in lines)
+
+
+def test_unknown_gpu_is_one_line_before_any_trace(capsys):
+    from flopwise.cli import main
+
+    assert main(["preflight", "--dry-run", "--preset", "tiny", "--gpu", "h1000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did you mean" in err[0] and "h1000" in err[0], err
+
+
+def test_a_step_that_fails_on_cuda_is_one_line_with_where(shim, capsys):
+    from flopwise.cli import main
+
+    # flash asked for strictly, and no flash-attn package: the CUDA run would refuse it at build time
+    code = main(["preflight", "--dry-run", "--preset", "tiny", "--gpu", "h100", "model.attention=flash",
+                 "model.attention_strict=true"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code in (1, 2) and len(err) == 1 and "flash" in err[0], err
+
+
+def test_no_compiler_is_one_line_saying_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no g++ or c++ to be found, for real
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(DryRunUnavailable, match="install g\\+\\+"):
+        ensure_shim(cache=tmp_path / "cache")
+
+
+LIVE_VS_MEMTRACKER = r"""
+import json, sys, torch
+from torch.distributed._tools.mem_tracker import MemTracker
+from flopwise.tune import fake
+fake.install(fake.FakeGpu("NVIDIA H100 80GB HBM3", (9, 0), 80 * 2**30))
+mode = fake.fake_mode()
+with mode, fake.LiveMemory(mode) as live:
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, device="cuda") for _ in range(4)])
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    for i in range(3):
+        with tracker:
+            with torch.autocast("cuda", torch.bfloat16):
+                loss = model(torch.randn(128, 512, device="cuda")).float().pow(2).mean()
+            loss.backward(); opt.step(); opt.zero_grad()
+        if i < 2:
+            tracker.reset_mod_stats()
+            live.reset_peak()
+    peak = tracker.get_tracker_snapshot("peak")
+print(json.dumps({"live": live.peak, "memtracker": [v["Total"] for v in peak.values()][0]}))
+"""
+
+
+def test_live_memory_agrees_with_torch_memtracker(shim):
+    """The dry run's storage counter (no dispatch mode, so compiled graphs are counted too) and
+    PyTorch's MemTracker see the same peak of an eager step."""
+    env = dict(os.environ, LD_PRELOAD=str(shim), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-c", LIVE_VS_MEMTRACKER], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["live"] == pytest.approx(got["memtracker"], rel=0.01), got
