@@ -135,6 +135,10 @@ def _share(a: float, b: float) -> str:
     return f"{100 * (a - b) / b:+.1f}%" if b else "n/a"
 
 
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:200]
+
+
 def render(result: dict[str, Any]) -> list[str]:
     """The dry run's report, a line each: what ran, memory, fit, syncs, FLOPs, compile, collectives."""
     r, t = result["request"], result["trace"]
@@ -177,10 +181,10 @@ def render(result: dict[str, Any]) -> list[str]:
         recompiles = len(compiled["recompile_reasons"])
         lines.append(f"  compile    {last['graphs']} graph(s), {last['graph_breaks']} graph break(s), {recompiles} "
                      f"recompile(s) over {len(compiled['per_step'])} steps")
-        lines += [f"             break: {k} (×{v})" for k, v in compiled["break_reasons"].items()]
+        lines += [f"             break: {_one_line(k)} (×{v})" for k, v in compiled["break_reasons"].items()]
         lines += [f"             recompile: {m}" for m in compiled["recompile_reasons"]]
     if t["collectives"]:
         parts = [f"{op.strip('_')} ×{c['calls']} ({human(c['bytes'], 'B')})" for op, c in t["collectives"].items()]
-        lines.append(f"  collectives per traced step: {' · '.join(parts)}")
+        lines.append(f"  collectives rank 0, traced step ({t['traced_accum']} micro-batches): {' · '.join(parts)}")
     lines.append(f"  not seen   a trace cannot see {'; '.join(UNSEEN)}")
     return lines

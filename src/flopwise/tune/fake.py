@@ -475,14 +475,14 @@ class StepWatch(TorchDispatchMode):
 
 
 def _tensor_bytes(args: Any) -> int:
-    """Bytes of the tensors among ``args`` (lists of tensors included), each counted once."""
-    seen, total = set(), 0
+    """Bytes of a collective: its largest tensor among ``args`` (lists of tensors included) -- the
+    buffer all-reduced, the gathered output, the input reduce-scattered."""
+    largest = 0
     stack = list(args)
     while stack:
         a = stack.pop()
         if isinstance(a, (list, tuple)):
             stack.extend(a)
-        elif isinstance(a, torch.Tensor) and id(a) not in seen:
-            seen.add(id(a))
-            total += a.numel() * a.element_size()
-    return total
+        elif isinstance(a, torch.Tensor):
+            largest = max(largest, a.numel() * a.element_size())
+    return largest

@@ -229,6 +229,7 @@ def _no_host_read():
 def trace(cfg: RunConfig, env: DistEnv, device: torch.device, prec: Any, strategy: str, micro_batch: int,
           full: bool) -> dict[str, Any]:
     """One configuration traced (see the module docstring); ``full=False``: memory only, eager."""
+    run_accum = cfg.grad_accum_steps(env.world_size)  # the run's micro-batches per step, before the trace's
     cfg = copy.deepcopy(cfg)
     t = cfg.train
     prec = resolve_precision(t.precision, device)  # a fresh loss scaler: each trace has its own fake mode
@@ -284,7 +285,7 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, prec: Any, strateg
             out["syncs"] = [{"op": op, "source": where} for op, where in watch.syncs]
             out["collectives"] = {op: {"calls": n, "bytes": watch.collective_bytes[op]}
                                   for op, n in sorted(watch.collectives.items())}
-            out["flops"] = _flops(counter, cfg, accum, env.world_size, micro_batch)
+            out["flops"] = _flops(counter, cfg, accum, run_accum, micro_batch)
             out["sdpa_kernels"] = dict(fake.SDPA_CHOICES)
             out["notes"] = parts.notes
             out["dtypes"] = {"parameters": sorted({str(p.dtype) for p in parts.model.parameters()}),
@@ -335,7 +336,8 @@ def _memory(memory: fake.LiveMemory, how: str, backend: str) -> dict[str, Any]:
             "by_kind_gib": {k: v / GIB for k, v in memory.peak_by_kind.items()}}
 
 
-def _flops(counter: FlopCounterMode | None, cfg: RunConfig, accum: int, world: int, micro_batch: int) -> dict[str, Any]:
+def _flops(counter: FlopCounterMode | None, cfg: RunConfig, accum: int, run_accum: int,
+           micro_batch: int) -> dict[str, Any]:
     """The traced step's FLOPs on this rank against the analytic count (docs/planning.md#conventions),
     scaled from the traced micro-batches to the run's accumulation."""
     if counter is None:
@@ -355,7 +357,7 @@ def _flops(counter: FlopCounterMode | None, cfg: RunConfig, accum: int, world: i
         "attention": sum(attention.values()),
         "attention_model": attention_flops_per_token(m, T) * tokens,
         "recompute_fraction": frac,
-        "per_step_scale": cfg.grad_accum_steps(world) / accum,
+        "per_step_scale": run_accum / accum,
     }
 
 
