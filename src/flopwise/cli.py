@@ -285,6 +285,9 @@ def _plan_parser(sub: "argparse._SubParsersAction") -> None:
     g.add_argument("--interconnect", default="", help="link within a node (default: the GPU's usual one)")
     g.add_argument("--network", default="ib-ndr", help="link between nodes (default ib-ndr)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument("--trace", action="store_true",
+                   help="also trace the planned step on fake tensors (flopwise preflight --dry-run; needs a C++ "
+                        "compiler, no GPU): whether it runs, its traced memory and the largest micro-batch that fits")
     p.set_defaults(func=cmd_plan)
 
 
@@ -555,21 +558,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
         gpu = hardware.find(args.gpu)  # exact on the normalised name: never a similar card
         if gpu is None:
             raise PlanError(hardware.unknown_gpu_message(args.gpu))
-    model, name, run = None, "", {}
+    model, name, run, source = None, "", {}, {}
     if args.config:  # the run as configured: every setting the planner models comes from it
         path = Path(args.config)
-        cfg = build_config(config_file=path / "config.yaml" if path.is_dir() else path, read_hf_config=_read_hf_config)
+        source = {"config_file": path / "config.yaml" if path.is_dir() else path}
+        cfg = build_config(**source, read_hf_config=_read_hf_config)
         run, run_notes = plan_inputs_for_run(cfg, gpus=args.gpus, gpu=gpu, strategy=strategy)
         model, name, notes = cfg.model, f"{args.config} ({cfg.preset})", notes + cfg.notes + run_notes
     elif args.model:
-        cfg = build_config(preset=args.model, read_hf_config=_read_hf_config)
+        source = {"preset": args.model}
+        cfg = build_config(**source, read_hf_config=_read_hf_config)
         model, name, run = cfg.model, args.model, {"seq_len": cfg.train.seq_len}
     memory = run.get("memory") or MemorySettings(strategy=strategy or ("ddp" if args.gpus > 1 else "single"),
                                                  n_gpus=args.gpus)
     flags = {"precision": precision, "attention": args.attention, "activation_checkpointing": args.checkpointing,
              "activation_checkpointing_every": args.checkpointing_every, "loss": args.loss}
     memory = replace(memory, **{k: v for k, v in flags.items() if v},
-                     **({"master_weights": False} if args.no_master_weights else {}))
+                     **({"master_weights": False} if args.no_master_weights else {}),
+                     **({"grad_accum": args.grad_accum} if args.grad_accum > 0 else {}))
     budget_given = args.tokens or args.hours or args.chinchilla
     inp = PlanInputs(
         model=model, model_name=name, params=args.params, gpu=gpu,
@@ -582,11 +588,34 @@ def cmd_plan(args: argparse.Namespace) -> int:
         headroom=args.headroom, memory=memory, interconnect=args.interconnect, network=args.network,
         auto_strategy=not strategy and run.get("auto_strategy", True),
     )
+    if args.trace and (gpu is None or model is None):
+        raise PlanError("--trace traces the planned step: it needs --gpu and --model (or --config)")
     plan = build_plan(inp)
     plan["notes"] = notes
     _print_notes("plan", notes)
-    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    trace = _trace_plan(source, plan, args) if args.trace else None
+    if args.json:
+        print(json.dumps({**plan, **({"trace": trace} if trace else {})}, indent=2, default=str))
+        return 0
+    print(format_plan(plan))
+    if trace:
+        print("\n".join(["", "trace of the planned step (flopwise preflight --dry-run):", *render(trace)[1:]]))
     return 0
+
+
+def _trace_plan(source: dict, plan: dict, args: argparse.Namespace) -> dict:
+    """``flopwise preflight --dry-run`` of the step the plan recommends: its batch and strategy
+    on ``--gpus`` of ``--gpu`` (``--gpus-per-node`` to a node)."""
+    b, gpus, per_node = plan["batch"], args.gpus, args.gpus_per_node
+    if gpus > per_node and gpus % per_node:
+        raise PlanError(f"--trace: --gpus {gpus} is not whole nodes of --gpus-per-node {per_node}")
+    strategy = plan["fit"]["strategy"] if isinstance(plan.get("fit"), dict) else "auto"
+    traced = build_config(**source, read_hf_config=_read_hf_config, overrides=[
+        f"train.seq_len={b['seq_len']}", f"train.micro_batch_size={b['micro_batch']}",
+        f"train.global_batch_size={b['global_batch']}", f"parallel.strategy={strategy if gpus > 1 else 'single'}"])
+    say = (lambda s: print(s, file=sys.stderr, flush=True))
+    return dry_run(traced, gpu=args.gpu, nproc_per_node=min(gpus, per_node), nnodes=max(1, gpus // per_node),
+                   memory_gb=args.memory_gb, headroom=args.headroom, log=say)
 
 
 def _read_hf_config(path: str):

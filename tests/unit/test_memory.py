@@ -136,6 +136,11 @@ def test_sharding_divides_the_right_terms():
     assert z == {"params": 2 * n, "grads": 2 * n, "optimizer": -(-8 * n // 8), "master": -(-4 * n // 8)}
     f = state_bytes(n, MemorySettings(precision="bf16-pure", strategy="fsdp2", n_gpus=8))
     assert f == {k: -(-v // 8) for k, v in one.items()}
+    # with accumulation FSDP2 keeps the earlier micro-batches' gradients unsharded, in fp32,
+    # until the step's last backward reduce-scatters them (traced: tests/integration/test_dryrun.py)
+    acc = state_bytes(n, MemorySettings(precision="bf16-pure", strategy="fsdp2", n_gpus=8, grad_accum=2))
+    assert acc == {**f, "grads": 4 * n}
+    assert state_bytes(n, MemorySettings(strategy="fsdp2", n_gpus=1, grad_accum=4))["grads"] == 4 * n  # one rank
     # DDP without gradient_as_bucket_view keeps a second copy of the gradients in its buckets
     nb = state_bytes(n, MemorySettings(strategy="ddp", n_gpus=2, ddp_bucket_view=False))
     assert nb["grads"] == 2 * 4 * n

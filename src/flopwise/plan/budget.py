@@ -505,14 +505,16 @@ def memory_settings_for_run(cfg: "RunConfig", precision: str, loss: str = "plain
     too), ``loss`` the resolved loss (plain; chunked; fused, Liger's kernel, which also never
     holds the full logits and is modelled as chunked), ``strategy`` the resolved
     ``parallel.strategy`` over ``gpus``. Activation checkpointing (none, full, selective
-    with its every-k) and the attention (eager or not) are the config's."""
+    with its every-k), the attention (eager or not) and the micro-batches per step are the
+    config's."""
     t = cfg.train
     return MemorySettings(
         precision=precision, attention="eager" if cfg.model.attention == "eager" else "sdpa",
         activation_checkpointing=t.activation_checkpointing,
         activation_checkpointing_every=t.activation_checkpointing_every,
         strategy=strategy, n_gpus=gpus,
-        loss="plain" if loss == "plain" else "chunked", loss_chunk_tokens=t.loss_chunk_tokens)
+        loss="plain" if loss == "plain" else "chunked", loss_chunk_tokens=t.loss_chunk_tokens,
+        grad_accum=max(1, cfg.grad_accum_steps(gpus)))
 
 
 def peak_dtype(precision: str) -> str:

@@ -187,6 +187,10 @@ class MemorySettings:
     overhead_gb: float = 0.0  # fixed GiB outside the allocator (CUDA context ~0.5); headroom covers it by default
     loss: str = "plain"  # plain (full logits) | chunked (train.loss=chunked: one chunk of logits at a time)
     loss_chunk_tokens: int = 1024
+    # micro-batches per step on each GPU. Under fsdp2 the earlier ones' gradients stay unsharded
+    # (set_requires_gradient_sync(False)) and are accumulated in the reduce dtype, fp32, until the
+    # last micro-batch reduce-scatters them: a whole unsharded fp32 copy at the peak.
+    grad_accum: int = 1
 
     def __post_init__(self) -> None:
         # The planner's old names (bf16-amp, fp32, fsdp) are still accepted, with a warning.
@@ -213,6 +217,8 @@ class MemorySettings:
                 problems.append(f"memory {name} {value!r}: choose {', '.join(allowed)}")
         if self.n_gpus < 1:
             problems.append(f"memory n_gpus must be >= 1, got {self.n_gpus}")
+        if self.grad_accum < 1:
+            problems.append(f"memory grad_accum must be >= 1, got {self.grad_accum}")
         if self.activation_checkpointing_every < 1:
             problems.append(f"memory activation_checkpointing_every must be >= 1, got "
                             f"{self.activation_checkpointing_every}")
@@ -292,7 +298,9 @@ def state_bytes(n_params: int, settings: MemorySettings, n_tensors: int = 0) -> 
 
     Keys: ``params``, ``grads``, ``optimizer`` (exp_avg + exp_avg_sq, plus 4 bytes of
     ``step`` per tensor when ``n_tensors`` is given), ``master``. Sharding: ``zero1``
-    divides optimizer and master by ``n_gpus``; ``fsdp2`` divides all four (rounded up);
+    divides optimizer and master by ``n_gpus``; ``fsdp2`` divides all four (rounded up), but
+    with ``grad_accum`` > 1 the gradients are a whole fp32 copy (accumulated unsharded: the
+    dry run's trace of llama3.2-1b at 8 ranks holds 4.6 GiB of them, against 0.58 sharded);
     ``ddp`` with ``ddp_bucket_view=False`` doubles the gradients (bucket copies).
     """
     settings.validate()
@@ -306,6 +314,8 @@ def state_bytes(n_params: int, settings: MemorySettings, n_tensors: int = 0) -> 
         optimizer, master = _shard(optimizer, k), _shard(master, k)
     elif settings.strategy == "fsdp2":
         params, grads, optimizer, master = (_shard(x, k) for x in (params, grads, optimizer, master))
+        if settings.grad_accum > 1 and k > 1:  # accumulated unsharded in fp32 until the step's last backward
+            grads = 4 * n
     elif settings.strategy == "ddp" and not settings.ddp_bucket_view:
         grads *= 2
     return {"params": params, "grads": grads, "optimizer": optimizer + steps, "master": master}

@@ -210,6 +210,10 @@ def _patch_compile() -> None:
     # Recomputed random ops (checkpointed regions) carry the CUDA generator's state through the
     # graph; a CPU build has no CUDA generators to clone: the older functionalisation instead.
     torch._functorch.config.graphsafe_rng_functionalization = False
+    # DDP's graph split at bucket boundaries (DDPOptimizer) re-fakes the step's own fake
+    # parameters in a mode of its own ("Mixing fake modes"); a trace does not model the
+    # overlap it is for, so the graphs are traced whole.
+    torch._dynamo.config.optimize_ddp = False
     module_compile = torch.nn.Module.compile
 
     def compile_module(self: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -240,7 +244,8 @@ def _patch_device_mesh() -> None:
 
 class _KeepBuckets:
     """DDP's reducer, less the bucket rebuild after the first step (it broadcasts rank 0's order
-    through storage written in C++; one process has nothing to agree with)."""
+    through storage written in C++; one process has nothing to agree with). The buckets it
+    starts with are the rebuilt ones' sizes instead (:func:`_steady_buckets`)."""
 
     def __init__(self, reducer: Any):
         object.__setattr__(self, "_reducer", reducer)
@@ -263,8 +268,30 @@ def _allreduce_hook(state, bucket):  # unannotated: DDP checks the annotations i
     return fut
 
 
+def _steady_buckets(ddp: Any) -> None:
+    """DDP puts every gradient in one bucket for the first step and rebuilds buckets of
+    ``bucket_cap_mb`` in the order gradients became ready; the trace keeps its first buckets,
+    so they are made at the rebuilt size from the start (in reverse parameter order, which is
+    the ready order of a stack of blocks)."""
+    config = getattr(ddp, "_BucketCapacityConfig", None)  # torch 2.13; older releases decide inline
+    if config is None or not hasattr(config, "compute_bucket_size_limits"):
+        return
+
+    def limits(self: Any, static_graph: bool, find_unused_parameters: bool) -> tuple[list[int], list[int]]:
+        if self.has_custom_per_bucket_caps:
+            caps = list(self.per_bucket_bytes_caps)
+            return caps, caps
+        if self.first_bucket_bytes_cap < self.bucket_bytes_cap:
+            return [self.first_bucket_bytes_cap, self.bucket_bytes_cap], []
+        return [self.bucket_bytes_cap], []
+
+    config.compute_bucket_size_limits = limits
+
+
 def _patch_ddp() -> None:
     import torch.nn.parallel.distributed as ddp
+
+    _steady_buckets(ddp)
 
     ddp._verify_param_shape_across_processes = lambda *a, **k: None  # reads storage; one process anyway
     ddp._sync_module_states = lambda *a, **k: None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import json
 import logging
 import os
@@ -214,6 +215,22 @@ class _Graphs:
 
 
 @contextlib.contextmanager
+def _collected_between_steps():
+    """Python's cyclic garbage collector off while tracing, so a storage held by a reference
+    cycle is freed at the same moment in every trace -- when the trace collects before each step --
+    rather than whenever the collector happens to run: the same config traces to the same peak
+    whatever was traced before it in the process (a real run frees such cycles as unpredictably;
+    the trace counts them until the step's end, an upper bound)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@contextlib.contextmanager
 def _no_host_read():
     """``train_step``'s one read of the loss and gradient norm, answered without reading: the
     compiled pass runs with no dispatch mode, and a fake tensor has no value to read. The eager
@@ -241,7 +258,8 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, prec: Any, strateg
     out: dict[str, Any] = {"micro_batch": micro_batch, "traced_accum": accum}
     compiled = full and t.compile != "off"
     mode = fake.fake_mode()
-    with mode, fake.LiveMemory(mode) as memory:
+    gc.collect()
+    with mode, fake.LiveMemory(mode) as memory, _collected_between_steps():
         parts = build_step(cfg, strategy, env, device, prec)
         run = _step_run(cfg, parts, env, device, prec, strategy, micro_batch)
         run.loss_fn = _in_forward(parts.loss_fn, memory)
@@ -254,6 +272,7 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, prec: Any, strateg
             per_step = []
             with _no_host_read():
                 for _ in range(COMPILED_STEPS):
+                    gc.collect()
                     if step == COMPILED_STEPS - 1:
                         memory.mark(_states(parts)[1], "optimizer")
                         memory.reset_peak()
@@ -263,30 +282,39 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, prec: Any, strateg
             out["compiled"] = {"per_step": per_step, **graphs.close(),
                                "memory": _memory(memory, "compiled", fake.COMPILED_BACKEND)}
         watch = fake.StepWatch()
-        fake.SDPA_CHOICES.clear()
-        for i in range(2):  # the first step makes the optimizer state; the second is the one reported
-            last = i == 1
-            if last:
+        # Step 1 makes the optimizer state; step 2 is the one reported (memory, syncs, collectives,
+        # kernels); step 3, under FlopCounterMode, counts FLOPs (its module tracking holds tensors
+        # of checkpointed blocks alive: it is kept off the step whose memory is reported).
+        counter = None
+        for i in range(3 if full else 2):
+            gc.collect()
+            if i == 1:
                 memory.mark(_states(parts)[1], "optimizer")
                 memory.reset_peak()
                 watch.syncs.clear()
                 watch.collectives.clear()
                 watch.collective_bytes.clear()
+                fake.SDPA_CHOICES.clear()
+            if i == 2:
+                out["eager_memory"] = _memory(memory, "eager", "")
+                reported = (list(watch.syncs), dict(watch.collectives), dict(watch.collective_bytes),
+                            dict(fake.SDPA_CHOICES))
             with contextlib.ExitStack() as modes:
-                counter = (modes.enter_context(FlopCounterMode(display=False, custom_mapping=GROUPED_MM_FLOPS))
-                           if (last and full) else None)
+                if i == 2:
+                    counter = modes.enter_context(FlopCounterMode(display=False, custom_mapping=GROUPED_MM_FLOPS))
                 modes.enter_context(watch)
                 train_step_module.train_step(run, step, accum, step_tokens, 1e-4)
             watch.step_done()
             step += 1
-        out["eager_memory"] = _memory(memory, "eager", "")
+        if not full:
+            out["eager_memory"] = _memory(memory, "eager", "")
         out["grads_marked"] = grads.marked
         if full:
-            out["syncs"] = [{"op": op, "source": where} for op, where in watch.syncs]
-            out["collectives"] = {op: {"calls": n, "bytes": watch.collective_bytes[op]}
-                                  for op, n in sorted(watch.collectives.items())}
+            syncs, calls, nbytes, kernels = reported
+            out["syncs"] = [{"op": op, "source": where} for op, where in syncs]
+            out["collectives"] = {op: {"calls": n, "bytes": nbytes[op]} for op, n in sorted(calls.items())}
             out["flops"] = _flops(counter, cfg, accum, run_accum, micro_batch)
-            out["sdpa_kernels"] = dict(fake.SDPA_CHOICES)
+            out["sdpa_kernels"] = kernels
             out["notes"] = parts.notes
             out["dtypes"] = {"parameters": sorted({str(p.dtype) for p in parts.model.parameters()}),
                              "optimizer_state": sorted({str(v.dtype) for v in _states(parts)[1]})}
@@ -361,12 +389,16 @@ def _flops(counter: FlopCounterMode | None, cfg: RunConfig, accum: int, run_accu
     }
 
 
+FIT_TRACES = 6  # traces the search may add after the first two
+
+
 def largest_fit(cfg: RunConfig, env: DistEnv, device: torch.device, prec: Any, strategy: str,
                 main: dict[str, Any], cap: int, limit: int) -> dict[str, Any]:
-    """The largest micro-batch whose traced (eager) peak is within ``cap`` bytes. A step's memory
-    is its states plus activations linear in the micro-batch: two traces give the line, and at
-    most three more confirm where it crosses ``cap`` (``confirmed``: the next size was traced
-    and does not fit)."""
+    """The largest micro-batch whose traced (eager) peak is within ``cap`` bytes. Memory is
+    states plus activations nearly linear in the micro-batch: a second trace gives a line, and
+    each further one is placed where the line through the two traced sizes nearest ``cap`` crosses
+    it (the secant method), kept strictly between the largest size known to fit and the smallest
+    known not to, at most :data:`FIT_TRACES` of them. ``confirmed``: the next size up was traced and does not fit."""
     def peak(b: int) -> float:
         return trace(cfg, env, device, prec, strategy, b, full=False)["eager_memory"]["peak_gib"] * GIB
 
@@ -374,14 +406,18 @@ def largest_fit(cfg: RunConfig, env: DistEnv, device: torch.device, prec: Any, s
     tried = {b0: main["eager_memory"]["peak_gib"] * GIB}
     b1 = 2 * b0 if b0 < 2 else b0 // 2
     tried[b1] = peak(b1)
-    per = (tried[b0] - tried[b1]) / (b0 - b1)  # bytes per sequence of the micro-batch
-    guess = int((cap - (tried[b0] - per * b0)) // per) if per > 0 else limit
-    guess = max(1, min(limit, guess))
-    for _ in range(3):
-        if guess in tried:
+    per = (tried[b0] - tried[b1]) / (b0 - b1)  # bytes per sequence, near the configured size
+    for _ in range(FIT_TRACES):
+        fits = [b for b, p in tried.items() if p <= cap]
+        over = [b for b, p in tried.items() if p > cap]
+        lo, hi = (max(fits) if fits else 0), (min(over) if over else limit + 1)
+        if hi <= lo + 1:
             break
+        a, b = sorted(tried, key=lambda n: abs(tried[n] - cap))[:2]  # the secant through the two nearest cap
+        slope = (tried[b] - tried[a]) / (b - a)
+        guess = a + int((cap - tried[a]) // slope) if slope > 0 else (lo + hi) // 2
+        guess = min(max(guess, lo + 1), hi - 1)  # unknown sizes lie strictly between the two
         tried[guess] = peak(guess)
-        guess = guess - 1 if tried[guess] > cap else min(limit, guess + 1)
     fits = [b for b, p in tried.items() if p <= cap]
     best = max(fits) if fits else None
     confirmed = best is not None and (best == limit or tried.get(best + 1, 0.0) > cap)
