@@ -4,9 +4,10 @@ Not a speed benchmark: a table of **traced** figures (fake tensors; nothing runs
 for docs/planning.md. For each preset at its own sequence length, as a CUDA run of it would
 take the step (compile, loss and attention as ``auto`` resolves them on that GPU, one GPU):
 
-- the planner's largest micro-batch under 90% of the GPU's memory (``plan.memory.max_micro_batch``)
-  and the trace's (``flopwise preflight --dry-run``'s search);
-- at micro-batch 1, the planner's peak against the traced eager peak, and the compiled one.
+- the planner's largest micro-batch under 90% of the GPU's memory (``plan.memory.max_micro_batch``,
+  modelling the step as it runs: compiled) and the trace's (``flopwise preflight --dry-run``'s
+  search, which traces eager steps: an upper bound of the compiled step's memory);
+- at micro-batch 1, the planner's peak against the traced eager peak and the compiled one.
 
     python benchmarks/planner_vs_trace.py [--gpus h100,l4] [--presets smollm-135m,...]
 
@@ -31,6 +32,7 @@ def one(preset: str, gpu: str) -> dict:
     spec = gpu_spec(gpu)
     cfg = build_config(preset, overrides=["train.micro_batch_size=1", "train.global_batch_size=2"])
     result = dry_run(cfg, gpu=gpu, headroom=HEADROOM, log=lambda s: None)
+    cfg.train.compile = result["compile"]  # as auto resolved it on that GPU: the planner models the compiled step
     settings = memory_settings_for_run(cfg, result["precision"], result["loss"], result["strategy"], 1)
     planned_max = max_micro_batch(cfg.model, cfg.train.seq_len, spec.memory_bytes, settings, headroom=HEADROOM)
     t = result["trace"]

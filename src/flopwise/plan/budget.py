@@ -505,8 +505,9 @@ def memory_settings_for_run(cfg: "RunConfig", precision: str, loss: str = "plain
     too), ``loss`` the resolved loss (plain; chunked; fused, Liger's kernel, which also never
     holds the full logits and is modelled as chunked), ``strategy`` the resolved
     ``parallel.strategy`` over ``gpus``. Activation checkpointing (none, full, selective
-    with its every-k), the attention (eager or not) and the micro-batches per step are the
-    config's."""
+    with its every-k), the attention (eager or not), the micro-batches per step and whether
+    it is compiled (``train.compile`` model or blocks; ``auto`` as eager: resolve it first) are
+    the config's."""
     t = cfg.train
     return MemorySettings(
         precision=precision, attention="eager" if cfg.model.attention == "eager" else "sdpa",
@@ -514,7 +515,7 @@ def memory_settings_for_run(cfg: "RunConfig", precision: str, loss: str = "plain
         activation_checkpointing_every=t.activation_checkpointing_every,
         strategy=strategy, n_gpus=gpus,
         loss="plain" if loss == "plain" else "chunked", loss_chunk_tokens=t.loss_chunk_tokens,
-        grad_accum=max(1, cfg.grad_accum_steps(gpus)))
+        grad_accum=max(1, cfg.grad_accum_steps(gpus)), compiled=t.compile in ("model", "blocks"))
 
 
 def peak_dtype(precision: str) -> str:

@@ -191,6 +191,10 @@ class MemorySettings:
     # (set_requires_gradient_sync(False)) and are accumulated in the reduce dtype, fp32, until the
     # last micro-batch reduce-scatters them: a whole unsharded fp32 copy at the peak.
     grad_accum: int = 1
+    # train.compile is on (model or blocks): the saved activations are the min-cut partitioner's
+    # (it recomputes cheap pointwise results in backward rather than keeping them), see
+    # compiled_layer_terms; the temporaries are still modelled as eager's (inductor fuses some).
+    compiled: bool = False
 
     def __post_init__(self) -> None:
         # The planner's old names (bf16-amp, fp32, fsdp) are still accepted, with a warning.
@@ -383,6 +387,35 @@ def layer_activation_terms(cfg: ModelConfig, micro_batch: int, seq_len: int,
     return t
 
 
+def compiled_layer_terms(cfg: ModelConfig, micro_batch: int, seq_len: int,
+                         settings: MemorySettings) -> dict[str, int]:
+    """Bytes one dense block saves for backward when compiled (AOTAutograd's min-cut
+    partitioner, the one inductor uses): the inputs of its matmuls in the compute dtype, the
+    block's input and the attention kernel's own; norms, RoPE and activation functions are
+    recomputed from them. Read off the partitioner's saved set in the dry run's trace
+    (``tests/integration/test_dryrun.py`` holds the two within 10%)."""
+    d = _dtypes(settings)
+    c, r = d["compute"], d["residual"]
+    D, H, KV, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+    q, kv = H * hd, KV * hd
+    N = micro_batch * seq_len
+    t = {
+        "block_input": N * r * D,  # the residual stream entering the block: both norms recompute from it
+        "norm_outputs": 2 * N * c * D,  # the inputs of wqkv and of the MLP's first projection
+        "q_k_rotated": N * c * (q + kv),  # what SDPA saves
+        "v": N * c * kv,
+        "attn_out": N * c * q,  # SDPA's output, saved for its backward
+        "attn_out_rows": N * c * q,  # wo's input: the graph keeps its own (B*T, H*hd) copy
+        "logsumexp": N * 4 * H,
+        "attn_proj_out": N * c * D,  # wo's output: the residual sum in the MLP half is recomputed from it
+    }
+    if cfg.mlp == "swiglu":
+        t["swiglu"] = N * c * 3 * cfg.ffn_hidden  # gate|up, and silu(gate) * up (w_down's input)
+    else:
+        t["mlp_act"] = N * c * 2 * cfg.ffn_hidden  # the up projection's output and the activation's
+    return t
+
+
 def _logits_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: MemorySettings) -> int:
     c = _dtypes(settings)["compute"]
     N, V = micro_batch * seq_len, cfg.vocab_size
@@ -475,6 +508,11 @@ def estimate(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: MemoryS
 
     terms = layer_activation_terms(cfg, B, T, settings)
     per_layer = sum(terms.values())
+    if settings.compiled and settings.attention == "sdpa" and not cfg.is_moe:
+        # the partitioner's saved set; the eager terms still size the temporaries below
+        per_layer = sum(compiled_layer_terms(cfg, B, T, settings).values())
+        notes.append("activations: compiled, the min-cut partitioner's saved set (matmul inputs, the block's "
+                     "input, SDPA's outputs); norms, RoPE and activation functions are recomputed in backward")
     ids = N * 8  # int64 token ids saved by the embedding
     final_norm = N * (4 * D + 4 + r * D + c * D)
     # a recomputed block keeps only its input (B, T, D); at the peak one block is recomputed

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from flopwise.train.optim import CombinedOptimizer, set_lr, set_lr_factor
-from flopwise.train.parallel import clip_grad_norm, grad_sync
+from flopwise.train.parallel import clip_grad_norm, grad_sync, grads_set_to_none
 from flopwise.train.precision import MasterWeights
 from flopwise.train.setup import Run
 from flopwise.train.step import forward_backward
@@ -73,7 +73,7 @@ def train_step(run: Run, step: int, accum: int, step_tokens: int, lr: float) -> 
         apply_update(optimizer, scaler, run.master)
     if before is not None:
         stats["update_ratios"] = update_ratios(run.state_model, before)
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=grads_set_to_none(run.strategy.name))
     return StepOutcome(loss_f, gnorm_f, "", stats)
 
 
@@ -122,7 +122,7 @@ def handle_bad_step(run: Run, out: StepOutcome, lr: float, reload) -> None:
     guard, p, log = run.guard, run.progress, run.log
     collapse = out.bad == "collapse"
     bad_step, last_saved = p.step + 1, p.last_saved
-    run.optimizer.zero_grad(set_to_none=True)
+    run.optimizer.zero_grad(set_to_none=grads_set_to_none(run.strategy.name))
     if collapse:
         what = (f"collapse at step {bad_step}: gradient norm {out.grad_norm:.3g} for {guard.collapse_steps} steps "
                 f"in a row (loss {out.loss:.6f}, uniform ln V = {guard.uniform_loss:.6f})")

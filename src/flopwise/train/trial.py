@@ -44,7 +44,7 @@ from flopwise.data.prepare import die_with_parent
 from flopwise.fsio import atomic_write
 from flopwise.measure.meter import median
 from flopwise.train.distributed import DistEnv, init_distributed
-from flopwise.train.parallel import grad_sync, resolve_strategy
+from flopwise.train.parallel import grad_sync, grads_set_to_none, resolve_strategy
 from flopwise.train.precision import autocast_factory, resolve
 from flopwise.train.setup import build_step, train_loader
 from flopwise.train.step import forward_backward
@@ -293,7 +293,7 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
             losses.append(loss.detach())  # the first step's loss: before any update, on the first batch
         unscale_and_clip(opt, prec.scaler, master, params, cfg.optim.grad_clip or float("inf"))
         apply_update(opt, prec.scaler, master)  # the trainer's own update (train_step.py)
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=grads_set_to_none(strategy))
         marks.append(stamp())
 
     def seconds(a: Any, b: Any) -> float:

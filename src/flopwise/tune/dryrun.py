@@ -157,12 +157,14 @@ def render(result: dict[str, Any]) -> list[str]:
         cm = compiled["memory"]
         lines.append(f"             compiled ({cm['backend']}: the partitioner's saved activations, unfused "
                      f"temporaries): {_gib(cm['peak_gib'])} ({_share(cm['peak_gib'], eager['peak_gib'])} vs eager)")
-    lines.append(f"             planner (flopwise plan): {_gib(plan['total'])} ({_share(plan['total'], eager['peak_gib'])} "
-                 "vs the eager trace)")
+    as_run = t.get("memory", eager)
+    lines.append(f"             planner (flopwise plan, the step as it runs): {_gib(plan['total'])} "
+                 f"({_share(plan['total'], as_run['peak_gib'])} vs the {'compiled' if compiled else 'eager'} trace)")
     fit = result["fit"]
     if fit.get("micro_batch"):
         peak = fit["tried_gib"].get(str(fit["micro_batch"]), fit["tried_gib"].get(fit["micro_batch"]))
-        lines.append(f"  fits       largest micro-batch by trace: {fit['micro_batch']} ({_gib(peak)} within "
+        how = "compiled" if compiled else "eager"
+        lines.append(f"  fits       largest micro-batch by trace ({how}): {fit['micro_batch']} ({_gib(peak)} within "
                      f"{fit['cap_gib']:.1f} GiB = {100 * r['headroom']:.0f}% of {mem_gib:.0f})")
     else:
         lines.append(f"  fits       no micro-batch fits within {fit['cap_gib']:.1f} GiB by trace")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import os
 import traceback
@@ -192,7 +193,53 @@ def _patch_sdpa(capability: tuple[int, int]) -> None:
 
 # --------------------------------------------------------------------------- compile
 
-COMPILED_BACKEND = "aot_eager_decomp_partition"  # inductor's decompositions and min-cut partitioner, no codegen
+COMPILED_BACKEND_NAME = "aot_eager_decomp_partition"
+SAVED: list[dict[str, Any]] = []  # each backward graph compiled: what the partitioner saved for it
+
+
+def _saved_activations(gm: torch.fx.GraphModule) -> dict[str, Any]:
+    """The storage a backward graph takes from its forward (its inputs but the incoming
+    gradients; views of one storage counted once), split into activations -- tensors with the
+    batch's leading dimension, or its batch x time rows -- and the rest (parameters, their
+    compute-dtype copies, RoPE tables)."""
+    vals = [node.meta.get("val") for node in gm.graph.nodes
+            if node.op == "placeholder" and not node.name.startswith("tangents")]
+    vals = [v for v in vals if isinstance(v, torch.Tensor)]
+    big = max((v for v in vals if v.dim() >= 3), key=lambda v: v.numel(), default=None)
+    batch, rows = (big.shape[0], big.shape[0] * big.shape[1]) if big is not None else (None, None)
+    acts, other, seen = 0, 0, set()
+    for v in vals:
+        storage = v.untyped_storage()
+        if storage._cdata in seen:
+            continue
+        seen.add(storage._cdata)
+        if batch is not None and (v.dim() >= 3 and v.shape[0] == batch or v.dim() == 2 and v.shape[0] == rows):
+            acts += storage.nbytes()
+        else:
+            other += storage.nbytes()
+    return {"activation_bytes": acts, "other_bytes": other}
+
+
+def traced_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+    """``aot_eager_decomp_partition`` (inductor's decompositions and min-cut partitioner, no
+    code generation) that also records each backward graph's saved tensors in :data:`SAVED`."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._functorch import config as functorch_config
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.compile_fx import select_decomp_table
+
+    def backward(bw: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
+        SAVED.append(_saved_activations(bw))
+        return boxed_nop(bw, inputs)
+
+    with functorch_config.patch({"unlift_effect_tokens": True}):
+        return aot_autograd(fw_compiler=boxed_nop, bw_compiler=backward, decompositions=select_decomp_table,
+                            partition_fn=functools.partial(min_cut_rematerialization_partition,
+                                                           compiler="inductor"))(gm, example_inputs)
+
+
+COMPILED_BACKEND = traced_backend
 
 
 def _patch_compile() -> None:

@@ -245,7 +245,8 @@ def _no_host_read():
 
 def trace(cfg: RunConfig, env: DistEnv, device: torch.device, prec: Any, strategy: str, micro_batch: int,
           full: bool) -> dict[str, Any]:
-    """One configuration traced (see the module docstring); ``full=False``: memory only, eager."""
+    """One configuration traced (see the module docstring); ``full=False``: the memory of the step
+    as the run takes it (compiled when compile is on), nothing else."""
     run_accum = cfg.grad_accum_steps(env.world_size)  # the run's micro-batches per step, before the trace's
     cfg = copy.deepcopy(cfg)
     t = cfg.train
@@ -256,7 +257,7 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, prec: Any, strateg
     step_tokens = t.global_batch_size * t.seq_len
     torch._dynamo.reset()
     out: dict[str, Any] = {"micro_batch": micro_batch, "traced_accum": accum}
-    compiled = full and t.compile != "off"
+    compiled = t.compile != "off"
     mode = fake.fake_mode()
     gc.collect()
     with mode, fake.LiveMemory(mode) as memory, _collected_between_steps():
@@ -269,18 +270,25 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, prec: Any, strateg
         step = 0
         if compiled:
             graphs = _Graphs()
+            fake.SAVED.clear()
             per_step = []
+            steps = COMPILED_STEPS if full else 2  # a fit's trace: the compile and the step measured
             with _no_host_read():
-                for _ in range(COMPILED_STEPS):
+                for _ in range(steps):
                     gc.collect()
-                    if step == COMPILED_STEPS - 1:
+                    if step == steps - 1:
                         memory.mark(_states(parts)[1], "optimizer")
                         memory.reset_peak()
                     train_step_module.train_step(run, step, accum, step_tokens, 1e-4)
                     step += 1
                     per_step.append(graphs.snapshot())
-            out["compiled"] = {"per_step": per_step, **graphs.close(),
-                               "memory": _memory(memory, "compiled", fake.COMPILED_BACKEND)}
+            out["compiled"] = {"per_step": per_step, **graphs.close(), "saved": list(fake.SAVED),
+                               "memory": _memory(memory, "compiled", fake.COMPILED_BACKEND_NAME)}
+            out["memory"] = out["compiled"]["memory"]  # the step as the run takes it
+            if not full:
+                grads.close()
+                del parts, run
+                return out
         watch = fake.StepWatch()
         # Step 1 makes the optimizer state; step 2 is the one reported (memory, syncs, collectives,
         # kernels); step 3, under FlopCounterMode, counts FLOPs (its module tracking holds tensors
@@ -308,6 +316,7 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, prec: Any, strateg
             step += 1
         if not full:
             out["eager_memory"] = _memory(memory, "eager", "")
+        out.setdefault("memory", out["eager_memory"])
         out["grads_marked"] = grads.marked
         if full:
             syncs, calls, nbytes, kernels = reported
@@ -394,16 +403,17 @@ FIT_TRACES = 6  # traces the search may add after the first two
 
 def largest_fit(cfg: RunConfig, env: DistEnv, device: torch.device, prec: Any, strategy: str,
                 main: dict[str, Any], cap: int, limit: int) -> dict[str, Any]:
-    """The largest micro-batch whose traced (eager) peak is within ``cap`` bytes. Memory is
+    """The largest micro-batch whose traced peak -- of the step as the run takes it: compiled when
+    ``train.compile`` is on -- is within ``cap`` bytes. Memory is
     states plus activations nearly linear in the micro-batch: a second trace gives a line, and
     each further one is placed where the line through the two traced sizes nearest ``cap`` crosses
     it (the secant method), kept strictly between the largest size known to fit and the smallest
     known not to, at most :data:`FIT_TRACES` of them. ``confirmed``: the next size up was traced and does not fit."""
     def peak(b: int) -> float:
-        return trace(cfg, env, device, prec, strategy, b, full=False)["eager_memory"]["peak_gib"] * GIB
+        return trace(cfg, env, device, prec, strategy, b, full=False)["memory"]["peak_gib"] * GIB
 
     b0 = main["micro_batch"]
-    tried = {b0: main["eager_memory"]["peak_gib"] * GIB}
+    tried = {b0: main["memory"]["peak_gib"] * GIB}
     b1 = 2 * b0 if b0 < 2 else b0 // 2
     tried[b1] = peak(b1)
     per = (tried[b0] - tried[b1]) / (b0 - b1)  # bytes per sequence, near the configured size
