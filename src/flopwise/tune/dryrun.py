@@ -35,6 +35,14 @@ UNSEEN = ("allocator caching and fragmentation (reserved above allocated)", "ind
           "numerics (NaN, overflow, fp16 loss scaling)", "ranks other than rank 0", "the data loader's copies")
 
 
+# why compile=model breaks under a data-parallel wrapper (torch's design, not flopwise's)
+WRAPPERS = {
+    "ddp": "torch runs DDP's forward uncompiled (the wrapped model compiles as a graph of its own)",
+    "zero1": "torch runs DDP's forward uncompiled (the wrapped model compiles as a graph of its own)",
+    "fsdp2": "FSDP2's hooks are compiler-disabled (a break on each side of the root's)",
+}
+
+
 class DryRunFailed(RuntimeError):
     """The traced step failed: what and where, in one line."""
 
@@ -90,7 +98,8 @@ def dry_run(cfg: RunConfig, gpu: str | None = None, nproc_per_node: int = 1, nno
         request["config_path"] = str(config_path)
         request_path.write_text(json.dumps(request))
         env = dict(os.environ, LD_PRELOAD=":".join(filter(None, [str(shim), os.environ.get("LD_PRELOAD", "")])),
-                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                   PYTHONHASHSEED="0")  # ZeRO-1's traced peak moves by ~1% with the order of sets: reproducible
         env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)  # not a launched rank
         log(f"  tracing the step on {world} × {spec.name} (fake tensors; about a minute for a 2B model) ...")
         try:
@@ -185,6 +194,9 @@ def render(result: dict[str, Any]) -> list[str]:
                      f"recompile(s) over {len(compiled['per_step'])} steps")
         lines += [f"             break: {_one_line(k)} (×{v})" for k, v in compiled["break_reasons"].items()]
         lines += [f"             recompile: {m}" for m in compiled["recompile_reasons"]]
+        if last["graph_breaks"] and result["compile"] == "model" and result["strategy"] in WRAPPERS:
+            lines.append(f"             {WRAPPERS[result['strategy']]}: train.compile=blocks compiles each block "
+                         "without a break")
     if t["collectives"]:
         parts = [f"{op.strip('_')} ×{c['calls']} ({human(c['bytes'], 'B')})" for op, c in t["collectives"].items()]
         lines.append(f"  collectives rank 0, traced step ({t['traced_accum']} micro-batches): {' · '.join(parts)}")
