@@ -125,12 +125,12 @@ def run_request(request: dict[str, Any]) -> dict[str, Any]:
         "speed": speed, "accum": cfg.grad_accum_steps(world), "micro_batch": cfg.train.micro_batch_size,
         "seq_len": cfg.train.seq_len,
     }
-    out["trace"] = trace(cfg, env, device, prec, strategy.name, cfg.train.micro_batch_size, full=True)
+    out["trace"] = trace(cfg, env, device, strategy.name, cfg.train.micro_batch_size, full=True)
     out["plan"] = planned(cfg, prec.name, strategy.name, world, cfg.train.micro_batch_size)
     if not request.get("fit", True):
         return out
     cap = int(request["headroom"] * gpu.memory_bytes)
-    out["fit"] = largest_fit(cfg, env, device, prec, strategy.name, out["trace"], cap,
+    out["fit"] = largest_fit(cfg, env, device, strategy.name, out["trace"], cap,
                              int(request.get("max_micro_batch", 1024)))
     return out
 
@@ -243,7 +243,7 @@ def _no_host_read():
         train_step_module.global_loss = original
 
 
-def trace(cfg: RunConfig, env: DistEnv, device: torch.device, prec: Any, strategy: str, micro_batch: int,
+def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, micro_batch: int,
           full: bool) -> dict[str, Any]:
     """One configuration traced (see the module docstring); ``full=False``: the memory of the step
     as the run takes it (compiled when compile is on), nothing else."""
@@ -317,7 +317,6 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, prec: Any, strateg
         if not full:
             out["eager_memory"] = _memory(memory, "eager", "")
         out.setdefault("memory", out["eager_memory"])
-        out["grads_marked"] = grads.marked
         if full:
             syncs, calls, nbytes, kernels = reported
             out["syncs"] = [{"op": op, "source": where} for op, where in syncs]
@@ -337,7 +336,6 @@ class _GradMarker:
     parameters the optimizer steps)."""
 
     def __init__(self, params: list[torch.Tensor], memory: fake.LiveMemory):
-        self.marked = 0
         self.handles = []
         for p in params:
             if hasattr(p, "register_post_accumulate_grad_hook"):
@@ -346,7 +344,6 @@ class _GradMarker:
     def _mark(self, p: torch.Tensor, memory: fake.LiveMemory) -> None:
         if p.grad is not None:
             memory.mark([p.grad], "gradients")
-            self.marked += 1
 
     def close(self) -> None:
         for h in self.handles:
@@ -401,7 +398,7 @@ def _flops(counter: FlopCounterMode | None, cfg: RunConfig, accum: int, run_accu
 FIT_TRACES = 6  # traces the search may add after the first two
 
 
-def largest_fit(cfg: RunConfig, env: DistEnv, device: torch.device, prec: Any, strategy: str,
+def largest_fit(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str,
                 main: dict[str, Any], cap: int, limit: int) -> dict[str, Any]:
     """The largest micro-batch whose traced peak -- of the step as the run takes it: compiled when
     ``train.compile`` is on -- is within ``cap`` bytes. Memory is
@@ -410,7 +407,7 @@ def largest_fit(cfg: RunConfig, env: DistEnv, device: torch.device, prec: Any, s
     it (the secant method), kept strictly between the largest size known to fit and the smallest
     known not to, at most :data:`FIT_TRACES` of them. ``confirmed``: the next size up was traced and does not fit."""
     def peak(b: int) -> float:
-        return trace(cfg, env, device, prec, strategy, b, full=False)["memory"]["peak_gib"] * GIB
+        return trace(cfg, env, device, strategy, b, full=False)["memory"]["peak_gib"] * GIB
 
     b0 = main["micro_batch"]
     tried = {b0: main["memory"]["peak_gib"] * GIB}
