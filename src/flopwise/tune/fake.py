@@ -400,7 +400,7 @@ def _patch_flopwise(gpu: FakeGpu) -> None:
 class LiveMemory:
     """Bytes of fake CUDA storage alive, by kind, and their peak -- without a dispatch mode, so
     it sees compiled graphs run too. Every fake tensor is made through ``FakeTensor.__new__``;
-    a storage counts from its first tensor until its last is gone. Storages start as
+    a storage counts from its first tensor until the storage is freed. Storages start as
     ``activations`` while :attr:`phase` says forward, ``temporaries`` otherwise; parameters,
     optimizer state and gradients are moved to their own kinds when told (:meth:`mark`)."""
 
@@ -408,7 +408,7 @@ class LiveMemory:
 
     def __init__(self, mode: FakeTensorMode) -> None:
         self.mode = mode  # tensors of other fake modes (dynamo's and AOTAutograd's, while tracing) are not memory
-        self.live: dict[int, list] = {}  # storage -> [bytes, tensors alive, kind]
+        self.live: dict[int, list] = {}  # storage -> [bytes, kind]
         self.by_kind = dict.fromkeys(self.KINDS, 0)
         self.total = 0
         self.peak = 0
@@ -435,7 +435,7 @@ class LiveMemory:
             result = resize(storage, size)
             entry = tracker.live.get(storage._cdata)
             if entry is not None:
-                tracker._add(entry[2], size - entry[0])
+                tracker._add(entry[1], size - entry[0])
                 entry[0] = size
             return result
 
@@ -447,23 +447,20 @@ class LiveMemory:
         torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
 
     def _born(self, t: torch.Tensor) -> None:
+        # A storage is followed by its own Python object (torch keeps one per storage while the
+        # storage lives), not by its tensors: a tensor can change storage under it (``p.data =
+        # ...``, as ZeRO-1's bucket views do), and an address of a freed storage is reused.
         storage = t.untyped_storage()
         key = storage._cdata
-        entry = self.live.get(key)
-        if entry is None:
-            entry = self.live[key] = [storage.nbytes(), 0, self.phase]
-            self._add(entry[2], entry[0])
-        entry[1] += 1
-        weakref.finalize(t, self._died, key)
+        if key not in self.live:
+            self.live[key] = [storage.nbytes(), self.phase]
+            self._add(self.phase, storage.nbytes())
+            weakref.finalize(storage, self._died, key)
 
     def _died(self, key: int) -> None:
-        entry = self.live.get(key)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            self._add(entry[2], -entry[0])
-            del self.live[key]
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self._add(entry[1], -entry[0])
 
     def _add(self, kind: str, nbytes: int) -> None:
         self.by_kind[kind] += nbytes
@@ -479,9 +476,9 @@ class LiveMemory:
             if not isinstance(t, FakeTensor) or t.fake_mode is not self.mode:
                 continue
             entry = self.live.get(t.untyped_storage()._cdata)
-            if entry is not None and entry[2] != kind:
-                self._add(entry[2], -entry[0])
-                entry[2] = kind
+            if entry is not None and entry[1] != kind:
+                self._add(entry[1], -entry[0])
+                entry[1] = kind
                 self._add(kind, entry[0])
 
     def reset_peak(self) -> None:
