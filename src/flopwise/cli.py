@@ -11,10 +11,10 @@ import os
 import sys
 
 from flopwise import __version__, deps
-from flopwise.config import DEFAULT_PRESET, ConfigError, build_config, preset_names
+from flopwise.config import DEFAULT_PRESET, ConfigError, TrainConfig, build_config, preset_names
 from flopwise.fsio import LockedError, is_disk_full
 from flopwise.plan import hardware
-from flopwise.plan.budget import PlanError, PlanInputs, build_plan, peak_dtype, plan_inputs_for_run
+from flopwise.plan.budget import PlanError, PlanInputs, build_plan, peak_dtype, plan_inputs_for_run, planned_loss
 from flopwise.plan.flops import param_counts
 from flopwise.plan.memory import MemorySettings, current_name
 from flopwise.plan.render import format_gpu_table, format_plan
@@ -31,13 +31,30 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDE_HELP)
 
 
+class _AnyOrder(argparse.ArgumentParser):
+    """A subcommand's parser that takes its options anywhere, between or after its positionals
+    (``export RUN --format hf OUT``): argparse's intermixed parsing, used where the top-level
+    parser hands a subcommand its arguments."""
+
+    _inside = False
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        if self._inside:  # parse_known_intermixed_args calls back here, in its two passes
+            return super().parse_known_args(args, namespace)
+        self._inside = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inside = False
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flopwise",
         description="Pretrain language models with performance discipline.",
     )
     parser.add_argument("--version", action="version", version=f"flopwise {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_AnyOrder)
     sub.required = True
     for add in (_train_parser, _prepare_parser, _preflight_parser, _eval_parser, _generate_parser,  # --help's order
                 _report_parser, _export_parser, _checkpoint_parser, _plan_parser, _presets_parser):
@@ -273,12 +290,14 @@ def _plan_parser(sub: "argparse._SubParsersAction") -> None:
                    help="as train.precision: bf16 (autocast over fp32 weights, the default), bf16-pure (bf16 "
                         "weights), fp16 (autocast over fp32 weights), float32")
     g.add_argument("--no-master-weights", action="store_true", help="bf16-pure without an fp32 master copy")
-    g.add_argument("--attention", default=None, help="sdpa (flash/efficient, default) or eager (S×S scores)")
+    g.add_argument("--attention", default=None, help="as model.attention: auto (the default), flash, sdpa, flex "
+                   "(no score matrix), or eager (S×S scores)")
     g.add_argument("--checkpointing", default=None,
                    help="as train.activation_checkpointing: none (default), full, or selective (blocks 0, k, 2k, ...)")
     g.add_argument("--checkpointing-every", type=int, default=0,
                    help="k of --checkpointing selective, as train.activation_checkpointing_every (default 2)")
-    g.add_argument("--loss", default=None, help="plain (full logits, the default) or chunked, as train.loss")
+    g.add_argument("--loss", default=None, help="as train.loss: plain (full logits, the default), chunked, or fused "
+                   "(Liger's kernel: no full logits, planned as chunked)")
     g.add_argument("--strategy", default="", help="as parallel.strategy: single, ddp, zero1, fsdp2 (default: single, "
                         "ddp with --gpus>1, or the first of zero1/fsdp2 that fits when ddp does not)")
     g = p.add_argument_group("scaling")
@@ -550,7 +569,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             note = ("--precision bf16 is bf16 autocast over fp32 weights, as train.precision=bf16 (pure bf16 "
                     "weights, what it meant before, are --precision bf16-pure)")
         notes += [note] if note else []
-    if args.strategy:
+    if args.strategy and args.strategy != "auto":  # auto: the planner's choice, as the trainer's
         strategy, note = current_name("strategy", args.strategy, "--strategy")
         notes += [note] if note else []
     gpu = None
@@ -558,6 +577,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         gpu = hardware.find(args.gpu)  # exact on the normalised name: never a similar card
         if gpu is None:
             raise PlanError(hardware.unknown_gpu_message(args.gpu))
+    if precision == "auto":  # as the trainer resolves it on a GPU: bf16 where the card has it
+        precision = "fp16" if gpu is not None and gpu.bf16 is None else "bf16"
+        notes.append(f"--precision auto is {precision} on {gpu.name if gpu else 'a GPU with bf16'}")
     model, name, run, source = None, "", {}, {}
     if args.config:  # the run as configured: every setting the planner models comes from it
         path = Path(args.config)
@@ -571,8 +593,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         model, name, run = cfg.model, args.model, {"seq_len": cfg.train.seq_len}
     memory = run.get("memory") or MemorySettings(strategy=strategy or ("ddp" if args.gpus > 1 else "single"),
                                                  n_gpus=args.gpus)
+    loss = args.loss
+    if loss in ("auto", "fused"):  # train.loss's names; the memory model knows plain and chunked
+        loss, note = planned_loss(TrainConfig(loss=loss))
+        notes.append(note)
     flags = {"precision": precision, "attention": args.attention, "activation_checkpointing": args.checkpointing,
-             "activation_checkpointing_every": args.checkpointing_every, "loss": args.loss}
+             "activation_checkpointing_every": args.checkpointing_every, "loss": loss}
     memory = replace(memory, **{k: v for k, v in flags.items() if v},
                      **({"master_weights": False} if args.no_master_weights else {}),
                      **({"grad_accum": args.grad_accum} if args.grad_accum > 0 else {}))

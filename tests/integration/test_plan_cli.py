@@ -184,3 +184,21 @@ def test_plan_speaks_trains_names_and_still_understands_its_old_ones(cli):
     assert pure["memory"]["params"] < plan["memory"]["params"]
     proc = cli("plan", "--model", "tiny", "--precision", "fp8")
     assert proc.returncode == 2 and "--precision 'fp8': choose bf16, bf16-pure, fp16, float32" in proc.stderr
+
+
+@pytest.mark.parametrize("flag, key, literal", [
+    ("--attention", "model.attention", "AttentionBackend"), ("--loss", "train.loss", "Loss"),
+    ("--precision", "train.precision", "PrecisionChoice"),
+    ("--checkpointing", "train.activation_checkpointing", "ActivationCheckpointing"),
+    ("--strategy", "parallel.strategy", "StrategyChoice")])
+def test_plan_flags_take_every_value_the_config_takes(flag, key, literal, capsys):
+    """``plan --attention flash`` was refused although train takes model.attention=flash."""
+    from flopwise import config
+    from flopwise.cli import main
+
+    for value in config.choices(getattr(config, literal)):
+        build_config(preset="tiny", overrides=[f"{key}={value}"])  # the config takes it
+        rc = main(["plan", "--model", "smollm-135m", "--gpu", "h100", "--gpus", "2", "--tokens", "1B",
+                   flag, value, "--json"])
+        assert rc == 0, (flag, value, capsys.readouterr().err)
+        capsys.readouterr()

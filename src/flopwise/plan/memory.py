@@ -141,14 +141,16 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-from flopwise.config import ACTIVATION_CHECKPOINTING, PRECISIONS, ModelConfig, Strategy, choices
+from flopwise.config import ACTIVATION_CHECKPOINTING, PRECISIONS, AttentionBackend, ModelConfig, Strategy, choices
 from flopwise.plan.flops import checkpointed_blocks, param_counts
 
 GIB = 1024**3
 
 # The names are train's (``train.precision``, ``train.activation_checkpointing``,
 # ``parallel.strategy``): one vocabulary for planning and training.
-ATTENTIONS = ("sdpa", "eager")
+# model.attention's names: every backend but eager (S×S scores) holds no scores (flash,
+# memory-efficient SDPA, flex), so the memory model tells eager from the rest.
+ATTENTIONS = choices(AttentionBackend)
 CHECKPOINTING = ACTIVATION_CHECKPOINTING
 STRATEGIES = choices(Strategy)
 AUTOCAST = ("bf16", "fp16")  # fp32 weights, 2-byte matmuls
