@@ -95,7 +95,8 @@ def _prepare_parser(sub: "argparse._SubParsersAction") -> None:
     g.add_argument("--val-tokens", type=count, default=0,
                    help="default: --val-fraction of the train tokens (or of the source, without --train-tokens)")
     g.add_argument("--test-tokens", type=count, default=0)
-    g.add_argument("--val-fraction", type=float, default=0.005)
+    g.add_argument("--val-fraction", type=float, default=None,
+                   help="validation's share (default 0.005, raised to what the default eval needs, see docs/data.md)")
     g = p.add_argument_group("source options")
     g.add_argument("--text-field", default="text", help="field of .jsonl/.json/.parquet/hf records (default text)")
     g.add_argument("--hf-split", default="train", help="split of a Hugging Face dataset (default train)")

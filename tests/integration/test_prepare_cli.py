@@ -67,3 +67,21 @@ def test_bad_flags_are_named_and_nothing_is_written(tmp_path, capsys):
     assert "nope" in capsys.readouterr().err and not out.exists()
     assert cli_main(["prepare"]) == 2
     assert "give a SOURCE" in capsys.readouterr().err
+
+
+def test_the_default_validation_split_has_a_floor_and_an_explicit_fraction_has_none(tmp_path, capsys):
+    corpus = tmp_path / "corpus.jsonl"
+    with open(corpus, "w") as f:
+        for i in range(200):
+            f.write(json.dumps({"body": f"record {i}: " + "lorem ipsum dolor sit amet " * (1 + i % 7)}) + "\n")
+    common = ["prepare", str(corpus), "--text-field", "body", "--vocab-size", "300", "--workers", "1"]
+    assert cli_main([*common, "--out", str(tmp_path / "default")]) == 0
+    text = capsys.readouterr().out
+    assert "short of the floor" in text and "--val-fraction 0.005 alone would give" in text  # too small
+    meta = json.loads((tmp_path / "default" / "meta.json").read_text())
+    assert meta["recipe"]["val_floor"]["applied"] and meta["recipe"]["val_fraction"] == 0.005
+    assert cli_main([*common, "--out", str(tmp_path / "explicit"), "--val-fraction", "0.005"]) == 0
+    assert "the floor" not in capsys.readouterr().out
+    explicit = json.loads((tmp_path / "explicit" / "meta.json").read_text())
+    assert explicit["recipe"]["val_floor"] is None and explicit["recipe"]["val_fraction"] == 0.005
+    assert explicit["splits"]["val"]["tokens"] < meta["splits"]["val"]["tokens"]

@@ -10,7 +10,9 @@ import time
 import numpy as np
 import pytest
 
+from flopwise.config import build_config
 from flopwise.data.datadir import DataDir
+from flopwise.data.loader import fixed_windows, overlap_note
 from flopwise.data.prepare import PrepareError, PrepareOptions, Router, SplitWriter, encode_documents, prepare
 from flopwise.data.shards import read_shard
 from flopwise.data.tokenizer import train_bpe
@@ -154,6 +156,102 @@ def test_whole_source_meets_an_explicit_validation_budget(tmp_path):
     assert meta["splits"]["val"]["tokens"] == 600 and meta["splits"]["test"]["tokens"] == 300
     assert sum(s["documents"] for s in meta["splits"].values()) == 150  # the rest went to train
     assert not any("WARNING" in line for line in lines)
+
+
+def _default_eval(out):
+    """(the overlap note, the data directory) of the default run's validation on the data at
+    ``out``: its windows as the trainer builds them (``train/setup.py``) and checks them
+    (``train/describe.py``), so this fails if prepare's floor and the trainer drift apart."""
+    cfg = build_config()  # `flopwise train` with no preset: the default run
+    seq_len, dd = cfg.train.seq_len, DataDir(out)
+    windows = fixed_windows(dd, "val", seq_len, cfg.eval.batches * cfg.train.micro_batch_size)
+    return overlap_note(len(windows), seq_len, dd.num_tokens("val")), dd
+
+
+def test_default_split_has_a_floor_so_the_default_eval_does_not_overlap(tmp_path):
+    """A user's report: the default 0.5% of a 1.6M-token corpus gave 8,084 validation tokens,
+    and every run on it said its validation windows overlap (each token scored ~2x)."""
+    write_corpus(tmp_path / "corpus", n_docs=2_500)  # ~250K tokens: 0.5% is ~1,300, a tenth ~25K
+    lines = []
+    note, dd = _default_eval(prepare(opts(tmp_path), log=lines.append))
+    assert note == ""
+    from flopwise.data.prepare import default_val_floor
+
+    floor = default_val_floor()
+    val, train = dd.num_tokens("val"), dd.num_tokens("train")
+    assert floor.tokens <= val < floor.tokens + 300, val  # the floor, within a document
+    assert val < 0.1 * (val + train)
+    assert all(info["continued_documents"] == 0 for info in dd.meta["splits"].values())  # whole documents
+    record = dd.meta["recipe"]["val_floor"]
+    assert record["applied"] and record["reached"] and record["tokens"] == floor.tokens
+    assert dd.meta["recipe"]["val_fraction"] == 0.005
+    said = [line for line in lines if "raised to the floor" in line]
+    assert len(said) == 1 and f"{floor.windows:,} windows of {floor.seq_len:,}+1 tokens" in said[0]
+    assert "--val-fraction 0.005 alone would give ~1," in said[0]
+    # the same share given explicitly wins: no floor, and the default eval's windows overlap
+    lines = []
+    note, dd = _default_eval(prepare(opts(tmp_path, out=str(tmp_path / "explicit"), val_fraction=0.005),
+                                     log=lines.append))
+    assert "overlap" in note and dd.num_tokens("val") < 0.01 * dd.num_tokens("train")
+    assert dd.meta["recipe"]["val_floor"] is None and not any("the floor" in line for line in lines)
+    # and so does an explicit --val-tokens
+    out = prepare(opts(tmp_path, out=str(tmp_path / "tokens"), val_tokens=1_000), log=quiet)
+    dd = DataDir(out)
+    assert dd.num_tokens("val") == 1_000 and dd.meta["recipe"]["val_floor"] is None
+
+
+def test_a_source_too_small_to_spare_the_floor_gives_validation_a_tenth(tmp_path):
+    write_corpus(tmp_path / "corpus", n_docs=300)  # ~30K tokens: the floor would be over half of it
+    lines = []
+    note, dd = _default_eval(prepare(opts(tmp_path), log=lines.append))
+    val, train = dd.num_tokens("val"), dd.num_tokens("train")
+    assert 0.09 < val / (val + train) <= 0.1 + 200 / (val + train), (val, train)  # a tenth, within a document
+    from flopwise.data.prepare import default_val_floor
+    assert "overlap" in note  # too small for the default eval, and a run on it says so
+    record = dd.meta["recipe"]["val_floor"]
+    assert record["applied"] and not record["reached"]
+    assert any("short of the floor (it takes at most 10% of the tokens)" in line for line in lines)
+    # with a train budget: at most a tenth of the three budgets together
+    floor = default_val_floor().tokens
+
+    def val_budget(**kw):
+        return PrepareOptions(source="x", out="y", vocab_size=300, **kw).targets()["val"]
+
+    assert val_budget(train_tokens=9_000) == 1_000 and val_budget(train_tokens=8_000, test_tokens=1_000) == 1_000
+    assert val_budget(train_tokens=1_000_000) == floor  # 0.5% would be 5,000
+    assert val_budget(train_tokens=10**9) == 5_000_000  # the share is past the floor
+    assert val_budget(train_tokens=1_000_000, val_fraction=0.005) == 5_000  # explicit: no floor
+    assert val_budget(train_tokens=1_000_000, val_tokens=300) == 300
+    out = prepare(opts(tmp_path, out=str(tmp_path / "budget"), train_tokens=9_000), log=quiet)
+    assert DataDir(out).num_tokens("val") == 1_000
+
+
+def test_the_floor_is_in_the_fingerprint_only_where_it_can_change_the_output():
+    from flopwise.data.prepare import fingerprint
+
+    def fp(**kw):
+        return fingerprint(PrepareOptions(source="x", out="y", vocab_size=300, **kw), {"files": []}, None)
+
+    assert fp() != fp(val_fraction=0.005)  # the whole source: the floor may raise validation
+    assert fp(train_tokens=10**6) != fp(train_tokens=10**6, val_fraction=0.005)  # it raises the budget
+    assert fp(train_tokens=10**9) == fp(train_tokens=10**9, val_fraction=0.005)  # 0.5% is past the floor
+    assert fp(val_tokens=500) == fp(val_tokens=500, val_fraction=0.005)  # --val-tokens: as before the floor
+
+
+def test_router_floor_takes_a_tenth_of_the_head_until_it_holds_the_floor():
+    """Without knowing the source's size, the floor is met as soon as a tenth of the stream holds
+    it; validation then waits until its own share passes the floor."""
+    from flopwise.data.prepare import ValFloor
+
+    floor = ValFloor(tokens=1_000, windows=10, seq_len=99, preset="test")
+    r = Router({"val": None, "test": 0, "train": None}, {"val": 0.005, "test": 0.0, "train": 0.995}, val_floor=floor)
+    splits = [r.route(10)[0] for _ in range(30_000)]
+    val_at = [i for i, s in enumerate(splits) if s == "val"]
+    assert val_at[:100] == list(range(0, 1_000, 10))  # a tenth of the head: the floor by 10,000 tokens
+    assert not [i for i in val_at if 1_000 < i < 20_000]  # then nothing until 0.5% of the stream passes it
+    assert r.tokens["val"] == 1_500  # then 0.5%: the share
+    plain = Router({"val": None, "test": 0, "train": None}, {"val": 0.005, "test": 0.0, "train": 0.995})
+    assert [plain.route(10)[0] for _ in range(30_000)].count("val") == 150  # without a floor
 
 
 def test_a_single_long_text_file_is_shared_between_splits(tmp_path):

@@ -26,7 +26,10 @@ Pipeline (bounded memory whatever the corpus size)::
   Without a train budget the whole source is used and validation gets
   ``--val-fraction`` of the tokens, spread along the stream; an explicit ``--val-tokens``
   or ``--test-tokens`` is then taken from the head of the stream, the only way to meet it
-  without knowing the source's size in advance. Tokens per
+  without knowing the source's size in advance. When neither ``--val-tokens`` nor
+  ``--val-fraction`` is given, the default share (0.5%) has a floor, :func:`default_val_floor`:
+  the tokens the default run's validation windows need side by side, capped at a tenth of
+  the tokens (:class:`ValFloor`). Tokens per
   document (mean and median) are estimated from the first encoded batch, the sample that
   tells how many documents the budget needs; streaming stops as soon as it is met, so the
   source is never tokenized beyond the budget (plus the batches in flight).
@@ -61,6 +64,7 @@ Pipeline (bounded memory whatever the corpus size)::
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import multiprocessing as mp
@@ -93,8 +97,49 @@ ROUTE_PIECE_TOKENS = 4096  # the least a held-out split takes of a long document
 SPLITS = ("val", "test", "train")  # routing priority on ties: validation first
 
 
+DEFAULT_VAL_FRACTION = 0.005  # validation's share when neither --val-tokens nor --val-fraction is given
+# The most of the tokens the default validation floor may take: train keeps at least 90%
+# (the 90/10 split of small corpora, nanoGPT's shakespeare among them). Past that a corpus
+# is too small for the default eval without overlap, and more validation would starve train.
+VAL_FLOOR_MAX_SHARE = 0.1
+
+
 class PrepareError(ValueError):
     """Bad ``flopwise prepare`` input; the message names the flag, file or value."""
+
+
+@dataclass(frozen=True)
+class ValFloor:
+    """The least validation a default split gets: ``windows`` windows of ``seq_len + 1``
+    tokens side by side (``tokens``), for the eval of the default preset ``preset``; never
+    more than ``max_share`` of the tokens (of validation's and train's over the whole source,
+    of the three budgets with a train budget)."""
+
+    tokens: int
+    windows: int
+    seq_len: int
+    preset: str
+    max_share: float = VAL_FLOOR_MAX_SHARE
+
+    def describe(self) -> str:
+        return (f"the default run (preset {self.preset}) validates on {self.windows:,} windows of "
+                f"{self.seq_len:,}+1 tokens, {self.tokens:,} without overlap")
+
+
+@functools.lru_cache(maxsize=1)
+def default_val_floor() -> ValFloor:
+    """The validation floor of a default split: what the default run's validation needs so its
+    windows do not overlap. The run is ``flopwise train`` with no preset (``DEFAULT_PRESET``,
+    ``tiny``: its ``train.seq_len``, not the model's ``max_seq_len`` nor a larger preset's):
+    ``eval.batches x train.micro_batch_size`` windows (as the trainer builds them,
+    :func:`flopwise.train.setup.setup`) of ``seq_len + 1`` tokens, the count
+    :func:`flopwise.data.loader.overlap_note` checks against the split."""
+    from flopwise.config import build_config  # lazy: the config is only needed for a default split
+
+    cfg = build_config()
+    windows = cfg.eval.batches * cfg.train.micro_batch_size
+    return ValFloor(tokens=windows * (cfg.train.seq_len + 1), windows=windows, seq_len=cfg.train.seq_len,
+                    preset=cfg.preset)
 
 
 @dataclass
@@ -106,7 +151,9 @@ class PrepareOptions:
     train_tokens: int = 0  # 0 = the whole source
     val_tokens: int = 0  # 0 = val_fraction of the train budget (or of the source)
     test_tokens: int = 0
-    val_fraction: float = 0.005
+    # None = DEFAULT_VAL_FRACTION with a floor (default_val_floor) unless val_tokens is given;
+    # a number = exactly that share, no floor
+    val_fraction: float | None = None
     workers: int = 0  # 0 = chosen from cores and memory
     text_field: str = "text"
     hf_split: str = "train"
@@ -133,9 +180,9 @@ class PrepareOptions:
                         ("--shuffle-buffer", self.shuffle_buffer)):
             if v < 0:
                 p.append(f"{flag} must be >= 0, got {v}")
-        if not 0 <= self.val_fraction < 1:
+        if self.val_fraction is not None and not 0 <= self.val_fraction < 1:
             p.append(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
-        if self.val_tokens == 0 and self.val_fraction == 0:
+        if self.val_tokens == 0 and self.fraction == 0:
             p.append("no validation split: give --val-tokens or a --val-fraction above 0")
         if self.tokenizer_sample_mb <= 0:
             p.append(f"--tokenizer-sample-mb must be > 0, got {self.tokenizer_sample_mb}")
@@ -146,10 +193,30 @@ class PrepareOptions:
         if p:
             raise PrepareError("; ".join(p))
 
+    @property
+    def fraction(self) -> float:
+        """Validation's share: ``val_fraction``, or ``DEFAULT_VAL_FRACTION`` when it was not given."""
+        return DEFAULT_VAL_FRACTION if self.val_fraction is None else self.val_fraction
+
+    def val_floor(self) -> ValFloor | None:
+        """The floor of a default split (neither ``val_tokens`` nor ``val_fraction`` given), else None."""
+        return default_val_floor() if not self.val_tokens and self.val_fraction is None else None
+
+    def fraction_tokens(self) -> int:
+        """Validation's budget from the share alone, with a train budget (no floor)."""
+        return max(1, round(self.fraction * self.train_tokens))
+
     def targets(self) -> dict[str, int | None]:
-        """Token budget per split (None = unbounded: the rest of the source)."""
+        """Token budget per split (None = unbounded: the rest of the source).
+
+        With a train budget and a default split, validation gets at least the floor's tokens,
+        at most ``max_share`` of the three budgets together (whichever is less)."""
         if self.train_tokens:
-            val = self.val_tokens or max(1, round(self.val_fraction * self.train_tokens))
+            val = self.val_tokens or self.fraction_tokens()
+            floor = self.val_floor()
+            if floor is not None:
+                rest = self.train_tokens + self.test_tokens
+                val = max(val, min(floor.tokens, int(floor.max_share * rest / (1 - floor.max_share) + 1e-6)))
             return {"val": val, "test": self.test_tokens, "train": self.train_tokens}
         return {"val": self.val_tokens or None, "test": self.test_tokens, "train": None}
 
@@ -163,7 +230,7 @@ class PrepareOptions:
         t = self.targets()
         if self.train_tokens:
             return {k: float(v or 0) for k, v in t.items()}
-        share = 0.0 if self.val_tokens else self.val_fraction
+        share = 0.0 if self.val_tokens else self.fraction  # the floor is the Router's (val_floor)
         return {"val": float(self.val_tokens) or share, "test": float(self.test_tokens), "train": 1.0 - share}
 
     def fill_first(self) -> frozenset[str]:
@@ -354,16 +421,39 @@ class Router:
     never a stretch of a document with training text on both sides, and a source of one
     long document is still shared out. Short documents (up to ``piece_tokens``) are always
     whole, cut only where a budget ends.
+
+    ``val_floor`` (an unbounded validation share, the default split): validation's share of
+    the tokens validation and train have had so far is raised to what keeps it at
+    ``min(val_floor.tokens, val_floor.max_share x those tokens)``, train's lowered as much
+    (:meth:`weight`). The source's size is unknown while streaming, so that is the only way
+    to have the floor whenever the source turns out large enough to spare it: validation
+    takes ``max_share`` of the head of the stream until it holds the floor, then nothing
+    more until its own share of the stream passes the floor, then its share.
     """
 
     def __init__(self, targets: dict[str, int | None], weights: dict[str, float],
-                 fill_first: frozenset[str] = frozenset(), piece_tokens: int = ROUTE_PIECE_TOKENS):
+                 fill_first: frozenset[str] = frozenset(), piece_tokens: int = ROUTE_PIECE_TOKENS,
+                 val_floor: ValFloor | None = None):
         self.targets = targets
         self.weights = weights
         self.fill_first = fill_first
         self.piece_tokens = piece_tokens
+        self.val_floor = val_floor
         self.tokens = {s: 0 for s in SPLITS}
         self.cut_documents = 0
+
+    def weight(self, split: str) -> float:
+        """``split``'s weight now: as given, except validation's raised to its floor (``val_floor``)
+        and train's lowered as much, so the weights still add up to the same."""
+        w = self.weights.get(split, 0.0)
+        f = self.val_floor
+        if f is None or split not in ("val", "train") or w <= 0:
+            return w
+        seen = self.tokens["val"] + self.tokens["train"]
+        want = f.max_share if seen * f.max_share < f.tokens else f.tokens / seen  # of val + train
+        pair = self.weights["val"] + self.weights["train"]
+        extra = max(0.0, want * pair - self.weights["val"])
+        return w + extra if split == "val" else w - extra
 
     def open_splits(self) -> list[str]:
         return [s for s in SPLITS if self.weights.get(s, 0) > 0 and
@@ -379,7 +469,7 @@ class Router:
         if not candidates:
             return None
         candidates = [s for s in candidates if s in self.fill_first] or candidates
-        return min(candidates, key=lambda s: (self.tokens[s] / self.weights[s], SPLITS.index(s)))
+        return min(candidates, key=lambda s: (self.tokens[s] / self.weight(s), SPLITS.index(s)))
 
     def take(self, split: str, n_tokens: int) -> int:
         """Count up to ``n_tokens`` into ``split``; the tokens kept (fewer where its budget ends)."""
@@ -406,7 +496,7 @@ class Router:
         return max(0, int(need if left is None else min(need, left)))
 
     def share(self, split: str) -> float:
-        return self.weights[split] / sum(w for w in self.weights.values() if w > 0)
+        return self.weight(split) / sum(w for w in self.weights.values() if w > 0)
 
     def room(self, split: str, n_tokens: int) -> float:
         """Tokens a held-out ``split`` may take of a document of ``n_tokens``: what is left of its
@@ -493,9 +583,52 @@ def fingerprint(opts: PrepareOptions, source_identity: dict, tokenizer_sha: str 
     for k in ("out", "workers", "overwrite", "batch_chars", "batch_docs", "follow_links"):
         keys.pop(k)
     keys["tokenizer"] = tokenizer_sha  # the file's content, not its path
+    # The share as before the floor (a fingerprint of explicit --val-fraction or --val-tokens
+    # is unchanged), and the floor where it may change the output: always without a train
+    # budget (the source's size decides), with one where it raises validation's budget.
+    keys["val_fraction"] = opts.fraction
+    floor = opts.val_floor()
+    if floor is not None and (not opts.train_tokens or opts.targets()["val"] > opts.fraction_tokens()):
+        keys["val_floor"] = asdict(floor)
     blob = json.dumps({"options": keys, "source": source_identity, "format": FORMAT_VERSION,
                        "recipe": RECIPE_VERSION}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _floor_state(opts: PrepareOptions, floor: ValFloor | None, splits: dict) -> tuple[bool, int, int] | None:
+    """(whether the floor raised validation, validation's tokens, what the share alone gives) of a
+    default split; None for an explicit one."""
+    if floor is None:
+        return None
+    val = splits.get("val", {}).get("tokens", 0)
+    if opts.train_tokens:
+        by_share = opts.fraction_tokens()
+        return opts.targets()["val"] > by_share, val, by_share
+    shared = val + splits.get("train", {}).get("tokens", 0)  # what the floor's cap is a share of
+    by_share = round(opts.fraction * shared)
+    return min(floor.tokens, floor.max_share * shared) > opts.fraction * shared, val, by_share
+
+
+def floor_record(opts: PrepareOptions, floor: ValFloor | None, splits: dict) -> dict | None:
+    """``meta.json``'s ``recipe.val_floor``: None where --val-tokens or --val-fraction was given."""
+    state = _floor_state(opts, floor, splits)
+    if state is None:
+        return None
+    applied, val, by_share = state
+    return {**asdict(floor), "applied": applied, "fraction_would_give": by_share, "reached": val >= floor.tokens}
+
+
+def val_floor_note(opts: PrepareOptions, floor: ValFloor | None, splits: dict) -> str:
+    """The summary's line on the floor, where it raised validation; "" elsewhere."""
+    state = _floor_state(opts, floor, splits)
+    if state is None or not state[0]:
+        return ""
+    _, val, by_share = state
+    base = f"--val-fraction {opts.fraction:g} alone would give {'' if opts.train_tokens else '~'}{by_share:,}"
+    if val >= floor.tokens:
+        return f"val: {val:,} tokens, raised to the floor: {floor.describe()}; {base}"
+    return (f"val: {val:,} tokens, short of the floor (it takes at most {floor.max_share:.0%} of the tokens): "
+            f"{floor.describe()}, so they overlap on a source this small (--val-tokens sets validation); {base}")
 
 
 def _existing_meta(out: Path) -> dict:
@@ -591,7 +724,8 @@ def _prepare_locked(opts: PrepareOptions, out: Path, source, fp: str, log: Log, 
                                      for s in ("train", "val", "test") if weights.get(s, 0) > 0))
 
         writers = {s: SplitWriter(partial, s, vocab, opts.shard_tokens) for s in SPLITS if weights.get(s, 0) > 0}
-        router = Router(targets, weights, opts.fill_first())
+        floor = opts.val_floor()
+        router = Router(targets, weights, opts.fill_first(), val_floor=None if opts.train_tokens else floor)
         progress = Progress(budget, log)
         stream = encoded_stream(source.documents(), tok, bos, eos, dtype, workers, opts.batch_docs, opts.batch_chars)
         try:
@@ -643,7 +777,8 @@ def _prepare_locked(opts: PrepareOptions, out: Path, source, fp: str, log: Log, 
                    fingerprint=fp, recipe={
                        "version": RECIPE_VERSION,
                        "requested": {s: targets[s] for s in SPLITS},
-                       "val_fraction": opts.val_fraction,
+                       "val_fraction": opts.fraction,
+                       "val_floor": floor_record(opts, floor, splits),
                        "tokens_per_document": per_doc,
                        "documents_cut_at_budget": router.cut_documents,
                        "shard_tokens": opts.shard_tokens,
@@ -674,6 +809,9 @@ def _prepare_locked(opts: PrepareOptions, out: Path, source, fp: str, log: Log, 
         more = f" (+{cont:,} continued from another split)" if cont else ""
         log(f"  {s:<5} {info['tokens']:>14,} tokens · {info['documents']:>10,} documents{more} · "
             f"{len(info['shards'])} shard(s)")
+    note = val_floor_note(opts, floor, splits)
+    if note:
+        log(f"  {note}")
     log(f"  {out} ({total * dtype.itemsize / 1e6:,.1f} MB of {dtype.name} tokens)")
     return out
 
