@@ -136,7 +136,7 @@ def _preflight_parser(sub: "argparse._SubParsersAction") -> None:
                    help="climb the optimization ladder instead of the micro-batch search: precision, attention, "
                         "compile, loss, micro-batch, checkpointing, loader, one change at a time, each kept only when "
                         "faster beyond the noise with the same first-step loss")
-    p.add_argument("--budget-minutes", type=float, default=15.0, help="time the ladder may spend (default 15)")
+    p.add_argument("--budget-minutes", type=float, default=15.0, help="time the micro-batch search (with its re-measures of tied sizes) or the ladder may spend (default 15)")
     p.add_argument("--ladder-fp8", action="store_true", help="let the ladder keep fp8 (it changes numerics)")
     p.add_argument("--isolation", "--ladder-isolation", dest="isolation", choices=("auto", "reset", "process"),
                    default="auto",

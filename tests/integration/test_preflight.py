@@ -50,12 +50,15 @@ def test_search_skips_what_cannot_fit_catches_oom_and_picks_the_fastest(tiny_ove
 
 def test_progress_per_trial_repeated_windows_and_the_simpler_choice_within_noise(tiny_overrides, tmp_path):
     """Issue 19: a line as each trial finishes (which of how many), several timed windows per
-    trial with their median and spread, and checkpointing not chosen for a gain within the noise."""
+    trial with their median and spread, and checkpointing not chosen for a gain within the noise:
+    the trials tied with the fastest are re-measured in turn first (A B C A B C ...), and the
+    table and preflight.json give each row's timed steps."""
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100"])
-    asked = []
+    asked, order = [], []
 
     def windows(cfg, micro_batch, checkpointing, warmup, steps, device):
         asked.append(steps)
+        order.append((micro_batch, checkpointing))
         base = {1: 100.0, 2: 180.0, 4: 300.0, 8: 300.0, 16: 300.0}[micro_batch]
         base *= 1.015 if checkpointing == "full" else 1.0  # 1.5% faster: noise, not a reason
         if micro_batch >= 8 and checkpointing == "none":
@@ -66,6 +69,8 @@ def test_progress_per_trial_repeated_windows_and_the_simpler_choice_within_noise
     lines = []
     report = preflight(cfg, steps=1, out_dir=tmp_path / "pf", measure_fn=windows, log=lines.append)
     assert set(asked) == {3}  # --steps 1 still times three windows: one gives no spread
+    # the search (5 sizes without checkpointing, 2 with), then three rounds of the three tied trials
+    assert order[7:] == [(4, "none"), (8, "full"), (16, "full")] * 3 and len(order) == 16
     progress = [line for line in lines if line.startswith("preflight: trial ")]
     table = next(i for i, line in enumerate(lines) if line.lstrip().startswith("micro-batch"))
     assert len(progress) == 5 + 2 and all(lines.index(line) < table for line in progress)
@@ -76,9 +81,17 @@ def test_progress_per_trial_repeated_windows_and_the_simpler_choice_within_noise
     assert report["chosen"] == {"micro_batch_size": 4, "activation_checkpointing": "none"}
     assert "within the noise" in report["choice_reason"]
     assert any(line.startswith("preflight: chose micro-batch 4 without checkpointing") for line in lines)
+    assert "after 3 re-measure rounds" in report["choice_reason"]
     t = next(x for x in report["trials"] if x["micro_batch"] == 4)
-    assert t["tok_per_s"] == 300.0 and t["spread"] == pytest.approx(0.01) and t["windows"] == 3
-    pf = json.loads((tmp_path / "pf" / "preflight.json").read_text())["prediction"]
+    assert t["tok_per_s"] == 300.0 and t["spread"] == pytest.approx(0.01) and t["windows"] == 3 + 3 * 3
+    assert t["rounds"] == 3 and len(t["rates"]) == 12
+    assert lines[table].split()[5] == "steps"
+    steps = {tuple(line.split()[:2]): line.split()[5] for line in lines[table + 1:table + 8]}
+    assert steps[("2", "none")] == "3" and steps[("4", "none")] == steps[("16", "full")] == "12"
+    assert steps[("8", "none")] == "-"  # out of memory: no timed step
+    saved = json.loads((tmp_path / "pf" / "preflight.json").read_text())
+    assert [x["windows"] for x in saved["trials"]] == [3, 3, 12, 0, 0, 12, 12]
+    pf = saved["prediction"]
     assert pf["mfu"] is None and pf["memory_basis"] == "assumed"  # CPU: no peak, no measured memory
 
 

@@ -1,25 +1,181 @@
-"""Preflight's choice among its trials (issue 19): synthetic medians and spreads, no timing.
+"""Preflight's choice among its trials (issue 19) and the re-measure of ties: synthetic medians,
+spreads and an injected measuring function, no timing (a fake clock where time matters).
 
-The fastest median wins only by more than the noise (the two trials' spreads added, never below
-``MIN_NOISE``); within it the simpler configuration wins: no activation checkpointing, then the
-smaller micro-batch."""
+The fastest median wins when it leads by more than the noise (the two trials' spreads added,
+never below ``MIN_NOISE``). Trials within the noise of the fastest are re-measured in turn
+(A B A B) until they separate or the rounds or the time budget run out; a tie left after that
+goes to the configuration without activation checkpointing, then on a GPU to the larger
+micro-batch and on a CPU to the faster median. A smaller micro-batch is not "simpler"."""
+
+import random
 
 import pytest
 
 from flopwise.measure.meter import spread
-from flopwise.train.preflight import MIN_NOISE, Trial, choose
+from flopwise.train.preflight import (MIN_NOISE, REMEASURE_ROUNDS, Trial, choose, median_spread, remeasure, tied,
+                                      trials_table)
 
 
 def trial(micro_batch, checkpointing, tok_per_s, spread=None, status="ok"):
     return Trial(micro_batch, checkpointing, status, tok_per_s=tok_per_s, spread=spread, windows=3)
 
 
+def measured(micro_batch, tok_per_s, spread, checkpointing="none", seconds=0.0):
+    """A trial as the search leaves it: three windows whose median and half range are these."""
+    rates = [tok_per_s * (1 - spread), tok_per_s, tok_per_s * (1 + spread)]
+    return Trial(micro_batch, checkpointing, "ok", tok_per_s=tok_per_s, spread=median_spread(rates), windows=3,
+                 peak_gb=None, predicted_gb=0.1, data_share=0.01, rates=rates, seconds=seconds)
+
+
+def windows_at(rates_by_size, calls, jitter=0.01):
+    """An injected measuring function: three windows ±``jitter`` around a size's true rate; the
+    sizes asked, in order, go to ``calls``."""
+    def run(t):
+        calls.append(t.micro_batch)
+        r = rates_by_size[t.micro_batch]
+        return {"tok_per_s": r, "tok_per_s_windows": [r * (1 - jitter), r, r * (1 + jitter)], "peak_gb": None,
+                "data_share": 0.01}
+    return run
+
+
+def within_noise_of_fastest(best, trials):
+    fastest = max((t for t in trials if t.status == "ok"), key=lambda t: t.tok_per_s)
+    noise = max(MIN_NOISE, (fastest.spread or 0) + (best.spread or 0))
+    return fastest.tok_per_s - best.tok_per_s <= noise * fastest.tok_per_s
+
+
+# The user's 2-core CPU: micro-batches 1..32, 3 timed steps each, spreads 1.4-12%. The old rule
+# chose 4 (10.00K, "the smaller micro-batch"), 12% below micro-batch 8.
+USER = {1: (6640.0, 0.014), 2: (9560.0, 0.03), 4: (10000.0, 0.12), 8: (11350.0, 0.025), 16: (10690.0, 0.05),
+        32: (11270.0, 0.04)}
+
+
+def test_the_users_sequence_re_measures_the_tied_and_picks_within_noise_of_the_fastest():
+    trials = [measured(b, r, s) for b, (r, s) in USER.items()]
+    assert [t.micro_batch for t in tied(trials)] == [4, 8, 16, 32]  # what the old rule chose among
+    calls, lines = [], []
+    rounds = remeasure(trials, windows_at({b: r for b, (r, _) in USER.items()}, calls), log=lines.append)
+    # round 1 measures every tied size; 4 and 16 then fall out of the noise; 8 and 32 stay tied
+    assert calls == [4, 8, 16, 32, 8, 32, 8, 32] and rounds == REMEASURE_ROUNDS == 3
+    assert [t.windows for t in trials] == [3, 3, 6, 12, 6, 12]
+    by = {t.micro_batch: t for t in trials}
+    assert by[8].tok_per_s == 11350.0 and by[8].spread < 0.025  # the median's interval narrowed
+    best, reason = choose(trials, "cpu")
+    assert best.micro_batch == 8 and within_noise_of_fastest(best, trials)
+    assert "after 3 re-measure rounds" in reason and "faster median" in reason
+    best, reason = choose(trials, "cuda")
+    assert best.micro_batch == 32 and within_noise_of_fastest(best, trials) and "larger micro-batch" in reason
+    assert any(line.startswith("preflight: re-measure 3/3") for line in lines)
+
+
+def test_re_measures_alternate_a_b_a_b():
+    a, b = measured(8, 1000.0, 0.03), measured(16, 1010.0, 0.03)
+    calls = []
+    remeasure([a, b], windows_at({8: 1000.0, 16: 1000.0}, calls, jitter=0.05))  # a lasting tie
+    assert calls == [8, 16] * REMEASURE_ROUNDS
+    assert (a.rounds, a.windows, b.rounds, b.windows) == (3, 12, 3, 12)
+
+
+def test_re_measuring_stops_once_the_fastest_leads_by_more_than_the_noise():
+    trials = [measured(4, 1000.0, 0.05), measured(8, 1060.0, 0.05)]  # 5.7% apart, noise 10%
+    calls = []
+    assert remeasure(trials, windows_at({4: 1000.0, 8: 1060.0}, calls, jitter=0.005)) == 1
+    assert calls == [4, 8] and tied(trials) == [trials[1]]
+    best, reason = choose(trials)
+    assert best.micro_batch == 8 and reason.startswith("fastest after 1 re-measure round:")
+
+
+def test_the_budget_bounds_the_rounds():
+    def pair():
+        return [measured(4, 1000.0, 0.03, seconds=10.0), measured(8, 1005.0, 0.03, seconds=10.0)]
+
+    calls = []
+    assert remeasure(pair(), windows_at({4: 1000.0, 8: 1000.0}, calls), rounds=2) == 2 and len(calls) == 4
+    assert remeasure(pair(), windows_at({4: 1000.0, 8: 1000.0}, []), rounds=0) == 0
+    # the time budget, by an injected clock: each measurement takes 10 s; a round needs 20 s
+    now, calls, lines = [0.0], [], []
+
+    def run(t):
+        now[0] += 10.0
+        return windows_at({4: 1000.0, 8: 1000.0}, calls)(t)
+
+    trials = pair()
+    assert remeasure(trials, run, rounds=10, budget_s=45.0, clock=lambda: now[0], log=lines.append) == 2
+    assert calls == [4, 8, 4, 8] and now[0] == 40.0  # a third round would end at 60 s > 45 s: not started
+    assert lines[-1].startswith("preflight: re-measuring stops after 2 round(s)")
+    assert choose(trials)[1].endswith("after 2 re-measure rounds: a tie goes to the faster median (on a CPU)")
+
+
+def test_on_cuda_a_persistent_tie_goes_to_the_larger_micro_batch():
+    trials = [measured(2, 500.0, 0.01), measured(4, 1000.0, 0.03), measured(8, 1012.0, 0.03),
+              measured(16, 1004.0, 0.03)]
+    remeasure(trials, windows_at({2: 500.0, 4: 1000.0, 8: 1012.0, 16: 1004.0}, []))
+    assert [t.micro_batch for t in tied(trials)] == [4, 8, 16]  # still tied after every round
+    best, reason = choose(trials, "cuda")
+    assert best.micro_batch == 16 and within_noise_of_fastest(best, trials)
+    assert reason.startswith("within the noise of the fastest (micro-batch 8 without checkpointing, 0.8% faster")
+    assert reason.endswith("after 3 re-measure rounds: a tie goes to the larger micro-batch (on a GPU: fewer, "
+                           "larger kernels)")
+    best, reason = choose(trials, "cpu")  # on a CPU: the faster median, said so
+    assert best.micro_batch == 8 and "micro-batch 16 without checkpointing is within the noise" in reason
+
+
+def test_a_smaller_micro_batch_is_not_simpler_but_no_checkpointing_is():
+    trials = [trial(16, "full", 1010.0, 0.01), trial(8, "none", 1005.0, 0.01), trial(4, "none", 1000.0, 0.01),
+              trial(2, "none", 500.0, 0.01)]
+    best, reason = choose(trials, "cpu")
+    assert (best.micro_batch, best.checkpointing) == (8, "none")
+    assert "no activation checkpointing, then the faster median" in reason
+    assert (choose(trials, "cuda")[0].micro_batch, choose(trials, "cuda")[0].checkpointing) == (8, "none")
+    # on a GPU the larger micro-batch of a tie only among those without checkpointing, and said so
+    best, reason = choose([trial(8, "none", 1010.0, 0.01), trial(16, "full", 1000.0, 0.01)], "cuda")
+    assert best.micro_batch == 8 and reason.endswith("a tie goes to no activation checkpointing")
+    # among checkpointed trials alone: the faster on a CPU, the larger on a GPU
+    ckpt = [trial(16, "full", 1000.0, 0.01), trial(8, "full", 1010.0, 0.01)]
+    assert choose(ckpt, "cpu")[0].micro_batch == 8 and choose(ckpt, "cuda")[0].micro_batch == 16
+
+
+def test_the_choice_is_always_within_the_noise_of_the_fastest():
+    rng = random.Random(0)
+    for _ in range(300):
+        trials = [trial(2 ** i, rng.choice(["none", "full"]), rng.uniform(500, 1500), rng.choice([None, 0.0, 0.02,
+                  0.1])) for i in range(rng.randint(1, 6))]
+        for device in ("cpu", "cuda"):
+            best, _ = choose(trials, device)
+            assert within_noise_of_fastest(best, trials), (device, trials)
+
+
+def test_a_trial_that_fails_on_a_re_measure_is_not_chosen():
+    trials = [measured(8, 1000.0, 0.03), measured(16, 1010.0, 0.03)]
+
+    def run(t):
+        if t.micro_batch == 16:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return windows_at({8: 1000.0}, [])(t)
+
+    assert remeasure(trials, run) == 1
+    assert trials[1].status == "oom" and trials[1].note.startswith("re-measure: CUDA out of memory")
+    assert choose(trials, "cuda")[0].micro_batch == 8
+
+
+def test_the_table_shows_the_timed_steps_of_each_row():
+    trials = [measured(4, 1000.0, 0.03), measured(8, 1005.0, 0.03),
+              Trial(16, "none", "oom", predicted_gb=0.2, note="CUDA out of memory")]
+    remeasure(trials, windows_at({4: 1000.0, 8: 1005.0}, []), rounds=1, log=lambda s: None)
+    lines = trials_table(trials, trials[1])
+    assert lines[0].split() == ["micro-batch", "ckpt", "status", "tok/s", "±", "steps", "MFU", "peak", "GiB",
+                                "plan", "GiB", "data"]
+    assert [line.split()[5] for line in lines[1:]] == ["6", "6", "-"]
+    assert lines[2].split()[:4] == ["8", "none", "ok", "1.00K"] and "<- chosen" in lines[2]
+
+
 def test_checkpointing_is_not_chosen_for_a_difference_within_the_noise():
     # the issue: checkpointing picked for 1.5%, and the choice flipped between runs
     trials = [trial(4, "none", 1000.0, 0.01), trial(16, "full", 1015.0, 0.01)]
-    best, reason = choose(trials)
-    assert (best.micro_batch, best.checkpointing) == (4, "none")
-    assert "within the noise" in reason and "no activation checkpointing" in reason
+    for device in ("cpu", "cuda"):
+        best, reason = choose(trials, device)
+        assert (best.micro_batch, best.checkpointing) == (4, "none")
+        assert "within the noise" in reason and "no activation checkpointing" in reason
 
 
 def test_a_difference_beyond_the_noise_wins_even_with_checkpointing():
@@ -30,25 +186,15 @@ def test_a_difference_beyond_the_noise_wins_even_with_checkpointing():
 
 
 def test_the_measured_spread_sets_the_noise():
-    noisy = [trial(4, "none", 1000.0, 0.03), trial(8, "none", 1050.0, 0.03)]  # 4.8% apart, noise 6%
+    noisy = [trial(4, "none", 1000.0, 0.03), trial(8, "full", 1050.0, 0.03)]  # 4.8% apart, noise 6%
     assert choose(noisy)[0].micro_batch == 4
-    quiet = [trial(4, "none", 1000.0, 0.005), trial(8, "none", 1050.0, 0.005)]  # 4.8% apart, noise 2%
+    quiet = [trial(4, "none", 1000.0, 0.005), trial(8, "full", 1050.0, 0.005)]  # 4.8% apart, noise 2%
     assert choose(quiet)[0].micro_batch == 8
 
 
 def test_without_a_spread_the_floor_applies():
-    assert choose([trial(2, "none", 1000.0), trial(8, "none", 1000.0 / (1 - MIN_NOISE / 2))])[0].micro_batch == 2
-    assert choose([trial(2, "none", 1000.0), trial(8, "none", 1000.0 / (1 - 2 * MIN_NOISE))])[0].micro_batch == 8
-
-
-def test_simplest_order_no_checkpointing_then_smaller_micro_batch():
-    trials = [trial(16, "full", 1010.0, 0.01), trial(8, "none", 1005.0, 0.01), trial(4, "none", 1000.0, 0.01),
-              trial(2, "none", 500.0, 0.01)]
-    best, reason = choose(trials)
-    assert (best.micro_batch, best.checkpointing) == (4, "none")
-    # among checkpointed trials alone, the smaller micro-batch
-    best, reason = choose([trial(16, "full", 1010.0, 0.01), trial(8, "full", 1000.0, 0.01)])
-    assert best.micro_batch == 8 and "smaller micro-batch" in reason
+    assert choose([trial(2, "none", 1000.0), trial(8, "full", 1000.0 / (1 - MIN_NOISE / 2))])[0].micro_batch == 2
+    assert choose([trial(2, "none", 1000.0), trial(8, "full", 1000.0 / (1 - 2 * MIN_NOISE))])[0].micro_batch == 8
 
 
 def test_trials_that_did_not_fit_are_ignored():
@@ -64,3 +210,13 @@ def test_spread_is_half_the_range_over_the_median():
     assert spread([90.0, 100.0, 110.0]) == pytest.approx(0.1)
     assert spread([100.0, 100.0, 100.0, 100.0]) == 0.0
     assert spread([100.0]) is None
+
+
+def test_the_medians_interval_narrows_as_windows_are_added():
+    assert median_spread([90.0, 100.0, 110.0]) == spread([90.0, 100.0, 110.0])  # three windows: half the range
+    assert median_spread([90.0, 95.0, 100.0, 105.0, 110.0]) == pytest.approx(0.1)  # up to five: the same
+    # six: the 2nd to the 5th (78% coverage); twelve: the 4th to the 9th (85%)
+    assert median_spread([90.0, 99.0, 100.0, 100.0, 101.0, 110.0]) == pytest.approx(0.01)
+    assert median_spread([90.0, 99.0, 99.0, 99.0, 100.0, 100.0, 100.0, 100.0, 101.0, 101.0, 101.0, 110.0]) \
+        == pytest.approx(0.01)
+    assert median_spread([100.0]) is None

@@ -9,8 +9,11 @@
    headroom are not run (on a CPU, ``--memory-gb`` simulates a device). Activation
    checkpointing is tried where it makes a larger micro-batch fit. Each trial times at least
    ``MIN_WINDOWS`` windows (one optimizer step each) and keeps their median and spread; a line
-   is printed as each trial finishes. :func:`choose` picks among the trials that fit: the
-   fastest median, unless a simpler configuration is within the measured noise of it.
+   is printed as each trial finishes. The trials within the noise of the fastest are then
+   re-measured in turn (:func:`remeasure`: A B A B ..., up to ``REMEASURE_ROUNDS`` rounds and
+   the ``--budget-minutes`` budget) until the fastest leads by more than the noise, and
+   :func:`choose` picks: the fastest, or of those still within its noise, one without
+   activation checkpointing first, then on a GPU the larger micro-batch, on a CPU the faster median.
 4. **Data starvation**: the share of step time spent waiting for data, with a warning.
 5. **Prediction**: the full run's wall time, cost and final-checkpoint time from the
    measured throughput, next to the planner's from the nominal MFU.
@@ -24,10 +27,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,7 +42,7 @@ from flopwise.checkpoints import latest_checkpoint, load_checkpoint
 from flopwise.config import ConfigError, RunConfig, batch_split_problems
 from flopwise.fsio import atomic_write
 from flopwise.measure.ceiling import measure_ceiling, step_gemms
-from flopwise.measure.meter import MIN_NOISE, spread
+from flopwise.measure.meter import MIN_NOISE, median
 from flopwise.measure.sinks import human
 from flopwise.model import build_model
 from flopwise.plan.budget import memory_settings_for_run
@@ -58,6 +62,15 @@ from flopwise.train.trial import failure_status, measure, measure_in_processes, 
 Log = Callable[[str], None]
 STARVATION_WARN = 0.05  # waiting for data above 5% of step time deserves a look
 MIN_WINDOWS = 3  # timed windows per trial: fewer give no spread
+# Rounds of re-measuring the trials still within the noise of the fastest (each round times
+# every one of them once more, as many windows as its trial did, in the same order: A B A B).
+# Three rounds quadruple those trials' windows, which narrows the median's interval (see
+# median_spread) by about a third (under normal noise, from about 0.85 to 0.54 standard
+# deviations, at a higher coverage); a tie left after that is within what this machine can tell
+# apart in a preflight, at most four times those trials' first cost, and the search's time stays
+# bounded by --budget-minutes as well.
+REMEASURE_ROUNDS = 3
+SPREAD_COVERAGE = 0.75  # the median interval's coverage: that of three windows' whole range
 
 
 @dataclass
@@ -66,53 +79,140 @@ class Trial:
     checkpointing: str
     status: str  # ok | oom | no-fit (planner) | error
     tok_per_s: float | None = None  # median over the timed windows
-    spread: float | None = None  # half the range of the windows' tok/s, as a share of the median
-    windows: int = 0
+    spread: float | None = None  # the median's noise: median_spread of the windows' tok/s
+    windows: int = 0  # timed steps, re-measures included
     mfu: float | None = None
     peak_gb: float | None = None
     predicted_gb: float | None = None
     data_share: float | None = None
     note: str = ""
+    rates: list[float] = field(default_factory=list)  # every timed window's tok/s, re-measures included
+    rounds: int = 0  # re-measure rounds it took part in
+    seconds: float = 0.0  # wall time of its measurements (warm-up and compile included)
 
 
 def _label(t: Trial) -> str:
     return f"micro-batch {t.micro_batch} {'with' if t.checkpointing != 'none' else 'without'} checkpointing"
 
 
-def choose(trials: list[Trial], min_noise: float = MIN_NOISE) -> tuple[Trial, str]:
-    """The trial to run and why, from the trials' median tok/s and spread alone (pure: no timing).
+def _short(t: Trial) -> str:
+    return f"micro-batch {t.micro_batch}" + (" (checkpointed)" if t.checkpointing != "none" else "")
 
-    The noise between two trials is the sum of their spreads (their ranges overlap), and never
-    less than ``min_noise``, both as shares of the fastest median. Among the trials whose median
-    is within that noise of the fastest, the simplest wins: no activation checkpointing first
-    (it recomputes the forward pass and is one more thing that can go wrong), then the smaller
-    micro-batch (less memory, more headroom against an out-of-memory later in the run; the
-    global batch, hence the optimisation, is the same). A trial is only chosen for speed when it
-    is faster than every simpler one by more than the noise."""
-    ok = [t for t in trials if t.status == "ok" and t.tok_per_s]
+
+def median_spread(rates: list[float]) -> float | None:
+    """The noise of the median of ``rates``: half the width of its distribution-free interval,
+    from the k-th smallest to the k-th largest rate with k as large as keeps the coverage at
+    least ``SPREAD_COVERAGE`` (that of three rates' whole range), as a share of the median.
+    Up to five rates it is half the range (``meter.spread``); with more it narrows as the
+    median's uncertainty does (six rates: the 2nd to the 5th; twelve: the 4th to the 9th),
+    where half the range would only widen and re-measuring could never separate two trials."""
+    n = len(rates)
+    if n < 2:
+        return None
+    s, k = sorted(rates), 1
+    while k + 1 <= (n + 1) // 2 and 1 - 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n >= SPREAD_COVERAGE:
+        k += 1
+    return (s[n - k] - s[k - 1]) / 2 / median(s)
+
+
+def _noise(fastest: Trial, t: Trial, min_noise: float) -> float:
+    """The noise between two trials, as a share of the fastest median: their spreads added
+    (their intervals overlap), never less than ``min_noise``."""
+    return max(min_noise, (fastest.spread or 0.0) + (t.spread or 0.0))
+
+
+def _fitting(trials: list[Trial]) -> list[Trial]:
+    return [t for t in trials if t.status == "ok" and t.tok_per_s]
+
+
+def tied(trials: list[Trial], min_noise: float = MIN_NOISE) -> list[Trial]:
+    """The trials that fit whose median is within the noise of the fastest's (the fastest
+    among them), in the search's order."""
+    ok = _fitting(trials)
+    if not ok:
+        return []
+    fastest = max(ok, key=lambda t: t.tok_per_s)
+    return [t for t in ok if fastest.tok_per_s - t.tok_per_s <= _noise(fastest, t, min_noise) * fastest.tok_per_s]
+
+
+def remeasure(trials: list[Trial], measure_one: Callable[[Trial], dict[str, Any]],
+              rounds: int = REMEASURE_ROUNDS, budget_s: float = math.inf,
+              clock: Callable[[], float] = time.perf_counter, log: Log = print, min_noise: float = MIN_NOISE,
+              fpt: float = 0.0, peak: float | None = None, memory_gb: float = 0.0, headroom: float = 1.0) -> int:
+    """Measure the trials :func:`tied` with the fastest again, into their own samples, until
+    the fastest leads by more than the noise; the rounds run. A round measures each of them
+    once more with ``measure_one`` (the trial's own measurement: ``trial.measure``'s step, its
+    warm-up and windows), in the same order every round -- A B A B -- so drift, heat and the
+    load of other processes fall on all of them alike. It stops after ``rounds`` rounds, or
+    before a round that would take longer (as long as their last measurements took) than
+    what is left of ``budget_s`` by ``clock``. A trial that fails on a re-measure (an
+    out-of-memory) is a failed trial: a size that fits only sometimes is not one to run."""
+    t0, done = clock(), 0
+    while done < rounds:
+        group = tied(trials, min_noise)
+        if len(group) < 2:
+            break
+        need = sum(t.seconds / (1 + t.rounds) for t in group)
+        left = budget_s - (clock() - t0)
+        if need > left:
+            log(f"preflight: re-measuring stops after {done} round(s): another would take ~{need:.0f} s, "
+                f"{max(0.0, left):.0f} s of --budget-minutes is left")
+            break
+        if not done:
+            log(f"preflight: {len(group)} trials within the noise of the fastest: re-measuring them in turn "
+                f"(up to {rounds} round(s), until the fastest leads by more than the noise)")
+        for t in group:
+            s0 = clock()
+            _run_trial(t, lambda t=t: measure_one(t), fpt, peak, memory_gb, headroom)
+            t.seconds += clock() - s0
+            t.rounds += 1
+        done += 1
+        log(f"preflight: re-measure {done}/{rounds}: " + " · ".join(
+            f"{_short(t)} {human(t.tok_per_s)} tok/s ± {100 * (t.spread or 0):.1f}% ({t.windows} steps)"
+            if t.status == "ok" else f"{_short(t)} {t.status}: {t.note}" for t in group))
+    return done
+
+
+def choose(trials: list[Trial], device_type: str = "cpu", min_noise: float = MIN_NOISE) -> tuple[Trial, str]:
+    """The trial to run and why, from the trials' medians and spreads alone (pure: no timing).
+
+    The fastest median wins when it leads every other trial by more than the noise
+    (:func:`_noise`). Among those still within it (after :func:`remeasure`), a configuration
+    without activation checkpointing wins first (it does not recompute the forward pass, and is
+    one thing fewer that can go wrong); then, on a GPU (any device but the CPU), the larger
+    micro-batch (fewer, larger kernels keep the device busier; the global batch, hence the
+    optimisation, is the same), and on a CPU the faster median. The choice is always within
+    the noise of the fastest."""
+    ok = _fitting(trials)
     if not ok:
         raise ValueError("no trial fits")
     fastest = max(ok, key=lambda t: t.tok_per_s)
-
-    def noise(t: Trial) -> float:
-        return max(min_noise, (fastest.spread or 0.0) + (t.spread or 0.0))
-
-    tied = [t for t in ok if fastest.tok_per_s - t.tok_per_s <= noise(t) * fastest.tok_per_s]
-    best = min(tied, key=lambda t: (t.checkpointing != "none", t.micro_batch))
+    group = tied(trials, min_noise)
+    gpu = device_type != "cpu"
+    best = min(group, key=lambda t: (t.checkpointing != "none", -t.micro_batch if gpu else 0, -t.tok_per_s))
+    rounds = max(t.rounds for t in ok)
+    after = f" after {rounds} re-measure round{'s' if rounds != 1 else ''}" if rounds else ""
+    if len(ok) == 1:
+        return best, "the only configuration that fits"
+    if len(group) == 1:
+        runner = max((t for t in ok if t is not fastest), key=lambda t: t.tok_per_s)
+        return best, (f"fastest{after}: {1 - runner.tok_per_s / fastest.tok_per_s:.1%} ahead of {_label(runner)} "
+                      f"(noise {_noise(fastest, runner, min_noise):.1%})")
+    rule = "the larger micro-batch (on a GPU: fewer, larger kernels)" if gpu else "the faster median (on a CPU)"
+    others = [t for t in group if t is not best]
+    steps = []  # the rules that decided it, in their order
+    if best.checkpointing == "none" and any(t.checkpointing != "none" for t in others):
+        steps.append("no activation checkpointing")
+    if any((t.checkpointing == "none") == (best.checkpointing == "none") for t in others):
+        steps.append(rule)
+    why = ", then ".join(steps)
     if best is fastest:
-        others = [t for t in ok if t is not fastest]
-        if not others:
-            return best, "the only configuration that fits"
         runner = max(others, key=lambda t: t.tok_per_s)
         gap = 1 - runner.tok_per_s / fastest.tok_per_s
-        simplest = "" if len(tied) == 1 else " and the simplest of those within the noise"
-        return best, (f"fastest{simplest}: {gap:.1%} ahead of {_label(runner)} "
-                      f"(noise {noise(runner):.1%})")
-    gap = 1 - best.tok_per_s / fastest.tok_per_s
-    why = ("no activation checkpointing" if fastest.checkpointing != "none" and best.checkpointing == "none"
-           else "the smaller micro-batch")
-    return best, (f"within the noise of the fastest ({_label(fastest)}, {gap:.1%} faster, noise "
-                  f"{noise(best):.1%}): the simpler configuration wins ({why})")
+        return best, (f"fastest, but {_label(runner)} is within the noise ({gap:.1%} slower, noise "
+                      f"{_noise(fastest, runner, min_noise):.1%}){after}: a tie goes to {why}")
+    return best, (f"within the noise of the fastest ({_label(fastest)}, {1 - best.tok_per_s / fastest.tok_per_s:.1%}"
+                  f" faster, noise {_noise(fastest, best, min_noise):.1%}){after}: a tie goes to {why}")
 
 
 def candidates(cfg: RunConfig) -> list[int]:
@@ -131,7 +231,7 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
               out_dir: str | Path = "", measure_fn=measure, log: Log = print, ladder: bool = False,
               budget_minutes: float = 15.0, ladder_fp8: bool = False,
               clock: Callable[[], float] = time.perf_counter, world: int = 1, isolation: str = "auto",
-              spawn_fn=measure_in_processes) -> dict[str, Any]:
+              spawn_fn=measure_in_processes, remeasure_rounds: int = REMEASURE_ROUNDS) -> dict[str, Any]:
     """Preflight ``cfg`` on this machine (the module docstring lists the steps). With ``ladder``
     the micro-batch search is replaced by the optimization ladder (``train/ladder.py``), which
     with ``world > 1`` also scales out to that many ranks here; ``isolation`` is how the
@@ -139,7 +239,8 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     allocator, in this process), ``process`` (a fresh process each: ``train/trial.py``) or
     ``auto`` (process on CUDA, where an out-of-memory or a crashed kernel must not take the
     next trial's memory or the preflight with it; reset on a CPU, where a process costs more
-    than a tiny trial).
+    than a tiny trial). The search re-measures the trials tied with the fastest
+    (:func:`remeasure`) for up to ``remeasure_rounds`` rounds, within ``budget_minutes`` of its start.
     ``measure_fn`` (in this process) and ``spawn_fn`` (in fresh ones) are injectable for tests."""
     device = resolve_device(cfg.train.device)
     problems = _launch_problems(cfg, device, world, ladder, isolation, budget_minutes)
@@ -189,12 +290,17 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
             return measure_fn(_copy(cfg), b, ckpt, warmup, w, device, **kw)
 
         with ready:
-            trials = search(cfg, settings, measure_one, warmup, windows, fpt, peak, memory_gb, headroom, log)
-        best, reason = choose(trials)
+            t0 = clock()
+            trials = search(cfg, settings, measure_one, warmup, windows, fpt, peak, memory_gb, headroom, log, clock)
+            remeasure(trials, lambda t: measure_one(t.micro_batch, t.checkpointing, windows), remeasure_rounds,
+                      budget_minutes * 60 - (clock() - t0), clock, log, fpt=fpt, peak=peak, memory_gb=memory_gb,
+                      headroom=headroom)
+        best, reason = choose(trials, device.type)
     report["trials"] = [x.__dict__ for x in trials]
     report["chosen"] = {"micro_batch_size": best.micro_batch, "activation_checkpointing": best.checkpointing}
     report["choice_reason"] = reason
-    _log_table(trials, best, log)
+    for line in trials_table(trials, best):
+        log(line)
     log(f"preflight: chose {_label(best)}: {reason}")
     report["ceiling"] = ceiling(cfg, best, device, fpt, peak, log)
     # 4. data starvation
@@ -317,7 +423,7 @@ def end_to_end(cfg: RunConfig, device: torch.device, log: Log) -> dict[str, Any]
 
 def search(cfg: RunConfig, settings: MemorySettings, measure_one: Callable[[int, str, int], dict[str, Any]],
            warmup: int, windows: int, fpt: float, peak: float | None, memory_gb: float, headroom: float,
-           log: Log) -> list[Trial]:
+           log: Log, clock: Callable[[], float] = time.perf_counter) -> list[Trial]:
     """Every candidate micro-batch without activation checkpointing, then with it where a
     larger one does not fit without; a size the planner says cannot fit is not run."""
     sizes = candidates(cfg)
@@ -334,7 +440,9 @@ def search(cfg: RunConfig, settings: MemorySettings, measure_one: Callable[[int,
             if memory_gb and pred > headroom * memory_gb:
                 trial.status, trial.note = "no-fit", f"planner: {pred:.2f} GiB > {headroom:.0%} of {memory_gb:.1f} GiB"
             else:
+                t0 = clock()
                 _run_trial(trial, lambda: measure_one(b, ckpt, windows), fpt, peak, memory_gb, headroom)
+                trial.seconds = clock() - t0
             trials.append(trial)
             log(f"preflight: trial {i}/{len(todo)} {'without' if ckpt == 'none' else 'with'} checkpointing: "
                 + _trial_line(trial))
@@ -366,17 +474,20 @@ def ceiling(cfg: RunConfig, best: Trial, device: torch.device, fpt: float, peak:
     return out
 
 
-def _log_table(trials: list[Trial], best: Trial, log: Log) -> None:
-    log(f"{'micro-batch':>11} {'ckpt':>5} {'status':>7} {'tok/s':>10} {'±':>6} {'MFU':>6} {'peak GiB':>9}"
-        f" {'plan GiB':>9} {'data':>6}")
+def trials_table(trials: list[Trial], best: Trial) -> list[str]:
+    """The search's trials as printed after it: a row each, with its timed steps (re-measures included)."""
+    out = [f"{'micro-batch':>11} {'ckpt':>5} {'status':>7} {'tok/s':>10} {'±':>6} {'steps':>5} {'MFU':>6}"
+           f" {'peak GiB':>9} {'plan GiB':>9} {'data':>6}"]
     for x in trials:
-        log(f"{x.micro_batch:>11} {x.checkpointing:>5} {x.status:>7} "
-            f"{human(x.tok_per_s) if x.tok_per_s else '-':>10} "
-            f"{f'{100 * x.spread:.1f}%' if x.spread is not None else '-':>6} "
-            f"{f'{100 * x.mfu:.1f}%' if x.mfu is not None else 'n/a':>6} "
-            f"{f'{x.peak_gb:.2f}' if x.peak_gb is not None else 'n/a':>9} {x.predicted_gb:>9.2f} "
-            f"{f'{100 * x.data_share:.1f}%' if x.data_share is not None else '-':>6}"
-            f"{'  <- chosen' if x is best else ''}{'  ' + x.note if x.note else ''}")
+        out.append(f"{x.micro_batch:>11} {x.checkpointing:>5} {x.status:>7} "
+                   f"{human(x.tok_per_s) if x.tok_per_s else '-':>10} "
+                   f"{f'{100 * x.spread:.1f}%' if x.spread is not None else '-':>6} "
+                   f"{x.windows if x.windows else '-':>5} "
+                   f"{f'{100 * x.mfu:.1f}%' if x.mfu is not None else 'n/a':>6} "
+                   f"{f'{x.peak_gb:.2f}' if x.peak_gb is not None else 'n/a':>9} {x.predicted_gb:>9.2f} "
+                   f"{f'{100 * x.data_share:.1f}%' if x.data_share is not None else '-':>6}"
+                   f"{'  <- chosen' if x is best else ''}{'  ' + x.note if x.note else ''}")
+    return out
 
 
 def predict(report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, best: Trial, tokens: int, hours: float,
@@ -426,16 +537,28 @@ def _write(out: Path, report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, 
 
 def _run_trial(trial: Trial, run: Callable[[], dict[str, Any]], fpt: float, peak: float | None,
                memory_gb: float, headroom: float) -> None:
-    """Time one trial into ``trial``; an out-of-memory (or any error) is a result, named."""
+    """Time one trial into ``trial``, or time it again (:func:`remeasure`): the windows are added
+    to its samples, its median and spread are those of all of them, its peak memory the
+    highest seen; an out-of-memory (or any error) is a result, named."""
+    again = bool(trial.rates)
     try:
         m = run()
     except Exception as e:
         trial.status = failure_status(e)
-        trial.note = str(e).splitlines()[0][:200]
+        trial.note = ("re-measure: " if again else "") + str(e).splitlines()[0][:200]
         return
     rates = m.get("tok_per_s_windows") or [m["tok_per_s"]]
-    trial.tok_per_s, trial.spread, trial.windows = m["tok_per_s"], spread(rates), len(rates)
-    trial.peak_gb, trial.data_share = m["peak_gb"], m["data_share"]
+    share = m["data_share"]
+    if again:  # the data share over all the windows; the highest peak
+        share = None if share is None or trial.data_share is None else (
+            (trial.data_share * len(trial.rates) + share * len(rates)) / (len(trial.rates) + len(rates)))
+        peaks = [x for x in (trial.peak_gb, m["peak_gb"]) if x is not None]
+        trial.peak_gb = max(peaks) if peaks else None
+    else:
+        trial.peak_gb = m["peak_gb"]
+    trial.rates = trial.rates + list(rates)
+    trial.tok_per_s = median(trial.rates) if again else m["tok_per_s"]
+    trial.spread, trial.windows, trial.data_share = median_spread(trial.rates), len(trial.rates), share
     trial.mfu = trial.tok_per_s * fpt / peak if peak else None
     if trial.peak_gb is not None and memory_gb and trial.peak_gb > headroom * memory_gb:
         trial.status, trial.note = "no-fit", f"measured {trial.peak_gb:.2f} GiB > {headroom:.0%} headroom"
