@@ -6,7 +6,8 @@ DynamicCache built on each training forward), the loss computed inside the model
 (``labels=`` with ``shift_labels=`` and ``num_items_in_batch=``, so the float32
 cross-entropy is a sum over the step's tokens, as ours) and, with compilation on,
 inside the ``torch.compile``'d graph; AdamW with decay on matrices only, fused on CUDA
-(foreach on CPU); bf16 autocast on CUDA; backward per micro-batch, clip, step.
+(foreach on CPU); bf16 autocast where ``--precision`` resolves to it (``auto``: as
+flopwise's ``train.precision=auto``), for both contenders; backward per micro-batch, clip, step.
 "hf-flex": the same with ``attn_implementation="flex_attention"``, the variant such a user
 tries next (recorded as skipped, with the reason, where it does not run).
 Project ("flopwise"): ``build_model``, ``wrap_model`` (checkpointing/compile as configured),
@@ -60,6 +61,7 @@ from flopwise.model.hf import to_hf_model
 from flopwise.plan import hardware
 from flopwise.plan.flops import flops_per_token
 from flopwise.train.optim import build_optimizer
+from flopwise.train.precision import resolve as resolve_precision
 from flopwise.train.step import forward_backward, make_loss_fn
 from flopwise.train.wrap import wrap_model
 
@@ -87,6 +89,8 @@ def parse_args(argv=None):
                     help="comma-separated: tiny, small, preset (default: tiny,small for the tiny preset, else preset)")
     ap.add_argument("--overrides", nargs="*", default=[], help="extra key=value config overrides for all")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="auto: on for CUDA")
+    ap.add_argument("--precision", default="auto", choices=["auto", "float32", "bf16"],
+                    help="both contenders' (bf16: autocast over fp32 weights); auto resolves as train.precision=auto")
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8, help="optimizer steps per round")
@@ -102,7 +106,7 @@ def main() -> int:
     args = parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     use_compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
-    amp = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    amp = resolve_precision(args.precision, device).autocast_dtype  # the same for both contenders
     if args.contender:  # child: one contender, one size, one JSON line back
         cfg = config_for(args, args.size, use_compile)
         try:
@@ -200,7 +204,7 @@ def run_alternating(contenders, size, args) -> dict:
 
 def run_child(contender, size, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--contender", contender, "--size", size,
-           "--preset", args.preset, "--compile", args.compile, "--rounds", str(args.rounds),
+           "--preset", args.preset, "--compile", args.compile, "--precision", args.precision, "--rounds", str(args.rounds),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--overrides", *args.overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in proc.stdout.splitlines():

@@ -220,3 +220,22 @@ def test_an_isolated_search_on_a_cpu_measures_for_real(tiny_overrides, tmp_path)
     ok = [t for t in report["trials"] if t["status"] == "ok"]
     assert [t["micro_batch"] for t in ok] == [1, 2, 4, 8] and all(t["tok_per_s"] > 0 for t in ok), report["trials"]
     assert report["isolation"] == "process"
+
+
+@pytest.mark.parametrize("native", [None, "AVX-512 BF16"])
+def test_a_float32_preflight_on_a_cpu_with_native_bf16_points_at_the_ladder(tiny_overrides, tmp_path, monkeypatch,
+                                                                            native):
+    monkeypatch.setattr("flopwise.train.preflight.cpu_native_bf16", lambda: native)
+    cfg = build_config(overrides=tiny_overrides + ["train.max_steps=20"])
+
+    def steady(cfg, micro_batch, checkpointing, warmup, steps, device):
+        rates = [100.0 * micro_batch * f for f in (0.99, 1.0, 1.01)][:steps]
+        return {"tok_per_s": rates[1], "tok_per_s_windows": rates, "peak_gb": None, "data_share": 0.01}
+
+    lines = []
+    report = preflight(cfg, steps=1, out_dir=tmp_path / "pf", measure_fn=steady, log=lines.append)
+    notes = [line for line in lines if "multiplies bf16 natively" in line]
+    if native:
+        assert report["native_bf16"] == native and len(notes) == 1 and "--ladder" in notes[0], notes
+    else:
+        assert "native_bf16" not in report and not notes

@@ -15,6 +15,13 @@ CPU = torch.device("cpu")
 N_RANK_RUNGS = ("ranks", "strategy", "buckets")
 
 
+@pytest.fixture(autouse=True)
+def _cpu_without_native_bf16(monkeypatch):
+    """The rungs of a CPU without AMX / AVX-512 BF16 (the tests that want them say so): the
+    climbs below are the same on every machine."""
+    monkeypatch.setattr("flopwise.train.ladder.cpu_native_bf16", lambda: None)
+
+
 def scripted(rates, losses=None, oom_from=None, extra=None):
     """measure_one: tok/s from the settings that differ from the start, a fixed loss, tight windows.
     ``extra(cfg, world)``, when given, multiplies the rate (the loader and N-rank rungs)."""
@@ -37,11 +44,53 @@ def base(overrides=()):
                                                   "train.micro_batch_size=16", *overrides])
 
 
-def test_cpu_rungs_are_compile_loss_micro_batch_checkpointing_loader_and_threads():
+def test_cpu_rungs_are_compile_loss_micro_batch_checkpointing_loader_and_threads(monkeypatch):
     plan = rungs(base(), CPU, [1, 2, 4, 8, 16, 32])
     assert [r[0] for r in plan] == ["compile", "loss", "micro-batch", "checkpointing", "loader", "threads"]
     assert plan[4][1] == [{"data.prefetch": 1}, {"data.prefetch": 2}]  # no pinning on a CPU
     assert torch.get_num_threads() not in [o["train.threads"] for o in plan[-1][1]]  # the current count is the start
+
+
+@pytest.mark.parametrize("native", ["AMX", "AVX-512 BF16"])
+def test_a_cpu_with_native_bf16_gets_a_bf16_rung_that_changes_numerics(monkeypatch, native):
+    monkeypatch.setattr("flopwise.train.ladder.cpu_native_bf16", lambda: native)
+    plan = rungs(base(["train.precision=float32"]), CPU, [1, 2, 4, 8, 16, 32])
+    assert plan[0] == ("precision", [{"train.precision": "bf16"}], "changed")
+    assert [r[0] for r in rungs(base(["train.precision=bf16"]), CPU, [16])][0] == "compile"  # already there
+
+
+def test_the_bf16_rung_is_kept_when_faster_within_changed_numerics(monkeypatch):
+    """bf16 changes the first loss on purpose: kept within CHANGED_NUMERICS, refused past it."""
+    monkeypatch.setattr("flopwise.train.ladder.cpu_native_bf16", lambda: "AMX")
+
+    def measure(loss_bf16):
+        inner = scripted({})
+
+        def measure_one(cfg, world=1, timeout_s=None):
+            m = inner(cfg, world, timeout_s)
+            if cfg.train.precision == "bf16":
+                m = {**m, "tok_per_s": 2000.0, "tok_per_s_windows": [1990.0, 2000.0, 2010.0], "first_loss": loss_bf16}
+            return m
+        return measure_one
+
+    kept = climb(base(["train.precision=float32"]), measure(9.05), CPU, [16], run_tokens=10**6, fpt=1e7, peak=None,
+                 budget_s=1e9, log=lambda s: None)
+    row = next(r for r in kept["rungs"] if r["rung"] == "precision")
+    assert row["kept"], row
+    refused = climb(base(["train.precision=float32"]), measure(9.5), CPU, [16], run_tokens=10**6, fpt=1e7, peak=None,
+                    budget_s=1e9, log=lambda s: None)
+    row = next(r for r in refused["rungs"] if r["rung"] == "precision")
+    assert not row["kept"] and "loss" in row["why"], row
+
+
+def test_native_bf16_detection_asks_torch(monkeypatch):
+    from flopwise.train import precision
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert precision.cpu_native_bf16() == "AVX-512 BF16"
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    assert precision.cpu_native_bf16() is None
 
 
 def test_a_trial_computes_with_its_threads_and_gives_them_back(tiny_overrides):

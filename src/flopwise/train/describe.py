@@ -13,6 +13,7 @@ from flopwise.data.meta import held_out_overlap_note
 from flopwise.measure.sinks import human
 from flopwise.train.device import device_label
 from flopwise.train.optim import describe_optimizer
+from flopwise.train.precision import cpu_native_bf16
 from flopwise.train.setup import Run
 
 
@@ -26,6 +27,10 @@ def describe(run: Run) -> list[str]:
         lines.append(f"  resume     {run.start.note}" + (f" (step {p.step:,} of {total:,}, {human(p.tokens)} tokens)"
                                                        if run.start.checkpoint else ""))
     lines.append(f"  device     {device_label(run.device)} · precision {run.prec.name} · peak {run.flops.peak_note}")
+    native = cpu_native_bf16() if run.device.type == "cpu" and t.precision == "auto" else None
+    if native and run.prec.name == "float32":
+        lines.append(f"  {'':<10} precision auto -> float32, though this CPU multiplies bf16 natively ({native}): "
+                     "train.precision=bf16 is faster on larger models; `flopwise preflight --ladder` measures it")
     if run.strategy.name != "single" or world > 1:
         lines.append(f"  parallel   {run.strategy.name} · {world} rank(s), {env.launched} · {env.backend} · "
                      f"{run.strategy.why}")

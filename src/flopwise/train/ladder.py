@@ -1,7 +1,8 @@
 """The optimization ladder: the rungs people climb by hand to make a run fast, climbed for them.
 
 ``flopwise preflight --ladder`` starts from the user's configuration and tries one change
-at a time, in the order people climb: precision, attention kernel, compile, loss path,
+at a time, in the order people climb: precision (on CUDA, and on a CPU that multiplies bf16
+natively: AMX or AVX-512 BF16), attention kernel, compile, loss path,
 micro-batch, activation checkpointing (only where it lets a micro-batch fit that does not fit
 without), the loader (batches assembled ahead; pinned host memory on CUDA), then on CUDA the
 compile mode and on a CPU the thread count. The compile modes come last: ``max-autotune``
@@ -52,7 +53,7 @@ from flopwise.plan.budget import memory_settings_for_run
 from flopwise.plan.memory import estimate
 from flopwise.train.losses import fused_linear_cross_entropy_available
 from flopwise.train.parallel import incompatibilities
-from flopwise.train.precision import fp8_problem, resolve as resolve_precision
+from flopwise.train.precision import cpu_native_bf16, fp8_problem, resolve as resolve_precision
 from flopwise.train.trial import failure_status
 
 SAME_NUMERICS = 1e-3  # relative first-step loss difference for a change that should not change it
@@ -86,6 +87,9 @@ def rungs(cfg: RunConfig, device: torch.device, sizes: list[int],
         current = select_backend(cfg.model.attention, device, torch.bfloat16, cfg.model.doc_mask)[0]  # auto's pick
         out.append(("attention", [{"model.attention": b} for b in ("flash", "flex", "sdpa")
                                   if usable.get(b) is None and b != current], "same"))
+    elif cpu_native_bf16() and resolve_precision(t.precision, device).name != "bf16":
+        # AMX / AVX-512 BF16 multiply bf16 matrices several times faster than float32
+        out.append(("precision", [{"train.precision": "bf16"}], "changed"))
     out.append(("compile", [{"train.compile": c} for c in ("blocks", "model") if c != t.compile], "same"))
     losses = ["plain", "chunked"] + (["fused"] if fused_linear_cross_entropy_available(device) else [])
     out.append(("loss", [{"train.loss": x} for x in losses if x != t.loss], "same"))

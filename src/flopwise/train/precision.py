@@ -35,6 +35,18 @@ class Precision:
     scaler: "torch.amp.GradScaler | None" = None
 
 
+def cpu_native_bf16() -> str | None:
+    """The instructions with which this CPU multiplies bf16 matrices natively (``"AMX"``,
+    ``"AVX-512 BF16"``), or None: without them oneDNN emulates bf16 through float32 and bf16
+    autocast is no faster. torch asks cpuinfo, so this holds on any OS; non-x86 CPUs say None."""
+    cpu = getattr(torch, "cpu", None)
+    probes = (("AMX", "_is_amx_tile_supported"), ("AVX-512 BF16", "_is_avx512_bf16_supported"))
+    for label, probe in probes:
+        if getattr(cpu, probe, None) is not None and getattr(cpu, probe)():
+            return label
+    return None
+
+
 def resolve(name: str, device: torch.device) -> Precision:
     if name == "auto":
         if device.type == "cuda":

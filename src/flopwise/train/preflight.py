@@ -54,7 +54,7 @@ from flopwise.train.distributed import resolve_device
 from flopwise.train.explain import explain_run
 from flopwise.train.ladder import climb, planned_gb, with_settings
 from flopwise.train.defaults import resolve_speed
-from flopwise.train.precision import resolve
+from flopwise.train.precision import cpu_native_bf16, resolve
 from flopwise.train.trainer import train
 from flopwise.train.trial import failure_status, measure, measure_in_processes, ready_processes
 
@@ -303,6 +303,11 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
         log(line)
     log(f"preflight: chose {_label(best)}: {reason}")
     report["ceiling"] = ceiling(cfg, best, device, fpt, peak, log)
+    native = cpu_native_bf16() if device.type == "cpu" else None
+    if native and resolve(cfg.train.precision, device).name == "float32":
+        report["native_bf16"] = native
+        log(f"preflight: note: this CPU multiplies bf16 natively ({native}), which the float32 ceiling above does "
+            "not use: --ladder measures train.precision=bf16 (kept only if its first loss agrees)")
     # 4. data starvation
     report["data_share"] = best.data_share
     if best.data_share is not None and best.data_share > STARVATION_WARN:
