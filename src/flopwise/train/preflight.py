@@ -443,7 +443,7 @@ def search(cfg: RunConfig, settings: MemorySettings, measure_one: Callable[[int,
             pred = estimate(cfg.model, b, cfg.train.seq_len, s).gb()["total"]
             trial = Trial(b, ckpt, "ok", predicted_gb=pred)
             if memory_gb and pred > headroom * memory_gb:
-                trial.status, trial.note = "no-fit", f"planner: {pred:.2f} GiB > {headroom:.0%} of {memory_gb:.1f} GiB"
+                trial.status, trial.note = "no-fit", f"planner: {pred:.2f} GiB > {headroom:.0%} of {memory_gb:g} GiB"
             else:
                 t0 = clock()
                 _run_trial(trial, lambda: measure_one(b, ckpt, windows), fpt, peak, memory_gb, headroom)
