@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import torch
 
+from flopwise.errors import FlopwiseError
 from flopwise.fsio import fsync_dir
 
 CHECKPOINT_DIR = "checkpoints"
@@ -52,7 +53,7 @@ STEP_RE = re.compile(r"^step-(\d{7,})$")
 _CHUNK = 1 << 22
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(FlopwiseError, RuntimeError):
     """A checkpoint that cannot be written or trusted; the message names the file."""
 
 

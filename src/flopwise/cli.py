@@ -6,13 +6,15 @@ Each subcommand imports the modules that need torch (or numpy) inside itself, ma
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
 
 from flopwise import __version__, deps
 from flopwise.config import DEFAULT_PRESET, ConfigError, TrainConfig, build_config, preset_names
-from flopwise.fsio import LockedError, is_disk_full
+from flopwise.errors import FlopwiseError
+from flopwise.fsio import is_disk_full
 from flopwise.plan import hardware
 from flopwise.plan.budget import PlanError, PlanInputs, build_plan, peak_dtype, plan_inputs_for_run, planned_loss
 from flopwise.plan.flops import param_counts
@@ -22,6 +24,7 @@ from flopwise.report import ReportError, build_report
 from flopwise.tune.dryrun import DEFAULT_GPU, DryRunFailed, dry_run, render
 from flopwise.tune.shim import DryRunUnavailable
 
+DEBUG_ENV = "FLOPWISE_DEBUG"  # set (not 0): errors show their traceback too, as --debug
 OVERRIDE_HELP = "section.key=value overrides, e.g. model.n_layers=4 optim.lr=1e-3 data.path=DIR"
 
 
@@ -31,7 +34,15 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help=OVERRIDE_HELP)
 
 
-class _AnyOrder(argparse.ArgumentParser):
+class _Parser(argparse.ArgumentParser):
+    """A usage error in one line, as every other flopwise error: what is wrong and where the
+    help is (argparse's default is the whole usage, then the error)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+class _AnyOrder(_Parser):
     """A subcommand's parser that takes its options anywhere, between or after its positionals
     (``export RUN --format hf OUT``): argparse's intermixed parsing, used where the top-level
     parser hands a subcommand its arguments."""
@@ -49,7 +60,7 @@ class _AnyOrder(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="flopwise",
         description="Pretrain language models with performance discipline.",
     )
@@ -59,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_train_parser, _prepare_parser, _preflight_parser, _eval_parser, _generate_parser,  # --help's order
                 _report_parser, _export_parser, _checkpoint_parser, _plan_parser, _presets_parser):
         add(sub)  # one function per command
+    for p in sub.choices.values():
+        p.add_argument("--debug", action="store_true",
+                       help=f"on an error, show its traceback too (or set {DEBUG_ENV}=1)")
+    parser.set_defaults(_commands=sub.choices)
     return parser
 
 
@@ -674,45 +689,50 @@ def cmd_presets(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. The error boundary: a :class:`FlopwiseError` (bad input, a fault the
+    user can fix) or a fault of the machine (a full or read-only disk, too little memory) ends
+    in one line, ``flopwise COMMAND: what and where``, and exit status 2 -- its traceback only
+    with ``--debug`` or ``FLOPWISE_DEBUG=1``. Anything else is a bug and keeps its traceback."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the subcommand's parser: "flopwise train: unrecognized arguments: ..."
+        args._commands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     try:
         return args.func(args)
-    except ConfigError as e:
-        if os.environ.get("RANK", "0") in ("", "0"):  # every rank raises it; rank 0 says it once
-            print(f"flopwise {args.command}: {e}", file=sys.stderr)
-        return 2
-    except LockedError as e:  # a second writer of a run or a data directory
-        print(f"flopwise {args.command}: {e}", file=sys.stderr)
-        return 2
-    except ValueError as e:  # data and plan errors name the file, field or flag and the problem
-        from flopwise.data.datadir import DataDirError  # lazy: numpy
-        from flopwise.data.prepare import PrepareError  # lazy: numpy
-        from flopwise.data.shards import ShardError  # lazy: numpy
-        from flopwise.data.sources import SourceError  # lazy: numpy
-
-        known: tuple[type, ...] = (DataDirError, ShardError, PlanError, PrepareError, SourceError)
-        if args.command in ("export", "train", "eval", "generate", "preflight"):  # these import torch anyway
-            from flopwise.model.attention import AttentionBackendError  # lazy: torch
-            from flopwise.model.hf import HFMappingError  # lazy: torch
-            from flopwise.model.io import ModelSourceError  # lazy: torch
-
-            known += (AttentionBackendError, HFMappingError, ModelSourceError)
-            if args.command in ("eval", "generate"):
-                known += (ValueError,)  # their inputs' errors (task files, prompts) name the file or flag
-        if not isinstance(e, known):
-            raise
-        print(f"flopwise {args.command}: {e}", file=sys.stderr)
-        return 2
-    except RuntimeError as e:
-        if "flopwise.checkpoints" not in sys.modules:  # not loaded: no checkpoint was read
-            raise
-        from flopwise.checkpoints import CheckpointError  # lazy: torch
-
-        if not isinstance(e, CheckpointError):
-            raise
-        print(f"flopwise {args.command}: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("flopwise: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        line = user_error(e)
+        if line is None or debug:
+            raise
+        # every rank of a torchrun job validates the same config: rank 0 says it once
+        if not isinstance(e, ConfigError) or os.environ.get("RANK", "0") in ("", "0"):
+            print(f"flopwise {args.command}: {line}", file=sys.stderr)
+        return 2
+
+
+# errno -> what a write or a read of the file ran into: faults of the machine, not bugs
+_FILE_FAULTS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+                errno.EFBIG: "file too large for the filesystem", errno.EROFS: "read-only file system",
+                errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+                errno.ENAMETOOLONG: "file name too long", errno.EIO: "input/output error"}
+
+
+def user_error(e: BaseException) -> str | None:
+    """The one line a user gets for ``e``, or None for a bug (whose traceback is shown)."""
+    if isinstance(e, FlopwiseError):
+        return " ".join(str(e).split("\n")) if not isinstance(e, ConfigError) else str(e)
+    if isinstance(e, OSError) and e.errno in _FILE_FAULTS:
+        where = e.filename if e.filename is not None else "a file"
+        also = f" -> {e.filename2}" if getattr(e, "filename2", None) else ""
+        return f"{where}{also}: {_FILE_FAULTS[e.errno]}"
+    if is_disk_full(e):  # torch.save's zip writer: no errno, no file name
+        return "no space left on the device (torch.save's writer failed)"
+    text = str(e)
+    if isinstance(e, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower():
+        first = text.strip().splitlines()[0][:300] if text.strip() else type(e).__name__
+        return (f"out of memory: {first} (flopwise plan --config ... shows what fits; "
+                "a smaller train.micro_batch_size or train.activation_checkpointing=full needs less)")
+    return None

@@ -34,9 +34,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+from flopwise.errors import FlopwiseError, shown
 
 
-class ConfigError(ValueError):
+class ConfigError(FlopwiseError, ValueError):
     """One or more configuration problems, each naming where it came from."""
 
     def __init__(self, problems: list[str]):
@@ -864,11 +865,27 @@ def nonfinite_fields(cfg: RunConfig) -> dict[str, float]:
     return out
 
 
+MAX_INT = 2**63 - 1  # torch, numpy and the OS take 64-bit signed integers: a larger one overflows in C
+
+
+def oversized_ints(cfg: RunConfig) -> dict[str, int]:
+    """``{"section.name": value}`` for every integer field of every section beyond :data:`MAX_INT`."""
+    out = {}
+    for section in SECTIONS:
+        obj = getattr(cfg, section)
+        for name in _field_types(type(obj)):
+            value = getattr(obj, name)
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+                out[f"{section}.{name}"] = value
+    return out
+
+
 def validate(cfg: RunConfig) -> list[str]:
     """Every problem in the config, as readable strings naming the fields involved: inf/NaN
     set in Python (files and overrides refuse them when read), each section's own
     ``problems()``, then what involves two sections. Changes nothing."""
     p = [f"{name} must be a finite number, got {value}" for name, value in nonfinite_fields(cfg).items()]
+    p += [f"{name} must be within ±(2^63 - 1), got {shown(value)}" for name, value in oversized_ints(cfg).items()]
     for section in SECTIONS:
         p += getattr(cfg, section).problems()
     m, t, o, d = cfg.model, cfg.train, cfg.optim, cfg.data

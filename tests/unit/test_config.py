@@ -313,3 +313,11 @@ def test_config_prefetch_and_pin_memory_defaults_and_bounds():
         assert DataConfig(prefetch=value).problems() == []
     cfg = build_config(overrides=["data.prefetch=8", "data.pin_memory=false"])
     assert cfg.data.prefetch == 8 and cfg.data.pin_memory is False
+
+
+def test_an_integer_beyond_64_bits_is_named_before_it_overflows_in_c():
+    """train.seed=10**23 ended in "Overflow when unpacking long long" from torch.manual_seed."""
+    with pytest.raises(ConfigError) as e:
+        build_config(preset="tiny", overrides=["train.seed=99999999999999999999999"])
+    assert "train.seed must be within ±(2^63 - 1), got 99999999999999999999999" in str(e.value)
+    assert build_config(preset="tiny", overrides=[f"train.seed={2**63 - 1}"]).train.seed == 2**63 - 1

@@ -2,7 +2,7 @@
 
 Layers, low to high (a module may import its own layer and the ones below, never above):
 
-    0  flopwise (__init__), fsio, deps, config, checkpoints
+    0  flopwise (__init__), errors, fsio, deps, config, checkpoints
     1  model, data, plan, measure
     2  evaluate
     3  train
@@ -36,14 +36,14 @@ SRC = Path(flopwise.__file__).resolve().parent  # src/flopwise
 PACKAGE = SRC.name
 
 LAYERS: dict[str, int] = {
-    "__init__": 0, "fsio": 0, "deps": 0, "config": 0, "checkpoints": 0,
+    "__init__": 0, "errors": 0, "fsio": 0, "deps": 0, "config": 0, "checkpoints": 0,
     "model": 1, "data": 1, "plan": 1, "measure": 1,
     "evaluate": 2,
     "train": 3,
     "report": 4, "tune": 4,
     "cli": 5, "__main__": 5,
 }
-LAYER_NAMES = {0: "base (fsio/deps/config/checkpoints)", 1: "model/data/plan/measure", 2: "evaluate", 3: "train",
+LAYER_NAMES = {0: "base (errors/fsio/deps/config/checkpoints)", 1: "model/data/plan/measure", 2: "evaluate", 3: "train",
                4: "report/tune", 5: "cli"}
 
 # (file relative to src/flopwise, imported module) -> why it is still inside a function without `# lazy:`

@@ -34,6 +34,7 @@ from ..fsio import atomic_write, describe_write_error
 from .builtin import prepare_builtin
 from .shards import FORMAT_VERSION, ShardError, ShardHeader, dtype_for_vocab, read_header, read_shard, scan_tokens
 from .tokenizer import file_sha256, load_tokenizer
+from flopwise.errors import FlopwiseError
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from ..config import DataConfig
 
 
-class DataDirError(ValueError):
+class DataDirError(FlopwiseError, ValueError):
     """The data directory is incomplete or inconsistent."""
 
 

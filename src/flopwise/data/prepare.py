@@ -90,6 +90,7 @@ from .meta import TOKENIZER_FILE, write_meta, write_text
 from .shards import FORMAT_VERSION, SplitWriter, dtype_for_vocab
 from .sources import open_source
 from .tokenizer import encode_documents, file_sha256, load_tokenizer, special_ids, train_bpe
+from flopwise.errors import FlopwiseError
 
 Log = Callable[[str], None]
 RECIPE_VERSION = 3  # 2: long documents routed in pieces; 3: whole, or a train head and a held-out tail
@@ -104,7 +105,7 @@ DEFAULT_VAL_FRACTION = 0.005  # validation's share when neither --val-tokens nor
 VAL_FLOOR_MAX_SHARE = 0.1
 
 
-class PrepareError(ValueError):
+class PrepareError(FlopwiseError, ValueError):
     """Bad ``flopwise prepare`` input; the message names the flag, file or value."""
 
 

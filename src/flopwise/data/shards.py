@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from ..fsio import fsync_dir, umask
+from flopwise.errors import FlopwiseError
 
 MAGIC = b"FLOPWSHD"
 FORMAT_VERSION = 1
@@ -51,7 +52,7 @@ _DTYPES: dict[int, np.dtype] = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 _CRC_CHUNK = 1 << 24  # bytes per crc32 step when verifying (bounded memory)
 
 
-class ShardError(ValueError):
+class ShardError(FlopwiseError, ValueError):
     """A shard file is malformed, or tokens do not fit the declared vocabulary."""
 
 

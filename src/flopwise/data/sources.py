@@ -77,6 +77,7 @@ from pathlib import Path
 from typing import Any
 
 from . import builtin
+from flopwise.errors import FlopwiseError
 
 SOURCES_VERSION = 1  # bump when the documents a given input yields change
 TXT_DOC_CHARS = 1_000_000  # a .txt document ends at the first blank line after this many characters
@@ -90,7 +91,7 @@ _COMPRESSIONS = {".gz": "gz", ".zst": "zst", ".zstd": "zst"}
 ACCEPTED = ".txt, .jsonl, .ndjson, .json, .parquet (text formats also as .gz, .zst or .zstd)"
 
 
-class SourceError(ValueError):
+class SourceError(FlopwiseError, ValueError):
     """Bad ``flopwise prepare`` SOURCE: the message names the file (and line or row), the
     field and the value at fault."""
 

@@ -104,13 +104,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flopwise.errors import FlopwiseError
 from flopwise.data.tokenizer import special_ids
 
 INSTALL_HINT = "pip install 'flopwise[data]'"
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # extension -> datasets builder
 
 
-class TaskError(ValueError):
+class TaskError(FlopwiseError, ValueError):
     """Bad task name, file or record: the message names the file (or hub dataset), the
     record number, the field and the value at fault."""
 

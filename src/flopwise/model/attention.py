@@ -46,6 +46,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from flopwise.errors import FlopwiseError
 
 try:  # torch >= 2.5
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -59,7 +60,7 @@ CONCRETE_BACKENDS = BACKENDS[1:]
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-class AttentionBackendError(ValueError):
+class AttentionBackendError(FlopwiseError, ValueError):
     """A backend name that is not one of ``BACKENDS``, or one that is unavailable under strict."""
 
 

@@ -52,13 +52,14 @@ from typing import Any
 import torch
 
 from flopwise import deps
+from flopwise.errors import FlopwiseError
 from flopwise.config import ModelConfig, hf_mismatches
 from flopwise.model.moe import moe_from_hf, moe_to_hf
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt2")
 
 
-class HFMappingError(ValueError):
+class HFMappingError(FlopwiseError, ValueError):
     """A model or config with no faithful Hugging Face equivalent; the message says why."""
 
 

@@ -39,6 +39,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+from flopwise.errors import FlopwiseError
 from flopwise.checkpoints import (SHARDED, latest_checkpoint, load_checkpoint, read_state, unmarked_checkpoints,
                                   write_manifest)
 from flopwise.config import ModelConfig, load_run_config
@@ -49,7 +50,7 @@ from flopwise.model.hf import (SPECIAL_KEYS, check_exportable, config_from_hf, f
 from flopwise.model.transformer import Transformer, build_model, configure_attention
 
 
-class ModelSourceError(ValueError):
+class ModelSourceError(FlopwiseError, ValueError):
     """A path that holds no loadable model; the message says what was looked for."""
 
 

@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from flopwise.errors import FlopwiseError
 from flopwise.config import ModelConfig, batch_split_problems
 from flopwise.plan import hardware, memory
 from flopwise.plan.flops import flops_per_token, flops_per_token_6n, hardware_flops_per_token, param_counts
@@ -42,7 +43,7 @@ CHINCHILLA_TOKENS_PER_PARAM = 20.0
 GIB = 1024**3
 
 
-class PlanError(ValueError):
+class PlanError(FlopwiseError, ValueError):
     """Bad planner input; the message names the flag."""
 
 

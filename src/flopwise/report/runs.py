@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from flopwise.errors import FlopwiseError
 
 METRICS = "metrics.jsonl"
 EVALS = "evals.jsonl"  # written by ``flopwise eval`` beside the training metrics
 
 
-class ReportError(ValueError):
+class ReportError(FlopwiseError, ValueError):
     """A path that is not a run directory, or a file of one that cannot be read; names the file."""
 
 

@@ -24,12 +24,13 @@ from typing import Callable
 
 import torch
 
+from flopwise.errors import FlopwiseError
 from flopwise.config import TrainConfig
 from flopwise.train.distributed import DistEnv
 from flopwise.train.schedule import time_progress
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(FlopwiseError, RuntimeError):
     """Training stopped on a non-finite loss or gradient; the message names the step."""
 
 

@@ -38,6 +38,7 @@ from typing import Any, Iterator
 import torch
 import torch.multiprocessing as mp
 
+from flopwise.errors import FlopwiseError
 from flopwise.config import ConfigError, RunConfig
 from flopwise.data.datadir import open_data_dir
 from flopwise.data.prepare import die_with_parent
@@ -53,7 +54,7 @@ from flopwise.train.train_step import apply_update, unscale_and_clip
 TRIAL_TIMEOUT_MIN = 10.0  # a collective of a trial that waits longer fails the trial instead of hanging it
 
 
-class TrialError(RuntimeError):
+class TrialError(FlopwiseError, RuntimeError):
     """A trial that failed in its process: the message is the exception's last line there."""
 
 

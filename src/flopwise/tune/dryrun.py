@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
+from flopwise.errors import FlopwiseError
 from flopwise.config import ConfigError, RunConfig, batch_split_problems
 from flopwise.measure.sinks import human
 from flopwise.plan import hardware
@@ -43,7 +44,7 @@ WRAPPERS = {
 }
 
 
-class DryRunFailed(RuntimeError):
+class DryRunFailed(FlopwiseError, RuntimeError):
     """The traced step failed: what and where, in one line."""
 
 

@@ -23,13 +23,14 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from flopwise.errors import FlopwiseError
 
 SOURCE = Path(__file__).with_name("fake_cuda_guard.cpp")
 BUILD_TIMEOUT_S = 600  # about 15 s on 2 cores; a loaded machine gets far more
 CACHE = Path(os.environ.get("FLOPWISE_CACHE", "~/.cache/flopwise")).expanduser() / "fake-cuda"
 
 
-class DryRunUnavailable(RuntimeError):
+class DryRunUnavailable(FlopwiseError, RuntimeError):
     """The dry run cannot run on this machine: one line, with what to install."""
 
 
