@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import math
 import os
+import re
 import sys
 
 from flopwise import __version__, deps
@@ -188,19 +190,19 @@ def _eval_parser(sub: "argparse._SubParsersAction") -> None:
                    help="local files of a task instead of the hub: a built-in task's files in its Hugging Face "
                         "format, or a custom task of any NAME (JSONL: context/choices/label, or a built-in's form); "
                         "a custom task given here is evaluated even if --tasks does not name it")
-    p.add_argument("--limit", type=int, default=0, help="first N examples of each task (0 = all)")
+    p.add_argument("--limit", type=whole(0), default=0, help="first N examples of each task (0 = all)")
     p.add_argument("--data", default="", help="data directory for the validation loss (default: the run's)")
     p.add_argument("--windows", type=int, default=0,
                    help="validation windows (default: the run's eval.batches x train.micro_batch_size, also for a "
                         "Hugging Face directory flopwise exported; else 64)")
     p.add_argument("--seq-len", type=int, default=0,
                    help="validation window length (default: the run's train.seq_len; else min(max_seq_len, 1024))")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--batch-size", type=whole(1, 65536), default=8)
+    p.add_argument("--device", type=device_name, default="auto", help="auto (CUDA when there is one), cpu, cuda, cuda:N")
     p.add_argument("--watch", action="store_true",
                    help="keep evaluating each new checkpoint of the run until the run has finished")
-    p.add_argument("--poll", type=float, default=30.0, help="--watch: seconds between looks (default 30)")
-    p.add_argument("--timeout", type=float, default=0.0, help="--watch: give up after this many seconds (0 = never)")
+    p.add_argument("--poll", type=number(0, low_open=True), default=30.0, help="--watch: seconds between looks (default 30)")
+    p.add_argument("--timeout", type=number(0), default=0.0, help="--watch: give up after this many seconds (0 = never)")
     p.set_defaults(func=cmd_eval)
 
 
@@ -208,15 +210,15 @@ def _generate_parser(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("generate", help="sample text from a run, a checkpoint or a Hugging Face model directory")
     p.add_argument("source", help="a run directory, a checkpoints/step-N directory or a Hugging Face model directory")
     p.add_argument("--prompt", default="", help="text to continue (default: the tokenizer's BOS or EOS)")
-    p.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=200,
+    p.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=whole(1), default=200,
                    help="tokens to generate after the prompt (default 200)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=50, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1 = off")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--temperature", type=number(0), default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=whole(0), default=50, help="0 = off")
+    p.add_argument("--top-p", type=number(0, 1, low_open=True), default=1.0, help="nucleus sampling, in (0, 1]; 1 = off")
+    p.add_argument("--seed", type=whole(0), default=0)
+    p.add_argument("--num-samples", type=whole(1, 4096), default=1)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context every token (reference)")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", type=device_name, default="auto", help="auto (CUDA when there is one), cpu, cuda, cuda:N")
     p.set_defaults(func=cmd_generate)
 
 
@@ -398,6 +400,41 @@ def _one_process_only(what: str) -> None:
                            "on one GPU; its micro-batch holds per GPU under DDP, ZeRO-1 and (more) FSDP2"])
 
 
+def whole(low: int, high: int = 2**63 - 1):
+    """An argparse type: an integer in [low, high], refused in one line before any work."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text[:80]!r} is not a whole number") from None
+        if not low <= value <= high:
+            bound = f"{low} to {high:,}" if high < 2**63 - 1 else f"a whole number >= {low}"
+            raise argparse.ArgumentTypeError(f"{value} is out of range: give {bound}")
+        return value
+    return parse
+
+
+def number(low: float, high: float = math.inf, low_open: bool = False):
+    """An argparse type: a finite number >= low (> low with ``low_open``) and <= high."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text[:80]!r} is not a number") from None
+        if not math.isfinite(value) or value < low or (low_open and value == low) or value > high:
+            bound = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
+            raise argparse.ArgumentTypeError(f"{value} is out of range: give a finite number {bound}")
+        return value
+    return parse
+
+
+def device_name(text: str) -> str:
+    """An argparse type: a device flopwise can run on, by name (torch is not imported to check)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text[:80]!r}: give auto, cpu, cuda or cuda:N")
+    return text
+
+
 def count(text: str) -> int:
     """An integer count written as 6e9, 6_000_000_000, 6B, 360M, 1.5T or 250K."""
     t = text.strip().replace("_", "").replace(",", "")
@@ -520,13 +557,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from flopwise import load  # lazy: torch
     from flopwise.data.tokenizer import special_ids  # lazy: numpy
+    from flopwise.model.io import ModelSourceError  # lazy: torch
     from flopwise.evaluate.generate import generate  # lazy: torch
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError([f"--device {args.device}: no CUDA device here"])
     model, tok = load(args.source, device=device)
     if tok is None:
-        raise ValueError(f"{args.source}: no tokenizer.json to encode the prompt with")
+        raise ModelSourceError(f"{args.source}: no tokenizer.json to encode the prompt with")
     ids = special_ids(tok)
     start = tok.encode(args.prompt, add_special_tokens=False).ids if args.prompt else []
     if ids["bos_id"] is not None:

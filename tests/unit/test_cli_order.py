@@ -71,3 +71,24 @@ def test_options_between_positionals_were_refused_before(capsys):
         plain.parse_args(["RUN", "--format", "hf", "OUT"])
     assert "unrecognized arguments: OUT" in capsys.readouterr().err
     assert _parsed(["export", "RUN", "--format", "hf", "OUT"])["out"] == "OUT"
+
+
+@pytest.mark.parametrize("argv, phrase", [
+    (["generate", "RUN", "--num-samples", "0"], "--num-samples: 0 is out of range"),
+    (["generate", "RUN", "--temperature", "nan"], "--temperature: nan is out of range"),
+    (["generate", "RUN", "--temperature", "-1"], "--temperature: -1.0 is out of range"),
+    (["generate", "RUN", "--top-k", "-3"], "--top-k: -3 is out of range"),
+    (["generate", "RUN", "--max-tokens", "-5"], "-5 is out of range"),
+    (["generate", "RUN", "--top-p", "0"], "--top-p: 0.0 is out of range"),
+    (["generate", "RUN", "--seed", "-1"], "--seed: -1 is out of range"),
+    (["generate", "RUN", "--device", "gpu"], "--device: 'gpu'"),
+    (["eval", "RUN", "--batch-size", "0"], "--batch-size: 0 is out of range"),
+    (["eval", "RUN", "--poll", "0"], "--poll: 0.0 is out of range"),
+])
+def test_generate_and_eval_arguments_are_checked_before_any_work(argv, phrase, capsys):
+    """generate took --temperature -1, --top-k -3 and a negative token count silently, and ended
+    --num-samples 0 and --temperature nan in tracebacks, after loading the model."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and phrase in err and len(err.strip().splitlines()) == 1, err
