@@ -43,7 +43,7 @@ from typing import Any, Callable
 import torch
 
 from flopwise.errors import FlopwiseError
-from flopwise.fsio import fsync_dir
+from flopwise.fsio import FileFormatError, fsync_dir, read_json
 
 CHECKPOINT_DIR = "checkpoints"
 MARKER = "COMPLETE"
@@ -155,12 +155,14 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
                               f"published with its manifest; this one was altered or written by a flopwise older "
                               f"than markers). If you trust it: `flopwise checkpoint adopt {path}`")
     try:
-        manifest = json.loads(marker.read_text())
+        manifest = read_json(marker)
         files = manifest["files"]
         if not isinstance(files, dict) or not all(isinstance(w, dict) and isinstance(w.get("bytes"), int)
                                                    and isinstance(w.get("crc32"), int) for w in files.values()):
             raise TypeError("'files' is not a map of name -> {bytes, crc32}")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+    except FileFormatError as e:
+        raise CheckpointError(f"{marker}: unreadable manifest ({e.reason})") from None
+    except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{marker}: unreadable manifest ({e})") from None
     if "state.json" not in files:
         raise CheckpointError(f"{marker}: the manifest lists no state.json")
@@ -267,11 +269,11 @@ def read_state(path: Path) -> dict[str, Any]:
     """A checkpoint's ``state.json``, checked field by field, with its RNG states under ``"rng"``."""
     f = path / "state.json"
     try:
-        state = json.loads(f.read_text(encoding="utf-8"))
+        state = read_json(f)
     except FileNotFoundError:
         raise CheckpointError(f"{f}: missing from the checkpoint") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{f}: not valid JSON ({e})") from None
+    except FileFormatError as e:
+        raise CheckpointError(str(e)) from None
     problems = state_problems(state, path)
     if problems:
         raise CheckpointError(f"{f}: " + "; ".join(problems))

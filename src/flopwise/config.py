@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import math
+import os
+import numbers
 import types
 import typing
 from collections.abc import Callable
@@ -35,10 +38,13 @@ from typing import Any, Literal
 
 import yaml
 from flopwise.errors import FlopwiseError, shown
+from flopwise.fsio import FileFormatError, read_text
 
 
 class ConfigError(FlopwiseError, ValueError):
     """One or more configuration problems, each naming where it came from."""
+
+    every_rank = True  # every rank of a torchrun job validates the same config: rank 0 says it once
 
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
@@ -120,8 +126,64 @@ def _choice_problems(obj: Any, section: str) -> list[str]:
 
 
 def _choice_message(where: str, value: Any, allowed: tuple) -> str:
-    return (f"{where} {value!r}{_did_you_mean(str(value).lower(), [str(a) for a in allowed])}: "
+    return (f"{where} {shown(value)}{_did_you_mean(str(value).lower(), [str(a) for a in allowed])}: "
             f"choose {', '.join(str(a) for a in allowed)}")
+
+
+def type_problem(value: Any, tp: Any) -> str | None:
+    """Why ``value`` is no value of the annotated field type ``tp`` ("expected an integer, got
+    '64'"), None when it is. Strict, where loading coerces: for a value that did not come
+    through loading (set in Python, or mapped from another format such as a Hugging Face
+    ``config.json``). An int is a number, a bool is neither; a ``Literal`` is left to the
+    choice check."""
+    if _is_optional(tp):
+        if value is None:
+            return None
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    if tp is bool:
+        ok, want = isinstance(value, bool), "true/false"
+    elif tp is int:
+        ok, want = isinstance(value, numbers.Integral) and not isinstance(value, bool), "an integer"
+    elif tp is float:
+        ok, want = isinstance(value, numbers.Real) and not isinstance(value, bool), "a number"
+    elif tp is str:
+        ok, want = isinstance(value, str), "a string"
+    else:
+        return None
+    return None if ok else f"expected {want}, got {shown(value)}"
+
+
+# ModelConfig fields that must be > 0 (head_dim too, when set) and >= 0: the checks of one value.
+MODEL_POSITIVE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len",
+                  "rope_theta", "norm_eps", "init_std")
+MODEL_NON_NEGATIVE = ("n_experts", "moe_top_k", "moe_ffn_hidden", "moe_aux_loss_coef", "moe_z_loss_coef")
+
+
+def model_value_problems(values: dict[str, Any], label: Callable[[str], str] | None = None,
+                         finite: bool = True) -> list[str]:
+    """What is wrong with each of these :class:`ModelConfig` field values on its own -- its type,
+    finiteness and sign -- each named by ``label(field)`` (default ``model.FIELD``). The part of
+    :meth:`ModelConfig.problems` that needs one value; :mod:`flopwise.model.hf` runs it on a
+    ``config.json``'s values (named by their Hugging Face keys) before ``transformers`` sees
+    them. ``finite=False`` leaves inf/NaN to :func:`validate`, which names them once."""
+    label = label or (lambda name: f"model.{name}")
+    types_ = _field_types(ModelConfig)
+    out = []
+    for name, value in values.items():
+        where = label(name)
+        wrong = type_problem(value, types_[name])
+        if wrong:
+            out.append(f"{where}: {wrong}")
+        elif value is None or isinstance(value, (bool, str)):
+            continue
+        elif isinstance(value, float) and not math.isfinite(value):
+            if finite:
+                out.append(f"{where} must be a finite number, got {value}")
+        elif (name in MODEL_POSITIVE or name == "head_dim") and not value > 0:
+            out.append(f"{where} must be > 0, got {value}")
+        elif name in MODEL_NON_NEGATIVE and value < 0:
+            out.append(f"{where} must be >= 0, got {value}")
+    return out
 
 
 # What each Hugging Face family fixes (``arch``); ``custom`` fixes nothing and has no
@@ -142,7 +204,7 @@ def hf_mismatches(m: "ModelConfig") -> list[str]:
     if m.arch == "custom":
         return ["model.arch=custom has no Hugging Face equivalent"]
     if m.arch not in ARCH_REQUIRES:
-        return [f"model.arch {m.arch!r} is not a known family"]
+        return [f"model.arch {shown(m.arch)} is not a known family"]
 
     def show(v: Any) -> str:
         return str(v).lower() if isinstance(v, bool) else str(v)
@@ -227,30 +289,24 @@ class ModelConfig:
         return 3 if self.mlp == "swiglu" else 2
 
     def problems(self) -> list[str]:
-        """What is wrong with this section on its own (empty: nothing)."""
+        """What is wrong with this section on its own (empty: nothing): each value's type and
+        sign (:func:`model_value_problems`), then what involves several. Infinite and NaN
+        numbers are named by :func:`validate` (and :func:`model_problems`)."""
         p = _Problems(_choice_problems(self, "model"))
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        p += model_value_problems(values, finite=False)
+        if any(type_problem(v, tp) for v, tp in zip(values.values(), _field_types(ModelConfig).values())):
+            return list(p)  # what follows computes with the values
         if self.is_moe and self.mlp != "swiglu":
             p.append(f"model.n_experts > 0: experts are SwiGLU, model.mlp must be swiglu, got {self.mlp}")
         if self.norm_bias and self.norm != "layernorm":
             p.append("model.norm_bias=true needs model.norm=layernorm (RMSNorm has no bias)")
-        p.positive("model.moe_aux_loss_coef", self.moe_aux_loss_coef, allow_zero=True)
-        p.positive("model.moe_z_loss_coef", self.moe_z_loss_coef, allow_zero=True)
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
-            p.positive(f"model.{name}", getattr(self, name))
-        p.positive("model.rope_theta", self.rope_theta)
-        p.positive("model.norm_eps", self.norm_eps)
-        p.positive("model.init_std", self.init_std)
         if self.n_heads > 0 and self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads:
             p.append(f"model.n_heads ({self.n_heads}) must be divisible by model.n_kv_heads ({self.n_kv_heads})")
-        if self.head_dim is None:
-            if self.n_heads > 0 and self.d_model % self.n_heads:
-                p.append(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads}) "
-                         "unless model.head_dim is set")
-        elif self.head_dim <= 0:
-            p.append(f"model.head_dim must be > 0, got {self.head_dim}")
-        if self.n_experts < 0 or self.moe_ffn_hidden < 0:
-            p.append("model.n_experts and model.moe_ffn_hidden must be >= 0")
-        elif self.n_experts > 0 and not 1 <= self.moe_top_k <= self.n_experts:
+        if self.head_dim is None and self.n_heads > 0 and self.d_model % self.n_heads:
+            p.append(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads}) "
+                     "unless model.head_dim is set")
+        if self.n_experts > 0 and not 1 <= self.moe_top_k <= self.n_experts:
             p.append(f"model.moe_top_k must be in [1, model.n_experts={self.n_experts}], got {self.moe_top_k}")
         elif self.n_experts == 0 and self.moe_top_k:
             p.append(f"model.moe_top_k={self.moe_top_k} needs model.n_experts > 0")
@@ -406,7 +462,7 @@ class TrainConfig:
         if self.batch_ramp_tokens and self.max_tokens <= 0:
             p.append("train.batch_ramp_tokens needs train.max_tokens (steps vary in size during the ramp)")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            p.append(f"train.device {self.device!r}: choose auto, cpu, cuda or cuda:N")
+            p.append(f"train.device {shown(self.device)}: choose auto, cpu, cuda or cuda:N")
         return list(p)
 
 
@@ -436,7 +492,7 @@ class EvalConfig:
             p.positive(f"eval.{name}", getattr(self, name), allow_zero=True)
         for task in (x.strip() for x in self.tasks.split(",") if x.strip()):
             if task not in TASKS:
-                p.append(f"eval.tasks: unknown task {task!r}{_did_you_mean(task, list(TASKS))}; "
+                p.append(f"eval.tasks: unknown task {shown(task)}{_did_you_mean(task, list(TASKS))}; "
                          f"choose from {', '.join(TASKS)}")
         return list(p)
 
@@ -530,7 +586,7 @@ def load_preset(name: str) -> dict[str, Any]:
     names = preset_names()
     if name not in names:
         hint = _did_you_mean(name, names)
-        raise ConfigError([f"unknown preset {name!r}{hint}; available: {', '.join(names)}"])
+        raise ConfigError([f"unknown preset {shown(name)}{hint}; available: {', '.join(names)}"])
     text = (resources.files("flopwise") / "presets" / f"{name}.yaml").read_text()
     return yaml.safe_load(text) or {}
 
@@ -593,7 +649,7 @@ def _coerce_choice(value: Any, allowed: tuple, where: str) -> str:
     elif isinstance(value, (int, float)):
         value = str(value)
     elif not isinstance(value, str):
-        raise ValueError(f"{where}: expected one of {', '.join(map(str, allowed))}, got {value!r}")
+        raise ValueError(f"{where}: expected one of {', '.join(map(str, allowed))}, got {shown(value)}")
     if value not in allowed:
         raise ValueError(_choice_message(where, value, allowed))
     return value
@@ -618,10 +674,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return False
         if isinstance(value, int) and value in (0, 1):
             return bool(value)
-        raise ValueError(f"{where}: expected true/false, got {value!r}")
+        raise ValueError(f"{where}: expected true/false, got {shown(value)}")
     if tp is int:
         if isinstance(value, bool):
-            raise ValueError(f"{where}: expected an integer, got {value!r}")
+            raise ValueError(f"{where}: expected an integer, got {shown(value)}")
         if isinstance(value, int):
             return value
         if isinstance(value, float) and value.is_integer():
@@ -634,10 +690,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             else:
                 if f.is_integer():
                     return int(f)
-        raise ValueError(f"{where}: expected an integer, got {value!r}")
+        raise ValueError(f"{where}: expected an integer, got {shown(value)}")
     if tp is float:
         if isinstance(value, bool):
-            raise ValueError(f"{where}: expected a number, got {value!r}")
+            raise ValueError(f"{where}: expected a number, got {shown(value)}")
         number = None
         if isinstance(value, (int, float)):
             number = float(value)
@@ -647,17 +703,17 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             except ValueError:
                 pass
         if number is None:
-            raise ValueError(f"{where}: expected a number, got {value!r}")
+            raise ValueError(f"{where}: expected a number, got {shown(value)}")
         # YAML's .inf/.nan, "inf"/"nan" and overflowing literals (1e999) all parse as floats;
         # no field has a use for them (0 is the "off" of the fields that can be off).
         if not math.isfinite(number):
-            raise ValueError(f"{where}: expected a finite number, got {value!r}")
+            raise ValueError(f"{where}: expected a finite number, got {shown(value)}")
         return number
     if tp is str:
         if isinstance(value, bool):  # YAML reads "true" as a bool; keep the word
             return "true" if value else "false"
         if isinstance(value, (dict, list)):
-            raise ValueError(f"{where}: expected a string, got {value!r}")
+            raise ValueError(f"{where}: expected a string, got {shown(value)}")
         return "" if value is None else str(value)
     return value
 
@@ -685,10 +741,10 @@ def _apply_mapping(cfg: RunConfig, mapping: dict[str, Any], source: str, loading
             continue
         if section not in SECTIONS:
             loading.problems.append(
-                f"{source}: unknown section {section!r}{_did_you_mean(str(section), list(SECTIONS))}")
+                f"{source}: unknown section {shown(section)}{_did_you_mean(str(section), list(SECTIONS))}")
             continue
         if not isinstance(values, dict):
-            loading.problems.append(f"{source}: section {section!r} must be a mapping, got {values!r}")
+            loading.problems.append(f"{source}: section {shown(section)} must be a mapping, got {shown(values)}")
             continue
         for key, value in values.items():
             _set(cfg, section, str(key), value, source, loading)
@@ -721,11 +777,11 @@ def _set(cfg: RunConfig, section: str, key: str, value: Any, source: str, loadin
 def parse_override(text: str) -> tuple[str, str, Any]:
     """``"optim.lr=1e-3"`` -> ``("optim", "lr", 0.001)``; the value is read as YAML."""
     if "=" not in text:
-        raise ConfigError([f"override {text!r}: expected section.key=value"])
+        raise ConfigError([f"override {shown(text)}: expected section.key=value"])
     dotted, raw = text.split("=", 1)
     parts = dotted.strip().split(".")
     if len(parts) != 2 or not all(parts):
-        raise ConfigError([f"override {text!r}: expected section.key=value (e.g. optim.lr=1e-3)"])
+        raise ConfigError([f"override {shown(text)}: expected section.key=value (e.g. optim.lr=1e-3)"])
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -768,13 +824,11 @@ def build_config(
     if config_file is not None:
         path = Path(config_file)
         try:
-            file_data = yaml.safe_load(path.read_text()) or {}
+            file_data = read_yaml(path, f"config file {str(path)!r}") or {}
         except FileNotFoundError:
             raise ConfigError([f"config file {str(path)!r} does not exist"]) from None
         except IsADirectoryError:
             raise ConfigError([f"config file {str(path)!r} is a directory"]) from None
-        except yaml.YAMLError as e:
-            raise ConfigError([f"config file {str(path)!r} is not valid YAML: {e}"]) from None
         if not isinstance(file_data, dict):
             raise ConfigError([f"config file {str(path)!r}: expected a mapping of sections"])
 
@@ -792,10 +846,10 @@ def build_config(
             continue
         if section not in SECTIONS:
             loading.problems.append(
-                f"override {text!r}: unknown section {section!r}{_did_you_mean(section, list(SECTIONS))}"
+                f"override {shown(text)}: unknown section {shown(section)}{_did_you_mean(section, list(SECTIONS))}"
             )
             continue
-        _set(cfg, section, key, value, f"override {text!r}", loading)
+        _set(cfg, section, key, value, f"override {shown(text)}", loading)
 
     problems = loading.problems
     if cfg.model.hf_config and not problems:
@@ -820,25 +874,99 @@ def apply_hf_architecture(m: ModelConfig, read_hf_config: HFConfigReader | None)
     Hugging Face config at ``m.hf_config``, read by ``read_hf_config``; the problems (empty
     when it worked). A step of building a configuration, never of checking one."""
     if read_hf_config is None:
-        return [f"model.hf_config {m.hf_config!r}: this configuration was built without a Hugging Face "
+        return [f"model.hf_config {shown(m.hf_config)}: this configuration was built without a Hugging Face "
                 "config reader (pass read_hf_config=flopwise.model.hf.read_hf_config to build_config)"]
     try:
         hf = read_hf_config(m.hf_config)
     except (ValueError, TypeError) as e:
-        return [f"model.hf_config {m.hf_config!r}: {e}"]
+        return [f"model.hf_config {shown(m.hf_config)}: {e}"]
     for name in HF_ARCHITECTURE_FIELDS:
         setattr(m, name, getattr(hf, name))
     return []
+
+
+MAX_CONFIG_BYTES = 16 << 20  # a YAML config holds a few KB; a larger file is no config and is not read
+
+
+def read_yaml(path: str | Path, label: str) -> Any:
+    """The YAML document in the file at ``path`` (a ``--config`` file, a run's ``config.yaml``).
+    What makes it no YAML config -- more than :data:`MAX_CONFIG_BYTES`, bytes that are not
+    UTF-8 (their offset named), a syntax error (its line and column), nesting that exhausts
+    the parser -- is a :class:`ConfigError` of one line starting with ``label``; a missing
+    or unreadable file is the ``OSError`` ``open`` raises."""
+    try:
+        data = yaml.safe_load(read_text(path, MAX_CONFIG_BYTES))
+        if _expands_past(data, MAX_CONFIG_VALUES):
+            raise ConfigError([f"{label}: its aliases expand to more than {MAX_CONFIG_VALUES:,} values "
+                               "(a YAML alias bomb?): write the values out"])
+        return data
+    except FileFormatError as e:
+        raise ConfigError([f"{label}: {e.reason}"]) from None
+    except yaml.YAMLError as e:
+        raise ConfigError([f"{label}: not valid YAML: {_yaml_problem(e)}"]) from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise ConfigError([f"{label}: not valid YAML: nested too deeply to read"]) from None
+
+
+MAX_CONFIG_VALUES = 100_000  # values a config document may hold once its aliases are expanded
+
+
+def _expands_past(data: Any, limit: int) -> bool:
+    """Whether ``data``, with every shared (aliased) value counted each time it is referred to,
+    holds more than ``limit`` values. A few hundred bytes of nested aliases expand to billions:
+    anything that walks or prints the document would not end. Stops counting at ``limit``."""
+    seen, stack = 0, [data]
+    while stack:
+        item = stack.pop()
+        seen += 1
+        if seen > limit:
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return False
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A PyYAML error in one line: where (line and column, 1-based) and what."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None)
+    if not problem:
+        text = str(e).strip()
+        return text.splitlines()[0] if text else type(e).__name__
+    where = f"line {mark.line + 1} column {mark.column + 1}: " if mark is not None else ""
+    context = getattr(e, "context", None)
+    return f"{where}{problem}" + (f" ({context})" if context else "")
+
+
+CHECKSUM_MARK = "# flopwise sha256 of the lines above: "
+
+
+def with_checksum(text: str) -> str:
+    """A run's ``config.yaml``: ``text`` and a last comment line holding its SHA-256, by which
+    a resumed run knows the file is the one it wrote (YAML readers skip the comment)."""
+    return f"{text}{CHECKSUM_MARK}{hashlib.sha256(text.encode()).hexdigest()}\n"
+
+
+def checksum_problem(path: str | Path) -> str:
+    """"" when the file at ``path`` ends in the checksum :func:`with_checksum` wrote and matches
+    it (or holds none: a file from before checksums, or one a user wrote); else what is wrong."""
+    text = Path(path).read_bytes().decode("utf-8", errors="replace")
+    body, mark, digest = text.rpartition(CHECKSUM_MARK)
+    if not mark:
+        return ""
+    if hashlib.sha256(body.encode()).hexdigest() != digest.strip():
+        return "changed since the run wrote it (its checksum does not match)"
+    return ""
 
 
 def load_run_config(path: str | Path) -> RunConfig:
     """Read a resolved ``config.yaml`` (as written into a run directory) back. An empty or
     cut file is an error naming it, never an all-defaults configuration. The architecture is
     the one written there (``model.hf_config`` was applied when the run was configured)."""
-    try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError([f"{path}: not valid YAML ({str(e).splitlines()[0]})"]) from None
+    data = read_yaml(path, str(path))
     if not isinstance(data, dict) or "model" not in data:
         raise ConfigError([f"{path}: not a resolved run configuration (no 'model' section)"])
     cfg = RunConfig()
@@ -855,29 +983,59 @@ def load_run_config(path: str | Path) -> RunConfig:
 
 def nonfinite_fields(cfg: RunConfig) -> dict[str, float]:
     """``{"section.name": value}`` for every float field of every section holding inf or NaN."""
+    return {k: v for section in SECTIONS for k, v in _nonfinite(getattr(cfg, section), section).items()}
+
+
+def _nonfinite(obj: Any, section: str) -> dict[str, float]:
     out = {}
-    for section in SECTIONS:
-        obj = getattr(cfg, section)
-        for name, tp in _field_types(type(obj)).items():
-            value = getattr(obj, name)
-            if tp is float and isinstance(value, float) and not math.isfinite(value):
-                out[f"{section}.{name}"] = value
+    for name, tp in _field_types(type(obj)).items():
+        value = getattr(obj, name)
+        if tp is float and isinstance(value, float) and not math.isfinite(value):
+            out[f"{section}.{name}"] = value
     return out
 
 
 MAX_INT = 2**63 - 1  # torch, numpy and the OS take 64-bit signed integers: a larger one overflows in C
 
 
+PATH_FIELDS = ("model.hf_config", "data.path", "data.cache_dir", "train.run_dir", "train.preflight", "eval.task_dir")
+NAME_MAX = 255  # bytes in one path component on Linux, macOS and Windows filesystems
+
+
+def path_problems(name: str, value: str) -> list[str]:
+    """A path setting whose components the filesystem cannot name (past :data:`NAME_MAX` bytes,
+    or holding a NUL byte): refused before any work, not as "File name too long" later."""
+    if "\0" in value:
+        return [f"{name} holds a NUL byte: {shown(value)}"]
+    for part in value.replace("\\", "/").split("/"):
+        if len(os.fsencode(part)) > NAME_MAX:
+            return [f"{name}: the path component {shown(part, 60)} is {len(os.fsencode(part)):,} bytes; "
+                    f"a filesystem names at most {NAME_MAX}"]
+    return []
+
+
 def oversized_ints(cfg: RunConfig) -> dict[str, int]:
     """``{"section.name": value}`` for every integer field of every section beyond :data:`MAX_INT`."""
+    return {k: v for section in SECTIONS for k, v in _oversized(getattr(cfg, section), section).items()}
+
+
+def _oversized(obj: Any, section: str) -> dict[str, int]:
     out = {}
-    for section in SECTIONS:
-        obj = getattr(cfg, section)
-        for name in _field_types(type(obj)):
-            value = getattr(obj, name)
-            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
-                out[f"{section}.{name}"] = value
+    for name in _field_types(type(obj)):
+        value = getattr(obj, name)
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            out[f"{section}.{name}"] = value
     return out
+
+
+def model_problems(m: ModelConfig) -> list[str]:
+    """Every problem of a model configuration on its own, as :func:`validate` finds it in a run's:
+    infinite or NaN numbers, integers beyond 64 bits, then :meth:`ModelConfig.problems`. What
+    a loader runs on a model it did not configure (a Hugging Face ``config.json``,
+    :mod:`flopwise.model.hf`) before anything is allocated."""
+    p = [f"{name} must be a finite number, got {value}" for name, value in _nonfinite(m, "model").items()]
+    p += [f"{name} must be within ±(2^63 - 1), got {shown(value)}" for name, value in _oversized(m, "model").items()]
+    return p + m.problems()
 
 
 def validate(cfg: RunConfig) -> list[str]:
@@ -886,6 +1044,9 @@ def validate(cfg: RunConfig) -> list[str]:
     ``problems()``, then what involves two sections. Changes nothing."""
     p = [f"{name} must be a finite number, got {value}" for name, value in nonfinite_fields(cfg).items()]
     p += [f"{name} must be within ±(2^63 - 1), got {shown(value)}" for name, value in oversized_ints(cfg).items()]
+    for name in PATH_FIELDS:
+        section, key = name.split(".")
+        p += path_problems(name, getattr(getattr(cfg, section), key))
     for section in SECTIONS:
         p += getattr(cfg, section).problems()
     m, t, o, d = cfg.model, cfg.train, cfg.optim, cfg.data

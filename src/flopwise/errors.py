@@ -10,6 +10,8 @@ problems, one a line). The command line prints it and exits 2; a traceback only 
 
 from __future__ import annotations
 
+import reprlib
+
 MAX_VALUE_CHARS = 200  # the most of a value an error message shows
 
 
@@ -17,9 +19,17 @@ class FlopwiseError(Exception):
     """An error for the user, not a bug: the message says what is wrong and where."""
 
 
+_SHORT = reprlib.Repr()  # keyword arguments only from Python 3.12
+_SHORT.maxlevel, _SHORT.maxdict, _SHORT.maxlist, _SHORT.maxtuple, _SHORT.maxset = 3, 6, 6, 6, 6
+_SHORT.maxstring = _SHORT.maxother = MAX_VALUE_CHARS
+_SHORT.maxlong = 60
+
+
 def shown(value: object, limit: int = MAX_VALUE_CHARS) -> str:
-    """``repr(value)`` for an error message, cut to ``limit`` characters with the full size said."""
-    text = repr(value)
-    if len(text) <= limit:
-        return text
-    return f"{text[:limit]}... ({len(text):,} characters)"
+    """``value`` for an error message: at most ``limit`` characters, its length said when cut.
+    Built by :mod:`reprlib` with bounded depth and width, so a value of a billion shared
+    elements (a YAML alias bomb) costs as little to show as a short one."""
+    if isinstance(value, str) and len(value) > limit:
+        return f"{value[:limit]!r}... ({len(value):,} characters)"
+    text = _SHORT.repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."

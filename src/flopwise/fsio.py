@@ -12,18 +12,31 @@ The bottom layer: nothing here imports flopwise, so ``config``, ``data`` and ``t
 - :func:`is_disk_full` tells whether an exception is what a full disk raises: ``OSError``
   with ENOSPC/EDQUOT, or ``torch.save``'s ``RuntimeError`` from its zip writer (``[enforce
   fail at inline_container.cc...]``), which carries no errno.
+- :func:`read_json` / :func:`loads_json` read JSON a user may have been sent (``meta.json``,
+  a Hugging Face ``config.json``, a task file's lines, a checkpoint's ``state.json``): a file
+  over :data:`MAX_JSON_BYTES`, text that is not UTF-8, arrays and objects nested deeper than
+  :data:`MAX_JSON_DEPTH` (found by a scan before ``json.loads``, whose C parser recurses once
+  per level) and any syntax error are a :class:`FileFormatError` naming the file and the place.
+  :func:`read_text` is the same reading for other text formats (a YAML config).
 """
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import errno
 import fcntl
 import json
 import os
+import re
 import socket
 import sys
 import time
+from itertools import accumulate
 from pathlib import Path
+from typing import Any
+
+from flopwise.errors import FlopwiseError
 
 LOCK_NAME = ".lock"
 
@@ -88,7 +101,7 @@ def describe_write_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-class LockedError(RuntimeError):
+class LockedError(FlopwiseError, RuntimeError):
     """Another live process holds the directory; the message names it."""
 
 
@@ -166,3 +179,236 @@ def _read_holder(fd: int) -> str:
         return "holder unknown"
     return (f"pid {info.get('pid')} on {info.get('host', '?')}, {info.get('purpose', '?')} since "
             f"{info.get('since', '?')}: {info.get('command', '')}").rstrip(": ")
+
+
+# --------------------------------------------------------------------------- failed writes
+#
+# A write that fails for a reason of the machine -- a full disk or quota, a read-only mount, a
+# folder the user may not write, a name too long -- is the user's to fix, not a bug: the write
+# site removes what it left half-written, keeps what was there before, and raises a
+# :class:`WriteError` naming the file and the reason in one line. Any other exception raised
+# while writing is a bug and is left alone (``is_write_fault`` tells which is which).
+
+WRITE_FAULTS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+                errno.EFBIG: "file too large for the filesystem", errno.EROFS: "read-only file system",
+                errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+                errno.ENAMETOOLONG: "file name too long", errno.EIO: "input/output error",
+                errno.ENOTDIR: "a part of the path is a file, not a folder", errno.EISDIR: "is a folder"}
+_OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)")  # how Rust libraries (safetensors, tokenizers) report errno
+
+
+def write_fault_errno(e: BaseException) -> int | None:
+    """The errno of a write that failed for a reason of the machine (:data:`WRITE_FAULTS`), or
+    None for anything else. Knows torch.save's zip-writer error (a full disk, no errno) and a
+    Rust library's "(os error N)" (safetensors' ``SafetensorError``), which are no ``OSError``."""
+    if isinstance(e, OSError):
+        return e.errno if e.errno in WRITE_FAULTS else None
+    if is_disk_full(e):
+        return errno.ENOSPC
+    m = _OS_ERROR_CODE.search(str(e))
+    return int(m.group(1)) if m and int(m.group(1)) in WRITE_FAULTS else None
+
+
+def is_write_fault(e: BaseException) -> bool:
+    """Whether ``e`` is a write failing for a reason of the machine, not a bug."""
+    return write_fault_errno(e) is not None
+
+
+def write_reason(e: BaseException) -> str:
+    """The reason a write failed, in the same lower-case words whatever library raised it."""
+    code = write_fault_errno(e)
+    return WRITE_FAULTS[code] if code is not None else describe_write_error(e)
+
+
+class WriteError(FlopwiseError, OSError):
+    """A file or folder that could not be written for a reason of the machine; the message names
+    it, the reason, and what was kept. An ``OSError`` too, with the original ``errno`` and the
+    path as ``filename``, so callers that catch ``OSError`` (or test :func:`is_disk_full`) still do."""
+
+    def __init__(self, message: str, code: int | None = None, filename: str | None = None):
+        if code is None:
+            OSError.__init__(self, message)
+        else:
+            OSError.__init__(self, code, message, filename)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self):  # pickled across processes (trial workers, ranks) with its message intact
+        return type(self), (self.message, self.errno, self.filename)
+
+
+def write_error(path: str | Path, e: BaseException, what: str = "", kept: str = "") -> WriteError:
+    """The :class:`WriteError` for ``e`` (a write fault: :func:`is_write_fault`) while writing
+    ``path``: ``cannot write WHAT PATH: REASON; KEPT``. ``raise write_error(...) from e``."""
+    label = f"{what} {path}" if what else str(path)
+    return WriteError(f"cannot write {label}: {write_reason(e)}" + (f"; {kept}" if kept else ""),
+                      write_fault_errno(e), str(path))
+
+
+def write_file(path: str | Path, data: str | bytes, what: str = "") -> None:
+    """:func:`atomic_write`, a write fault becoming a :class:`WriteError` that names ``path``
+    (not the temporary file beside it) and says the earlier copy, if any, is intact."""
+    path = Path(path)
+    try:
+        atomic_write(path, data)
+    except Exception as e:
+        if not is_write_fault(e) or isinstance(e, WriteError):
+            raise
+        had = path.exists()
+        raise write_error(path, e, what, f"the earlier {path.name} is unchanged" if had else "") from e
+
+
+class AppendFile:
+    """An append-only file of whole lines (``metrics.jsonl``, ``evals.jsonl``, ``samples.txt``):
+    each :meth:`write` lands whole or not at all. A write cut short by a full disk is cut off
+    again (the file truncated back to where it ended), so readers never meet a torn last line,
+    and the failure is a :class:`WriteError` naming the file. Unbuffered: one ``write(2)`` per
+    call, nothing left in a buffer to be flushed (half) at exit."""
+
+    def __init__(self, path: str | Path, what: str = ""):
+        self.path, self.what = Path(path), what
+        try:
+            self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except OSError as e:
+            if not is_write_fault(e):
+                raise
+            raise write_error(self.path, e, what) from e
+
+    def write(self, text: str | bytes, sync: bool = False) -> None:
+        """Append ``text`` (whole lines); ``sync``: fsync before returning."""
+        if self._fd is None:
+            raise ValueError(f"{self.path}: write to a closed AppendFile")
+        fd, view = self._fd, memoryview(text.encode("utf-8") if isinstance(text, str) else text)
+        start = os.fstat(fd).st_size
+        done = 0
+        try:
+            while done < len(view):
+                done += os.write(fd, view[done:])
+            if sync:
+                os.fsync(fd)
+        except BaseException as e:
+            # Cut our part-line off -- only when nobody appended after it (a second writer's line is theirs).
+            with contextlib.suppress(OSError):
+                if os.fstat(fd).st_size == start + done:
+                    os.ftruncate(fd, start)
+            if not isinstance(e, Exception) or not is_write_fault(e):
+                raise
+            raise write_error(self.path, e, self.what, "its earlier lines are intact") from e
+
+    def close(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+
+
+# --------------------------------------------------------------------------- reading files a user was sent
+
+# The deepest nesting of arrays and objects a JSON file flopwise reads may have. Every format
+# flopwise reads nests a few levels (a config.json's rope_parameters: 2, meta.json's
+# splits.train.shards: 3, a task record's choices: 3); 64 leaves room for any honest file and
+# stays far below what exhausts Python's stack (json's parser recurses once per level, up to
+# the recursion limit of 1000; a file of 100,000 '[' would otherwise be a RecursionError).
+MAX_JSON_DEPTH = 64
+# The largest JSON file read whole: the biggest ones flopwise meets (meta.json of a corpus of
+# 100,000 shards, a sharded model's safetensors index) hold a few MB; a file larger than this
+# is not one of them, and reading it would only cost memory (about 10x its size as objects).
+MAX_JSON_BYTES = 64 << 20
+
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_BRACKET_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+class FileFormatError(FlopwiseError, ValueError):
+    """A file that is not in the format it should be in (not UTF-8, not JSON, nested too
+    deeply, too large); ``where`` names the file (and line), ``reason`` says what is wrong."""
+
+    def __init__(self, where: str, reason: str):
+        self.where, self.reason = str(where), reason
+        super().__init__(f"{self.where}: {reason}")
+
+    def __reduce__(self):
+        return (type(self), (self.where, self.reason))
+
+
+def json_depth(text: str) -> int:
+    """How deeply the arrays and objects of JSON ``text`` nest, brackets inside strings not
+    counted; for text that is not valid JSON, an upper bound of what ``json.loads`` would
+    recurse through before it stopped. C-speed regular expressions, then one pass over the
+    brackets alone."""
+    outside = _JSON_STRING.sub("", text)
+    quote = outside.find('"')
+    if quote >= 0:  # an unterminated string: json.loads stops there
+        outside = outside[:quote]
+    brackets = _NOT_BRACKET.sub("", outside)
+    return max(accumulate(map(_BRACKET_STEP.__getitem__, brackets)), default=0)
+
+
+def check_json_depth(text: str, where: str, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """:class:`FileFormatError` naming ``where`` when ``text`` nests deeper than ``max_depth``
+    (no scan at all when it holds no more openers than that: most files, every short line)."""
+    if text.count("[") + text.count("{") > max_depth and json_depth(text) > max_depth:
+        raise FileFormatError(where, f"not valid JSON: nested deeper than {max_depth} levels")
+
+
+def loads_json(text: str | bytes, where: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """``json.loads(text)`` for text a user may have sent: nesting checked first, and every
+    failure a :class:`FileFormatError` naming ``where`` (a file, or a file and line) with the
+    line and column of a syntax error."""
+    if isinstance(text, (bytes, bytearray)):
+        text = decode_utf8(bytes(text), where)
+    check_json_depth(text, where, max_depth)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise FileFormatError(where, f"not valid JSON: line {e.lineno} column {e.colno}: {e.msg}") from None
+    except RecursionError:  # the scan bounds the depth; a caller already deep in its own stack
+        raise FileFormatError(where, "not valid JSON: nested too deeply to read") from None
+    except ValueError as e:  # e.g. an integer of more than 4,300 digits
+        raise FileFormatError(where, f"not valid JSON: {_first_line(e)}") from None
+
+
+def decode_utf8(data: bytes, where: str) -> str:
+    """``data`` as text (a UTF-8 byte-order mark dropped); :class:`FileFormatError` naming the
+    byte offset of the first byte that is not UTF-8."""
+    start = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return data[start:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        at = start + e.start
+        raise FileFormatError(where, f"not UTF-8 text: byte {at:,} is 0x{data[at]:02x} ({e.reason})") from None
+
+
+def read_bytes(path: str | os.PathLike, max_bytes: int | None) -> bytes:
+    """The bytes of the file at ``path``; :class:`FileFormatError` when it holds more than
+    ``max_bytes`` (None: no limit), checked before it is read -- and while it is, for a file
+    that grows or a device that never ends. ``OSError`` (a missing file ...) as ``open`` raises it."""
+    with open(path, "rb") as f:
+        if max_bytes is None:
+            return f.read()
+        size = os.fstat(f.fileno()).st_size
+        data = b"" if size > max_bytes else f.read(max_bytes + 1)
+        if size > max_bytes or len(data) > max_bytes:
+            raise FileFormatError(str(path), f"{max(size, len(data)):,} bytes or more, larger than the "
+                                             f"{max_bytes:,} bytes flopwise reads from a file of this kind")
+        return data
+
+
+def read_text(path: str | os.PathLike, max_bytes: int | None = None) -> str:
+    """The UTF-8 text of the file at ``path`` (see :func:`read_bytes`, :func:`decode_utf8`)."""
+    return decode_utf8(read_bytes(path, max_bytes), str(path))
+
+
+def read_json(path: str | os.PathLike, max_bytes: int | None = MAX_JSON_BYTES,
+              max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The JSON document in the file at ``path``: :class:`FileFormatError` naming the file
+    when it is too large, not UTF-8, nested too deeply or not JSON; ``OSError`` (a missing
+    file ...) as ``open`` raises it."""
+    return loads_json(read_text(path, max_bytes), str(path), max_depth)
+
+
+def _first_line(e: BaseException, limit: int = 200) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text if len(text) <= limit else text[:limit] + "..."

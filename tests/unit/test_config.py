@@ -321,3 +321,34 @@ def test_an_integer_beyond_64_bits_is_named_before_it_overflows_in_c():
         build_config(preset="tiny", overrides=["train.seed=99999999999999999999999"])
     assert "train.seed must be within ±(2^63 - 1), got 99999999999999999999999" in str(e.value)
     assert build_config(preset="tiny", overrides=[f"train.seed={2**63 - 1}"]).train.seed == 2**63 - 1
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once_and_an_error_shows_a_bounded_value(tmp_path):
+    """A 497-byte config of nested aliases ran past 60 s and printed 312 MB of error text."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 11)]
+    for where, value in (("train", "seed: *a10"), ("nowhere", "x: *a10")):
+        path = tmp_path / f"{where}.yaml"
+        path.write_text("\n".join(lines) + f"\n{where}:\n  {value}\n")
+        with pytest.raises(ConfigError) as e:
+            build_config(config_file=path)
+        assert "aliases expand to more than 100,000 values" in str(e.value) and len(str(e.value)) < 400
+    few = tmp_path / "few.yaml"  # aliases that expand to little are fine
+    few.write_text("base: &b 3\ntrain:\n  seed: *b\n")
+    with pytest.raises(ConfigError) as e:  # 'base' is no section: the message shows it, bounded
+        build_config(config_file=few)
+    assert "base" in str(e.value)
+    from flopwise.errors import shown
+
+    assert len(shown([[i] * 1000 for i in range(1000)])) <= 200 and len(shown("x" * 10**7)) < 260
+
+
+def test_a_path_component_past_the_filesystem_limit_is_named_before_any_work(tmp_path):
+    """train.run_dir with a 300-byte name ended in a raw 'File name too long' traceback."""
+    long = "r" * 300
+    with pytest.raises(ConfigError) as e:
+        build_config(preset="tiny", overrides=[f"train.run_dir={tmp_path / long}"])
+    assert "train.run_dir: the path component" in str(e.value) and "300 bytes" in str(e.value)
+    with pytest.raises(OSError):  # what the filesystem itself says of it
+        (tmp_path / long).mkdir()
+    assert build_config(preset="tiny", overrides=[f"train.run_dir={tmp_path / ('r' * 255)}"])

@@ -550,3 +550,20 @@ def test_a_directory_of_the_piece_routing_recipe_is_named_for_what_it_holds(tmp_
     assert held_out_overlap_note({"recipe": {"version": 1}, "splits": {"val": {"continued_documents": 3}}}) == ""
     with pytest.raises(PrepareError, match=r"prepared by recipe 2; this flopwise prepares recipe 3"):
         prepare(opts(tmp_path), log=quiet)
+
+
+def test_an_output_inside_its_source_or_a_source_inside_its_output_is_refused(tmp_path):
+    """'prepare SRC --out SRC/sub' was accepted, and every later 'prepare SRC' failed on the
+    output's own meta.json."""
+    from flopwise.data.prepare import PrepareError, PrepareOptions
+
+    src = tmp_path / "texts"
+    (src / "deep").mkdir(parents=True)
+    (src / "a.txt").write_text("text\n")
+    (tmp_path / "link").symlink_to(src)
+    for source, out, phrase in ((src, src / "sub", "is inside the source"), (src, src, "is inside the source"),
+                                (tmp_path / "link", src / "sub", "is inside the source"),
+                                (src / "deep", src, "is inside --out")):
+        with pytest.raises(PrepareError, match=phrase):
+            PrepareOptions(source=str(source), out=str(out), vocab_size=300).validate()
+    PrepareOptions(source=str(src), out=str(tmp_path / "data"), vocab_size=300).validate()  # beside it: fine

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import tokenizers
 
-from ..fsio import atomic_write, fsync_dir, umask
+from ..fsio import atomic_write, fsync_dir, read_json, umask
 from .meta import write_meta
 from .shards import FORMAT_VERSION, ShardError, SplitWriter, dtype_for_vocab, read_header
 from .tokenizer import encode_documents, eos_id, train_bpe
@@ -164,7 +164,7 @@ def read_text(f: SourceFile) -> str:
 def is_complete(out: Path, fp: str | None = None) -> bool:
     """True when ``out`` holds a finished prepare (with fingerprint ``fp`` if given)."""
     try:
-        meta = json.loads((out / "meta.json").read_text())
+        meta = read_json(out / "meta.json")  # a malformed one (nested too deeply ...): not complete
         if fp is not None and meta.get("fingerprint") != fp:
             return False
         if meta.get("format_version") != FORMAT_VERSION:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..fsio import atomic_write, describe_write_error
+from ..fsio import FileFormatError, atomic_write, describe_write_error, read_json
 from .builtin import prepare_builtin
 from .shards import FORMAT_VERSION, ShardError, ShardHeader, dtype_for_vocab, read_header, read_shard, scan_tokens
 from .tokenizer import file_sha256, load_tokenizer
@@ -64,9 +64,9 @@ class DataDir:
         if not meta_path.is_file():
             raise DataDirError(f"{meta_path}: missing; {p} is not a prepared data directory")
         try:
-            meta = json.loads(meta_path.read_text())
-        except json.JSONDecodeError as e:
-            raise DataDirError(f"{meta_path}: not valid JSON: {e}") from None
+            meta = read_json(meta_path)  # too large, not UTF-8, nested too deeply, not JSON: named
+        except FileFormatError as e:
+            raise DataDirError(str(e)) from None
         if not isinstance(meta, dict):
             raise DataDirError(f"{meta_path}: expected a JSON object")
         missing = [k for k in _REQUIRED if k not in meta]
@@ -258,7 +258,7 @@ def check_cache_path(cache_dir: str | os.PathLike, data_dir: Path) -> Path:
 
 def _read_check_cache(cache_file: Path, data_dir: Path) -> dict[str, Any]:
     try:
-        blob = json.loads(cache_file.read_text())
+        blob = read_json(cache_file)
     except (OSError, ValueError):
         return {}
     if (not isinstance(blob, dict) or blob.get("version") != CHECK_CACHE_VERSION

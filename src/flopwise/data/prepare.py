@@ -64,6 +64,7 @@ Pipeline (bounded memory whatever the corpus size)::
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import hashlib
 import json
@@ -84,7 +85,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..deps import missing_for_source
-from ..fsio import DirLock, LockedError, describe_write_error, fsync_dir, is_disk_full
+from ..fsio import DirLock, LockedError, describe_write_error, fsync_dir, is_disk_full, read_json, write_reason
 from .datadir import DataDir
 from .meta import TOKENIZER_FILE, write_meta, write_text
 from .shards import FORMAT_VERSION, SplitWriter, dtype_for_vocab
@@ -191,8 +192,23 @@ class PrepareOptions:
             p.append(f"--shard-tokens must be > 0, got {self.shard_tokens}")
         if self.tokenizer and not Path(self.tokenizer).is_file():
             p.append(f"--tokenizer {self.tokenizer!r}: file does not exist")
+        p += self._nesting_problems()
         if p:
             raise PrepareError("; ".join(p))
+
+    def _nesting_problems(self) -> list[str]:
+        """An output inside a local source (the next read of the source would take the shards
+        and meta.json for documents), or a source inside the output (--overwrite would delete
+        it). Symbolic links are followed; ``builtin`` and ``hf:`` sources are not local."""
+        if not self.out or self.source == "builtin" or self.source.startswith("hf:") or not self.source:
+            return []
+        src, out = Path(self.source).expanduser().resolve(), Path(self.out).expanduser().resolve()
+        if src.is_dir() and (out == src or src in out.parents):
+            return [f"--out {self.out} is inside the source {self.source}: its shards would be read as "
+                    "documents by the next prepare of it; write it elsewhere"]
+        if out in src.parents:
+            return [f"the source {self.source} is inside --out {self.out}: writing the output would replace it"]
+        return []
 
     @property
     def fraction(self) -> float:
@@ -635,7 +651,7 @@ def val_floor_note(opts: PrepareOptions, floor: ValFloor | None, splits: dict) -
 def _existing_meta(out: Path) -> dict:
     """The ``meta.json`` of the data directory at ``out``; {} when there is none readable."""
     try:
-        meta = json.loads((out / "meta.json").read_text())
+        meta = read_json(out / "meta.json")
     except (OSError, ValueError):
         return {}
     return meta if isinstance(meta, dict) else {}
@@ -675,7 +691,12 @@ def prepare(opts: PrepareOptions, log: Log = print) -> Path:
     except LockedError as e:
         raise PrepareError(f"--out {str(out)!r} is being written by another flopwise prepare: {e}") from None
     except OSError as e:
-        raise PrepareError(f"cannot write {lock.path}: {describe_write_error(e)}") from e
+        if e.errno == errno.EROFS and _existing_meta(out).get("fingerprint") == fp:  # nobody writes there either
+            log(f"prepare: {out} already holds this data (same inputs, fingerprint {fp[:12]}; a read-only "
+                "folder); nothing to do")
+            return out
+        raise PrepareError(f"cannot write --out {out} (its lock {lock.path}): {write_reason(e)}; "
+                           f"nothing was written to {out}") from e
     try:
         return _prepare_locked(opts, out, source, fp, log, t_start)
     finally:
@@ -795,7 +816,7 @@ def _prepare_locked(opts: PrepareOptions, out: Path, source, fp: str, log: Log, 
         if isinstance(e, OSError) or is_disk_full(e):
             where = e.filename if isinstance(e, OSError) and e.filename else partial
             kept = f"{out} was left as it was" if had_out else f"nothing was written to {out}"
-            raise PrepareError(f"cannot write {where}: {describe_write_error(e)}; "
+            raise PrepareError(f"cannot write {where}: {write_reason(e)}; "
                                f"the partial output was removed and {kept}") from e
         raise
     try:  # make the rename durable; the data is in place either way

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from ..fsio import FileFormatError
+
 EOS_TOKEN = "<|endoftext|>"
 MIN_VOCAB_SIZE = 257  # 256 byte tokens + EOS
 
@@ -53,15 +55,24 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
+MAX_PARSER_MESSAGE = 200  # characters of the tokenizers parser's message kept in an error
+
+
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Load a ``tokenizer.json``. Raises FileNotFoundError / ValueError naming the file."""
+    """Load a ``tokenizer.json`` -- every tokenizer file flopwise reads goes through here.
+    Raises FileNotFoundError naming the file, or :class:`~flopwise.fsio.FileFormatError` (a
+    ``ValueError``) naming it with the first line of the parser's message, shortened."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: tokenizer file does not exist")
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
-        raise ValueError(f"{path}: cannot load tokenizer: {e}") from None
+        text = str(e).strip()
+        first = text.splitlines()[0] if text else type(e).__name__
+        if len(first) > MAX_PARSER_MESSAGE:
+            first = f"{first[:MAX_PARSER_MESSAGE]}... ({len(first):,} characters)"
+        raise FileFormatError(path, f"cannot load tokenizer: {first}") from None
 
 
 def eos_id(tok: Tokenizer) -> int:

@@ -28,14 +28,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer
 
 from flopwise.checkpoints import latest_checkpoint, list_checkpoints
 from flopwise.config import DataConfig, RunConfig, load_run_config
 from flopwise.data.datadir import DataDir, check_cache_path, open_data_dir
 from flopwise.data.loader import fixed_windows, overlap_note
+from flopwise.data.tokenizer import load_tokenizer
 from flopwise.evaluate.loss import bits_per_byte, evaluate_loss, perplexity, target_bytes
 from flopwise.evaluate.tasks import evaluate_tasks
+from flopwise.fsio import AppendFile, WriteError, loads_json, read_json
 from flopwise.model.io import EXPORT_RECORD, ModelSource, load_model, read_export_record, resolve
 
 Log = Callable[[str], None]
@@ -62,7 +63,7 @@ def evaluate(path: str | os.PathLike, data: str = "", tasks: list[str] | None = 
     out: dict[str, Any] = {"checkpoint": str(src.path)}
     run_cfg = None
     if src.kind != "hf":
-        state = json.loads((src.path / "state.json").read_text())
+        state = read_json(src.path / "state.json")  # checked by load_model (read_state)
         out.update(step=state["step"], tokens=state.get("tokens"))
         run_cfg = load_run_config(src.path / "config.yaml")
     geometry = _run_geometry(run_cfg, src)
@@ -99,7 +100,7 @@ def evaluate(path: str | os.PathLike, data: str = "", tasks: list[str] | None = 
     if tasks:
         if src.tokenizer_path is None:
             raise ValueError(f"{path}: no tokenizer.json to score the tasks with")
-        tok = Tokenizer.from_file(str(src.tokenizer_path))
+        tok = load_tokenizer(src.tokenizer_path)  # a malformed file: an error naming it
         results = evaluate_tasks(model, tok, tasks, paths=task_paths, limit=limit, device=dev,
                                  batch_size=batch_size, autocast=autocast)
         out["eval"] = results
@@ -144,11 +145,19 @@ def _windows(windows: int, seq_len: int, geometry: dict[str, Any] | None, max_se
 
 
 def record(run_dir: Path, result: dict[str, Any]) -> None:
-    """Append one evaluation to the run's ``evals.jsonl`` (one line, flushed and fsynced)."""
-    with open(run_dir / EVALS_FILE, "a", encoding="utf-8") as f:
-        f.write(json.dumps({**result, "evaluated": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """Append one evaluation to the run's ``evals.jsonl`` (one line, fsynced). A line that does
+    not fit (a full disk) is cut off again, never left torn; that, a read-only folder and the
+    like are a :class:`~flopwise.fsio.WriteError` naming the file."""
+    line = json.dumps({**result, "evaluated": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n"
+    try:
+        f = AppendFile(run_dir / EVALS_FILE, "the evaluation results")
+        try:
+            f.write(line, sync=True)
+        finally:
+            f.close()
+    except WriteError as e:
+        step = f" of step {result['step']:,}" if isinstance(result.get("step"), int) else ""
+        raise WriteError(f"{e}; the scores{step} printed above were not recorded", e.errno, e.filename) from e
 
 
 def evaluated_steps(run_dir: Path) -> set[int]:
@@ -159,7 +168,7 @@ def evaluated_steps(run_dir: Path) -> set[int]:
     steps = set()
     for line in lines:
         try:
-            steps.add(int(json.loads(line)["step"]))
+            steps.add(int(loads_json(line, str(run_dir / EVALS_FILE))["step"]))
         except (ValueError, KeyError, TypeError):
             continue
     return steps
@@ -168,12 +177,12 @@ def evaluated_steps(run_dir: Path) -> set[int]:
 def run_finished(run_dir: Path) -> bool:
     """The training process wrote its result and its last checkpoint is the run's final step."""
     try:
-        record_ = json.loads((run_dir / "run.json").read_text())
+        record_ = read_json(run_dir / "run.json")
         total = load_run_config(run_dir / "config.yaml").total_steps()
     except (OSError, ValueError):
         return False
     last = latest_checkpoint(run_dir)
-    return "result" in record_ and last is not None and int(last.name[5:]) >= total
+    return isinstance(record_, dict) and "result" in record_ and last is not None and int(last.name[5:]) >= total
 
 
 def watch(run_dir: str | os.PathLike, poll_s: float = 30.0, timeout_s: float = 0.0, log: Log = print,

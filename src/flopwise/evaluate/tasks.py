@@ -105,6 +105,7 @@ import torch
 import torch.nn.functional as F
 
 from flopwise.errors import FlopwiseError
+from flopwise.fsio import FileFormatError, check_json_depth
 from flopwise.data.tokenizer import special_ids
 
 INSTALL_HINT = "pip install 'flopwise[data]'"
@@ -357,10 +358,15 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
                 n += 1
                 where = f"{path} line {line_no} (record {n})"
                 try:
+                    check_json_depth(line, where)  # before json.loads, which recurses once per level
                     rec = json.loads(line)
+                except FileFormatError as e:
+                    raise TaskError(str(e)) from None
                 except json.JSONDecodeError as e:
                     raise TaskError(f"{where}: not valid JSON: {e.msg} at column {e.colno}: "
                                     f"{_short(line.strip())}") from None
+                except ValueError as e:  # an integer of more than 4,300 digits
+                    raise TaskError(f"{where}: not valid JSON: {_short(str(e))}") from None
                 yield where, rec
         except UnicodeDecodeError as e:
             raise TaskError(f"{path}: not UTF-8 text after record {n}: {e.reason}") from None

@@ -45,16 +45,18 @@ from its caller for ``model.hf_config`` (the config layer imports nothing from `
 
 from __future__ import annotations
 
-import json
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from flopwise import deps
+from flopwise.config import ModelConfig, hf_mismatches, model_problems, model_value_problems, type_problem
 from flopwise.errors import FlopwiseError
-from flopwise.config import ModelConfig, hf_mismatches
+from flopwise.fsio import FileFormatError, read_json
 from flopwise.model.moe import moe_from_hf, moe_to_hf
+from flopwise.plan.flops import size_problems
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt2")
 
@@ -172,29 +174,110 @@ def _as_hf_config(hf: dict) -> Any:
 
 def read_hf_config(path: str) -> ModelConfig:
     """The ``ModelConfig`` of the Hugging Face ``config.json`` at ``path`` (the file, or the
-    directory holding it). ValueError naming the file when it is missing, not JSON or not a
-    supported family (:class:`HFMappingError`)."""
+    directory holding it), checked (:func:`config_from_hf`). :class:`HFMappingError` naming
+    the file when it is missing, not JSON (too large, not UTF-8, nested too deeply: see
+    :func:`flopwise.fsio.read_json`), not a supported family or not a model flopwise can build."""
     p = Path(path).expanduser()
     file = p / "config.json" if p.is_dir() else p
     try:
-        data = json.loads(file.read_text())
+        data = read_json(file)
     except FileNotFoundError:
         raise HFMappingError(f"{file} does not exist") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise HFMappingError(f"{file} is not valid JSON: {e}") from None
+    except FileFormatError as e:
+        raise HFMappingError(str(e)) from None
     if not isinstance(data, dict):
         raise HFMappingError(f"{file} is not a JSON object")
-    return config_from_hf(data)
+    return config_from_hf(data, where=str(file))
 
 
-def config_from_hf(hf: Any) -> ModelConfig:
-    """The ``ModelConfig`` of a ``transformers`` config (object or ``config.json`` dict) of a supported family."""
+# config.json key -> the ModelConfig field it becomes, per family (also how a problem names it)
+HF_KEYS: dict[str, dict[str, str]] = {
+    "llama": {"vocab_size": "vocab_size", "hidden_size": "d_model", "num_hidden_layers": "n_layers",
+              "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads", "head_dim": "head_dim",
+              "intermediate_size": "ffn_hidden", "max_position_embeddings": "max_seq_len", "rope_theta": "rope_theta",
+              "rms_norm_eps": "norm_eps", "initializer_range": "init_std", "attention_bias": "attn_bias",
+              "mlp_bias": "mlp_bias", "tie_word_embeddings": "tie_embeddings"},
+    "gpt2": {"vocab_size": "vocab_size", "n_embd": "d_model", "n_layer": "n_layers", "n_head": "n_heads",
+             "n_inner": "ffn_hidden", "n_positions": "max_seq_len", "layer_norm_epsilon": "norm_eps",
+             "initializer_range": "init_std", "tie_word_embeddings": "tie_embeddings"},
+}
+HF_KEYS["qwen3"] = HF_KEYS["llama"]
+HF_KEYS["qwen3_moe"] = {**HF_KEYS["llama"], "num_experts": "n_experts", "num_local_experts": "n_experts",
+                        "num_experts_per_tok": "moe_top_k", "moe_intermediate_size": "moe_ffn_hidden",
+                        "norm_topk_prob": "moe_norm_topk_prob"}
+_DERIVED_WHEN_NULL = ("head_dim", "num_key_value_heads", "n_inner")  # null: computed from the other keys
+
+
+def _hf_names(model_type: str) -> dict[str, str]:
+    """ModelConfig field -> the config.json key that sets it (GPT-2's n_kv_heads is its n_head)."""
+    names: dict[str, str] = {}
+    for key, name in HF_KEYS[model_type].items():
+        names.setdefault(name, key)
+    if model_type == "gpt2":
+        names["n_kv_heads"] = "n_head"
+    return names
+
+
+def _in_hf_names(problems: list[str], model_type: str) -> list[str]:
+    """``problems`` of a ModelConfig with each ``model.FIELD`` named by its config.json key."""
+    names = _hf_names(model_type)
+    return [re.sub(r"\bmodel\.(\w+)", lambda m: names.get(m.group(1), m.group(0)), p) for p in problems]
+
+
+def _raw_problems(hf: dict, model_type: str) -> list[str]:
+    """What is wrong with the values of a ``config.json`` dict that flopwise maps, one value at a
+    time (type, finiteness, sign: :func:`flopwise.config.model_value_problems`), named by
+    their keys -- before ``transformers`` sees them (it divides by the head count, and fails
+    a string with a validation traceback)."""
+    keys = HF_KEYS[model_type]
+    given = {k: hf[k] for k in keys if k in hf and not (hf[k] is None and k in _DERIVED_WHEN_NULL)}
+    out = []
+    for key, value in given.items():
+        out += model_value_problems({keys[key]: value}, label=lambda name, key=key: key)
+    for holder in ("rope_parameters", "rope_scaling"):
+        rp = hf.get(holder)
+        if isinstance(rp, dict) and "rope_theta" in rp:
+            out += model_value_problems({"rope_theta": rp["rope_theta"]}, label=lambda name: f"{holder}.rope_theta")
+    return out
+
+
+def config_from_hf(hf: Any, where: str = "") -> ModelConfig:
+    """The ``ModelConfig`` of a ``transformers`` config (object or ``config.json`` dict) of a
+    supported family, checked like a run's (:func:`flopwise.config.model_problems`) and against
+    :data:`flopwise.plan.flops.MAX_PARAMETERS` before anything is built. A value that is not
+    right -- ``"hidden_size": "64"``, ``"num_attention_heads": 0``, a NaN ``rope_theta``, sizes
+    no machine holds -- is an :class:`HFMappingError` naming ``where`` (the file) and the key."""
+    try:
+        return _config_from_hf(hf)
+    except HFMappingError as e:
+        if not where:
+            raise
+        raise HFMappingError(f"{where}: {e}") from None
+
+
+def _config_from_hf(hf: Any) -> ModelConfig:
     model_type = _get(hf, "model_type", "")
-    if model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise HFMappingError(f"Hugging Face model_type {model_type!r} is not supported; "
                              f"supported: {', '.join(FAMILIES)}")
     if isinstance(hf, dict):
-        hf = _as_hf_config(hf)
+        problems = _raw_problems(hf, model_type)
+        if problems:
+            raise HFMappingError("; ".join(problems))
+        try:
+            hf = _as_hf_config(hf)
+        except Exception as e:  # transformers' own checks of the values: the file's fault, not ours
+            text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+            raise HFMappingError(f"transformers refuses this config: {type(e).__name__}: {text[:300]}") from None
+    cfg = _map_config(hf, model_type)
+    problems = model_problems(cfg)
+    problems = problems or size_problems(cfg)
+    if problems:
+        raise HFMappingError("; ".join(_in_hf_names(problems, model_type)))
+    return cfg
+
+
+def _map_config(hf: Any, model_type: str) -> ModelConfig:
     if model_type == "gpt2":
         if _get(hf, "scale_attn_by_inverse_layer_idx", False) or _get(hf, "reorder_and_upcast_attn", False):
             raise HFMappingError("GPT-2 variants with scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn "
@@ -205,7 +288,7 @@ def config_from_hf(hf: Any) -> ModelConfig:
         d, n_heads = _get(hf, "n_embd"), _get(hf, "n_head")
         return ModelConfig(
             arch="gpt2", vocab_size=_get(hf, "vocab_size"), d_model=d, n_layers=_get(hf, "n_layer"),
-            n_heads=n_heads, n_kv_heads=n_heads, ffn_hidden=_get(hf, "n_inner") or 4 * d,
+            n_heads=n_heads, n_kv_heads=n_heads, ffn_hidden=_get(hf, "n_inner") or _times(4, d),
             max_seq_len=_get(hf, "n_positions"), norm_eps=_get(hf, "layer_norm_epsilon", 1e-5),
             norm="layernorm", norm_bias=True, mlp="gelu", pos_emb="learned", attn_bias=True, mlp_bias=True,
             tie_embeddings=bool(_get(hf, "tie_word_embeddings", True)), init_std=_get(hf, "initializer_range", 0.02),
@@ -214,18 +297,23 @@ def config_from_hf(hf: Any) -> ModelConfig:
     if isinstance(rp, dict) and rp.get("rope_type", rp.get("type", "default")) not in ("default", None):
         raise HFMappingError(f"RoPE scaling {rp.get('rope_type', rp.get('type'))!r} is not supported")
     theta = rp.get("rope_theta") if isinstance(rp, dict) and "rope_theta" in rp else _get(hf, "rope_theta", 10000.0)
+    if type_problem(theta, float):
+        raise HFMappingError(f"rope_theta: {type_problem(theta, float)}")
     n_heads = _get(hf, "num_attention_heads")
     d = _get(hf, "hidden_size")
-    head_dim = _get(hf, "head_dim") or d // n_heads
+    per_head = d // n_heads if _positive_ints(d, n_heads) else None  # a zero or missing count: named below
+    head_dim = _get(hf, "head_dim") or per_head
     moe: dict[str, Any] = {}
     if model_type == "qwen3_moe":
         if _get(hf, "decoder_sparse_step", 1) != 1 or _get(hf, "mlp_only_layers", []):
             raise HFMappingError("Qwen3-MoE with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
                                  "is not supported")
-        moe = dict(n_experts=_get(hf, "num_experts"), moe_top_k=_get(hf, "num_experts_per_tok"),
-                   moe_ffn_hidden=_get(hf, "moe_intermediate_size"),
+        top_k, coef = _get(hf, "num_experts_per_tok"), _get(hf, "router_aux_loss_coef", 0.001)
+        if type_problem(coef, float):
+            raise HFMappingError(f"router_aux_loss_coef: {type_problem(coef, float)}")
+        moe = dict(n_experts=_get(hf, "num_experts"), moe_top_k=top_k, moe_ffn_hidden=_get(hf, "moe_intermediate_size"),
                    moe_norm_topk_prob=bool(_get(hf, "norm_topk_prob", True)),
-                   moe_aux_loss_coef=float(_get(hf, "router_aux_loss_coef", 0.001)) * _get(hf, "num_experts_per_tok"))
+                   moe_aux_loss_coef=float(coef) * top_k if _positive_ints(top_k) else float(coef))
     if _get(hf, "use_sliding_window", False):
         raise HFMappingError(f"{model_type} with use_sliding_window=true is not supported")
     return ModelConfig(
@@ -235,7 +323,7 @@ def config_from_hf(hf: Any) -> ModelConfig:
         n_layers=_get(hf, "num_hidden_layers"),
         n_heads=n_heads,
         n_kv_heads=_get(hf, "num_key_value_heads") or n_heads,
-        head_dim=None if head_dim == d // n_heads else head_dim,
+        head_dim=None if head_dim == per_head else head_dim,
         ffn_hidden=_get(hf, "intermediate_size"),
         max_seq_len=_get(hf, "max_position_embeddings"),
         rope_theta=float(theta),
@@ -247,6 +335,15 @@ def config_from_hf(hf: Any) -> ModelConfig:
         init_std=_get(hf, "initializer_range", 0.02),
         **moe,
     )
+
+
+def _positive_ints(*values: Any) -> bool:
+    return all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
+
+
+def _times(k: int, d: Any) -> Any:
+    """``k * d`` for a positive integer ``d``; ``d`` itself otherwise (its problem is named by the checks)."""
+    return k * d if _positive_ints(d) else d
 
 
 # --------------------------------------------------------------------------- weights

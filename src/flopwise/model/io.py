@@ -37,17 +37,17 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer
 
 from flopwise.errors import FlopwiseError
 from flopwise.checkpoints import (SHARDED, latest_checkpoint, load_checkpoint, read_state, unmarked_checkpoints,
                                   write_manifest)
 from flopwise.config import ModelConfig, load_run_config
 from flopwise.data.tokenizer import load_tokenizer, special_ids
-from flopwise.fsio import umask
-from flopwise.model.hf import (SPECIAL_KEYS, check_exportable, config_from_hf, from_hf_state_dict, hf_config,
+from flopwise.fsio import FileFormatError, fsync_dir, is_write_fault, read_json, umask, write_error
+from flopwise.model.hf import (SPECIAL_KEYS, check_exportable, from_hf_state_dict, hf_config, read_hf_config,
                                to_hf_state_dict)
 from flopwise.model.transformer import Transformer, build_model, configure_attention
+from flopwise.plan.flops import size_problems
 
 
 class ModelSourceError(FlopwiseError, ValueError):
@@ -73,7 +73,7 @@ def resolve(path: str | os.PathLike) -> ModelSource:
         raise ModelSourceError(f"{p}: no such directory (expected a run, a checkpoint or a Hugging Face model directory)")
     is_checkpoint = (p / "model.pt").is_file() or (p / SHARDED).is_dir()  # sharded: written by FSDP2 ranks
     if (p / "config.json").is_file() and not is_checkpoint:
-        cfg = config_from_hf(json.loads((p / "config.json").read_text()))
+        cfg = read_hf_config(str(p / "config.json"))  # checked, the file named: before anything is allocated
         return ModelSource("hf", p, cfg, _find_tokenizer(p / "tokenizer.json"))
     if is_checkpoint:
         ckpt, run = p, p.parent.parent
@@ -92,6 +92,9 @@ def resolve(path: str | os.PathLike) -> ModelSource:
         raise ModelSourceError(f"{p}: holds neither model.pt (a checkpoint), checkpoints/ (a run) nor config.json "
                                "(a Hugging Face model)")
     cfg = load_run_config(ckpt / "config.yaml")
+    too_large = size_problems(cfg.model)  # a config.yaml edited (or sent) with sizes no machine holds
+    if too_large:
+        raise ModelSourceError(f"{ckpt / 'config.yaml'}: {too_large[0]}")
     tok = _find_tokenizer(ckpt / "tokenizer.json", run / "tokenizer.json",
                           Path(cfg.data.path).expanduser() / "tokenizer.json" if cfg.data.path else Path("/nonexistent"))
     return ModelSource(kind, ckpt, cfg.model, tok)
@@ -104,7 +107,17 @@ def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(single))
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            data = read_json(index)
+        except FileFormatError as e:
+            raise ModelSourceError(str(e)) from None
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ModelSourceError(f"{index}: no 'weight_map' of tensor name -> file name")
+        shards = sorted(set(weight_map.values()))
+        outside = [s for s in shards if Path(s).is_absolute() or ".." in Path(s).parts]
+        if outside:
+            raise ModelSourceError(f"{index}: names a file outside {path}: {outside[0]!r}")
         sd: dict[str, torch.Tensor] = {}
         for shard in shards:
             sd.update(load_file(str(path / shard)))
@@ -149,7 +162,7 @@ def load(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: tor
     model, src = load_model(path, device, dtype)
     tokenizer = None
     if src.tokenizer_path is not None:
-        tokenizer = Tokenizer.from_file(str(src.tokenizer_path))
+        tokenizer = load_tokenizer(src.tokenizer_path)  # a malformed file: an error naming it
     return model, tokenizer
 
 
@@ -180,7 +193,7 @@ def _special_tokens(tokenizer_path: Path | None) -> dict[str, Any]:
 def _source_special_ids(src: ModelSource) -> dict[str, Any]:
     """Without a tokenizer: a Hugging Face source's own ids, else None for each (unknown)."""
     if src.kind == "hf":
-        hf = json.loads((src.path / "config.json").read_text())
+        hf = read_json(src.path / "config.json")  # read (and checked) by resolve() already
         return {k: hf.get(k) for k in SPECIAL_KEYS}
     return dict.fromkeys(SPECIAL_KEYS)
 
@@ -192,15 +205,17 @@ def _export_record(src: ModelSource) -> dict[str, Any] | None:
         return None
     cfg = load_run_config(src.path / "config.yaml")
     try:
-        state = json.loads((src.path / "state.json").read_text())
+        state = read_json(src.path / "state.json")
     except (OSError, ValueError):
+        state = {}
+    if not isinstance(state, dict):
         state = {}
     fingerprint = state.get("data_fingerprint")  # what the run trained on: its data directory or the embedded corpus
     if not isinstance(fingerprint, str):
         fingerprint = None
     if fingerprint is None and cfg.data.path:  # a checkpoint from before state.json recorded it
-        with contextlib.suppress(OSError, ValueError):
-            fingerprint = json.loads((Path(cfg.data.path).expanduser() / "meta.json").read_text()).get("fingerprint")
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            fingerprint = read_json(Path(cfg.data.path).expanduser() / "meta.json").get("fingerprint")
     return {
         "format": 1,
         "exported_from": str(src.path),
@@ -221,7 +236,7 @@ def read_export_record(path: str | os.PathLike) -> dict[str, Any] | None:
     """The ``flopwise.json`` of a Hugging Face directory flopwise exported (None when absent
     or unreadable: a directory from elsewhere)."""
     try:
-        rec = json.loads((Path(path) / EXPORT_RECORD).read_text())
+        rec = read_json(Path(path) / EXPORT_RECORD)
     except (OSError, ValueError):
         return None
     return rec if isinstance(rec, dict) else None
@@ -303,6 +318,8 @@ def export_consolidated(path: str | os.PathLike, out: str | os.PathLike, overwri
 
 def _check_out(out: str | os.PathLike, overwrite: bool) -> Path:
     out = Path(out).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ModelSourceError(f"{out}: exists and is a file, not a directory; name a directory to export into")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ModelSourceError(f"{out}: exists and is not empty; pass --overwrite to replace it")
     return out
@@ -311,15 +328,38 @@ def _check_out(out: str | os.PathLike, overwrite: bool) -> Path:
 @contextlib.contextmanager
 def _published(out: Path):
     """A hidden sibling directory to write into, renamed to ``out`` when the block succeeds
-    (removed when it fails): an interrupted export never looks loadable."""
+    (removed when it fails): an interrupted export never looks loadable. An existing ``out``
+    (``--overwrite``) is replaced only by a complete export: moved aside, the new one renamed
+    in, then deleted -- a failure at any point (a full disk while writing, a read-only folder)
+    leaves it as it was and raises a :class:`WriteError` naming ``out``."""
     tmp = out.parent / f".{out.name}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    kept = f"{out} was left as it was" if out.exists() else f"nothing was left at {out}"
     try:
+        shutil.rmtree(tmp, ignore_errors=True)  # an interrupted export's
+        tmp.mkdir(parents=True)
         yield tmp
-    except BaseException:
+        _replace_dir(tmp, out)
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and is_write_fault(e):
+            raise write_error(out, e, "the export", kept) from e
         raise
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    with contextlib.suppress(OSError):  # the rename is made; its durability is best effort
+        fsync_dir(out.parent)
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """Rename ``new`` to ``out``; an existing ``out`` is moved aside first and deleted only once
+    ``new`` is in its place (put back if the rename fails)."""
+    if not out.exists():
+        os.replace(new, out)
+        return
+    old = out.parent / f".{out.name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(out, old)
+    try:
+        os.replace(new, out)
+    except BaseException:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

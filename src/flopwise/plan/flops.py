@@ -92,6 +92,31 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     }
 
 
+# The most parameters (and rotary-table entries, 2 x max_seq_len x head_dim floats) a model
+# read from a file may have: twice the largest published models (~1e12). A config.json above
+# it is a typo or a hostile file -- its float32 weights alone would need 8 TB -- and is refused
+# with this number before any tensor is allocated, not met as an allocator's failure.
+MAX_PARAMETERS = 2 * 10**12
+
+
+def size_problems(cfg: ModelConfig) -> list[str]:
+    """Why a model of ``cfg`` is too large to build (empty when it is not): more than
+    :data:`MAX_PARAMETERS` parameters and rotary-table entries. ``cfg`` must have passed
+    ``flopwise.config.model_problems`` (positive integer sizes)."""
+    n = param_counts(cfg)["total"]
+    rope = 2 * cfg.max_seq_len * cfg.resolved_head_dim if cfg.pos_emb == "rope" else 0
+    if n + rope <= MAX_PARAMETERS:
+        return []
+    what = f"{n:.3g} parameters"
+    sizes = ["model.vocab_size", "model.d_model", "model.n_layers"]
+    sizes += ["model.n_experts", "model.moe_ffn_hidden"] if cfg.is_moe else ["model.ffn_hidden"]
+    if rope > n:
+        what += f" and {rope:.3g} rotary-table entries (2 x model.max_seq_len x head dimension)"
+        sizes = ["model.max_seq_len"]
+    return [f"the model would hold {what}, {4 * (n + rope) / 1e12:,.3g} TB in float32: more than the "
+            f"{MAX_PARAMETERS:.0e} flopwise builds (see {', '.join(sizes)})"]
+
+
 def attention_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
     """Training (fwd+bwd) FLOPs of the attention score/value matmuls: 12 * L * d_attn * T."""
     return 12 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len

@@ -8,7 +8,6 @@ dropped rows would mislead.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 import yaml
 from flopwise.errors import FlopwiseError
+from flopwise.fsio import FileFormatError, loads_json, read_json
 
 METRICS = "metrics.jsonl"
 EVALS = "evals.jsonl"  # written by ``flopwise eval`` beside the training metrics
@@ -140,14 +140,14 @@ def read_jsonl(path: Path, warnings: list[str]) -> tuple[list[dict[str, Any]], l
         if not raw.strip():
             continue
         try:
-            row = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
+            row = loads_json(raw, f"{path}, line {n}")
+        except FileFormatError as e:
             if n == len(lines):  # no newline after it: still being written, or cut short
                 warnings.append(f"{path}, line {n}: incomplete last line left out (a row being written, "
                                 "or cut by a crash)")
                 continue
             snippet = raw[:80].decode("utf-8", "replace")
-            raise ReportError(f"{path}, line {n}: not a JSON object ({e}): {snippet!r}") from None
+            raise ReportError(f"{path}, line {n}: not a JSON object ({e.reason}): {snippet!r}") from None
         if not isinstance(row, dict):
             raise ReportError(f"{path}, line {n}: expected a JSON object, got {type(row).__name__}")
         (events if "event" in row else rows).append(row)
@@ -158,9 +158,11 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ReportError(f"{path}: not valid JSON ({e})") from None
+        data = read_json(path)
+    except FileFormatError as e:
+        raise ReportError(f"{path}: not valid JSON ({e.reason})") from None
+    except OSError as e:
+        raise ReportError(f"{path}: cannot be read ({e.strerror or e})") from None
     if not isinstance(data, dict):
         raise ReportError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -171,8 +173,9 @@ def _read_yaml(path: Path) -> dict[str, Any] | None:
         return None
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise ReportError(f"{path}: not valid YAML ({e})") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
+        reason = "nested too deeply to read" if isinstance(e, RecursionError) else " ".join(str(e).split())
+        raise ReportError(f"{path}: not valid YAML ({reason[:300]})") from None
     if data is None:
         return None
     if not isinstance(data, dict):
