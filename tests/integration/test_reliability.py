@@ -233,3 +233,17 @@ def test_a_token_id_beyond_the_vocabulary_stops_the_run_before_any_update(small_
     with pytest.raises(DataDirError, match=rf"{shard.name}: token id 60000 at position .* vocabulary size 512"):
         train(cfg, log=lambda s: None)
     assert latest_checkpoint(cfg.train.run_dir) is None
+
+
+def test_a_run_config_changed_by_hand_is_not_trusted_on_resume(cli, tiny_overrides, tmp_path):
+    """config.yaml carries its checksum; a resume that finds it edited decides by the latest
+    checkpoint's own copy, and says so."""
+    common = [*tiny_overrides, "train.max_steps=4", "train.checkpoint_every=2", "eval.every=0"]
+    assert cli("train", *common).returncode == 0
+    run = tmp_path / "run"  # tiny_overrides' run directory
+    text = (run / "config.yaml").read_text()
+    assert "# flopwise sha256 of the lines above: " in text.splitlines()[-1]
+    (run / "config.yaml").write_text(text.replace("seq_len: 64", "seq_len: 32", 1))  # an edit by hand
+    again = cli("train", *common, "train.max_steps=6")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "changed since the run wrote it" in again.stdout + again.stderr and "resuming from" in again.stdout

@@ -7,18 +7,22 @@ import math
 from pathlib import Path
 from typing import Any
 
+from flopwise.fsio import AppendFile
+
 
 class JsonlSink:
-    """Appends one JSON object per line and flushes, so a crash loses at most one row."""
+    """Appends one JSON object per line, each in one unbuffered write, so a crash loses at most
+    one row. A row that does not fit (a full disk) is cut off again -- the file never ends in a
+    torn line that would break its readers -- and raises a :class:`~flopwise.fsio.WriteError`
+    naming the file."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._f = open(self.path, "a", encoding="utf-8")
+        self._f = AppendFile(self.path, "the metrics")
 
     def write(self, row: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
         self._f.write(json.dumps(clean) + "\n")
-        self._f.flush()
 
     def close(self) -> None:
         self._f.close()

@@ -12,12 +12,15 @@ for explicitly whose package is missing is refused with the install command
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
 
 from flopwise.deps import available, missing_for_tracking, require
+from flopwise.fsio import WriteError, is_write_fault, write_error
 from flopwise.measure.sinks import JsonlSink
 
 
@@ -34,19 +37,63 @@ def flatten(row: dict[str, Any], prefix: str = "") -> dict[str, float]:
 
 
 class TensorBoardSink:
+    """TensorBoard scalars. Its writer writes from a thread of its own; a write that fails there
+    (a full or read-only disk) is handed to this thread at the next call -- where it becomes a
+    WriteError naming the folder -- and not printed as that thread's traceback as well."""
+
     def __init__(self, log_dir: Path):
         from torch.utils.tensorboard import SummaryWriter  # lazy: tensorboard is optional ([track])
 
-        self.writer = SummaryWriter(str(log_dir))
+        self.log_dir = log_dir
+        _quiet_writer_thread_faults()
+        with self._faults():
+            self.writer = SummaryWriter(str(log_dir))
 
     def write(self, row: dict[str, Any]) -> None:
         step = int(row.get("step", 0))
-        for name, value in flatten(row).items():
-            if name != "step":
-                self.writer.add_scalar(name, value, global_step=step)
+        with self._faults():
+            for name, value in flatten(row).items():
+                if name != "step":
+                    self.writer.add_scalar(name, value, global_step=step)
 
     def close(self) -> None:
-        self.writer.close()
+        with self._faults():
+            self.writer.close()
+            if _writer_thread_faults:  # one its close() did not raise again is not lost silently (one run a process)
+                raise _writer_thread_faults.pop(0)
+
+    @contextlib.contextmanager
+    def _faults(self):
+        try:
+            yield
+        except Exception as e:
+            if e in _writer_thread_faults:
+                _writer_thread_faults.remove(e)
+            if not is_write_fault(e) or isinstance(e, WriteError):
+                raise
+            raise write_error(self.log_dir, e, "the TensorBoard events in") from e
+
+
+_writer_thread_faults: list[BaseException] = []  # write faults TensorBoard's writer threads died of, not yet raised
+
+
+def _quiet_writer_thread_faults() -> None:
+    """Keep ``threading.excepthook`` from printing a write fault of TensorBoard's writer thread
+    (``_AsyncWriterThread``): TensorBoard raises it again in the thread that writes next, where
+    :class:`TensorBoardSink` reports it in one line. Every other thread exception is printed as before."""
+    if getattr(threading.excepthook, "_flopwise", False):
+        return
+    previous = threading.excepthook
+
+    def hook(args) -> None:
+        if (type(args.thread).__name__ == "_AsyncWriterThread" and isinstance(args.exc_value, Exception)
+                and is_write_fault(args.exc_value)):
+            _writer_thread_faults.append(args.exc_value)
+            return
+        previous(args)
+
+    hook._flopwise = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 class WandbSink:

@@ -9,9 +9,11 @@ window is ever opened.
 from __future__ import annotations
 
 import importlib.util
+import io
 import math
 from pathlib import Path
 
+from flopwise.fsio import write_file
 from flopwise.report.svg import BarChart, Chart, Heatmap, LineChart
 
 _LINESTYLES = {"solid": "-", "dashed": "--", "dotted": ":", "dashdot": "-."}
@@ -91,7 +93,8 @@ def _heatmap(fig, ax, c: Heatmap) -> None:
     fig.colorbar(image, ax=ax)
 
 
-def write_png(chart: Chart, path: Path) -> Path:
+def render_png(chart: Chart) -> bytes:
+    """The chart as PNG bytes (drawn in memory: nothing is written)."""
     # lazy: matplotlib is optional ([report])
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -108,15 +111,26 @@ def write_png(chart: Chart, path: Path) -> Path:
         _heatmap(fig, ax, chart)
     ax.set_title(chart.title, fontsize=11)
     fig.tight_layout()
-    fig.savefig(path)
-    return path
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
 
 
-def write_pngs(charts: list[Chart], folder: Path) -> list[Path]:
-    """One ``<chart id>.png`` per chart in ``folder``; PNGs of an earlier report that no longer
-    has that chart are removed (the folder belongs to the report)."""
+def render_pngs(charts: list[Chart]) -> dict[str, bytes]:
+    """``{"<chart id>.png": PNG bytes}`` for every chart, drawn before any is written."""
+    return {f"{c.id}.png": render_png(c) for c in charts}
+
+
+def write_pngs(images: dict[str, bytes], folder: Path) -> list[Path]:
+    """Each of :func:`render_pngs`' images into ``folder``, each replaced whole (a full disk
+    leaves an earlier report's figure as it was, never half a PNG: a WriteError naming it);
+    PNGs of an earlier report that no longer has that chart are removed (the folder belongs to
+    the report)."""
     folder.mkdir(parents=True, exist_ok=True)
-    written = [write_png(c, folder / f"{c.id}.png") for c in charts]
+    written = []
+    for name, data in images.items():
+        write_file(folder / name, data, "the report figure")
+        written.append(folder / name)
     keep = set(written)
     for old in folder.glob("*.png"):
         if old not in keep:

@@ -22,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable
 
-from flopwise.fsio import atomic_write
+from flopwise.fsio import WriteError, is_write_fault, write_error, write_file
 from flopwise.measure.sinks import human
 from flopwise.report import png as png_out
 from flopwise.report.compare import (compare, measured_memory, measured_mfu, measured_tok_per_s,
@@ -62,7 +62,12 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None, png:
     out = Path(out).expanduser() if out is not None else runs[0].path / "report.html"
     if out.is_dir():
         out = out / "report.html"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if not is_write_fault(e):
+            raise
+        raise write_error(out.parent, e, "the folder of the report") from e
 
     sections = build_charts(runs)
     charts = [c for _, group in sections for c in group]
@@ -73,14 +78,21 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None, png:
     else:
         folder = out.parent / f"{out.stem}_figures"
         try:
-            written = png_out.write_pngs(charts, folder)
-            png_note = (f"PNG copies of the {len(written)} figure{'s' if len(written) != 1 else ''}: "
-                        f"{folder.name}/ (beside this page).")
+            images = png_out.render_pngs(charts)
         except Exception as e:  # the page is the product: a plotting failure must not cost it
             png_note = f"PNG figures not written: matplotlib failed ({type(e).__name__}: {e})."
+        else:  # a full or read-only disk is no plotting failure: it stops here, naming the file
+            try:
+                written = png_out.write_pngs(images, folder)
+            except OSError as e:
+                if not is_write_fault(e) or isinstance(e, WriteError):
+                    raise
+                raise write_error(folder, e, "the report figures in") from e
+            png_note = (f"PNG copies of the {len(written)} figure{'s' if len(written) != 1 else ''}: "
+                        f"{folder.name}/ (beside this page).")
 
     page = render_page(runs, sections, png_note)
-    atomic_write(out, page)  # a browser refreshing never sees half a page
+    write_file(out, page, "the report")  # a browser refreshing never sees half a page; a full disk keeps the old one
     return out
 
 

@@ -17,7 +17,7 @@ from flopwise.data.datadir import DataDir
 from flopwise.evaluate.generate import generate
 from flopwise.evaluate.loss import bits_per_byte, evaluate_loss, perplexity
 from flopwise.evaluate.tasks import evaluate_tasks
-from flopwise.fsio import atomic_write
+from flopwise.fsio import AppendFile, write_file
 from flopwise.measure.meter import format_memory, memory_stats
 from flopwise.measure.sinks import format_mfu, human
 from flopwise.train.checkpoint import apply_retention, set_rng_state
@@ -216,7 +216,7 @@ def finish(run: Run, stopped: str, train_time: float) -> TrainResult:
                          avg["tok_per_s"], avg["mfu"], wall, p.last_saved, sample, stopped or None)
     summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(result).items()}
     if run.env.is_main:
-        atomic_write(run.run_dir / "run.json", json.dumps({**run.record, "result": summary,
+        write_file(run.run_dir / "run.json", json.dumps({**run.record, "result": summary,
                                                            "train_time_s": train_time}, indent=2))
     avg_tps = "n/a" if avg["tok_per_s"] is None else f"{human(avg['tok_per_s'])} tok/s"
     log(f"{'stopped' if stopped else 'done'}: {p.step:,} steps · {human(p.tokens)} tokens · train "
@@ -270,7 +270,9 @@ def write_sample(model: torch.nn.Module, data: DataDir, cfg, device: torch.devic
     text = tok.decode(out[0].tolist())
     if run_dir is None:
         return text
-    with open(run_dir / "samples.txt", "a", encoding="utf-8") as f:
-        f.write(f"--- prompt {shown!r} ({source}) · temperature {e.temperature:g} · top-k {e.top_k}\n"
-                f"{text}\n")
+    f = AppendFile(run_dir / "samples.txt", "the sample")  # whole or not at all: a full disk leaves no torn entry
+    try:
+        f.write(f"--- prompt {shown!r} ({source}) · temperature {e.temperature:g} · top-k {e.top_k}\n{text}\n")
+    finally:
+        f.close()
     return text

@@ -10,8 +10,9 @@ One writer per run: :func:`start_run` takes the run directory's lock (``fsio.Dir
 before it looks inside, and the caller holds it until the run ends. A second ``flopwise
 train`` on the same directory is refused with the holder's pid and command; the lock of a
 killed run dies with its process, so resuming after ``kill -9`` just works. The run's
-``config.yaml`` is written atomically; if it is unreadable anyway (a copy edited by hand,
-a file from an older version written in place), the latest checkpoint's own copy decides.
+``config.yaml`` is written atomically with its checksum in a last comment line; if it is
+unreadable anyway or no longer matches its checksum (a copy edited by hand, a file from an
+older version written in place), the latest checkpoint's own copy decides, with a note.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from datetime import datetime
 from pathlib import Path
 
 from flopwise.checkpoints import CHECKPOINT_DIR, latest_checkpoint, unmarked_checkpoints
-from flopwise.config import ConfigError, RunConfig, load_run_config
-from flopwise.fsio import DirLock, LockedError, atomic_write, describe_write_error
+from flopwise.config import ConfigError, RunConfig, checksum_problem, load_run_config
+from flopwise.fsio import DirLock, LockedError, describe_write_error, write_file, write_reason
 
 # Model fields that may change between a run and its resumption: the kernel choice and
 # training-only knobs. Every other model field shapes the weights or their meaning.
@@ -69,7 +70,7 @@ def _check_writable(run_dir: Path) -> None:
     try:
         probe.write_bytes(b"ok" * 2048)  # a few KiB: a disk with no room for a file fails here, not at step 1000
     except OSError as e:
-        raise ConfigError([f"train.run_dir {str(run_dir)!r} is not writable: {describe_write_error(e)}"]) from None
+        raise ConfigError([f"train.run_dir {str(run_dir)!r} is not writable: {write_reason(e)}"]) from None
     finally:
         with contextlib.suppress(OSError):
             probe.unlink()  # also when the write failed half-way
@@ -100,7 +101,7 @@ def _lock(run_dir: Path) -> DirLock:
     except LockedError as e:
         raise ConfigError([f"train.run_dir: {e}"]) from None
     except OSError as e:
-        raise ConfigError([f"train.run_dir {str(run_dir)!r} is not writable: {describe_write_error(e)}"]) from None
+        raise ConfigError([f"train.run_dir {str(run_dir)!r} is not writable: {write_reason(e)}"]) from None
 
 
 def _decide(cfg: RunConfig, run_dir: Path, fresh: bool, held: contextlib.ExitStack) -> RunStart:
@@ -138,6 +139,9 @@ def _previous_config(run_dir: Path) -> tuple[RunConfig, str]:
     read, the copy inside its latest checkpoint (written with the checkpoint, so it is what the
     weights were trained with). Returns it and a note for the log ("" when the run's own copy served)."""
     try:
+        changed = checksum_problem(run_dir / "config.yaml")
+        if changed:
+            raise ConfigError([changed])
         return load_run_config(run_dir / "config.yaml"), ""
     except (ConfigError, OSError) as e:
         problem = "; ".join(e.problems) if isinstance(e, ConfigError) else describe_write_error(e)
@@ -165,4 +169,4 @@ def truncate_metrics(path: Path, step: int) -> None:
             continue
         if isinstance(row, dict) and row.get("step", 0) <= step:
             kept.append(line)
-    atomic_write(path, "".join(f"{line}\n" for line in kept))  # a full disk leaves the old file, no .tmp
+    write_file(path, "".join(f"{line}\n" for line in kept), "the metrics")  # a full disk leaves the old file, no .tmp
