@@ -578,6 +578,24 @@ def plan_inputs_for_run(cfg: "RunConfig", gpus: int = 1, gpu: hardware.DeviceSpe
     return fields, [n for n in (note_p, note_l) if n]
 
 
+def run_plan_inputs(cfg: "RunConfig", device_name: str | None, precision: str, peak_tflops: float = 0.0,
+                    mfu: float = NOMINAL_MFU, loss: str = "plain", gpus: int = 1,
+                    strategy: str = "single") -> PlanInputs:
+    """What :func:`plan_for_run` plans (the arguments are its): also what the trainer's
+    memory check (``train/memory_fit.py``) asks :func:`fit_suggestions` about."""
+    spec = hardware.lookup(device_name) if device_name else None
+    dtype = peak_dtype(precision)
+    if spec is not None and getattr(spec, dtype) is None:
+        spec = None  # e.g. bf16 on a V100: no peak to plan against
+    return PlanInputs(
+        model=cfg.model, model_name=cfg.preset, gpu=spec, peak_tflops=peak_tflops, dtype=dtype,
+        gpus=gpus, mfu=mfu,
+        tokens=cfg.total_steps() * cfg.tokens_per_step, seq_len=cfg.train.seq_len,
+        micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.grad_accum_steps(gpus),
+        memory=memory_settings_for_run(cfg, precision, loss, strategy, gpus),
+    )
+
+
 def plan_for_run(cfg: "RunConfig", device_name: str | None, precision: str, peak_tflops: float = 0.0,
                  mfu: float = NOMINAL_MFU, loss: str = "plain", gpus: int = 1,
                  strategy: str = "single") -> dict[str, Any]:
@@ -587,17 +605,6 @@ def plan_for_run(cfg: "RunConfig", device_name: str | None, precision: str, peak
     ``precision`` is the trainer's resolved one (bf16, bf16-pure, fp16 or float32), which
     picks the peak (:func:`peak_dtype`) and the memory model's precision.
     """
-    spec = hardware.lookup(device_name) if device_name else None
-    dtype = peak_dtype(precision)
-    if spec is not None and getattr(spec, dtype) is None:
-        spec = None  # e.g. bf16 on a V100: no peak to plan against
-    inp = PlanInputs(
-        model=cfg.model, model_name=cfg.preset, gpu=spec, peak_tflops=peak_tflops, dtype=dtype,
-        gpus=gpus, mfu=mfu,
-        tokens=cfg.total_steps() * cfg.tokens_per_step, seq_len=cfg.train.seq_len,
-        micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.grad_accum_steps(gpus),
-        memory=memory_settings_for_run(cfg, precision, loss, strategy, gpus),
-    )
-    plan = build_plan(inp)
+    plan = build_plan(run_plan_inputs(cfg, device_name, precision, peak_tflops, mfu, loss, gpus, strategy))
     plan["device"] = device_name or "cpu"
     return plan

@@ -18,6 +18,7 @@ batch -- are reduced across ranks so all of them stop (or skip) together.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, TypeVar
@@ -26,10 +27,24 @@ import torch
 import torch.distributed as dist
 
 from flopwise.config import ConfigError
+from flopwise.errors import FlopwiseError
 
 T = TypeVar("T")
 
 ENV_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+# What gloo, NCCL and c10d say when the other end of a collective is gone ...
+PEER_GONE = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exited",
+             "socket closed", "ncclremoteerror", "communicator was aborted", "pair closure")
+# ... or did not answer within the process group's timeout (parallel.timeout_min)
+PEER_SILENT = ("timed out", "timeout")
+_FROM_COMMS = ("gloo", "nccl", "c10d", "processgroup", "tcpstore")
+_PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:(\d+)")  # gloo's "Connection closed by peer [10.0.0.2]:45203"
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*:\d+\]\s*")  # "[/__w/.../gloo/transport/tcp/pair.cc:553] "
+
+
+class PeerFailure(FlopwiseError, RuntimeError):
+    """This rank stops because another rank of the job died, hung or left mid-collective."""
 
 
 @dataclass
@@ -102,6 +117,13 @@ class DistEnv:
             raise error
         return result
 
+    def on_every_rank(self, fn: Callable[[], T]) -> T:
+        """``fn`` on every rank; the first failing rank's exception is raised on all of them,
+        so a check that one rank fails (its free memory) stops every rank with its message."""
+        if not self.distributed:
+            return fn()
+        return self._in_turn(fn, True)  # type: ignore[return-value]
+
     def main_first(self, fn: Callable[[], T]) -> T:
         """``fn`` on rank 0, then on the first rank of every other node, then on the rest: for
         work that creates something once (preparing the embedded corpus into a cache) and can
@@ -130,6 +152,40 @@ class DistEnv:
         if failed:
             raise failed[0][1]  # the first failing rank's exception, as it raised it
         return result
+
+    def peer_failure(self, err: BaseException, timeout_min: float | None = None) -> PeerFailure | None:
+        """``err`` as the one line this rank stops with when it is a collective that failed
+        because another rank died, hung or left (gloo's "Connection closed by peer", NCCL's
+        remote error, a timeout of the process group); None for anything else, which keeps
+        its own message or traceback. Which rank is gone is known in a 2-rank job (the other
+        one); otherwise gloo names only the peer's address."""
+        if not self.distributed or self.world_size < 2 or isinstance(err, FlopwiseError):
+            return None
+        if not isinstance(err, RuntimeError):  # dist.DistError and gloo's errors are RuntimeErrors
+            return None
+        text = " ".join(str(err).split())
+        low = text.lower()
+        if not (isinstance(err, dist.DistError) or any(k in low for k in _FROM_COMMS)):
+            return None
+        gone = next((k for k in PEER_GONE if k in low), None)
+        silent = None if gone else next((k for k in PEER_SILENT if k in low), None)
+        if gone is None and silent is None:
+            return None
+        peer = f"rank {1 - self.rank}" if self.world_size == 2 else "another rank"
+        # the backend's sentence that says it, without its source location and advice
+        what = next((x for x in re.split(r"\.\s+", text) if (gone or silent) in x.lower()), text)
+        what = _SOURCE_LOCATION.sub("", what).strip()[:200]
+        address = _PEER_ADDRESS.search(what)
+        at = f" at {address.group(1)}:{address.group(2)}" if address and self.world_size > 2 else ""
+        backend = self.backend or "the process group"
+        limit = f" within parallel.timeout_min={timeout_min:g}" if timeout_min is not None else ""
+        whose = peer if self.world_size == 2 else "that rank"
+        if gone:
+            return PeerFailure(f"rank {self.rank} stops: {peer}{at} died or left the job ({backend}: {what}); "
+                               f"{whose}'s own output says why (torchrun's failure summary names the first rank "
+                               "that failed and its exit code)")
+        return PeerFailure(f"rank {self.rank} stops: {peer}{at} did not answer{limit} ({backend}: {what}): it "
+                           f"died, hung or left the job; {whose}'s own output says why")
 
     def _comm_device(self, device: torch.device) -> torch.device:
         return device if self.backend == "nccl" else torch.device("cpu")

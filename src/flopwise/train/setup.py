@@ -3,7 +3,8 @@
 Cheapest checks first, so bad input fails before anything is allocated: the batch split at
 this world size, the loss path and the parallel strategy (refusals), the run directory
 (new, or resumed from its latest complete checkpoint: ``resume.py``), the data directory,
-the task files and every split's length; only then the model, its wrappers (activation
+the task files, whether the planned step fits this rank's free memory (``memory_fit.py``)
+and every split's length; only then the model, its wrappers (activation
 checkpointing -> compile -> DDP/FSDP2: ``wrap.py``), the loss and the optimizer. A resumed
 run then gets its weights, optimizer, data position, guard counts and RNG back
 (:func:`restore`), and rank 0 writes the run's files (:func:`write_run_files`).
@@ -17,18 +18,17 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from flopwise.config import ConfigError, RunConfig, batch_split_problems
+from flopwise.config import ConfigError, RunConfig, batch_split_problems, with_checksum
 from flopwise.data.datadir import DataDir, open_data_dir
 from flopwise.data.loader import fixed_windows, make_loader
 from flopwise.evaluate.loss import target_bytes
-from flopwise.fsio import atomic_write
+from flopwise.fsio import write_file
 from flopwise.measure.meter import ThroughputMeter
 from flopwise.measure.tracking import NullTracker, Tracker
 from flopwise.model import build_model, configure_attention
@@ -40,6 +40,7 @@ from flopwise.train.checkpoint import set_rng_state
 from flopwise.train.device import device_peak
 from flopwise.train.dist_checkpoint import load_distributed
 from flopwise.train.distributed import DistEnv
+from flopwise.train.memory_fit import check_memory_fit
 from flopwise.train.defaults import resolve_speed
 from flopwise.train.optim import build_optimizer
 from flopwise.train.parallel import Strategy, resolve_strategy, zero1_optimizer
@@ -283,6 +284,11 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
 
     task_names = [x.strip() for x in e.tasks.split(",") if x.strip()]
     task_paths = task_files(e.task_dir, task_names)  # a missing task file is named before any work
+    # The planner's peak per rank against this rank's free memory: a step that cannot fit is
+    # refused here, with the change that fits, not by the allocator after the model was built.
+    plan = plan_for_run(cfg, torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                        prec.name, t.peak_tflops, loss=loss_impl, gpus=world, strategy=strategy.name)
+    env.on_every_rank(lambda: check_memory_fit(cfg, plan, device, prec.name, loss_impl, strategy.name, world))
     # The data checks (each split long enough for a window) come before any allocation.
     loader = train_loader(cfg, data, device, env.rank, world,
                           step_samples=None if ramp else t.global_batch_size)  # epochs end on a step
@@ -313,7 +319,7 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
         guard=NonFiniteGuard.from_config(t, uniform_loss=math.log(m.vocab_size)),  # the logits' uniform loss
         deadline=deadline, fit=TimeFit(deadline, o.warmup_steps, clock) if o.fit_to_time else None,
         total_steps=total_steps, accum=accum, micro_tokens=micro_tokens, ramp=ramp, cont=None,
-        flops=run_flops(cfg, device, prec.name), config_yaml=asked.to_yaml(), record={}, plan={},
+        flops=run_flops(cfg, device, prec.name), config_yaml=asked.to_yaml(), record={}, plan=plan,
         uniform=math.log(data.vocab_size), notes=notes)
     run.progress.last_saved = start.checkpoint
     if start.checkpoint is not None:
@@ -322,8 +328,6 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
     run.record = run_record(cfg, device, prec.name)
     run.record["parallel"] = {"strategy": strategy.name, "world_size": world, "backend": env.backend,
                               "launched": env.launched, "why": strategy.why}
-    run.plan = plan_for_run(cfg, torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                            prec.name, t.peak_tflops, loss=loss_impl, gpus=world, strategy=strategy.name)
     env.on_main(lambda: write_run_files(run))
     run.sink = open_tracker(run)
     return run
@@ -366,15 +370,17 @@ def write_run_files(run: Run) -> None:
     if run.start.resumed_run:
         truncate_metrics(run_dir / "metrics.jsonl", step)
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write(run_dir / "config.yaml", run.config_yaml)  # a kill mid-write leaves the old copy, never half
+    # a kill mid-write leaves the old copy, never half; the checksum tells a resume it is this copy
+    write_file(run_dir / "config.yaml", with_checksum(run.config_yaml))
     previous = read_json(run_dir / "run.json") if run.start.resumed_run else {}
     run.record["starts"] = previous.get("starts", []) + [{"at_step": step, "started": run.record["started"],
                                                           "world_size": run.world}]
-    atomic_write(run_dir / "plan.json", json.dumps(run.plan, indent=2))
-    atomic_write(run_dir / "run.json", json.dumps(run.record, indent=2))
-    shutil.copyfile(run.data.path / "tokenizer.json", run_dir / "tokenizer.json")  # the run is self-contained
+    write_file(run_dir / "plan.json", json.dumps(run.plan, indent=2))
+    write_file(run_dir / "run.json", json.dumps(run.record, indent=2))
+    # the run is self-contained; replaced whole (a full disk never leaves the resumed run half a tokenizer)
+    write_file(run_dir / "tokenizer.json", (run.data.path / "tokenizer.json").read_bytes())
     if t.preflight and Path(t.preflight).is_file():  # plan vs preflight vs actual, in the report
-        shutil.copyfile(t.preflight, run_dir / "preflight.json")
+        write_file(run_dir / "preflight.json", Path(t.preflight).read_bytes())
 
 
 def open_tracker(run: Run):

@@ -64,8 +64,17 @@ class SignalStop:
 
     def __exit__(self, *exc) -> None:
         for s, h in self._previous.items():
-            signal.signal(s, h)
+            if signal.getsignal(s) == self._handle:  # one set meanwhile (ignore_sigterm) stays
+                signal.signal(s, h)
         self._previous = {}
+
+
+def ignore_sigterm() -> None:
+    """Ignore SIGTERM from now on, in a process that is about to end anyway: a rank stopping
+    because another rank died is sent SIGTERM by ``torchrun`` too, which would cut off the one
+    line that says why. (SIGINT still interrupts; torchrun's SIGKILL follows its SIGTERM.)"""
+    if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class Deadline:

@@ -7,27 +7,30 @@ optimizer step (``train_step.py``), then the hooks that log, validate, evaluate 
 save when they are due (``hooks.py``). The loop validates every ``eval.every`` steps on a
 fixed held-out subset, checkpoints every ``train.checkpoint_every`` steps and at the end
 (keeping ``train.keep_checkpoints``), stops early and cleanly on a signal, on
-``train.max_hours`` or on a non-finite step, then writes a text sample.
+``train.max_hours`` or on a non-finite step, then writes a text sample. Under ``torchrun`` a
+collective that fails because another rank died or left ends this rank with one line that
+says so (``DistEnv.peer_failure``), not the backend's traceback.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from flopwise.config import RunConfig
 from flopwise.deps import missing_for_run, require
+from flopwise.fsio import WriteError
 from flopwise.measure.meter import ThroughputMeter
 from flopwise.train import hooks
 from flopwise.train.describe import describe
-from flopwise.train.distributed import init_distributed
+from flopwise.train.distributed import DistEnv, init_distributed
 from flopwise.train.record import TrainResult
 from flopwise.train.schedule import lr_for_step
 from flopwise.train.setup import Run, setup
-from flopwise.train.stopping import SignalStop, stop_reason
+from flopwise.train.stopping import SignalStop, ignore_sigterm, stop_reason
 from flopwise.train.timing import StepTimer, profiler
 from flopwise.train.train_step import handle_bad_step, train_step
 from flopwise.train.wrap import RecompileWatch
@@ -47,10 +50,11 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False,
     env, device = init_distributed(cfg.parallel.strategy, cfg.train.device, cfg.parallel.backend,
                                    cfg.parallel.timeout_min)
     try:
-        with contextlib.ExitStack() as locks:  # rank 0 holds the run directory's lock until the run ends
-            run = setup(cfg, log if env.is_main else _quiet, fresh, env, device, t_start, locks, clock)
-            result = run if isinstance(run, TrainResult) else _train(run)
-        env.barrier()  # ranks leave together: tearing the group down under a rank still using it aborts
+        with _peer_failures(env, cfg):  # another rank died: this one stops with one line, not gloo's traceback
+            with contextlib.ExitStack() as locks:  # rank 0 holds the run directory's lock until the run ends
+                run = setup(cfg, log if env.is_main else _quiet, fresh, env, device, t_start, locks, clock)
+                result = run if isinstance(run, TrainResult) else _train(run)
+            env.barrier()  # ranks leave together: tearing the group down under a rank still using it aborts
         return result
     finally:
         env.close()
@@ -58,6 +62,23 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False,
 
 def _quiet(_: str) -> None:
     """The log of ranks other than 0."""
+
+
+@contextlib.contextmanager
+def _peer_failures(env: DistEnv, cfg: RunConfig) -> Iterator[None]:
+    """A collective that fails because another rank died, hung or left becomes the one line this
+    rank stops with (``PeerFailure``: ``DistEnv.peer_failure``); any other error passes as
+    it is. From then on the process ignores the SIGTERM torchrun sends every surviving rank, so
+    that line gets printed before the process ends. The loop converts inside its signal handling
+    (where that SIGTERM is only a stop request), :func:`train` what fails in set-up or at the end."""
+    try:
+        yield
+    except RuntimeError as err:
+        failure = env.peer_failure(err, cfg.parallel.timeout_min)
+        if failure is None:
+            raise
+        ignore_sigterm()
+        raise failure from err
 
 
 def _train(run: Run) -> TrainResult:
@@ -74,10 +95,18 @@ def _train(run: Run) -> TrainResult:
     t_loop = run.clock()
     run.meter.pause()
     try:
-        stopped = _loop(run)
-    finally:
-        run.train_loader.close()  # its prefetch thread (data.prefetch) does not outlive the loop
-    return hooks.finish(run, stopped, run.clock() - t_loop)
+        try:
+            stopped = _loop(run)
+        finally:
+            run.train_loader.close()  # its prefetch thread (data.prefetch) does not outlive the loop
+        return hooks.finish(run, stopped, run.clock() - t_loop)
+    except WriteError as e:  # a full disk under metrics.jsonl, TensorBoard, samples.txt, run.json
+        with contextlib.suppress(Exception):
+            run.sink.close()
+        last = run.progress.last_saved
+        kept = (f"the checkpoint {last} is intact: the same command resumes from it once there is room" if last
+                else "no checkpoint was saved yet")
+        raise WriteError(f"{e}; {kept}", e.errno, e.filename) from e
 
 
 def _loop(run: Run) -> str:
@@ -85,7 +114,7 @@ def _loop(run: Run) -> str:
     p, o, t = run.progress, run.cfg.optim, run.cfg.train
     stopped = ""
     with SignalStop() as signals, profiler(t.profile, run.run_dir / "profile", t.profile_wait, t.profile_warmup,
-                                           t.profile_active) as prof:
+                                           t.profile_active) as prof, _peer_failures(run.env, run.cfg):
         while p.step < run.total_steps:
             stopped = stop_reason(run.env, signals, run.deadline, run.fit, run.device)
             if stopped:
