@@ -361,8 +361,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"flopwise train: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # a full disk outside a save (metrics, TensorBoard, samples): same one line
-        if not is_disk_full(e):
-            raise
+        if isinstance(e, FlopwiseError) or not is_disk_full(e):
+            raise  # a WriteError names its file and what was kept: the boundary prints it
         from flopwise.checkpoints import latest_checkpoint  # lazy: torch
 
         last = latest_checkpoint(cfg.train.run_dir) if cfg.train.run_dir else None
@@ -747,8 +747,8 @@ def main(argv: list[str] | None = None) -> int:
         line = user_error(e)
         if line is None or debug:
             raise
-        # every rank of a torchrun job validates the same config: rank 0 says it once
-        if not isinstance(e, ConfigError) or os.environ.get("RANK", "0") in ("", "0"):
+        # an error every rank of a torchrun job meets alike (a config, a plan too big): rank 0 says it once
+        if not getattr(e, "every_rank", False) or os.environ.get("RANK", "0") in ("", "0"):
             print(f"flopwise {args.command}: {line}", file=sys.stderr)
         return 2
 
