@@ -567,3 +567,14 @@ def test_an_output_inside_its_source_or_a_source_inside_its_output_is_refused(tm
         with pytest.raises(PrepareError, match=phrase):
             PrepareOptions(source=str(source), out=str(out), vocab_size=300).validate()
     PrepareOptions(source=str(src), out=str(tmp_path / "data"), vocab_size=300).validate()  # beside it: fine
+
+
+def test_an_output_name_the_filesystem_cannot_hold_with_its_partial_suffix_is_refused(tmp_path):
+    from flopwise.data.prepare import PrepareError, PrepareOptions
+
+    src = tmp_path / "texts"
+    src.mkdir()
+    for length, phrase in ((300, "300 bytes"), (250, "at most 246")):
+        with pytest.raises(PrepareError, match=phrase):
+            PrepareOptions(source=str(src), out=str(tmp_path / ("o" * length)), vocab_size=300).validate()
+    PrepareOptions(source=str(src), out=str(tmp_path / ("o" * 246)), vocab_size=300).validate()

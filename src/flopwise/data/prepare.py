@@ -91,6 +91,7 @@ from .meta import TOKENIZER_FILE, write_meta, write_text
 from .shards import FORMAT_VERSION, SplitWriter, dtype_for_vocab
 from .sources import open_source
 from .tokenizer import encode_documents, file_sha256, load_tokenizer, special_ids, train_bpe
+from flopwise.config import NAME_MAX, path_problems
 from flopwise.errors import FlopwiseError
 
 Log = Callable[[str], None]
@@ -193,6 +194,12 @@ class PrepareOptions:
         if self.tokenizer and not Path(self.tokenizer).is_file():
             p.append(f"--tokenizer {self.tokenizer!r}: file does not exist")
         p += self._nesting_problems()
+        if self.out:  # the output is written as ".NAME.partial" (and locked as ".NAME.lock") beside it
+            p += path_problems("--out", self.out)
+            name = os.fsencode(Path(self.out).name)
+            if not p and len(name) + len(".partial") + 1 > NAME_MAX:
+                p.append(f"--out: the name {Path(self.out).name[:60]!r}... is {len(name)} bytes; prepare writes it "
+                         f"as .NAME.partial first, so it may be at most {NAME_MAX - len('.partial') - 1}")
         if p:
             raise PrepareError("; ".join(p))
 
