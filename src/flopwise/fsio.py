@@ -28,6 +28,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import re
 import socket
 import sys
@@ -412,3 +413,22 @@ def read_json(path: str | os.PathLike, max_bytes: int | None = MAX_JSON_BYTES,
 def _first_line(e: BaseException, limit: int = 200) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def replace_dir(new: Path, out: Path) -> None:
+    """Rename the finished directory ``new`` to ``out``. An existing ``out`` is moved aside to
+    ``.NAME.old`` first and deleted only once ``new`` is in its place (put back if the rename
+    fails), so ``out`` is always the old complete directory or the new one, never a mix. A kill
+    between the two renames leaves ``.NAME.old`` for the caller's next run to settle."""
+    if not out.exists():
+        os.replace(new, out)
+        return
+    old = out.parent / f".{out.name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(out, old)
+    try:
+        os.replace(new, out)
+    except BaseException:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -458,18 +458,18 @@ def test_a_failed_rename_into_place_puts_the_old_data_back(tmp_path, monkeypatch
     write_corpus(tmp_path / "corpus")
     out = prepare(opts(tmp_path, train_tokens=1000), log=quiet)
     before = (out / "train-00000.bin").read_bytes()
-    real_rename = os.rename
+    real_rename = os.replace  # what fsio.replace_dir renames with
 
     def failing(src, dst):
         if str(src).endswith(".data.partial"):
             raise OSError(28, "No space left on device", str(dst))
         return real_rename(src, dst)
 
-    monkeypatch.setattr(os, "rename", failing)
+    monkeypatch.setattr(os, "replace", failing)
     with pytest.raises(PrepareError, match=r"cannot write .*data: no space left on the device; the partial output "
                                            r"was removed and .*data was left as it was"):
         prepare(opts(tmp_path, train_tokens=2000, overwrite=True), log=quiet)
-    monkeypatch.setattr(os, "rename", real_rename)
+    monkeypatch.setattr(os, "replace", real_rename)
     assert (out / "train-00000.bin").read_bytes() == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".data") and not p.name.endswith(".lock")] == []
 

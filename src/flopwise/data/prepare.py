@@ -85,7 +85,8 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..deps import missing_for_source
-from ..fsio import DirLock, LockedError, describe_write_error, fsync_dir, is_disk_full, read_json, write_reason
+from ..fsio import (DirLock, LockedError, describe_write_error, fsync_dir, is_disk_full, read_json, replace_dir,
+                    write_reason)
 from .datadir import DataDir
 from .meta import TOKENIZER_FILE, write_meta, write_text
 from .shards import FORMAT_VERSION, SplitWriter, dtype_for_vocab
@@ -850,18 +851,7 @@ def _publish(partial: Path, out: Path) -> None:
     removed after, so ``out`` is the old complete data or the new, never a mix; a rename
     that fails puts the old one back, and a kill between the two renames is undone by the
     next prepare (:func:`_finish_interrupted_publish`)."""
-    if out.exists():
-        old = out.parent / f".{out.name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(out, old)
-        try:
-            os.rename(partial, out)
-        except BaseException:
-            os.rename(old, out)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(partial, out)
+    replace_dir(partial, out)
 
 
 def _finish_interrupted_publish(out: Path, log: Log) -> None:

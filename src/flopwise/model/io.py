@@ -43,7 +43,8 @@ from flopwise.checkpoints import (SHARDED, latest_checkpoint, load_checkpoint, r
                                   write_manifest)
 from flopwise.config import ModelConfig, load_run_config
 from flopwise.data.tokenizer import load_tokenizer, special_ids
-from flopwise.fsio import FileFormatError, fsync_dir, is_write_fault, read_json, umask, write_error
+from flopwise.fsio import (FileFormatError, fsync_dir, is_write_fault, read_json, replace_dir, umask,
+                           write_error)
 from flopwise.model.hf import (SPECIAL_KEYS, check_exportable, from_hf_state_dict, hf_config, read_hf_config,
                                to_hf_state_dict)
 from flopwise.model.transformer import Transformer, build_model, configure_attention
@@ -338,7 +339,7 @@ def _published(out: Path):
         shutil.rmtree(tmp, ignore_errors=True)  # an interrupted export's
         tmp.mkdir(parents=True)
         yield tmp
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, Exception) and is_write_fault(e):
@@ -347,19 +348,3 @@ def _published(out: Path):
     with contextlib.suppress(OSError):  # the rename is made; its durability is best effort
         fsync_dir(out.parent)
 
-
-def _replace_dir(new: Path, out: Path) -> None:
-    """Rename ``new`` to ``out``; an existing ``out`` is moved aside first and deleted only once
-    ``new`` is in its place (put back if the rename fails)."""
-    if not out.exists():
-        os.replace(new, out)
-        return
-    old = out.parent / f".{out.name}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    os.replace(out, old)
-    try:
-        os.replace(new, out)
-    except BaseException:
-        os.replace(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
