@@ -191,7 +191,10 @@ def _eval_parser(sub: "argparse._SubParsersAction") -> None:
                         "format, or a custom task of any NAME (JSONL: context/choices/label, or a built-in's form); "
                         "a custom task given here is evaluated even if --tasks does not name it")
     p.add_argument("--limit", type=whole(0), default=0, help="first N examples of each task (0 = all)")
-    p.add_argument("--data", default="", help="data directory for the validation loss (default: the run's)")
+    p.add_argument("--data", default="", help="data directory for the validation loss (default: the run's; a "
+                   "copy elsewhere, e.g. on another machine, is checked against the run's data fingerprint)")
+    p.add_argument("--other-data", action="store_true",
+                   help="with --data: evaluate on a data directory that is not the one the run trained on")
     p.add_argument("--windows", type=int, default=0,
                    help="validation windows (default: the run's eval.batches x train.micro_batch_size, also for a "
                         "Hugging Face directory flopwise exported; else 64)")
@@ -522,7 +525,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         name, sep, path = item.partition("=")
         name, path = name.strip(), path.strip()
         if not sep or not name or not path:
-            raise ValueError(f"--task-data {item!r}: expected TASK=PATH (a built-in task or a name of your own)")
+            raise ConfigError([f"--task-data {item!r}: expected TASK=PATH (a built-in task or a name of your own)"])
         task_paths[name] = path
         if name not in tasks:  # a file given is a task to evaluate
             tasks.append(name)
@@ -536,7 +539,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             close = difflib.get_close_matches(name, list(TASKS), n=1, cutoff=0.8)
             if name not in TASKS and close:
                 log(f"eval: {name!r} is a custom task (read from {task_paths[name]}); did you mean {close[0]!r}?")
-    kwargs = dict(data=args.data, tasks=tasks, task_paths=task_paths, limit=args.limit, windows=args.windows,
+    kwargs = dict(data=args.data, other_data=args.other_data, tasks=tasks, task_paths=task_paths, limit=args.limit, windows=args.windows,
                   seq_len=args.seq_len, batch_size=args.batch_size, device=args.device)
     if args.watch:
         n = runner.watch(args.source, poll_s=args.poll, timeout_s=args.timeout, log=log, **kwargs)

@@ -22,6 +22,7 @@ Renamed keys still load (:data:`RENAMED_KEYS`), with a note in :attr:`RunConfig.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import hashlib
@@ -1000,6 +1001,27 @@ MAX_INT = 2**63 - 1  # torch, numpy and the OS take 64-bit signed integers: a la
 
 PATH_FIELDS = ("model.hf_config", "data.path", "data.cache_dir", "train.run_dir", "train.preflight", "eval.task_dir")
 NAME_MAX = 255  # bytes in one path component on Linux, macOS and Windows filesystems
+
+
+def recorded_paths(cfg: RunConfig, base: Path | None = None) -> tuple[RunConfig, dict[str, dict[str, str]]]:
+    """``cfg`` as a run records it, and what changed: every relative path setting resolved
+    against ``base`` (the working directory), so a run's ``config.yaml`` reads the same from
+    any directory. ``{"section.key": {"typed": ..., "resolved": ...}}`` says what the user
+    typed. A path starting with ``~`` stays as typed (each machine's home is its own), and
+    ``model.hf_config`` only when it names a local directory (not a hub id)."""
+    base = Path.cwd() if base is None else base
+    out, changed = copy.deepcopy(cfg), {}
+    for name in PATH_FIELDS:
+        section, key = name.split(".")
+        typed = getattr(getattr(cfg, section), key)
+        if not typed or typed.startswith("~") or Path(typed).is_absolute():
+            continue
+        resolved = (base / typed).resolve()
+        if name == "model.hf_config" and not resolved.is_dir():
+            continue
+        setattr(getattr(out, section), key, str(resolved))
+        changed[name] = {"typed": typed, "resolved": str(resolved)}
+    return out, changed
 
 
 def path_problems(name: str, value: str) -> list[str]:

@@ -113,9 +113,13 @@ class DirLock:
     the holder's lifetime is not a block. The lock file is left in place on release (removing
     it would race a process about to lock it); only the flock decides who holds it."""
 
-    def __init__(self, directory: str | Path, purpose: str):
+    def __init__(self, directory: str | Path, purpose: str, dedicated: bool = False):
+        """``dedicated``: ``directory`` exists only to hold the lock (prepare's ``.NAME.lock``):
+        release removes it, whoever made it, so a killed holder's stays only until the next
+        one is done."""
         self.directory = Path(directory)
         self.purpose = purpose
+        self.dedicated = dedicated
         self.path = self.directory / LOCK_NAME
         self._fd: int | None = None
         self._created: list[Path] = []  # directories acquire made: removed again if left holding only the lock
@@ -129,17 +133,31 @@ class DirLock:
         if self._fd is not None:
             return self
         self._created = [p for p in [self.directory, *self.directory.parents] if not p.exists()]
-        self.directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666 & ~umask())
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = _read_holder(fd)
+        while True:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666 & ~umask())
+            except FileNotFoundError:  # a releasing holder removed the dedicated directory just now
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                holder = _read_holder(fd)
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+                    raise LockedError(f"{self.directory} is in use by another process ({holder}); "
+                                      f"wait for it to finish or stop it -- two writers would corrupt it") from None
+                raise
+            # A holder that released a dedicated lock removed its file: the one this flock is on
+            # may be that removed file, while a third process locks a new one. Only the file at
+            # the path counts; otherwise open it again.
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
             os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
-                raise LockedError(f"{self.directory} is in use by another process ({holder}); "
-                                  f"wait for it to finish or stop it -- two writers would corrupt it") from None
-            raise
         info = {"pid": os.getpid(), "host": socket.gethostname(), "purpose": self.purpose,
                 "command": " ".join(sys.argv)[:300], "since": time.strftime("%Y-%m-%d %H:%M:%S")}
         try:  # who holds it, for the message a second writer gets; best effort (the flock is the lock)
@@ -155,7 +173,10 @@ class DirLock:
             return
         fd, self._fd = self._fd, None
         try:  # a holder that failed before writing anything leaves no empty directory behind
-            if self._created and [p.name for p in self.directory.iterdir()] == [LOCK_NAME]:
+            if self.dedicated and [p.name for p in self.directory.iterdir()] == [LOCK_NAME]:
+                self.path.unlink()  # still held: a process that opened it re-checks after its flock
+                self.directory.rmdir()
+            elif self._created and [p.name for p in self.directory.iterdir()] == [LOCK_NAME]:
                 self.path.unlink()
                 for p in self._created:  # deepest first
                     p.rmdir()

@@ -59,7 +59,9 @@ class DataDir:
         self._shards: dict[str, list[np.ndarray]] = {}
         p = self.path
         if not p.is_dir():
-            raise DataDirError(f"data directory {p} does not exist (run `flopwise prepare` first)")
+            where = "" if p.is_absolute() else f" (from {Path.cwd()}: {p.absolute()})"
+            raise DataDirError(f"data directory {p} does not exist{where}: run `flopwise prepare`, "
+                               "or point at where it is")
         meta_path = p / "meta.json"
         if not meta_path.is_file():
             raise DataDirError(f"{meta_path}: missing; {p} is not a prepared data directory")

@@ -674,7 +674,7 @@ def output_lock(out: Path) -> DirLock:
     never renamed, guards ``.NAME.partial``, ``.NAME.old`` and ``NAME`` alike, and only
     prepares of the same output contend for it (not every output of one parent folder).
     """
-    return DirLock(out.parent / f".{out.name}.lock", "flopwise prepare")
+    return DirLock(out.parent / f".{out.name}.lock", "flopwise prepare", dedicated=True)
 
 
 def prepare(opts: PrepareOptions, log: Log = print) -> Path:

@@ -31,13 +31,13 @@ import torch
 
 from flopwise.checkpoints import latest_checkpoint, list_checkpoints
 from flopwise.config import DataConfig, RunConfig, load_run_config
-from flopwise.data.datadir import DataDir, check_cache_path, open_data_dir
+from flopwise.data.datadir import DataDir, DataDirError, check_cache_path, open_data_dir
 from flopwise.data.loader import fixed_windows, overlap_note
 from flopwise.data.tokenizer import load_tokenizer
 from flopwise.evaluate.loss import bits_per_byte, evaluate_loss, perplexity, target_bytes
 from flopwise.evaluate.tasks import evaluate_tasks
-from flopwise.fsio import AppendFile, WriteError, loads_json, read_json
-from flopwise.model.io import EXPORT_RECORD, ModelSource, load_model, read_export_record, resolve
+from flopwise.fsio import AppendFile, FileFormatError, WriteError, loads_json, read_json
+from flopwise.model.io import EXPORT_RECORD, ModelSource, ModelSourceError, load_model, read_export_record, resolve
 
 Log = Callable[[str], None]
 EVALS_FILE = "evals.jsonl"
@@ -51,7 +51,7 @@ def _device(name: str) -> torch.device:
 
 def evaluate(path: str | os.PathLike, data: str = "", tasks: list[str] | None = None,
              task_paths: dict[str, str] | None = None, limit: int = 0, windows: int = 0, seq_len: int = 0,
-             batch_size: int = 8, device: str = "auto", log: Log = print) -> dict[str, Any]:
+             batch_size: int = 8, device: str = "auto", other_data: bool = False, log: Log = print) -> dict[str, Any]:
     """Evaluate the model at ``path``; return ``{"step", "tokens", "checkpoint", "val_loss",
     "val_ppl", "val_bpb", "val_windows", "val_seq_len", "eval": {task: scores}}`` (keys
     present when measured). Which windows: the module docstring."""
@@ -69,10 +69,23 @@ def evaluate(path: str | os.PathLike, data: str = "", tasks: list[str] | None = 
     geometry = _run_geometry(run_cfg, src)
     dd: DataDir | None = None
     said = False  # why validation is skipped, once said
+    trained_on = state.get("data_fingerprint") if run_cfg is not None else (geometry or {}).get("fingerprint")
     if data:  # checked like a run's own data: checksums and id range, remembered per shard
         dd = DataDir(data)
+        found = dd.meta.get("fingerprint")
+        if trained_on and found != trained_on and not other_data:
+            raise DataDirError(f"--data {data}: not the data the run trained on (fingerprint {str(found)[:12]}, "
+                               f"the run's {trained_on[:12]}): point at a copy of the run's data, or pass "
+                               "--other-data to evaluate on this one")
         dd.check_shards(check_cache_path((run_cfg.data if run_cfg else DataConfig()).cache_dir, dd.path))
     elif run_cfg is not None:
+        recorded = run_cfg.data.path
+        if recorded and not Path(recorded).expanduser().is_dir():
+            typed = _typed_path(src.path, "data.path")
+            as_typed = f" (typed as {typed!r})" if typed and typed != recorded else ""
+            raise DataDirError(f"the run's data directory {recorded}{as_typed} is not here: give --data DIR where "
+                               f"it is now (the run's data has fingerprint {str(trained_on)[:12]}; another "
+                               "directory is refused unless --other-data)")
         dd = open_data_dir(run_cfg.data, log=lambda s: None)
     elif geometry is not None and geometry["data"] is not None:  # an export of a run: the run's data
         try:
@@ -99,7 +112,7 @@ def evaluate(path: str | os.PathLike, data: str = "", tasks: list[str] | None = 
         log("  val        skipped: no data directory (give --data DIR)")
     if tasks:
         if src.tokenizer_path is None:
-            raise ValueError(f"{path}: no tokenizer.json to score the tasks with")
+            raise ModelSourceError(f"{path}: no tokenizer.json to score the tasks with")
         tok = load_tokenizer(src.tokenizer_path)  # a malformed file: an error naming it
         results = evaluate_tasks(model, tok, tasks, paths=task_paths, limit=limit, device=dev,
                                  batch_size=batch_size, autocast=autocast)
@@ -108,6 +121,21 @@ def evaluate(path: str | os.PathLike, data: str = "", tasks: list[str] | None = 
             log(f"  {name:<14} acc {r['acc']:.4f} · acc_norm {r['acc_norm']:.4f} · acc_token {r['acc_token']:.4f}"
                 f" (± {r['stderr']['acc']:.4f}; random {r['random']:.4f}; n {r['n']})")
     return out
+
+
+def _typed_path(source: Path, name: str) -> str | None:
+    """What the user typed for the path setting ``name`` when the run started (its
+    ``run.json``; a checkpoint's run is two levels up), or None."""
+    for run_dir in (source, source.parent.parent):
+        record = run_dir / "run.json"
+        if record.is_file():
+            try:
+                paths = read_json(record).get("paths") or {}
+            except FileFormatError:
+                return None
+            entry = paths.get(name) if isinstance(paths, dict) else None
+            return entry.get("typed") if isinstance(entry, dict) else None
+    return None
 
 
 def _run_geometry(run_cfg: RunConfig | None, src: ModelSource) -> dict[str, Any] | None:

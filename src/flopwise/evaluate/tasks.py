@@ -501,16 +501,16 @@ def loglikelihoods(model: torch.nn.Module, tokenizer, examples: list[Example], d
         prefix = ([bos] if bos is not None else []) + ctx_ids[i]
         if not prefix:
             if eos is None:
-                raise ValueError(f"example {i}: the context {ex.context!r} encodes to no token and the tokenizer has "
+                raise TaskError(f"example {i}: the context {ex.context!r} encodes to no token and the tokenizer has "
                                  f"neither BOS nor EOS to condition the first choice token on")
             prefix = [eos]
         for j, choice in enumerate(ex.choices):
             cont = choice_ids[r]
             r += 1
             if not cont:
-                raise ValueError(f"example {i} choice {j}: {choice!r} encodes to no token")
+                raise TaskError(f"example {i} choice {j}: {choice!r} encodes to no token")
             if len(cont) > max_len:
-                raise ValueError(f"example {i} choice {j}: {len(cont)} tokens, more than model.max_seq_len "
+                raise TaskError(f"example {i} choice {j}: {len(cont)} tokens, more than model.max_seq_len "
                                  f"{max_len}: some of its tokens would have no context")
             seq = prefix + cont
             if len(seq) > max_len + 1:  # the input is seq[:-1]: at most max_len tokens
@@ -613,10 +613,10 @@ def score(model: torch.nn.Module, tokenizer, examples: list[Example], device: st
     "acc_token"}, "random", "truncated"}``: accuracies and chance as fractions in [0, 1],
     ``truncated`` the number of (example, choice) sequences cut on the left."""
     if not examples:
-        raise ValueError("no examples to score")
+        raise TaskError("no examples to score")
     for i, ex in enumerate(examples):
         if len(ex.choices) < 1 or not 0 <= ex.label < len(ex.choices):
-            raise ValueError(f"example {i}: label {ex.label} is not an index into its {len(ex.choices)} choices")
+            raise TaskError(f"example {i}: label {ex.label} is not an index into its {len(ex.choices)} choices")
     logprobs, ntoks, truncated = loglikelihoods(model, tokenizer, examples, device, batch_size, autocast,
                                                 shard, reduce)
     out = metrics(examples, logprobs, ntoks)

@@ -4,6 +4,7 @@ commit) and what it gave (:class:`TrainResult`), including for a run that was al
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -50,6 +51,7 @@ def run_record(cfg, device: torch.device, precision: str) -> dict[str, Any]:
         "device": device_label(device),
         "precision": precision,
         "argv": sys.argv,
+        "cwd": os.getcwd(),  # where the command line's relative paths were relative to
         "code": code_version(),
         "started": datetime.now().isoformat(timespec="seconds"),
     }

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from flopwise.config import ConfigError, RunConfig, batch_split_problems, with_checksum
+from flopwise.config import ConfigError, RunConfig, batch_split_problems, recorded_paths, with_checksum
 from flopwise.data.datadir import DataDir, open_data_dir
 from flopwise.data.loader import fixed_windows, make_loader
 from flopwise.evaluate.loss import target_bytes
@@ -150,8 +150,14 @@ class Run:
 
 
 
-def open_data(cfg: RunConfig, log: Log) -> DataDir:
-    """The prepared data directory: ``data.path``, or the embedded corpus prepared once."""
+def open_data(cfg: RunConfig, log: Log, resuming: bool = False) -> DataDir:
+    """The prepared data directory: ``data.path``, or the embedded corpus prepared once. A
+    resumed run whose data is not at its recorded path is told how to re-point it."""
+    path = cfg.data.path
+    if resuming and path and not Path(path).expanduser().is_dir():
+        raise ConfigError([f"data.path {path}: the run's data directory is not here; give data.path=DIR where "
+                           "it is now (the resume checks that it is the same data, by the fingerprint its "
+                           "checkpoint recorded)"])
     dd = open_data_dir(cfg.data, log=log)
     if dd.vocab_size > cfg.model.vocab_size:
         raise ConfigError([
@@ -269,7 +275,9 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
     strategy = resolve_strategy(cfg, env, device, prec.name, loss_impl)  # refusals before any work
     start = env.on_main(lambda: start_run(asked, fresh, locks))
     asked.train.run_dir = t.run_dir = str(start.run_dir)  # rank 0 named it (a timestamp): every rank uses it
-    data = env.main_first(lambda: open_data(cfg, log))  # the embedded corpus is prepared once, by rank 0
+    # config.yaml records every path resolved, so the run reads the same from any directory
+    recorded, typed_paths = recorded_paths(asked)
+    data = env.main_first(lambda: open_data(cfg, log, resuming=start.resumed_run))  # the embedded corpus is prepared once, by rank 0
 
     total_steps, accum = cfg.total_steps(), cfg.grad_accum_steps(world)
     micro_tokens = t.micro_batch_size * t.seq_len * world
@@ -319,13 +327,14 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
         guard=NonFiniteGuard.from_config(t, uniform_loss=math.log(m.vocab_size)),  # the logits' uniform loss
         deadline=deadline, fit=TimeFit(deadline, o.warmup_steps, clock) if o.fit_to_time else None,
         total_steps=total_steps, accum=accum, micro_tokens=micro_tokens, ramp=ramp, cont=None,
-        flops=run_flops(cfg, device, prec.name), config_yaml=asked.to_yaml(), record={}, plan=plan,
+        flops=run_flops(cfg, device, prec.name), config_yaml=recorded.to_yaml(), record={}, plan=plan,
         uniform=math.log(data.vocab_size), notes=notes)
     run.progress.last_saved = start.checkpoint
     if start.checkpoint is not None:
         restore(run, start.checkpoint)
     run.val_bytes = target_bytes(run.val_windows, data.tokenizer)  # for bits per byte, across tokenizers
     run.record = run_record(cfg, device, prec.name)
+    run.record["paths"] = typed_paths  # what the user typed, where config.yaml holds them resolved
     run.record["parallel"] = {"strategy": strategy.name, "world_size": world, "backend": env.backend,
                               "launched": env.launched, "why": strategy.why}
     env.on_main(lambda: write_run_files(run))
