@@ -306,3 +306,25 @@ def test_one_model_validation_types_and_values_without_a_type_error():
     assert model_problems(ModelConfig(rope_theta=float("nan"))) == ["model.rope_theta must be a finite number, got nan"]
     assert ModelConfig(rope_theta=float("nan")).problems() == []  # validate() names it, once
     assert model_problems(ModelConfig()) == []
+
+
+@pytest.mark.parametrize("name", ["../elsewhere/x.safetensors", "/tmp/x.safetensors", "link.safetensors"])
+def test_an_index_naming_a_shard_outside_its_directory_is_refused(tmp_path, name):
+    """A Hugging Face directory's index may name '../elsewhere/x.safetensors' (or a link that
+    leads out): flopwise reads a directory it was given only inside itself."""
+    import torch
+    from safetensors.torch import save_file
+
+    from flopwise.model.io import ModelSourceError, read_safetensors_dir
+
+    (tmp_path / "elsewhere").mkdir()
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "elsewhere" / "x.safetensors"))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "link.safetensors").symlink_to(tmp_path / "elsewhere" / "x.safetensors")
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": name}}))
+    with pytest.raises(ModelSourceError, match="names a file outside"):
+        read_safetensors_dir(hf)
+    save_file({"w": torch.ones(2)}, str(hf / "inside.safetensors"))
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "inside.safetensors"}}))
+    assert read_safetensors_dir(hf)["w"].sum() == 2

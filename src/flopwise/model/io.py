@@ -116,7 +116,8 @@ def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise ModelSourceError(f"{index}: no 'weight_map' of tensor name -> file name")
         shards = sorted(set(weight_map.values()))
-        outside = [s for s in shards if Path(s).is_absolute() or ".." in Path(s).parts]
+        inside = path.resolve()  # a directory a user was sent is read only inside itself, links followed
+        outside = [s for s in shards if Path(s).is_absolute() or not (path / s).resolve().is_relative_to(inside)]
         if outside:
             raise ModelSourceError(f"{index}: names a file outside {path}: {outside[0]!r}")
         sd: dict[str, torch.Tensor] = {}
