@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,9 +85,9 @@ def shim() -> Path:
     return _shim_or_skip()
 
 
-def trace_batch(shim: Path, tmp: Path, world: int, configs: list[tuple[str, str, list[str]]]) -> dict[str, dict]:
-    """Each configuration traced by the dry run's worker, in one process per batch (as the dry run
-    starts it: PYTHONHASHSEED=0)."""
+def start_batch(shim: Path, tmp: Path, world: int, configs: list[tuple[str, str, list[str]]]):
+    """The dry run's worker started on these configurations, in one process (as the dry run
+    starts it: PYTHONHASHSEED=0); :func:`batch_results` waits for it."""
     paths = []
     for i, (_, preset, overrides) in enumerate(configs):
         cfg = build_config(preset, overrides=[*SHAPE, f"train.global_batch_size={2 * 2 * world}", *overrides])
@@ -97,11 +98,22 @@ def trace_batch(shim: Path, tmp: Path, world: int, configs: list[tuple[str, str,
                "world": world, "nproc_per_node": world, "headroom": 0.9, "configs": paths}
     (tmp / "request.json").write_text(json.dumps(request))
     env = dict(os.environ, LD_PRELOAD=str(shim), OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
-    done = subprocess.run([sys.executable, "-m", "flopwise.tune.worker", str(tmp / "request.json"),
-                           str(tmp / "result.json")], env=env, capture_output=True, text=True, timeout=3600)
-    assert (tmp / "result.json").is_file(), f"the worker died (status {done.returncode}): {done.stderr[-3000:]}"
+    with open(tmp / "stderr.txt", "w") as err:  # a file, not a pipe: nobody reads while it runs
+        return subprocess.Popen([sys.executable, "-m", "flopwise.tune.worker", str(tmp / "request.json"),
+                                 str(tmp / "result.json")], env=env, stdout=subprocess.DEVNULL, stderr=err)
+
+
+def batch_results(proc, tmp: Path, configs: list[tuple[str, str, list[str]]]) -> dict[str, dict]:
+    proc.wait(timeout=3600)
+    stderr = (tmp / "stderr.txt").read_text(errors="replace")
+    assert (tmp / "result.json").is_file(), f"the worker died (status {proc.returncode}): {stderr[-3000:]}"
     results = json.loads((tmp / "result.json").read_text())["results"]
     return {name: r for (name, _, _), r in zip(configs, results)}
+
+
+def trace_batch(shim: Path, tmp: Path, world: int, configs: list[tuple[str, str, list[str]]]) -> dict[str, dict]:
+    """Each configuration traced by the dry run's worker, in one process per batch."""
+    return batch_results(start_batch(shim, tmp, world, configs), tmp, configs)
 
 
 def check(name: str, r: dict) -> list[str]:
@@ -142,13 +154,42 @@ def check(name: str, r: dict) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def single(shim, tmp_path_factory) -> dict[str, dict]:
-    return trace_batch(shim, tmp_path_factory.mktemp("single"), 1, SINGLE)
+def traced(shim, tmp_path_factory) -> dict[str, dict[str, dict]]:
+    """The matrix, traced in two lanes of worker processes at once: most one-GPU configurations
+    in one, the rest and then the 8-rank ones in the other. Each trace is single-threaded, so
+    two cores share them out (three processes at once contended for 2 cores and gained less)."""
+    split = 13  # of SINGLE: the lanes then take about as long as each other on 2 cores
+    lanes = [[("single-a", 1, SINGLE[:split])], [("single-b", 1, SINGLE[split:]), ("multi", RANKS, MULTI)]]
+    running = {}  # lane -> (name, process, tmp, configs)
+    done: dict[str, dict] = {}
+
+    def start(lane: int) -> None:
+        name, world, configs = lanes[lane].pop(0)
+        tmp = tmp_path_factory.mktemp(name)
+        running[lane] = (name, start_batch(shim, tmp, world, configs), tmp, configs)
+
+    for lane in range(len(lanes)):
+        start(lane)
+    while running:
+        for lane, (name, proc, tmp, configs) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            done[name] = batch_results(proc, tmp, configs)
+            del running[lane]
+            if lanes[lane]:
+                start(lane)
+        time.sleep(0.5)
+    return {"single": {**done["single-a"], **done["single-b"]}, "multi": done["multi"]}
 
 
 @pytest.fixture(scope="module")
-def multi(shim, tmp_path_factory) -> dict[str, dict]:
-    return trace_batch(shim, tmp_path_factory.mktemp("multi"), RANKS, MULTI)
+def single(traced) -> dict[str, dict]:
+    return traced["single"]
+
+
+@pytest.fixture(scope="module")
+def multi(traced) -> dict[str, dict]:
+    return traced["multi"]
 
 
 @pytest.mark.slow

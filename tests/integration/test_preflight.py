@@ -150,10 +150,12 @@ def test_compile_diagnostics_are_part_of_the_report(tiny_overrides, tmp_path):
 
 @pytest.mark.slow
 def test_the_ladder_at_two_ranks_from_the_command_line_writes_what_torchrun_launches(tiny_overrides, tmp_path,
-                                                                                      capsys):
+                                                                                      capsys, monkeypatch):
     """flopwise preflight --ladder --nproc-per-node 2, for real: the one-rank rungs in this process
     (the CPU default), then 2 gloo ranks started by the ladder itself; the tuned config names the
-    strategy that was measured. (Fresh one-rank processes: tests/distributed/test_trial.py.)"""
+    strategy that was measured. (Fresh one-rank processes: tests/distributed/test_trial.py.) The
+    rungs of a CPU without native bf16, on any machine (the bf16 rung: tests/unit/test_ladder.py)."""
+    monkeypatch.setattr("flopwise.train.ladder.cpu_native_bf16", lambda: None)
     out = tmp_path / "pf"
     rc = cli_main(["preflight", "--ladder", "--nproc-per-node", "2",
                    "--warmup", "1", "--budget-minutes", "10", "--out", str(out), *tiny_overrides,
