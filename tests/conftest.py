@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import tiny_model_overrides
 
 # One intra-op thread in the test process and, through the environment, in every CLI and
 # torchrun child, unless the caller set OMP_NUM_THREADS: the tests' tiny tensors gain
@@ -47,14 +48,8 @@ def small_builtin(tmp_path_factory):
 def tiny_overrides(small_builtin, tmp_path):
     """Overrides for a seconds-long CPU run on the small corpus, in a fresh run directory."""
     cache, _ = small_builtin
-    return [
-        f"data.cache_dir={cache}", "data.builtin_vocab_size=512", "data.builtin_max_mb=0.6",
-        "model.vocab_size=512", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
-        "model.n_kv_heads=2", "model.ffn_hidden=192", "model.max_seq_len=64",
-        "train.seq_len=64", "train.micro_batch_size=8", "train.global_batch_size=16",
-        "train.log_every=5", "eval.every=10", "eval.batches=2", "eval.sample_tokens=16",
-        "optim.warmup_steps=5", f"train.run_dir={tmp_path / 'run'}",
-    ]
+    return [*tiny_model_overrides(cache), "train.log_every=5", "eval.every=10", "eval.sample_tokens=16",
+            f"train.run_dir={tmp_path / 'run'}"]
 
 
 def _saved_bytes(fn) -> int:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 import torch
 
@@ -98,3 +99,32 @@ def assert_grad_norms_close(got: Mapping[int, float], want: Mapping[int, float],
     bad = [b for b in bad if not b[3] <= rel]
     assert not bad, (f"{where}grad norm differs by more than {rel:.0e} at {len(bad)} of {len(want)} steps:\n"
                      + "\n".join(f"  step {s}: {g:.9g} vs {w:.9g} (rel {r:.2e})" for s, g, w, r in bad))
+
+
+def torchrun_children(parent: int) -> dict[int, int]:
+    """``{rank: pid}`` of the processes torchrun (pid ``parent``) started, read from /proc."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != parent:
+                continue
+            env = dict(kv.split("=", 1) for kv in (entry / "environ").read_text().split("\0") if "=" in kv)
+        except (OSError, ValueError, IndexError):
+            continue
+        if "RANK" in env:
+            found[int(env["RANK"])] = int(entry.name)
+    return found
+
+
+def tiny_model_overrides(cache) -> list[str]:
+    """The tiny model on the small corpus cached in ``cache`` (no run directory, no logging)."""
+    return [
+        f"data.cache_dir={cache}", "data.builtin_vocab_size=512", "data.builtin_max_mb=0.6",
+        "model.vocab_size=512", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+        "model.n_kv_heads=2", "model.ffn_hidden=192", "model.max_seq_len=64",
+        "train.seq_len=64", "train.micro_batch_size=8", "train.global_batch_size=16",
+        "eval.batches=2", "optim.warmup_steps=5",
+    ]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_grad_norms_close, assert_weights_close, grad_norms
+from helpers import assert_grad_norms_close, assert_weights_close, grad_norms, torchrun_children
 
 STEPS = 8
 STRATEGIES = ("ddp", "zero1", "fsdp2")
@@ -219,25 +219,6 @@ def test_a_global_batch_that_does_not_split_over_the_ranks_is_refused_once(base,
     assert not (tmp_path / "run").exists()
 
 
-def _children_by_rank(parent: int) -> dict[int, int]:
-    """{rank: pid} of the processes torchrun started (from /proc)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid != parent:
-                continue
-            env = dict(kv.split("=", 1) for kv in (entry / "environ").read_text().split("\0") if "=" in kv)
-        except (OSError, ValueError, IndexError):
-            continue
-        if "RANK" in env:
-            found[int(env["RANK"])] = int(entry.name)
-    return found
-
-
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc to find the rank processes")
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(base, tmp_path):
     _, common = base
@@ -254,7 +235,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(base, tmp_path):
             if (run / "metrics.jsonl").is_file() and len((run / "metrics.jsonl").read_text().splitlines()) >= 4:
                 break
             time.sleep(0.2)
-        ranks = _children_by_rank(launcher.pid)
+        ranks = torchrun_children(launcher.pid)
         assert set(ranks) == {0, 1}, ranks
         os.kill(ranks[1], signal.SIGTERM)  # only rank 1 hears it (a preemption notice to one node)
         out, err = launcher.communicate(timeout=120)

@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from helpers import torchrun_children
+
 from flopwise.errors import FlopwiseError
 from flopwise.train.distributed import DistEnv, PeerFailure
 from flopwise.train.stopping import NonFiniteError, SignalStop, ignore_sigterm
@@ -97,24 +99,6 @@ def _env() -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _children_by_rank(parent: int) -> dict[int, int]:
-    """{rank: pid} of the processes torchrun started (from /proc)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid != parent:
-                continue
-            env = dict(kv.split("=", 1) for kv in (entry / "environ").read_text().split("\0") if "=" in kv)
-        except (OSError, ValueError, IndexError):
-            continue
-        if "RANK" in env:
-            found[int(env["RANK"])] = int(entry.name)
-    return found
-
-
 def _logged_steps(run: Path) -> int:
     metrics = run / "metrics.jsonl"
     return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
@@ -140,7 +124,7 @@ def test_when_rank_1_is_killed_rank_0_stops_with_one_line(small_builtin, tmp_pat
         while _logged_steps(run) < 3 and launcher.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         assert _logged_steps(run) >= 3, "the run did not reach step 3"
-        ranks = _children_by_rank(launcher.pid)
+        ranks = torchrun_children(launcher.pid)
         assert set(ranks) == {0, 1}, ranks
         os.kill(ranks[1], signal.SIGKILL)  # mid-run, as the kernel's OOM killer or a lost node would
         out, err = launcher.communicate(timeout=300)  # the survivors do not hang

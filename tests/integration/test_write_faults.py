@@ -19,6 +19,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import tiny_model_overrides
 
 from flopwise.checkpoints import latest_checkpoint, verify_checkpoint
 from flopwise.config import build_config
@@ -37,13 +38,7 @@ QUIET = ["eval.every=0", "eval.sample_tokens=0", "train.log_every=1", "train.che
 def run_overrides(small_builtin):
     """The tiny model on the small corpus (``tiny_overrides`` without its per-test run directory)."""
     cache, _ = small_builtin
-    return [
-        f"data.cache_dir={cache}", "data.builtin_vocab_size=512", "data.builtin_max_mb=0.6",
-        "model.vocab_size=512", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
-        "model.n_kv_heads=2", "model.ffn_hidden=192", "model.max_seq_len=64",
-        "train.seq_len=64", "train.micro_batch_size=8", "train.global_batch_size=16",
-        "eval.batches=2", "optim.warmup_steps=5", *QUIET,
-    ]
+    return [*tiny_model_overrides(cache), *QUIET]
 
 
 @pytest.fixture(scope="module")
