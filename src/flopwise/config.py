@@ -27,8 +27,8 @@ import dataclasses
 import difflib
 import hashlib
 import math
-import os
 import numbers
+import os
 import types
 import typing
 from collections.abc import Callable
@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
 from flopwise.errors import FlopwiseError, shown
 from flopwise.fsio import FileFormatError, read_text
 
@@ -354,7 +355,7 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0  # global-norm clipping; 0 disables
-    fused: Switch = "auto"  # auto (fused AdamW on CUDA) | true | false
+    fused: Switch = "auto"  # auto (fused AdamW: on CUDA and CPU; it skips a bad step on the device) | true | false
     name: OptimizerName = "adamw"  # adamw | muon (Muon for 2-D hidden weights, AdamW for the rest)
     muon_lr: float = 0.02
     muon_momentum: float = 0.95

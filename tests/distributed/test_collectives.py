@@ -137,8 +137,8 @@ def test_ddp_reduces_gradients_once_per_step_not_per_micro_batch(tmp_path):
 
 def _agree(env, device, case):
     from flopwise.train.stopping import Deadline
-    from flopwise.train.stopping import stop_reason
-    from flopwise.train.train_step import global_loss
+    from flopwise.train.stopping import stop_reason, stop_votes
+    from flopwise.train.train_step import step_values
 
     class Signals:
         requested = case == "signal" and env.rank == 1
@@ -146,15 +146,18 @@ def _agree(env, device, case):
 
     loss = torch.tensor(float("nan") if case == "nan" and env.rank == 1 else 2.0 + env.rank)
     deadline = Deadline(0.0, 0.0, 0)
-    loss_f, gnorm_f = global_loss(env, loss, torch.tensor(1.5))
-    return loss_f, gnorm_f, stop_reason(env, Signals(), deadline, None, device)
+    # the step's one all-reduce carries the loss and the ranks' stop votes; read as the loop reads it
+    values = step_values(env, loss, torch.tensor(1.5), True, stop_votes(env, Signals(), deadline, None))
+    loss_f, gnorm_f, bad, *agreed = values.tolist()
+    return loss_f, gnorm_f, stop_reason(env, Signals(), deadline, None, agreed), bad
 
 
 def _fit_progress(env, device, _):
     import time
 
     from flopwise.train.stopping import Deadline
-    from flopwise.train.stopping import TimeFit, stop_reason
+    from flopwise.train.stopping import TimeFit, stop_reason, stop_votes
+    from flopwise.train.train_step import step_values
 
     class Signals:
         requested, name = False, "SIGTERM"
@@ -163,7 +166,9 @@ def _fit_progress(env, device, _):
     fit = TimeFit(deadline, warmup_steps=0)
     seen = []
     for _ in range(3):
-        stop_reason(env, Signals(), deadline, fit, device)
+        votes = stop_votes(env, Signals(), deadline, fit)
+        agreed = step_values(env, torch.tensor(1.0), torch.tensor(1.0), True, votes).tolist()[3:]
+        stop_reason(env, Signals(), deadline, fit, agreed)
         seen.append(fit.progress())
         time.sleep(0.2)
     return seen
@@ -182,11 +187,12 @@ def test_every_rank_takes_the_same_decision(case, tmp_path):
     r0, r1 = spawn("_agree", tmp_path, case)
     assert r0[1] == r1[1] == pytest.approx(1.5) and bool(r0[2]) == bool(r1[2]) == (case == "signal")
     if case == "none":
-        assert r0 == r1 == (2.5, 1.5, "")  # the mean of the ranks' losses
+        assert r0 == r1 == (2.5, 1.5, "", 0.0)  # the mean of the ranks' losses, a good step
     if case == "signal":  # each rank says why it stops
         assert (r0[2], r1[2]) == ("a signal received by another rank", "SIGTERM received")
     if case == "nan":
         assert r0[0] != r0[0] and r1[0] != r1[0]  # NaN on one rank is NaN everywhere: both skip/stop
+        assert r0[3] == r1[3] == 1.0  # and the device's verdict, which skips the update, is bad on both
 
 
 # ------------------------------------------------------------------ the data split
@@ -303,3 +309,70 @@ def test_task_scoring_is_shared_out_and_every_rank_gets_the_whole_answer(strateg
     assert shared0[1] == whole0[1] and shared0[2] == whole0[2]  # token counts, truncations
     for a, b in zip(shared0[0], whole0[0]):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
+
+
+# ------------------------------------------------------------------ the bad step, skipped on the device
+
+def _skip_on_device(env, device, strategy):
+    """Three steps of the run's own ``train_step`` at 2 ranks under ``strategy``; step 2's gradient
+    of one weight turns NaN in the backward on rank 1 only. Returns, per rank, whether the weights
+    after step 2 are those after step 1 (bitwise), the device's verdicts, and the optimizer's steps."""
+    from flopwise.train.precision import resolve
+    from flopwise.train.setup import build_step
+    from flopwise.train.train_step import StepOnly, train_step
+
+    cfg = build_config(overrides=["model.vocab_size=64", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
+                              "model.n_kv_heads=2", "model.ffn_hidden=64", "model.max_seq_len=16",
+                              "train.seq_len=16", "train.micro_batch_size=2", "train.global_batch_size=4",
+                              "train.precision=float32", "data.builtin_vocab_size=64", f"parallel.strategy={strategy}", "train.compile=off"])
+    gen = torch.Generator().manual_seed(env.rank)
+
+    class Batches:
+        def next_batch(self):
+            seq = torch.randint(0, 64, (2, 17), generator=gen)
+            return seq[:, :-1], seq[:, 1:]
+
+        def state_dict(self):
+            return {}
+
+    prec = resolve("float32", device)
+    torch.manual_seed(0)
+    parts = build_step(cfg, strategy, env, device, prec)
+    step = StepOnly.of(cfg, parts, env, device, prec, strategy, Batches())
+    poisoned = {"on": False}
+    linear = next(m for m in parts.model.modules() if isinstance(m, torch.nn.Linear))
+
+    def poison(module, inputs, output):  # NaN made in the backward: the loss stays finite
+        if poisoned["on"] and env.rank == 1:
+            output.register_hook(lambda g: g * float("nan"))
+
+    linear.register_forward_hook(poison)
+
+    def snapshot():
+        return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for p in parts.model.parameters()]
+
+    verdicts = []
+    train_step(step, 0, 1, 4 * 16, 1e-3)
+    verdicts.append(train_step(step, 1, 1, 4 * 16, 1e-3).read().bad)
+    before = snapshot()
+    poisoned["on"] = True
+    verdicts.append(train_step(step, 2, 1, 4 * 16, 1e-3).read().bad)
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, snapshot()))
+    poisoned["on"] = False
+    verdicts.append(train_step(step, 3, 1, 4 * 16, 1e-3).read().bad)
+    moved = not all(torch.equal(a, b) for a, b in zip(before, snapshot()))
+    inner = parts.optimizer.optim if strategy == "zero1" else parts.optimizer
+    steps = sorted({float(s["step"]) for s in inner.state.values()})
+    return unchanged, moved, verdicts, steps
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "fsdp2"])
+@pytest.mark.slow
+def test_a_nan_gradient_on_one_rank_skips_the_update_on_every_rank_on_the_device(strategy, tmp_path):
+    """No host read decides it: fused AdamW gets the verdict as ``found_inf`` (ZeRO-1: its local
+    optimizer; FSDP2: on DTensor shards), and leaves weights, moments and step count as they were."""
+    for unchanged, moved, verdicts, steps in spawn("_skip_on_device", tmp_path, strategy):
+        assert verdicts == ["", "nonfinite", ""], verdicts
+        assert unchanged and moved, (unchanged, moved)
+        assert steps == [3.0], steps  # 4 steps issued, the bad one not counted

@@ -4,8 +4,8 @@ flopwise ships, and the command itself.
 The matrix runs each configuration through the dry run's own worker (``flopwise/tune/worker.py``,
 the fake-CUDA shim preloaded), a batch per world size: every preset at one device, the switches
 (compile, document masking, precision, activation checkpointing) around one small preset, and the
-data-parallel strategies at 8 ranks on a fake process group. Each must run, read the device once
-per step (the loss and gradient norm), count matmul FLOPs equal to 6·N_matmul (plus the
+data-parallel strategies at 8 ranks on a fake process group. Each must run, never read the device
+inside the step (its loss and gradient norm are read on log steps or one step late), count matmul FLOPs equal to 6·N_matmul (plus the
 recompute under checkpointing), compile to one graph without breaks or recompiles, take flash or
 the memory-efficient SDPA kernel (never math), and peak within 10% of the planner's memory --
 except where :data:`PLANNER_GAPS` says the planner is known to be off, each with its reason;
@@ -122,8 +122,8 @@ def check(name: str, r: dict) -> list[str]:
         return [f"{name}: the step fails: {r['error']} at {r.get('where')}\n{r.get('traceback', '')[-1500:]}"]
     t, problems = r["trace"], []
     syncs = t["syncs"]
-    if len(syncs) != 1 or "global_loss" not in syncs[0]["source"]:
-        problems.append(f"{name}: {len(syncs)} host syncs per step, expected 1 (global_loss): {syncs}")
+    if syncs:  # the step's values are read on log steps, or one step late: never inside the step
+        problems.append(f"{name}: {len(syncs)} host syncs in a step, expected none: {syncs}")
     f = t["flops"]
     if f["matmul"] != f["matmul_expected"]:
         problems.append(f"{name}: matmul FLOPs {f['matmul']:.4e} traced vs {f['matmul_expected']:.4e} analytic "
@@ -242,7 +242,7 @@ def test_dry_run_command_reports_a_traced_step(shim, capsys):
                  "train.seq_len=128", "train.micro_batch_size=4", "train.global_batch_size=16"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["request"]["gpu"]["spec"] == "L4" and result["world"] == 2 and result["strategy"] == "ddp"
-    assert len(result["trace"]["syncs"]) == 1 and result["fit"]["micro_batch"] > 4
+    assert result["trace"]["syncs"] == [] and result["fit"]["micro_batch"] > 4
     lines = render(result)
     assert "traced on fake tensors" in lines[0] and any(ln.strip().startswith("not seen") for ln in lines)
 
@@ -314,7 +314,7 @@ def test_plan_traces_the_step_it_plans(shim, capsys):
     plan = json.loads(capsys.readouterr().out)
     trace = plan["trace"]
     assert trace["micro_batch"] == plan["batch"]["micro_batch"] and trace["seq_len"] == 128
-    assert trace["fit"]["micro_batch"] >= 1 and len(trace["trace"]["syncs"]) == 1
+    assert trace["fit"]["micro_batch"] >= 1 and trace["trace"]["syncs"] == []
     assert main(["plan", "--model", "tiny", "--trace"]) == 2  # no --gpu: said in one line, nothing traced
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--gpu" in err[0], err

@@ -1,6 +1,11 @@
 """Bad steps: the bounds on skips and rollbacks (per run, per checkpoint, across resumes and
 rollbacks), and collapses (gradient norm ~0 at ln V) -- the guard on its own, then in real
-tiny training runs on CPU (issue 16: `train.nonfinite=rollback` rolled back 700 times)."""
+tiny training runs on CPU (issue 16: `train.nonfinite=rollback` rolled back 700 times).
+
+The runs here make the *loss* NaN after the backward (conftest's ``nan_at``): the gradients stay
+finite, so they test the bounds and the loss half of the guard. A NaN made in the backward --
+a finite loss, a NaN gradient norm -- under each policy, and a real divergence from a huge
+learning rate, are in tests/integration/test_divergence.py."""
 
 import json
 import math

@@ -13,7 +13,7 @@ from flopwise.config import ModelConfig, OptimConfig
 from flopwise.model import build_model
 from flopwise.train import optim
 from flopwise.train.schedule import lr_at
-from flopwise.train.optim import (CombinedOptimizer, FallbackMuon, build_optimizer, describe_optimizer,
+from flopwise.train.optim import (CombinedOptimizer, Muon, build_optimizer, describe_optimizer,
                                   make_muon, muon_class, muon_lr_scale, muon_split, newton_schulz, param_groups,
                                   set_lr, set_lr_factor)
 
@@ -50,12 +50,6 @@ def test_tied_weights_counted_once():
     model = torch.nn.ModuleDict({"emb": emb, "head": head})
     groups = param_groups(model, 0.1)
     assert sum(len(g["params"]) for g in groups) == 1
-
-
-def test_fused_is_off_on_cpu_by_default():
-    model = torch.nn.Linear(4, 4)
-    opt = build_optimizer(model, OptimConfig(), torch.device("cpu"))
-    assert not opt.defaults.get("fused")
 
 
 # ----------------------------------------------------------------------------- Muon
@@ -161,11 +155,11 @@ def test_muon_update_is_orthogonalised(shape):
     assert sv_ns.min() > 0.5 and sv_ns.max() < 1.5
 
 
-def test_fallback_muon_matches_torch_muon():
+def test_flopwise_muon_matches_torch_muon():
     if not hasattr(torch.optim, "Muon"):
         pytest.skip("this torch has no torch.optim.Muon")
     deltas = []
-    for cls in (torch.optim.Muon, FallbackMuon):
+    for cls in (torch.optim.Muon, Muon):
         gen = torch.Generator().manual_seed(0)
         p = torch.nn.Parameter(torch.randn(48, 32, generator=gen))
         p0 = p.detach().clone()
@@ -190,14 +184,13 @@ def fixed_batch(vocab=64, seed=0):
     return seq[:, :-1], seq[:, 1:]
 
 
-@pytest.fixture(params=["torch", "fallback"])
+@pytest.fixture(params=["torch", "flopwise"])
 def muon_impl(request, monkeypatch):
-    """Run a test with torch.optim.Muon and with the fallback written here."""
+    """Run a test with torch.optim.Muon and with flopwise's (the one runs use: it skips on the device)."""
     if request.param == "torch":
         if not hasattr(torch.optim, "Muon"):
             pytest.skip("this torch has no torch.optim.Muon")
-    else:
-        monkeypatch.setattr(optim, "muon_class", lambda: FallbackMuon)
+        monkeypatch.setattr(optim, "muon_class", lambda: torch.optim.Muon)
     return request.param
 
 
@@ -219,7 +212,7 @@ def test_muon_decreases_loss_on_a_fixed_batch(muon_impl):
     torch.manual_seed(0)
     # Muon alone: AdamW's parameters (embedding, norms) frozen at lr 0.
     opt, losses = train_losses(tiny_model(), ocfg(name="muon", lr=0.0, muon_lr=0.02))
-    assert type(opt.optimizers["muon"]).__name__ == ("Muon" if muon_impl == "torch" else "FallbackMuon")
+    assert type(opt.optimizers["muon"]) is (torch.optim.Muon if muon_impl == "torch" else Muon)
     assert all(a > b for a, b in zip(losses, losses[1:])) and losses[-1] < 0.93 * losses[0], losses
     # Muon and AdamW together.
     _, losses = train_losses(tiny_model(), ocfg(name="muon", lr=3e-3, muon_lr=0.02))
@@ -285,3 +278,64 @@ def test_combined_optimizer_works_with_grad_scaler():
     scaler.step(opt)
     scaler.update()
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+# ----------------------------------------------------------------------------- the skip on the device
+
+
+def _stepped(opt_factory, grads, found):
+    """Parameters and optimizer state after one step per gradient, ``found[i]`` the bad flag."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(24, 16, generator=gen))
+    opt = opt_factory([p])
+    for g, bad in zip(grads, found):
+        p.grad = g.clone()
+        if bad is None:
+            opt.step()
+        else:
+            with optim.skipped_if(opt, torch.tensor(float(bad))):
+                opt.step()
+    state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()}
+    return p.detach().clone(), state
+
+
+OPTIMIZERS = {
+    "fused adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    "muon": lambda ps: Muon(ps, lr=0.02, weight_decay=0.1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_bad_step_is_skipped_on_the_device_and_a_good_one_is_the_plain_step(name):
+    """A NaN gradient under found_inf=1 leaves weights and state exactly as a run that never saw
+    it; found_inf=0 is bitwise the plain step (the skip costs no numerics)."""
+    gen = torch.Generator().manual_seed(1)
+    g1, g2 = torch.randn(24, 16, generator=gen), torch.randn(24, 16, generator=gen)
+    nan = torch.full((24, 16), float("nan"))
+    make = OPTIMIZERS[name]
+    plain_p, plain_s = _stepped(make, [g1, g2], [None, None])
+    flagged_p, flagged_s = _stepped(make, [g1, g2], [0, 0])
+    assert torch.equal(plain_p, flagged_p), (plain_p - flagged_p).abs().max()
+    skipped_p, skipped_s = _stepped(make, [g1, nan, g2], [0, 1, 0])
+    assert torch.isfinite(skipped_p).all()
+    assert torch.equal(plain_p, skipped_p), (plain_p - skipped_p).abs().max()
+    for k, v in plain_s.items():  # moments, momentum, AdamW's step count: as if the NaN step never came
+        assert torch.equal(v, skipped_s[k]), (k, v, skipped_s[k])
+
+
+def test_which_optimizers_skip_on_the_device():
+    p = [torch.nn.Parameter(torch.randn(4, 4))]
+    assert optim.skips_on_device(torch.optim.AdamW(p, fused=True))
+    assert optim.skips_on_device(Muon(p))
+    assert not optim.skips_on_device(torch.optim.AdamW(p, foreach=False))
+    combined = CombinedOptimizer({"muon": Muon(p), "adamw": torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))],
+                                                                                fused=True)})
+    assert optim.skips_on_device(combined)
+    assert not optim.skips_on_device(CombinedOptimizer({"muon": Muon(p), "adamw": torch.optim.AdamW(
+        [torch.nn.Parameter(torch.ones(3))], foreach=False)}))
+
+
+def test_adamw_is_fused_on_cpu_by_default():
+    opt = build_optimizer(tiny_model(), ocfg(), torch.device("cpu"))
+    assert opt.defaults.get("fused") is True and optim.skips_on_device(opt)
+    assert not optim.skips_on_device(build_optimizer(tiny_model(), ocfg(fused="false"), torch.device("cpu")))

@@ -12,6 +12,7 @@ import os
 import resource
 import time
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 
@@ -48,6 +49,14 @@ def format_memory(mem: dict[str, float]) -> str:
     return f"rss {mem['mem_rss_gb']:.2f} GiB"
 
 
+class WindowRates(TypedDict):
+    """One logged window's rates (:meth:`ThroughputMeter.window`)."""
+
+    tok_per_s: float
+    step_time_s: float
+    mfu: float | None  # None without a peak to divide by
+
+
 @dataclass
 class ThroughputMeter:
     """Tokens/s and MFU over logging windows and over the whole run after warm-up.
@@ -76,7 +85,7 @@ class ThroughputMeter:
         self._window_steps += 1
         self._window_tokens += tokens
 
-    def window(self) -> dict[str, float | None]:
+    def window(self) -> WindowRates:
         """Close the current window (the caller has synchronised) and return its rates."""
         now = time.perf_counter()
         dt = max(now - self._window_start, 1e-9)
@@ -85,7 +94,7 @@ class ThroughputMeter:
         if self._steps_seen - self._window_steps >= self.warmup_steps:
             self._steady_time += dt
             self._steady_tokens += self._window_tokens
-        out = {
+        out: WindowRates = {
             "tok_per_s": tok_s,
             "step_time_s": dt / max(self._window_steps, 1),
             "mfu": self.mfu(tok_s),

@@ -12,7 +12,7 @@ from flopwise.data.loader import overlap_note
 from flopwise.data.meta import held_out_overlap_note
 from flopwise.measure.sinks import human
 from flopwise.train.device import device_label
-from flopwise.train.optim import describe_optimizer
+from flopwise.train.optim import describe_optimizer, skips_on_device
 from flopwise.train.precision import cpu_native_bf16
 from flopwise.train.setup import Run
 
@@ -78,6 +78,9 @@ def describe(run: Run) -> list[str]:
                     + (", fitted to train.max_hours" if o.fit_to_time else "")}[o.schedule]
     lines.append(f"  optimizer  {describe_optimizer(run.optimizer)} · warmup {o.warmup_steps}, {sched}"
                  f" · weight decay {o.weight_decay:g} · clip {o.grad_clip:g}")
+    if not skips_on_device(run.optimizer):
+        lines.append("  optimizer  not fused (optim.fused=false): a bad step cannot be skipped on the device, so each "
+                     "step reads its loss before the update (one host sync per step)")
     lines += [f"  schedule   {note}" for note in run.notes.get("schedule", [])]
     if run.ramp is not None:
         lines.append(f"  batch ramp {t.batch_ramp_start} -> {run.accum} micro-batches per step over the first "

@@ -118,28 +118,59 @@ def save_on_stop(run: Run, stopped: str) -> None:
 
 # --------------------------------------------------------------------------- after each step
 
-def after_step(run: Run, out: StepOutcome, lr: float, step_tokens: int, step_s: float) -> None:
-    """Count the step just taken; log, validate, run tasks and save when they are due."""
-    p, t, e = run.progress, run.cfg.train, run.cfg.eval
+def count_step(run: Run, step_tokens: int, step_s: float) -> None:
+    """Count the step just issued, before its values are read: the step, its tokens (taken
+    back if it turns out bad), the throughput clock."""
+    p, t = run.progress, run.cfg.train
     p.step += 1
     p.tokens += step_tokens
-    ratio = run.guard.spike(out.loss)
-    if ratio is not None:
-        run.log(f"  event step {p.step}: loss spike {out.loss:.4f} = {ratio:.1f}x the running mean")
-        run.sink.write({"step": p.step, "event": "loss_spike", "loss": out.loss, "ratio": ratio})
-    p.loss_sum += out.loss
-    p.steps_in_window += 1
     run.meter.step(step_tokens)
     run.timer.end_step(step_s)
     run.deadline.record_step(step_s)
     if p.step - p.first_step == t.warmup_log_steps:
         run.recompiles.arm()  # compiling is warm-up; from here on a compile is a recompile
+
+
+def reads_now(run: Run) -> bool:
+    """Whether the step just counted is read at once, before the next step: it logs, validates,
+    saves, is the last, or took per-layer statistics. Any other step is read one step late."""
+    p, t, tr = run.progress, run.cfg.train, run.cfg.tracking
+    return (_logs(run, p.step) or (t.checkpoint_every > 0 and p.step % t.checkpoint_every == 0)
+            or (tr.grad_norms_every > 0 and p.step % tr.grad_norms_every == 0))
+
+
+def record_good(run: Run, out: StepOutcome) -> None:
+    """A good step's loss, as read: into the log window; a spike logged."""
+    p = run.progress
+    ratio = run.guard.spike(out.loss)
+    if ratio is not None:
+        run.log(f"  event step {out.step + 1}: loss spike {out.loss:.4f} = {ratio:.1f}x the running mean")
+        run.sink.write({"step": out.step + 1, "event": "loss_spike", "loss": out.loss, "ratio": ratio})
+    p.loss_sum += out.loss
+    p.steps_in_window += 1
+    if out.layer_stats is not None and not _logs(run, out.step + 1):
+        run.sink.write({"step": out.step + 1, **out.layer_stats})
+
+
+def _logs(run: Run, step: int) -> bool:
+    """Whether step ``step`` (1-based) writes a training row: a log step, a validation, the last."""
+    e = run.cfg.eval
+    return (step % run.cfg.train.log_every == 0 or step == run.total_steps
+            or (e.every > 0 and step % e.every == 0))
+
+
+def after_step(run: Run, out: StepOutcome, good: bool = True) -> None:
+    """Log, validate, run tasks and save when they are due after step ``out`` (read now). A
+    skipped step (not ``good``) still ends where it was due -- validated, saved -- with no
+    training row of its own (its loss is in the event the guard wrote)."""
+    p, t, e = run.progress, run.cfg.train, run.cfg.eval
     is_last = p.step == run.total_steps
     do_val = is_last or (e.every > 0 and p.step % e.every == 0)
-    if p.step % t.log_every == 0 or is_last or do_val:
-        log_step(run, out, lr, is_last, do_val)
-    elif out.layer_stats is not None:
-        run.sink.write({"step": p.step, **out.layer_stats})
+    if good and _logs(run, p.step):
+        log_step(run, out, out.lr, is_last, do_val)
+    elif do_val:
+        p.val_end = validate(run, p.step)
+        run.sink.write({"step": p.step, "tokens": p.tokens, **val_metrics(run, p.val_end)})
     do_save = is_last or (t.checkpoint_every > 0 and p.step % t.checkpoint_every == 0)
     if do_save:
         save(run)
@@ -148,23 +179,26 @@ def after_step(run: Run, out: StepOutcome, lr: float, step_tokens: int, step_s: 
 
 
 def log_step(run: Run, out: StepOutcome, lr: float, is_last: bool, do_val: bool) -> None:
-    """The metrics row and the log line of the window since the last one (the one sync point)."""
+    """The metrics row and the log line of the window since the last one (a log step: the step's
+    values were read at once, and on CUDA the window's timing events are waited for)."""
     p, e, world = run.progress, run.cfg.eval, run.world
     p.last_loss = p.loss_sum / p.steps_in_window
     t_log = run.clock()
     rates = run.meter.window()
     mem = memory_stats(run.device)
     parts = run.timer.window()
-    row = {"step": p.step, "tokens": p.tokens, "loss": p.last_loss, "lr": lr, "grad_norm": out.grad_norm,
-           **rates, **mem, **parts, "elapsed_s": run.clock() - run.t_start}
+    row: dict[str, Any] = {"step": p.step, "tokens": p.tokens, "loss": p.last_loss, "lr": lr,
+                           "grad_norm": out.grad_norm, **rates, **mem, **parts,
+                           "elapsed_s": run.clock() - run.t_start}
     if world > 1:
         row.update(world_size=world, tok_per_s_per_gpu=rates["tok_per_s"] / world)
     row["eta_s"] = (run.total_steps - p.step) * rates["step_time_s"]  # training time left at this pace
     f = run.flops
-    if rates.get("mfu") is not None:  # the other conventions, for comparison (docs/planning.md#conventions)
-        row["mfu_6n"] = rates["mfu"] * f.per_token_6n / f.per_token
+    mfu = rates["mfu"]
+    if mfu is not None:  # the other conventions, for comparison (docs/planning.md#conventions)
+        row["mfu_6n"] = mfu * f.per_token_6n / f.per_token
         if f.hardware != f.per_token:
-            row["hfu"] = rates["mfu"] * f.hardware / f.per_token
+            row["hfu"] = mfu * f.hardware / f.per_token
     warning = run.recompiles.check()
     if warning:
         run.log(f"  {warning}")

@@ -6,9 +6,17 @@ Muon (``optim.name=muon``): the 2-D weight matrices inside the transformer block
 attention and MLP projections) are updated with the orthogonalised Nesterov momentum of
 Muon; everything else -- token embedding, position table, LM head, MoE router, norms,
 biases and the 3-D stacked MoE expert tensors -- stays on AdamW with its usual groups.
-Muon is torch's own ``torch.optim.Muon`` when the installed torch has it (with the same
-options as below), else :class:`FallbackMuon`, the same algorithm written here; the two
-keep the same state (``momentum_buffer``) and group keys, so checkpoints move between them.
+Muon is :class:`Muon`, written here: the algorithm, options, state (``momentum_buffer``) and
+group keys of torch's ``torch.optim.Muon`` (a test holds them equal), plus the skip on the
+device that torch's lacks (below).
+
+A bad step is skipped on the device, with no host read (``train/train_step.py``): the
+optimizer is told through a 0-dim ``found_inf`` tensor, as ``torch.amp.GradScaler`` tells
+fused AdamW -- fused AdamW (the default, on CPU and CUDA) leaves parameters, moments and step
+count as they were; :class:`Muon` keeps parameters and momentum. :func:`skipped_if` sets it on
+every optimizer that steps parameters (ZeRO-1's local one, each of Muon + AdamW);
+:func:`skips_on_device` says whether all of them can (a non-fused AdamW cannot: the step then
+reads the guard's values before the update).
 
 Muon learning rate: ``optim.muon_lr`` (default 0.02, as in Keller Jordan's write-up),
 scaled per matrix by ``sqrt(max(1, rows / cols))`` for a (rows=out, cols=in) weight --
@@ -25,13 +33,17 @@ schedule is applied with one multiplier, :func:`set_lr_factor`; a Muon run retur
 
 from __future__ import annotations
 
-import inspect
+import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from flopwise.config import OptimConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 # Keller Jordan's quintic Newton-Schulz coefficients (steepest slope at 0; singular values
 # land in roughly [0.7, 1.2] after 5 steps rather than exactly 1, which trains as well).
@@ -48,7 +60,8 @@ _WRAPPER_PARTS = frozenset({"_orig_mod", "module", "_fsdp_wrapped_module", "_che
 
 
 def _decay_groups(params: Iterable[torch.Tensor], weight_decay: float) -> list[dict]:
-    decay, no_decay = [], []
+    decay: list[torch.Tensor] = []
+    no_decay: list[torch.Tensor] = []
     for p in params:
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
@@ -79,7 +92,8 @@ def is_muon_param(name: str, p: torch.Tensor) -> bool:
 
 def muon_split(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[tuple[str, torch.Tensor]]]:
     """(parameters for Muon, named parameters for AdamW), trainable ones only, each once."""
-    muon, adamw = [], []
+    muon: list[torch.Tensor] = []
+    adamw: list[tuple[str, torch.Tensor]] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -122,13 +136,15 @@ def muon_lr_scale(shape: torch.Size | tuple[int, ...]) -> float:
     return math.sqrt(max(1.0, rows / cols))
 
 
-class FallbackMuon(torch.optim.Optimizer):
-    """Muon for 2-D parameters, used when ``torch.optim`` has no ``Muon``.
+class Muon(torch.optim.Optimizer):
+    """Muon for 2-D parameters.
 
     Per step: buf <- mu buf + (1 - mu) g; update = (1 - mu) g + mu buf with Nesterov
     (else buf); O = newton_schulz(update); p <- p (1 - lr wd) - lr * muon_lr_scale(p) * O.
     The same algorithm, options, group keys and state as ``torch.optim.Muon`` (with
-    ``adjust_lr_fn="original"``), so a checkpoint loads into either."""
+    ``adjust_lr_fn="original"``), so a checkpoint loads into either. With ``found_inf`` set
+    (a 0-dim tensor, non-zero on a bad step) each parameter and its momentum keep their old
+    values where it is non-zero -- chosen on the device, the same numbers otherwise."""
 
     def __init__(self, params, lr: float = 0.02, weight_decay: float = 0.0, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
@@ -136,7 +152,7 @@ class FallbackMuon(torch.optim.Optimizer):
         if lr < 0 or weight_decay < 0 or momentum < 0:
             raise ValueError("Muon lr, weight_decay and momentum must be >= 0")
         if adjust_lr_fn not in (None, "original"):
-            raise ValueError(f"FallbackMuon supports adjust_lr_fn='original' only, got {adjust_lr_fn!r}")
+            raise ValueError(f"flopwise's Muon supports adjust_lr_fn='original' only, got {adjust_lr_fn!r}")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
         super().__init__(params, defaults)
@@ -146,11 +162,13 @@ class FallbackMuon(torch.optim.Optimizer):
                     raise ValueError(f"Muon takes 2-D parameters only, got shape {tuple(p.shape)}")
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None):
+    def step(self, closure: Callable[[], torch.Tensor] | None = None):  # type: ignore[override]  # vs torch overloads
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
+        keep = None if found_inf is None else found_inf != 0
         for group in self.param_groups:
             lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
             for p in group["params"]:
@@ -161,26 +179,26 @@ class FallbackMuon(torch.optim.Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
                 buf = state["momentum_buffer"]
-                buf.lerp_(g, 1 - mu)
-                update = g.lerp(buf, mu) if group["nesterov"] else buf
+                new_buf = buf.lerp(g, 1 - mu)
+                update = g.lerp(new_buf, mu) if group["nesterov"] else new_buf
                 o = newton_schulz(update, group["ns_steps"], group["ns_coefficients"], group["eps"])
-                p.mul_(1 - lr * wd)
-                p.add_(o, alpha=-lr * muon_lr_scale(p.shape))
+                new_p = p.mul(1 - lr * wd).add_(o, alpha=-lr * muon_lr_scale(p.shape))
+                if keep is None:
+                    buf.copy_(new_buf)
+                    p.copy_(new_p)
+                else:  # one parameter's temporaries at a time; NaN in the unchosen side goes nowhere
+                    buf.copy_(torch.where(keep, buf, new_buf))
+                    p.copy_(torch.where(keep, p, new_p))
         return loss
 
 
-def muon_class() -> type[torch.optim.Optimizer]:
-    """``torch.optim.Muon`` when present with the options used here, else :class:`FallbackMuon`."""
-    cls = getattr(torch.optim, "Muon", None)
-    if cls is not None:
-        accepted = inspect.signature(cls).parameters
-        if all(k in accepted for k in ("lr", "weight_decay", "momentum", "nesterov", "adjust_lr_fn")):
-            return cls
-    return FallbackMuon
+def muon_class() -> type[Muon]:
+    """The Muon the runs use: :class:`Muon` (torch's has no skip on the device)."""
+    return Muon
 
 
 def make_muon(params: list[torch.Tensor], cfg: OptimConfig,
-              cls: type[torch.optim.Optimizer] | None = None) -> torch.optim.Optimizer:
+              cls: Callable[..., torch.optim.Optimizer] | None = None) -> torch.optim.Optimizer:
     """Muon over ``params`` from the config (Nesterov, 5 Newton-Schulz steps, "original" scaling)."""
     cls = cls or muon_class()
     opt = cls(params, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay, momentum=cfg.muon_momentum,
@@ -264,8 +282,9 @@ def _keep_base_lr(opt: torch.optim.Optimizer, base_lr: float) -> None:
 
 
 def _adamw(groups: list[dict], cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; the fused kernel on CUDA by default (one launch for all parameters)."""
-    fused = device.type == "cuda" if cfg.fused == "auto" else cfg.fused == "true"
+    """AdamW; the fused kernel by default, on CUDA and CPU alike (one launch for all parameters,
+    and the bad-step skip on the device: :func:`skipped_if`)."""
+    fused = device.type in ("cuda", "cpu") if cfg.fused == "auto" else cfg.fused == "true"
     kwargs = {"fused": True} if fused else {"foreach": device.type == "cuda"}
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
     _keep_base_lr(opt, cfg.lr)
@@ -317,3 +336,36 @@ def set_lr_factor(optimizer, factor: float) -> None:
         if "base_lr" not in group:
             raise KeyError("a parameter group has no base_lr: build the optimizer with build_optimizer")
         group["lr"] = group["base_lr"] * factor
+
+
+# ----------------------------------------------------------------------------- the skip on the device
+
+
+def _leaves(optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers that step parameters: each of a :class:`CombinedOptimizer`'s, a
+    ``ZeroRedundancyOptimizer``'s local one (``.optim``), or ``optimizer`` itself."""
+    inner = list(optimizer.optimizers.values()) if isinstance(optimizer, CombinedOptimizer) else [optimizer]
+    return [cast("ZeroRedundancyOptimizer", o).optim if type(o).__name__ == "ZeroRedundancyOptimizer" else o
+            for o in inner]
+
+
+def skips_on_device(optimizer) -> bool:
+    """Whether every optimizer under ``optimizer`` skips a step given ``found_inf`` (fused AdamW,
+    :class:`Muon`), so the step needs no host read to decide."""
+    return all(isinstance(o, Muon) or (o.defaults.get("fused") and getattr(o, "_step_supports_amp_scaling", False))
+               for o in _leaves(optimizer))
+
+
+@contextlib.contextmanager
+def skipped_if(optimizer, bad: torch.Tensor) -> Iterator[None]:
+    """Within it, ``optimizer.step()`` leaves everything as it was where ``bad`` (a 0-dim float
+    tensor on the parameters' device, 1.0 on a bad step) is non-zero: decided on the device,
+    no host read. Needs :func:`skips_on_device`."""
+    leaves = _leaves(optimizer)
+    for o in leaves:
+        o.found_inf = bad  # type: ignore[attr-defined]  # read by fused AdamW's and Muon's step
+    try:
+        yield
+    finally:
+        for o in leaves:
+            del o.found_inf  # type: ignore[attr-defined]

@@ -20,7 +20,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 
@@ -31,18 +31,23 @@ from flopwise.evaluate.loss import target_bytes
 from flopwise.fsio import write_file
 from flopwise.measure.meter import ThroughputMeter
 from flopwise.measure.tracking import NullTracker, Tracker
-from flopwise.model import build_model, configure_attention
+from flopwise.model import Transformer, build_model, configure_attention
 from flopwise.model.io import load_hf_weights
 from flopwise.plan.budget import plan_for_run
-from flopwise.plan.flops import (flops_per_token, flops_per_token_6n, hardware_flops_per_token, param_counts,
-                                 recomputed_fraction)
+from flopwise.plan.flops import (
+    flops_per_token,
+    flops_per_token_6n,
+    hardware_flops_per_token,
+    param_counts,
+    recomputed_fraction,
+)
 from flopwise.train.checkpoint import set_rng_state
+from flopwise.train.defaults import resolve_speed
 from flopwise.train.device import device_peak
 from flopwise.train.dist_checkpoint import load_distributed
 from flopwise.train.distributed import DistEnv
 from flopwise.train.memory_fit import check_memory_fit
-from flopwise.train.defaults import resolve_speed
-from flopwise.train.optim import build_optimizer
+from flopwise.train.optim import CombinedOptimizer, build_optimizer
 from flopwise.train.parallel import Strategy, resolve_strategy, zero1_optimizer
 from flopwise.train.precision import MasterWeights, Precision, apply_fp8, autocast_factory
 from flopwise.train.precision import resolve as resolve_precision
@@ -128,12 +133,12 @@ class Run:
     record: dict[str, Any]
     plan: dict[str, Any]
     uniform: float  # ln V of the data's vocabulary: the loss of a uniform prediction
+    meter: ThroughputMeter  # tokens/s and MFU of the steps, windowed (paused over evaluation and saving)
+    timer: StepTimer  # the step's parts: data, forward/backward, optimizer, logging
+    recompiles: RecompileWatch  # compiles after the warm-up steps, told as recompiles
     notes: dict[str, list[str]] = field(default_factory=dict)  # what was chosen and why, for the summary
     sink: Any = field(default_factory=NullTracker)
     progress: Progress = field(default_factory=Progress)
-    meter: ThroughputMeter | None = None
-    timer: StepTimer | None = None
-    recompiles: RecompileWatch | None = None
 
     @property
     def run_dir(self) -> Path:
@@ -184,7 +189,7 @@ def task_files(task_dir: str, names: list[str]) -> dict[str, str]:
     return found
 
 
-def load_hf_init(model: torch.nn.Module, hf_path: str) -> str:
+def load_hf_init(model: Transformer, hf_path: str) -> str:
     """Weights of a Hugging Face model directory (``model.hf_config``) for continued
     pretraining; the architecture came from its ``config.json`` when the config was built."""
     path = Path(hf_path).expanduser()
@@ -227,6 +232,11 @@ class StepParts:
     notes: dict[str, list[str]]  # for the start-up summary: "init", "speed", "attention", "parallel"
 
 
+def grad_clip(cfg: RunConfig) -> float:
+    """The gradient norm a step clips to (``optim.grad_clip``; 0: none, an infinite bound)."""
+    return cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf")
+
+
 def build_step(cfg: RunConfig, strategy: str, env: DistEnv, device: torch.device, prec: Precision,
                init_weights: bool = False) -> StepParts:
     """The model, its precision, attention kernel, wrappers, loss and optimizer, built in the
@@ -251,10 +261,12 @@ def build_step(cfg: RunConfig, strategy: str, env: DistEnv, device: torch.device
     notes["speed"] += wrap_notes
     loss_fn = make_loss_fn(train_model, t.loss, t.loss_chunk_tokens,
                            compile_mode=t.compile_mode if t.compile == "model" else None)
-    optimizer = build_optimizer(master.master if master else model, cfg.optim, device)
+    optimizer: torch.optim.Optimizer | CombinedOptimizer = build_optimizer(master.master if master else model,
+                                                                          cfg.optim, device)
     if strategy == "zero1":
         optimizer = zero1_optimizer(optimizer)
-    return StepParts(model, master, train_model, loss_fn, optimizer, notes)
+    # a CombinedOptimizer stands in for an Optimizer (duck-typed: what the loop and checkpoints use)
+    return StepParts(model, master, train_model, loss_fn, cast(torch.optim.Optimizer, optimizer), notes)
 
 
 def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.device, t_start: float,
@@ -277,7 +289,8 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
     asked.train.run_dir = t.run_dir = str(start.run_dir)  # rank 0 named it (a timestamp): every rank uses it
     # config.yaml records every path resolved, so the run reads the same from any directory
     recorded, typed_paths = recorded_paths(asked)
-    data = env.main_first(lambda: open_data(cfg, log, resuming=start.resumed_run))  # the embedded corpus is prepared once, by rank 0
+    # the embedded corpus is prepared once, by rank 0
+    data = env.main_first(lambda: open_data(cfg, log, resuming=start.resumed_run))
 
     total_steps, accum = cfg.total_steps(), cfg.grad_accum_steps(world)
     micro_tokens = t.micro_batch_size * t.seq_len * world
@@ -316,19 +329,23 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
     state_model = master.master if master else model
     state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())  # weights + AdamW m, v
     deadline = Deadline(t.max_hours, t_start, state_bytes, clock=clock)
+    flops = run_flops(cfg, device, prec.name)
     run = Run(
         cfg=cfg, log=log, env=env, device=device, clock=clock, t_start=t_start, start=start, data=data,
         prec=prec, autocast=autocast_factory(device, prec.autocast_dtype), strategy=strategy,
         loss_impl=loss_impl, model=model, train_model=train_model, state_model=state_model, master=master,
         optimizer=optimizer, opt_params=[q for group in optimizer.param_groups for q in group["params"]],
-        clip=o.grad_clip if o.grad_clip > 0 else float("inf"), loss_fn=loss_fn, train_loader=loader,
+        clip=grad_clip(cfg), loss_fn=loss_fn, train_loader=loader,
         val_windows=val_windows,
         val_bytes=0, task_names=task_names, task_paths=task_paths,
         guard=NonFiniteGuard.from_config(t, uniform_loss=math.log(m.vocab_size)),  # the logits' uniform loss
         deadline=deadline, fit=TimeFit(deadline, o.warmup_steps, clock) if o.fit_to_time else None,
         total_steps=total_steps, accum=accum, micro_tokens=micro_tokens, ramp=ramp, cont=None,
-        flops=run_flops(cfg, device, prec.name), config_yaml=recorded.to_yaml(), record={}, plan=plan,
-        uniform=math.log(data.vocab_size), notes=notes)
+        flops=flops, config_yaml=recorded.to_yaml(), record={}, plan=plan,
+        uniform=math.log(data.vocab_size), notes=notes,
+        meter=ThroughputMeter(flops.per_token, flops.peak * world if flops.peak else None,
+                              warmup_steps=t.warmup_log_steps),
+        timer=StepTimer(device), recompiles=RecompileWatch(t.compile != "off"))
     run.progress.last_saved = start.checkpoint
     if start.checkpoint is not None:
         restore(run, start.checkpoint)
@@ -394,7 +411,8 @@ def write_run_files(run: Run) -> None:
 
 def open_tracker(run: Run):
     """Rank 0's metrics sinks (JSONL, TensorBoard, W&B); a failure stops every rank with it."""
-    sink, error = NullTracker(), None
+    sink: Tracker | NullTracker = NullTracker()
+    error = None
     if run.env.is_main:
         try:
             sink = Tracker(run.run_dir, run.cfg.tracking, run.cfg.to_dict(), run.run_dir.name)

@@ -20,12 +20,11 @@ import os
 import signal
 import threading
 import time
-from typing import Callable
+from types import FrameType
+from typing import Any, Callable
 
-import torch
-
-from flopwise.errors import FlopwiseError
 from flopwise.config import TrainConfig
+from flopwise.errors import FlopwiseError
 from flopwise.train.distributed import DistEnv
 from flopwise.train.schedule import time_progress
 
@@ -41,7 +40,7 @@ class SignalStop:
 
     def __init__(self) -> None:
         self.signum: int | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
 
     def _handle(self, signum, frame) -> None:
         if self.signum is not None:  # the second one: no more waiting
@@ -254,6 +253,7 @@ class TimeFit:
         self.agreed_progress: float | None = None  # under data parallelism: rank 0's, shared each step
 
     def budget_s(self) -> float:
+        assert self.deadline.end is not None, "TimeFit needs a time budget: train.max_hours > 0"
         return self.deadline.end - self.start - Deadline.MARGIN * self.deadline.save_s
 
     def measure(self) -> float:
@@ -267,16 +267,31 @@ class TimeFit:
         return step >= self.warmup_steps and self.progress() >= 1.0
 
 
+def stop_votes(env: DistEnv, signals: SignalStop, deadline: Deadline, fit: TimeFit | None) -> list[float]:
+    """This rank's votes on stopping -- a signal received, ``train.max_hours`` reached, rank 0's
+    progress through a time-fitted schedule -- to be summed over ranks in the next step's
+    all-reduce (``train_step.step_values``): none without data parallelism."""
+    if not env.distributed:
+        return []
+    progress = fit.measure() if fit is not None and env.is_main else 0.0
+    return [float(signals.requested), float(fit is None and deadline.must_stop()), progress]
+
+
 def stop_reason(env: DistEnv, signals: SignalStop, deadline: Deadline, fit: TimeFit | None,
-                device: torch.device) -> str:
+                agreed: list[float] | None) -> str:
     """Why to stop before the next step ("" to go on), the same answer on every rank: a
     signal that reached any rank, ``train.max_hours`` by any rank's clock. Under data
-    parallelism a WSD fitted to the time budget follows rank 0's clock, so every rank sets
-    the same learning rate: its progress travels in the same (one, tiny) all-reduce."""
+    parallelism it is the ranks' votes of the last step read (``agreed``: summed in that step's
+    all-reduce, with its loss -- no collective, no read of its own; at most a step later than
+    one rank alone would stop), and a WSD fitted to the time budget follows rank 0's clock, so
+    every rank sets the same learning rate: its progress travels in the same votes."""
     signal_, late = signals.requested, fit is None and deadline.must_stop()
     if env.distributed:
-        progress = fit.measure() if fit is not None and env.is_main else 0.0
-        n_signals, n_late, progress = env.sum([float(signal_), float(late), progress], device)
+        if not agreed:  # no step read yet: every rank starts the fitted schedule at rank 0's 0
+            if fit is not None and fit.agreed_progress is None:
+                fit.agreed_progress = 0.0
+            return ""
+        n_signals, n_late, progress = agreed
         if fit is not None:
             fit.agreed_progress = progress
         if n_signals and not signal_:

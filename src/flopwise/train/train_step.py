@@ -1,36 +1,127 @@
-"""One optimizer step, top to bottom, and what happens to a bad one.
+"""One optimizer step, top to bottom, with no host read; what happens to a bad one.
 
 :func:`train_step`: the learning rate; forward and backward over the step's micro-batches
 (gradient accumulation; under data parallelism the gradients are averaged on the last
-one); fp32 master gradients; loss-scale unscaling; clipping; the step's loss and gradient
-norm in one device-to-host transfer; the non-finite/collapse guard -- before any update;
-optional per-layer statistics; the optimizer step. A bad step is handed to
-:func:`handle_bad_step`, which applies ``train.nonfinite`` (stop, skip or rollback).
+one); fp32 master gradients; loss-scale unscaling; clipping; the step's values -- loss,
+gradient norm, whether the step is bad, the ranks' stop votes -- in one tensor, summed over
+ranks by one tiny all-reduce; optional per-layer statistics; the optimizer step, which a bad
+step (a loss or gradients that are not finite) leaves undone *on the device*
+(``optim.skipped_if``). Nothing in it waits for the device: it returns a :class:`PendingStep`,
+whose values are copied to the host without blocking. The loop reads a step's values on
+the steps that log, evaluate or save (:meth:`PendingStep.read`), and every other step's one
+step late, once the next step is queued -- so a GPU is never idle waiting for the host to
+decide. The guard's policies act on what is read (:func:`settle`): at most one step late, with
+the same outcome (:func:`handle_bad_step`: stop, skip or rollback; a collapse).
+
+An optimizer that cannot skip on the device (``optim.fused=false``: torch's non-fused AdamW)
+reads the values before its update instead -- one host sync per step, said in the run's summary.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
-from flopwise.train.optim import CombinedOptimizer, set_lr, set_lr_factor
-from flopwise.train.parallel import clip_grad_norm, grad_sync, grads_set_to_none
-from flopwise.train.precision import MasterWeights
-from flopwise.train.setup import Run
+from flopwise.config import RunConfig
+from flopwise.train.distributed import DistEnv
+from flopwise.train.optim import CombinedOptimizer, set_lr, set_lr_factor, skipped_if, skips_on_device
+from flopwise.train.parallel import Strategy, clip_grad_norm, grad_sync, grads_set_to_none
+from flopwise.train.precision import MasterWeights, Precision, autocast_factory
+from flopwise.train.setup import Run, StepParts, grad_clip
 from flopwise.train.step import forward_backward
 from flopwise.train.stopping import NonFiniteError
-from flopwise.train.timing import nvtx
+from flopwise.train.timing import StepTimer, nvtx
+
+
+@dataclass
+class StepOnly:
+    """A step without the run around it -- what a preflight trial times and the dry run traces:
+    the parts ``setup.build_step`` makes (as the trainer's run holds them), a loader, a timer."""
+
+    cfg: Any
+    env: DistEnv
+    timer: StepTimer
+    prec: Any
+    optimizer: Any
+    strategy: Strategy
+    train_model: torch.nn.Module
+    train_loader: Any
+    world: int
+    autocast: Callable[[], Any]
+    loss_fn: Callable
+    master: MasterWeights | None
+    opt_params: list[torch.nn.Parameter]
+    clip: float
+    state_model: torch.nn.Module
+
+    @classmethod
+    def of(cls, cfg: RunConfig, parts: StepParts, env: DistEnv, device: torch.device, prec: Precision,
+           strategy: str, loader: Any, timer: StepTimer | None = None) -> "StepOnly":
+        """The step of ``parts`` (``setup.build_step``'s), as :func:`~flopwise.train.setup.setup`
+        arranges it for a run."""
+        return cls(cfg=cfg, env=env, timer=timer or StepTimer(device), prec=prec, optimizer=parts.optimizer,
+                   strategy=Strategy(strategy, ""), train_model=parts.train_model, train_loader=loader,
+                   world=env.world_size, autocast=autocast_factory(device, prec.autocast_dtype),
+                   loss_fn=parts.loss_fn, master=parts.master,
+                   opt_params=[q for g in parts.optimizer.param_groups for q in g["params"]],
+                   clip=grad_clip(cfg), state_model=parts.master.master if parts.master else parts.model)
 
 
 @dataclass
 class StepOutcome:
+    """A step's values as read on the host."""
+
+    step: int  # 0-based index of the step
     loss: float  # the step's loss over all ranks
     grad_norm: float  # before clipping
-    bad: str = ""  # "" (the update was made), "nonfinite" or "collapse" (it was not)
+    tokens: int = 0  # over all ranks
+    lr: float = 0.0
+    bad: str = ""  # "" (the update was made), "nonfinite" (it was not) or "collapse" (:func:`settle` decides)
     layer_stats: dict[str, Any] | None = None  # per-parameter gradient norms (and update ratios), when due
+    loader_state: dict[str, Any] | None = None  # where the loader stood after this step
+    votes: list[float] = field(default_factory=list)  # the ranks' stop votes, summed (``stopping.stop_votes``)
+
+
+class PendingStep:
+    """A step whose values are still on the device: ``[loss, gradient norm, bad, *votes]``.
+
+    Made, the values start to travel to the host without blocking (CUDA: into pinned memory,
+    an event behind the copy); :meth:`read` waits for that copy alone -- when the loop reads one
+    step late the next step is already queued behind it, so the device stays busy."""
+
+    def __init__(self, step: int, values: torch.Tensor, tokens: int, lr: float, loader_state: dict[str, Any],
+                 layer_stats: dict[str, Any] | None = None, read: bool = False):
+        self.step, self.tokens, self.lr = step, tokens, lr
+        self.loader_state, self.layer_stats = loader_state, layer_stats
+        self._values, self._event = values, None
+        self._outcome: StepOutcome | None = None
+        if values.device.type != "cpu":
+            self._values = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._values.copy_(values, non_blocking=True)
+            self._event = copy_done(values.device)
+        if read:
+            self.read()
+
+    def read(self) -> StepOutcome:
+        """The values on the host (the first call waits for their copy; later ones return it)."""
+        if self._outcome is None:
+            if self._event is not None:
+                self._event.synchronize()
+            loss, grad_norm, bad, *votes = self._values.tolist()
+            self._outcome = StepOutcome(self.step, loss, grad_norm, self.tokens, self.lr, "nonfinite" if bad else "",
+                                        self.layer_stats, self.loader_state, votes)
+        return self._outcome
+
+
+def copy_done(device: torch.device) -> Any:
+    """An event recorded behind the copies queued so far on ``device``'s stream (the traced dry
+    run, on fake tensors, answers with one that has nothing to wait for)."""
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def set_rate(optimizer: torch.optim.Optimizer, lr: float, peak_lr: float) -> None:
@@ -41,9 +132,12 @@ def set_rate(optimizer: torch.optim.Optimizer, lr: float, peak_lr: float) -> Non
         set_lr(optimizer, lr)
 
 
-def train_step(run: Run, step: int, accum: int, step_tokens: int, lr: float) -> StepOutcome:
+def train_step(run: Run | StepOnly, step: int, accum: int, step_tokens: int, lr: float,
+               votes: list[float] | None = None) -> PendingStep:
     """Optimizer step ``step`` (0-based) of ``accum`` micro-batches per rank, ``step_tokens`` tokens
-    over all ranks, at rate ``lr``. The update is made only when the guard lets it through."""
+    over all ranks, at rate ``lr``; ``votes`` (data parallelism) travel in the step's all-reduce.
+    The update is made unless the step is bad -- decided on the device. No host read, except
+    where a per-layer statistics step is due or the optimizer cannot skip on the device."""
     t, timer, scaler, optimizer = run.cfg.train, run.timer, run.prec.scaler, run.optimizer
     set_rate(optimizer, lr, run.cfg.optim.lr)
     with timer.part("fwd_bwd"), nvtx(t.nvtx, "forward_backward"):
@@ -55,26 +149,64 @@ def train_step(run: Run, step: int, accum: int, step_tokens: int, lr: float) -> 
                                 scaler, sync)
     with timer.part("optim"), nvtx(t.nvtx, "optimizer"):
         grad_norm = unscale_and_clip(optimizer, scaler, run.master, run.opt_params, run.clip)
-    loss_f, gnorm_f = global_loss(run.env, loss, grad_norm)  # one transfer per step
-    # With fp16 loss scaling an overflowing gradient is routine: the scaler skips that update
-    # and lowers its scale, so only the loss decides there. A collapse (gradient norm ~0 for
-    # train.collapse_steps steps) is handled as a bad step too, from the same floats.
-    finite = run.guard.check(loss_f, gnorm_f if scaler is None else 0.0)
-    if not finite or run.guard.collapsed(loss_f, gnorm_f):
-        return StepOutcome(loss_f, gnorm_f, "collapse" if finite else "nonfinite")
-
+        values = step_values(run.env, loss, grad_norm, scaler is None, votes or [])
     tr = run.cfg.tracking
     stats, before = None, None
     if tr.grad_norms_every > 0 and (step + 1) % tr.grad_norms_every == 0:
         stats = layer_grad_norms(run.state_model)
         if tr.update_ratios:
             before = {n: p.detach().clone() for n, p in run.state_model.named_parameters()}
+    on_device = skips_on_device(optimizer)
+    pending = PendingStep(step, values, step_tokens, lr, run.train_loader.state_dict(), stats, read=not on_device)
     with timer.part("optim"), nvtx(t.nvtx, "optimizer"):
-        apply_update(optimizer, scaler, run.master)
-    if before is not None:
+        if on_device:
+            bad = values[2].to(torch.float32)
+            if scaler is not None and scaler.is_enabled():  # it hands the optimizer its found_inf: ours added
+                fold_into_scaler(scaler, optimizer, bad)
+                apply_update(optimizer, scaler, run.master)
+            else:
+                with skipped_if(optimizer, bad):
+                    apply_update(optimizer, scaler, run.master)
+        elif not pending.read().bad:  # decided on the host, before the update: one read per step
+            apply_update(optimizer, scaler, run.master)
+        elif scaler is not None:
+            scaler.update()  # closes this step's unscale_ so the next step can unscale again
+    if before is not None and stats is not None:
         stats["update_ratios"] = update_ratios(run.state_model, before)
     optimizer.zero_grad(set_to_none=grads_set_to_none(run.strategy.name))
-    return StepOutcome(loss_f, gnorm_f, "", stats)
+    return pending
+
+
+def step_values(env: DistEnv, loss: torch.Tensor, grad_norm: torch.Tensor, check_grads: bool,
+                votes: list[float]) -> torch.Tensor:
+    """``[loss, gradient norm, bad, *votes]`` (float64, on the device) of the step, nothing read.
+    Under data parallelism loss and votes are summed over ranks in one all-reduce (the loss
+    then averaged: each rank's is over its share of the batch), so a NaN on one rank is a NaN
+    on all and every rank takes the same decision; the gradient norm is already global. Bad:
+    a loss that is not finite, or gradients (``check_grads``; with fp16 loss scaling an
+    overflowing gradient is routine and the scaler skips its update itself)."""
+    loss_g, grad_norm = loss.double(), grad_norm.double().to(loss.device)
+    votes_t = None
+    if votes:
+        votes_t = (torch.tensor(votes, dtype=torch.float64).pin_memory().to(loss.device, non_blocking=True)
+                   if loss.device.type == "cuda" else torch.tensor(votes, dtype=torch.float64))
+    if env.distributed:
+        comm = loss.device if env.backend == "nccl" else torch.device("cpu")
+        summed = env.sum_tensor(torch.cat([loss_g.reshape(1)] + ([votes_t] if votes_t is not None else [])).to(comm))
+        summed = summed.to(loss.device)
+        loss_g, votes_t = summed[0] / env.world_size, (summed[1:] if votes_t is not None else None)
+    finite = torch.isfinite(loss_g) & torch.isfinite(grad_norm) if check_grads else torch.isfinite(loss_g)
+    head = torch.stack([loss_g, grad_norm, (~finite).double()])
+    return head if votes_t is None else torch.cat([head, votes_t])
+
+
+def fold_into_scaler(scaler: Any, optimizer: Any, bad: torch.Tensor) -> None:
+    """Under fp16 loss scaling the scaler hands its own ``found_inf`` (overflowing gradients) to
+    the optimizer's step: a non-finite loss with finite gradients is added to it, on the device,
+    so the scaler skips that update too (and lowers its scale, as for any overflow)."""
+    state = scaler._per_optimizer_states[id(optimizer)]  # torch.amp.GradScaler's per-optimizer record
+    for found in state["found_inf_per_device"].values():
+        found.add_(bad.to(found.device, found.dtype))
 
 
 def unscale_and_clip(optimizer: torch.optim.Optimizer, scaler, master: MasterWeights | None,
@@ -100,29 +232,32 @@ def apply_update(optimizer: torch.optim.Optimizer, scaler, master: MasterWeights
         master.master_to_model()
 
 
-def global_loss(env, loss: torch.Tensor, grad_norm: torch.Tensor) -> tuple[float, float]:
-    """The step's loss and gradient norm as floats, in one device-to-host transfer. Under data
-    parallelism the loss is the mean of the ranks' (each over its share of the batch), so a
-    NaN on one rank is a NaN on all and every rank takes the same non-finite decision; the
-    gradient norm is already global."""
-    packed = torch.stack([loss.float(), grad_norm.float().to(loss.device)])
-    if env.distributed:
-        packed = env.sum_tensor(packed.to(loss.device if env.backend == "nccl" else "cpu")) / env.world_size
-    loss_f, gnorm_f = packed.tolist()
-    return loss_f, gnorm_f
+def settle(run: Run, out: StepOutcome, reload: Callable[[Any], dict]) -> bool:
+    """The guard's verdict on a step read on the host (in step order, at most one step late):
+    True when it was a good step -- its loss counted, a spike logged -- False when it was bad
+    (not finite, or the last step of a collapse), which :func:`handle_bad_step` has handled."""
+    guard = run.guard
+    finite = guard.check(out.loss, out.grad_norm if run.prec.scaler is None else 0.0)
+    if finite and not out.bad and not guard.collapsed(out.loss, out.grad_norm):
+        return True
+    out.bad = "nonfinite" if not finite or out.bad else "collapse"
+    handle_bad_step(run, out, reload)
+    return False
 
 
-def handle_bad_step(run: Run, out: StepOutcome, lr: float, reload) -> None:
+def handle_bad_step(run: Run, out: StepOutcome, reload: Callable[[Any], dict]) -> None:
     """Apply ``train.nonfinite`` to a bad step (a loss or gradients that are not finite, or the
-    last step of a collapse: :meth:`NonFiniteGuard.collapsed`); its update has not happened.
-    ``run.progress`` moves to where the loop continues: past the batch (skip) or back to the
-    last checkpoint (rollback, through ``reload``). Raises :class:`NonFiniteError`, after
-    writing ``nonfinite-step-N.json``, when the policy is ``stop`` or one of its bounds is
-    reached (:meth:`NonFiniteGuard.refusal` says which)."""
+    last step of a collapse: :meth:`NonFiniteGuard.collapsed`), read after the loop counted it
+    and maybe after the next step ran. A non-finite step's update was not made (the device
+    skipped it); a collapse's was, and only a rollback undoes it. ``run.progress`` moves to
+    where the loop continues: the step's tokens taken back (skip; its update is not made, the
+    next step stands as it was made), or back to the last checkpoint (rollback, through
+    ``reload``: the data up to and including this step skipped, a next step's work undone with
+    the weights). Raises :class:`NonFiniteError`, after writing ``nonfinite-step-N.json``, when
+    the policy is ``stop`` or one of its bounds is reached (:meth:`NonFiniteGuard.refusal`)."""
     guard, p, log = run.guard, run.progress, run.log
     collapse = out.bad == "collapse"
-    bad_step, last_saved = p.step + 1, p.last_saved
-    run.optimizer.zero_grad(set_to_none=grads_set_to_none(run.strategy.name))
+    bad_step, last_saved = out.step + 1, p.last_saved
     if collapse:
         what = (f"collapse at step {bad_step}: gradient norm {out.grad_norm:.3g} for {guard.collapse_steps} steps "
                 f"in a row (loss {out.loss:.6f}, uniform ln V = {guard.uniform_loss:.6f})")
@@ -138,33 +273,33 @@ def handle_bad_step(run: Run, out: StepOutcome, lr: float, reload) -> None:
         diag = run.run_dir / f"nonfinite-step-{bad_step:07d}.json"
         if run.env.is_main:
             diag.write_text(json.dumps({
-                "step": bad_step, "event": out.bad, "loss": out.loss, "grad_norm": out.grad_norm, "lr": lr,
+                "step": bad_step, "event": out.bad, "loss": out.loss, "grad_norm": out.grad_norm, "lr": out.lr,
                 "policy": guard.policy, "stopped_because": refusal, "in_a_row": guard.in_a_row,
                 "skipped": guard.skipped, "rollbacks": guard.rollbacks, "rollbacks_to": guard.rollbacks_to,
-                "loader_after_step": run.train_loader.state_dict(),
+                "loader_after_step": out.loader_state,
                 "last_checkpoint": str(last_saved) if last_saved else None,
             }, indent=2, default=str))
         raise NonFiniteError(f"{what}; diagnostics in {diag}; last checkpoint {last_saved}; {refusal}")
+    run.meter.pause()
     if guard.policy == "skip":
         guard.record_skip()
         log(f"  event {what}: update skipped ({guard.in_a_row} in a row, {guard.skipped} of at most "
             f"{guard.max_skips} in the run)")
-        p.step += 1  # the batch is consumed, nothing learned from it (no tokens counted)
+        p.tokens -= out.tokens  # the batch is consumed, nothing learned from it (no tokens counted)
     else:
-        # rollback: the weights, optimizer and RNG of the last checkpoint; the data since it is
-        # skipped. The guard keeps its own counts (reload does not touch it): the one being made included.
-        position = run.train_loader.state_dict()
+        # rollback: the weights, optimizer and RNG of the last checkpoint; the data up to this
+        # step's end is skipped. The guard keeps its own counts (reload does not touch it): the
+        # one being made included.
+        assert checkpoint is not None, "refusal() stops a rollback with no checkpoint to go to"
         saved = reload(last_saved)  # weights, optimizer and RNG states
-        run.train_loader.load_state_dict(position)
+        run.train_loader.load_state_dict(out.loader_state)
         guard.record_rollback(checkpoint)
         log(f"  event {what}: rolled back to {checkpoint}, skipping the data since then ({guard.rollbacks} of at "
             f"most {guard.max_rollbacks} in the run, {guard.rollbacks_to[checkpoint]} of "
             f"{guard.max_rollbacks_per_checkpoint} to this checkpoint)")
         p.step, p.tokens = saved["step"], saved["tokens"]
-    if run.master:
-        run.master.master_to_model()
-    if run.prec.scaler is not None:
-        run.prec.scaler.update()  # closes this step's unscale_ so the next step can unscale again
+        if run.master:
+            run.master.master_to_model()
 
 
 def layer_grad_norms(model: torch.nn.Module) -> dict[str, dict[str, float]]:

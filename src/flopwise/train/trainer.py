@@ -16,24 +16,22 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from flopwise.config import RunConfig
 from flopwise.deps import missing_for_run, require
 from flopwise.fsio import WriteError
-from flopwise.measure.meter import ThroughputMeter
 from flopwise.train import hooks
 from flopwise.train.describe import describe
 from flopwise.train.distributed import DistEnv, init_distributed
 from flopwise.train.record import TrainResult
 from flopwise.train.schedule import lr_for_step
 from flopwise.train.setup import Run, setup
-from flopwise.train.stopping import SignalStop, ignore_sigterm, stop_reason
-from flopwise.train.timing import StepTimer, profiler
-from flopwise.train.train_step import handle_bad_step, train_step
-from flopwise.train.wrap import RecompileWatch
+from flopwise.train.stopping import SignalStop, ignore_sigterm, stop_reason, stop_votes
+from flopwise.train.timing import profiler
+from flopwise.train.train_step import PendingStep, settle, train_step
 
 Log = Callable[[str], None]
 
@@ -85,13 +83,8 @@ def _train(run: Run) -> TrainResult:
     for line in describe(run):
         run.log(line)
     hooks.validate_at_start(run)
-    t = run.cfg.train
-    run.meter = ThroughputMeter(run.flops.per_token, run.flops.peak * run.world if run.flops.peak else None,
-                                warmup_steps=t.warmup_log_steps)
     if run.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(run.device)
-    run.timer = StepTimer(run.device)
-    run.recompiles = RecompileWatch(t.compile != "off")
     t_loop = run.clock()
     run.meter.pause()
     try:
@@ -110,13 +103,24 @@ def _train(run: Run) -> TrainResult:
 
 
 def _loop(run: Run) -> str:
-    """Step until the last step or a stop; returns why it stopped early ("" when it did not)."""
+    """Step until the last step or a stop; returns why it stopped early ("" when it did not).
+
+    A step is issued, then the previous step's values are read -- one step late, so the host
+    never waits on the step it just queued -- and the guard settles it; a step that logs,
+    validates or saves is read at once (``hooks.reads_now``). A bad step read late was skipped on
+    the device already; a rollback it calls for undoes the step issued after it too."""
     p, o, t = run.progress, run.cfg.optim, run.cfg.train
     stopped = ""
+    late: PendingStep | None = None
+    agreed: list[float] | None = None  # the ranks' stop votes, as last read
+
+    def reload(path: Any) -> dict:
+        return hooks.reload(run, path)
+
     with SignalStop() as signals, profiler(t.profile, run.run_dir / "profile", t.profile_wait, t.profile_warmup,
                                            t.profile_active) as prof, _peer_failures(run.env, run.cfg):
         while p.step < run.total_steps:
-            stopped = stop_reason(run.env, signals, run.deadline, run.fit, run.device)
+            stopped = stop_reason(run.env, signals, run.deadline, run.fit, agreed)
             if stopped:
                 break
             t_step = run.clock()
@@ -127,13 +131,30 @@ def _loop(run: Run) -> str:
             if run.fit is not None and run.fit.done(p.step):
                 stopped = "the time budget is used with the decay finished"  # a fitted WSD stops itself
                 break
-            out = train_step(run, p.step, accum, step_tokens, lr)
-            if out.bad:
-                handle_bad_step(run, out, lr, reload=lambda path: hooks.reload(run, path))
-                run.meter.pause()
-                continue
+            now = train_step(run, p.step, accum, step_tokens, lr, stop_votes(run.env, signals, run.deadline, run.fit))
+            if late is not None:
+                out, late = late.read(), None
+                agreed = out.votes
+                if settle(run, out, reload):
+                    hooks.record_good(run, out)
+                elif run.guard.policy == "rollback":
+                    continue  # the step just issued ran on weights the rollback replaced: undone with them
+            hooks.count_step(run, step_tokens, run.clock() - t_step)
             prof.step()
-            hooks.after_step(run, out, lr, step_tokens, run.clock() - t_step)
+            if not hooks.reads_now(run):
+                late = now
+                continue
+            out = now.read()
+            agreed = out.votes
+            if settle(run, out, reload):
+                hooks.record_good(run, out)
+                hooks.after_step(run, out)
+            elif run.guard.policy == "skip":
+                hooks.after_step(run, out, good=False)  # its save and validation, when they were due
+        if late is not None:  # the last step issued before a stop: read before the stop's save
+            out = late.read()
+            if settle(run, out, reload):
+                hooks.record_good(run, out)
         if stopped:
             hooks.save_on_stop(run, stopped)
     return stopped

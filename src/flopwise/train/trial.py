@@ -33,23 +33,23 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import torch
 import torch.multiprocessing as mp
 
-from flopwise.errors import FlopwiseError
-from flopwise.config import ConfigError, RunConfig
+from flopwise.config import ActivationCheckpointing, ConfigError, RunConfig
 from flopwise.data.datadir import open_data_dir
 from flopwise.data.prepare import die_with_parent
+from flopwise.errors import FlopwiseError, is_out_of_memory
 from flopwise.fsio import atomic_write
 from flopwise.measure.meter import median
 from flopwise.train.distributed import DistEnv, init_distributed
-from flopwise.train.parallel import grad_sync, grads_set_to_none, resolve_strategy
-from flopwise.train.precision import autocast_factory, resolve
+from flopwise.train.parallel import resolve_strategy
+from flopwise.train.precision import resolve
 from flopwise.train.setup import build_step, train_loader
-from flopwise.train.step import forward_backward
-from flopwise.train.train_step import apply_update, unscale_and_clip
+from flopwise.train.timing import StepTimer
+from flopwise.train.train_step import PendingStep, StepOnly, train_step
 
 TRIAL_TIMEOUT_MIN = 10.0  # a collective of a trial that waits longer fails the trial instead of hanging it
 
@@ -59,9 +59,9 @@ class TrialError(FlopwiseError, RuntimeError):
 
 
 def failure_status(e: BaseException) -> str:
-    """A failed trial's status: "oom" (CUDA's own error, or one that says so -- as a trial in
-    its own process reports it, by its message) or "error"."""
-    return "oom" if isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower() else "error"
+    """A failed trial's status: "oom" (an allocation that failed, on CUDA or the CPU -- told by its
+    message where the trial ran in its own process: ``errors.is_out_of_memory``) or "error"."""
+    return "oom" if is_out_of_memory(e) else "error"
 
 
 def measure_in_processes(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, steps: int,
@@ -217,7 +217,9 @@ def _rank(local_rank: int, world: int, port: int, cfg: RunConfig, micro_batch: i
 def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, steps: int,
             device: torch.device, env: DistEnv | None = None, probe_sequences: int = 0) -> dict[str, Any]:
     """Tokens/s, peak memory and data share of ``steps`` optimizer steps after ``warmup``, with
-    the trainer's own step (loss function, wrappers, precision, optimizer) at this micro-batch.
+    the trainer's own step at this micro-batch: ``train_step`` itself (loss function, wrappers,
+    precision, the guard's values and the skip on the device, the optimizer), each step's
+    values read one step late as the loop reads them -- a trial times what the run does.
 
     Each step is timed on its own (a window): ``tok_per_s`` is the median of the windows'
     rates (of the global batch), ``tok_per_s_windows`` lists them all.
@@ -233,7 +235,8 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
     Under ``env`` (a process group: ``train/trial.py`` starts one for an N-rank trial) every
     rank calls this: its share of the batch, the strategy the trainer would resolve
     (``parallel.strategy``, wrapped as the trainer wraps it), the gradients reduced on each
-    step's last micro-batch; ``first_loss`` is then the mean over ranks, as the trainer logs it.
+    step's last micro-batch; ``first_loss`` is the first step's loss over all ranks, as the
+    trainer logs it.
 
     Each trial starts with a fresh compiler: dynamo would otherwise take the second size for
     a shape change of the same code and compile a dynamic-batch graph for it (and reuse that
@@ -244,7 +247,8 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
     threads = torch.get_num_threads()  # a trial's train.threads must not outlive it
     if t.threads:
         torch.set_num_threads(t.threads)
-    t.micro_batch_size, t.activation_checkpointing = micro_batch, checkpointing
+    t.micro_batch_size = micro_batch
+    t.activation_checkpointing = cast(ActivationCheckpointing, checkpointing)  # one of the rungs' names
     world = env.world_size
     run_accum, run_tokens = cfg.grad_accum_steps(world), cfg.tokens_per_step  # the run's step
     unit = micro_batch * world  # a step is whole micro-batches on every rank
@@ -257,80 +261,98 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
     data = open_data_dir(cfg.data, log=lambda s: None)
     loader = train_loader(cfg, data, device, env.rank, world)
     parts = build_step(cfg, strategy, env, device, prec)  # as the trainer builds its step
-    model, master, train_model, loss_fn, opt = (parts.model, parts.master, parts.train_model, parts.loss_fn,
-                                                parts.optimizer)
-    params = [p for group in opt.param_groups for p in group["params"]]
-    sync = grad_sync(train_model, strategy, accum) if strategy != "single" else None
-    autocast = autocast_factory(device, prec.autocast_dtype)
+    timer = _MarkingTimer(device)
+    step = StepOnly.of(cfg, parts, env, device, prec, strategy, loader, timer)
     cuda = device.type == "cuda"
-    data_s = 0.0
-    losses: list[torch.Tensor] = []
-    marks: list[Any] = []  # a stamp before each micro-batch, after the last one, after the optimizer
+    first: list[PendingStep] = []  # the first step's values: its loss is before any update, on the first batch
+    late: list[PendingStep] = []
 
-    def stamp() -> Any:  # CUDA: when the GPU reaches this point of the stream, without a sync
-        if cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def batches():
-        nonlocal data_s
-        for i in range(accum):
-            if i:
-                marks.append(stamp())
-            t0 = time.perf_counter()
-            b = loader.next_batch()
-            data_s += time.perf_counter() - t0
-            yield b
-
-    def step():
-        marks.clear()
-        marks.append(stamp())
-        loss = forward_backward(train_model, batches(), cfg.tokens_per_step // world, autocast, loss_fn,
-                                prec.scaler, sync)
-        marks.append(stamp())
-        if not losses:
-            losses.append(loss.detach())  # the first step's loss: before any update, on the first batch
-        unscale_and_clip(opt, prec.scaler, master, params, cfg.optim.grad_clip or float("inf"))
-        apply_update(opt, prec.scaler, master)  # the trainer's own update (train_step.py)
-        opt.zero_grad(set_to_none=grads_set_to_none(strategy))
-        marks.append(stamp())
-
-    def seconds(a: Any, b: Any) -> float:
-        return a.elapsed_time(b) / 1000 if cuda else b - a
+    def one_step(i: int, stepper: StepOnly) -> None:
+        timer.marks.clear()
+        timer.marks.append(timer.stamp())
+        now = train_step(stepper, i, accum, cfg.tokens_per_step, cfg.optim.lr)
+        timer.marks.append(timer.stamp())  # after the optimizer
+        if late:
+            late.pop().read()  # the previous step's values, one step late, as the loop reads them
+        late.append(now)
+        if not first:
+            first.append(now)
 
     try:
-        for _ in range(warmup):
-            step()
+        for i in range(warmup):
+            one_step(i, step)
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
-        data_s, windows, wall = 0.0, [], 0.0
-        for _ in range(steps):
+        timer.reset()
+        windows, wall = [], 0.0
+        for i in range(warmup, warmup + steps):
             t0 = time.perf_counter()
-            step()
+            one_step(i, step)
             if cuda:
                 torch.cuda.synchronize(device)
             wall += time.perf_counter() - t0
             if accum == run_accum:  # the run's own step, timed whole
                 windows.append(time.perf_counter() - t0)
             else:
-                micro = [seconds(marks[i], marks[i + 1]) for i in range(accum)]
-                windows.append(extrapolated_step_s(micro, seconds(marks[-2], marks[-1]), run_accum,
+                marks = timer.marks
+                micro = [timer.seconds(marks[k], marks[k + 1]) for k in range(accum)]
+                windows.append(extrapolated_step_s(micro, timer.seconds(marks[-2], marks[-1]), run_accum,
                                                    head=max(1, cfg.data.prefetch)))
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
-        first = env.sum([float(losses[0])], device)[0] / world if losses else None  # the ranks' mean
+        first_loss = first[0].read().loss if first else None
+        data_s = timer.host["data"]
     finally:
         loader.close()
-        del parts, model, master, train_model, loss_fn, opt, params  # their memory goes before empty_cache
+        first.clear()
+        late.clear()
+        del parts, step  # their memory goes before empty_cache
         torch.set_num_threads(threads)
         if cuda:
             torch.cuda.empty_cache()
     rates = [run_tokens / w for w in windows]
     return {"tok_per_s": median(rates), "tok_per_s_windows": rates, "peak_gb": peak, "data_share": data_s / wall,
-            "first_loss": first, "strategy": strategy, "world": world,
+            "first_loss": first_loss, "strategy": strategy, "world": world,
             "probe_sequences": t.global_batch_size if accum != run_accum else None}
+
+
+class _MarkingTimer(StepTimer):
+    """The step's timer, stamping its parts for a probe's extrapolation: before each micro-batch
+    after the first, after the last one's backward (the end of ``fwd_bwd``); the trial stamps
+    the step's start and end. On CUDA a stamp is an event (when the GPU gets there, no sync)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.marks: list[Any] = []
+
+    def stamp(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, a: Any, b: Any) -> float:
+        return a.elapsed_time(b) / 1000 if self.cuda else b - a
+
+    @contextlib.contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        with super().part(name):
+            yield
+        if name == "fwd_bwd":
+            self.marks.append(self.stamp())
+
+    def timed_batches(self, next_batch: Callable[[], Any], n: int) -> Iterator[Any]:
+        fetched = 0
+
+        def stamped() -> Any:  # asked for when the previous micro-batch's backward is done
+            nonlocal fetched
+            if fetched:
+                self.marks.append(self.stamp())
+            fetched += 1
+            return next_batch()
+
+        yield from super().timed_batches(stamped, n)
 
 
 def extrapolated_step_s(micro_s: list[float], optimizer_s: float, accum: int, head: int = 1) -> float:

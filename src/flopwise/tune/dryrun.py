@@ -21,8 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from flopwise.errors import FlopwiseError
 from flopwise.config import ConfigError, RunConfig, batch_split_problems
+from flopwise.errors import FlopwiseError
 from flopwise.measure.sinks import human
 from flopwise.plan import hardware
 from flopwise.plan.budget import PlanError
@@ -156,7 +156,8 @@ def render(result: dict[str, Any]) -> list[str]:
     lines = [f"flopwise preflight --dry-run · {world} × {r['gpu']['spec']} ({r['nproc_per_node']} per node × "
              f"{r['nnodes']} node(s)) · traced on fake tensors with torch {result['torch']}: nothing ran on a GPU"]
     kernels = ", ".join(f"{k} ×{v}" for k, v in sorted(t.get("sdpa_kernels", {}).items())) or "no SDPA"
-    lines.append(f"  step       runs · {result['strategy']} · {result['precision']} · compile {result['compile']} · loss "
+    lines.append(f"  step       runs · {result['strategy']} · {result['precision']} · compile {result['compile']} "
+                 f"· loss "
                  f"{result['loss']} · SDPA kernels {kernels} · micro-batch {result['micro_batch']} × accumulation "
                  f"{result['accum']} (traced: {t['traced_accum']}) · seq {result['seq_len']}")
     eager, plan = t["eager_memory"], result["plan"]
@@ -179,7 +180,9 @@ def render(result: dict[str, Any]) -> list[str]:
     else:
         lines.append(f"  fits       no micro-batch fits within {fit['cap_gib']:.1f} GiB by trace")
     syncs = t["syncs"]
-    lines.append(f"  host syncs {len(syncs)} per step" + (":" if syncs else ""))
+    lines.append(f"  host syncs {len(syncs)} per step:" if syncs else
+                 "  host syncs none in the step (its loss and gradient norm are read on log steps, other steps' "
+                 "one step late)")
     lines += [f"             {s['op'].split('.')[1] if '.' in s['op'] else s['op']} at {s['source']}" for s in syncs]
     f = t["flops"]
     scale = f["per_step_scale"]

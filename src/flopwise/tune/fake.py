@@ -91,7 +91,7 @@ def fake_mode() -> FakeTensorMode:
 # --------------------------------------------------------------------------- torch.cuda
 
 def _patch_cuda(gpu: FakeGpu) -> None:
-    c = torch.cuda
+    c: Any = torch.cuda  # patched: its functions replaced by looser ones (fake props, any device argument)
     props = types.SimpleNamespace(name=gpu.name, total_memory=gpu.memory_bytes, major=gpu.capability[0],
                                   minor=gpu.capability[1], multi_processor_count=132, is_integrated=False)
     c.is_available = lambda: True
@@ -123,7 +123,7 @@ def _patch_streams() -> None:
     """The CPU build's torch.cuda.Stream/Event are placeholders that raise; FSDP2 and DDP use
     them. The generic torch.Stream/Event on "cuda" go through the shim's guard: every stream is
     the default one and events are complete, so the order of work is not modelled."""
-    c = torch.cuda
+    c: Any = torch.cuda  # patched: its Stream/Event classes replaced by factories of the generic ones
     c.Stream = lambda device=None, priority=0, **kw: torch.Stream(device="cuda", priority=priority)
     c.Event = lambda enable_timing=False, blocking=False, interprocess=False: torch.Event(
         device="cuda", enable_timing=enable_timing)
@@ -268,7 +268,7 @@ def _patch_compile() -> None:
         kwargs.pop("options", None)
         module_compile(self, backend=COMPILED_BACKEND, **kwargs)
 
-    torch.nn.Module.compile = compile_module
+    torch.nn.Module.compile = compile_module  # type: ignore[method-assign]  # the traced backend, always
 
 
 # --------------------------------------------------------------------------- data parallel
@@ -349,9 +349,9 @@ def _patch_ddp() -> None:
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
             self.register_comm_hook(None, _allreduce_hook)
-            self.reducer = _KeepBuckets(self.reducer)
+            self.reducer = _KeepBuckets(self.reducer)  # type: ignore[assignment]  # forwards to the Reducer
 
-    parallel.DDP = TracedDDP
+    parallel.DDP = TracedDDP  # type: ignore[misc]  # flopwise's DDP, for the trace
 
 
 # --------------------------------------------------------------------------- flopwise's own pieces
@@ -382,8 +382,8 @@ def _deepcopy_in_mode(obj: Any, memo: dict | None = None) -> Any:
     if isinstance(obj, torch.nn.Module):
         for t in obj.parameters():
             memo.setdefault(id(t), torch.nn.Parameter(t.detach().clone(), requires_grad=t.requires_grad))
-        for t in obj.buffers():
-            memo.setdefault(id(t), t.clone())
+        for b in obj.buffers():
+            memo.setdefault(id(b), b.clone())
     return copy.deepcopy(obj, memo)
 
 
@@ -392,7 +392,7 @@ def _patch_flopwise(gpu: FakeGpu) -> None:
     # MoE experts: torch._grouped_mm runs bf16 on sm80+ (moe.py probes it by running it: no values here)
     for index in range(gpu.count):
         moe._GROUPED_MM_OK[("cuda", index, torch.bfloat16)] = gpu.capability >= (8, 0)
-    precision.copy = types.SimpleNamespace(deepcopy=_deepcopy_in_mode)
+    precision.copy = types.SimpleNamespace(deepcopy=_deepcopy_in_mode)  # type: ignore[assignment]  # its deepcopy
 
 
 # --------------------------------------------------------------------------- recorders
@@ -421,13 +421,13 @@ class LiveMemory:
         new = self._new = FakeTensor.__new__
         tracker = self
 
-        def tracked_new(cls: type, *args: Any, **kwargs: Any) -> FakeTensor:
+        def tracked_new(cls: type[FakeTensor], *args: Any, **kwargs: Any) -> FakeTensor:
             t = new(cls, *args, **kwargs)
             if t.fake_mode is tracker.mode and t.device.type == "cuda":
                 tracker._born(t)
             return t
 
-        FakeTensor.__new__ = tracked_new  # type: ignore[method-assign]
+        FakeTensor.__new__ = tracked_new  # type: ignore[method-assign, assignment]  # not generic in Self
         resize = self._resize = torch.UntypedStorage.resize_
 
         def tracked_resize(storage: torch.UntypedStorage, size: int) -> Any:
@@ -439,10 +439,11 @@ class LiveMemory:
                 entry[0] = size
             return result
 
-        torch.UntypedStorage.resize_ = tracked_resize  # type: ignore[method-assign]
+        torch.UntypedStorage.resize_ = tracked_resize  # type: ignore[method-assign, assignment]  # stub: _StorageBase
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        assert self._new is not None and self._resize is not None, "__exit__ follows __enter__, which saved them"
         FakeTensor.__new__ = self._new  # type: ignore[method-assign]
         torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
 
@@ -523,9 +524,12 @@ class StepWatch(TorchDispatchMode):
             if name in ("aten._local_scalar_dense.default", "aten.item.default"):
                 return self.fill if first.dtype.is_floating_point else int(self.fill)
         elif name in ("aten._to_copy.default", "aten.copy_.default"):
+            assert first is not None, f"{name} takes a tensor first"
             src = args[1] if name == "aten.copy_.default" else first
             dst = str(first.device if name == "aten.copy_.default" else kwargs.get("device", src.device))
-            if isinstance(src, torch.Tensor) and src.device.type == "cuda" and dst.startswith("cpu"):
+            # non_blocking (into pinned memory: train_step.PendingStep) returns without waiting
+            waits = not (args[2] if name == "aten.copy_.default" and len(args) > 2 else kwargs.get("non_blocking"))
+            if isinstance(src, torch.Tensor) and src.device.type == "cuda" and dst.startswith("cpu") and waits:
                 self._sync(f"{name} cuda->cpu")
         elif func.namespace in ("c10d", "_c10d_functional"):
             op = name.split(".")[1]

@@ -29,7 +29,7 @@ import logging
 import os
 import sys
 import traceback
-import types
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,18 +39,15 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from flopwise.config import ConfigError, RunConfig, batch_split_problems, load_run_config
 from flopwise.plan.budget import memory_settings_for_run
-from flopwise.plan.flops import (attention_flops_per_token, param_counts, recompute_flops_per_token,
-                                 recomputed_fraction)
+from flopwise.plan.flops import attention_flops_per_token, param_counts, recompute_flops_per_token, recomputed_fraction
 from flopwise.plan.memory import estimate
 from flopwise.train import train_step as train_step_module
 from flopwise.train.defaults import resolve_speed
 from flopwise.train.distributed import DistEnv
 from flopwise.train.parallel import resolve_strategy
-from flopwise.train.precision import autocast_factory
 from flopwise.train.precision import resolve as resolve_precision
 from flopwise.train.setup import build_step
-from flopwise.train.stopping import NonFiniteGuard
-from flopwise.train.timing import StepTimer
+from flopwise.train.train_step import StepOnly
 from flopwise.tune import fake
 
 TRACED_MICRO_BATCHES = 2  # the first micro-batch's gradients exist during the second one's backward
@@ -83,7 +80,8 @@ def _answer(request: dict[str, Any]) -> dict[str, Any]:
         return {"error": str(e), "where": "config"}
     except Exception as e:  # noqa: BLE001 - the step failing is the answer: what and where
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return {"error": f"{type(e).__name__}: {first}", "where": _where(e), "traceback": traceback.format_exc()[-6000:]}
+        return {"error": f"{type(e).__name__}: {first}", "where": _where(e),
+                "traceback": traceback.format_exc()[-6000:]}
 
 
 def _where(e: BaseException) -> str:
@@ -142,10 +140,10 @@ def planned(cfg: RunConfig, precision: str, strategy: str, world: int, micro_bat
     return {k: round(v, 3) for k, v in est.gb().items()}
 
 
-def _step_run(cfg: RunConfig, parts: Any, env: DistEnv, device: torch.device, prec: Any, strategy: str,
-              micro_batch: int) -> types.SimpleNamespace:
-    """What ``train_step`` reads of a :class:`~flopwise.train.setup.Run`, with batches of
-    random token ids made on the device (a run's come from its loader)."""
+def _step_only(cfg: RunConfig, parts: Any, env: DistEnv, device: torch.device, prec: Any, strategy: str,
+               micro_batch: int) -> StepOnly:
+    """The run's step (:class:`StepOnly`, as a trial builds it), with batches of random token ids
+    made on the device (a run's come from its loader)."""
     V, T, m = cfg.model.vocab_size, cfg.train.seq_len, cfg.model
 
     class Batches:
@@ -156,14 +154,10 @@ def _step_run(cfg: RunConfig, parts: Any, env: DistEnv, device: torch.device, pr
                 return x, y, torch.randint(0, 2, (micro_batch, T), device=device).cumsum(1)
             return x, y
 
-    return types.SimpleNamespace(
-        cfg=cfg, timer=StepTimer(device), prec=prec, optimizer=parts.optimizer,
-        strategy=types.SimpleNamespace(name=strategy), train_model=parts.train_model, train_loader=Batches(),
-        world=env.world_size, autocast=autocast_factory(device, prec.autocast_dtype), loss_fn=parts.loss_fn,
-        master=parts.master, opt_params=[q for g in parts.optimizer.param_groups for q in g["params"]],
-        clip=cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else float("inf"), env=env,
-        guard=NonFiniteGuard.from_config(cfg.train, uniform_loss=10.0),
-        state_model=parts.master.master if parts.master else parts.model)
+        def state_dict(self) -> dict[str, Any]:
+            return {}
+
+    return StepOnly.of(cfg, parts, env, device, prec, strategy, Batches())
 
 
 def _in_forward(loss_fn: Any, memory: fake.LiveMemory) -> Any:
@@ -231,16 +225,15 @@ def _collected_between_steps():
 
 
 @contextlib.contextmanager
-def _no_host_read():
-    """``train_step``'s one read of the loss and gradient norm, answered without reading: the
-    compiled pass runs with no dispatch mode, and a fake tensor has no value to read. The eager
-    pass reads (and counts) it."""
-    original = train_step_module.global_loss
-    train_step_module.global_loss = lambda env, loss, grad_norm: (1.0, 1.0)
+def _no_copy_event():
+    """The event behind a step's copy of its values to the host (``train_step.copy_done``), left
+    out: the fake CUDA has no events, and it holds no memory and reads nothing."""
+    original = train_step_module.copy_done
+    train_step_module.copy_done = lambda device: None
     try:
         yield
     finally:
-        train_step_module.global_loss = original
+        train_step_module.copy_done = original
 
 
 def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, micro_batch: int,
@@ -260,9 +253,9 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
     compiled = t.compile != "off"
     mode = fake.fake_mode()
     gc.collect()
-    with mode, fake.LiveMemory(mode) as memory, _collected_between_steps():
+    with mode, fake.LiveMemory(mode) as memory, _collected_between_steps(), _no_copy_event():
         parts = build_step(cfg, strategy, env, device, prec)
-        run = _step_run(cfg, parts, env, device, prec, strategy, micro_batch)
+        run = _step_only(cfg, parts, env, device, prec, strategy, micro_batch)
         run.loss_fn = _in_forward(parts.loss_fn, memory)
         params, _ = _states(parts)
         memory.mark(params, "parameters")
@@ -273,15 +266,14 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
             fake.SAVED.clear()
             per_step = []
             steps = COMPILED_STEPS if full else 2  # a fit's trace: the compile and the step measured
-            with _no_host_read():
-                for _ in range(steps):
-                    gc.collect()
-                    if step == steps - 1:
-                        memory.mark(_states(parts)[1], "optimizer")
-                        memory.reset_peak()
-                    train_step_module.train_step(run, step, accum, step_tokens, 1e-4)
-                    step += 1
-                    per_step.append(graphs.snapshot())
+            for _ in range(steps):
+                gc.collect()
+                if step == steps - 1:
+                    memory.mark(_states(parts)[1], "optimizer")
+                    memory.reset_peak()
+                train_step_module.train_step(run, step, accum, step_tokens, 1e-4)
+                step += 1
+                per_step.append(graphs.snapshot())
             out["compiled"] = {"per_step": per_step, **graphs.close(), "saved": list(fake.SAVED),
                                "memory": _memory(memory, "compiled", fake.COMPILED_BACKEND_NAME)}
             out["memory"] = out["compiled"]["memory"]  # the step as the run takes it
@@ -335,7 +327,7 @@ class _GradMarker:
     """Counts each parameter's gradient as a gradient once it is accumulated (hooks on the
     parameters the optimizer steps)."""
 
-    def __init__(self, params: list[torch.Tensor], memory: fake.LiveMemory):
+    def __init__(self, params: Iterable[torch.Tensor], memory: fake.LiveMemory):
         self.handles = []
         for p in params:
             if hasattr(p, "register_post_accumulate_grad_hook"):
