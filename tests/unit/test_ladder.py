@@ -195,6 +195,31 @@ def test_the_micro_batch_rung_goes_outward_and_stops_past_the_fastest_size():
     assert why["train.micro_batch_size=128"] == "micro-batch 64 was slower: tokens/s falls past the fastest size"
 
 
+@pytest.mark.parametrize("device, kept", [("cpu", "32"), ("cuda", "32"), ("cpu-slower", None), ("cuda-smaller", "16")])
+def test_the_micro_batch_rung_decides_a_tie_by_the_searchs_rule(monkeypatch, device, kept):
+    """One rule for both micro-batch searches (train/choice.py): within the noise the ladder's
+    rung keeps, as the search would choose, on a CPU the faster median and on a GPU the larger
+    micro-batch -- and the search's choose() between the same two trials agrees with the row."""
+    from flopwise.train.choice import Trial, choose
+
+    monkeypatch.setattr("flopwise.train.ladder.planned_gb", lambda cfg, dev: 0.0)
+    rate32 = {"cpu": 1005.0, "cuda": 1005.0, "cpu-slower": 995.0, "cuda-smaller": 995.0}[device]
+    dev = torch.device("cuda" if device.startswith("cuda") else "cpu")
+    rates = {("off", "chunked", 32, "none"): rate32, ("off", "chunked", 64, "none"): 500.0,
+             ("off", "chunked", 8, "none"): 500.0}
+    if device == "cuda-smaller":  # the larger size is the current one: a smaller one within the noise is not kept
+        rates = {("off", "chunked", 32, "none"): 500.0, ("off", "chunked", 8, "none"): 1005.0}
+    lad = climb(base(["train.global_batch_size=128"]), scripted(rates), dev, [8, 16, 32, 64],
+                run_tokens=10**6, fpt=1e7, peak=None, log=lambda s: None, warm_up_process=False)
+    rows = {r["change"].split("=")[1]: r for r in lad["rungs"] if r["rung"] == "micro-batch" and r["status"] == "ok"}
+    got = [b for b, r in rows.items() if r["kept"]]
+    assert got == ([kept] if kept and kept != "16" else []), {b: r["why"] for b, r in rows.items()}
+    for b, r in rows.items():  # the row's verdict is choose()'s between the start and that size
+        start = Trial(16, "none", "ok", tok_per_s=1000.0, spread=lad["start"]["spread"])
+        size = Trial(int(b), "none", "ok", tok_per_s=r["tok_per_s"], spread=r["spread"])
+        assert (choose([start, size], dev.type)[0] is size) == r["kept"], (b, r["why"])
+
+
 def test_an_option_the_memory_model_says_cannot_fit_is_not_run():
     measured = []
 

@@ -17,7 +17,10 @@ default on a GPU, in a fresh process, which is how N-rank options always run), a
 **kept** only when
 
 - it is faster than the best so far by more than the noise (the two measurements' spreads
-  added, never less than ``MIN_NOISE``);
+  added, never less than ``MIN_NOISE``) -- for a micro-batch or checkpointing row, it is the
+  one :func:`~flopwise.train.choice.choose` picks of the two, the micro-batch search's rule:
+  beyond the noise the faster, within it no checkpointing first, then on a GPU the larger
+  micro-batch, on a CPU the faster median;
 - its first step's loss -- the same initial weights on the same first global batch -- is
   within ``SAME_NUMERICS`` of the kept configuration's (``CHANGED_NUMERICS`` for a rung that
   changes numerics on purpose, such as bf16; fp8 is measured where it runs and kept only
@@ -51,9 +54,11 @@ from flopwise.measure.meter import MIN_NOISE, spread
 from flopwise.model.attention import available_backends, select_backend
 from flopwise.plan.budget import memory_settings_for_run
 from flopwise.plan.memory import estimate
+from flopwise.train.choice import Trial, choose
 from flopwise.train.losses import fused_linear_cross_entropy_available
 from flopwise.train.parallel import incompatibilities
-from flopwise.train.precision import cpu_native_bf16, fp8_problem, resolve as resolve_precision
+from flopwise.train.precision import cpu_native_bf16, fp8_problem
+from flopwise.train.precision import resolve as resolve_precision
 from flopwise.train.trial import failure_status
 
 SAME_NUMERICS = 1e-3  # relative first-step loss difference for a change that should not change it
@@ -106,8 +111,8 @@ def rungs(cfg: RunConfig, device: torch.device, sizes: list[int],
                                      if m != t.compile_mode], "same"))
     else:  # how many cores torch computes with: all of them is not always fastest
         cores = os.cpu_count() or 1
-        current = t.threads or torch.get_num_threads()
-        counts = sorted({n for n in (1, 2, 4, 8, 16, 32, 64, cores) if n <= cores} - {current})
+        threads_now = t.threads or torch.get_num_threads()
+        counts = sorted({n for n in (1, 2, 4, 8, 16, 32, 64, cores) if n <= cores} - {threads_now})
         out.append(("threads", [{"train.threads": n} for n in counts], "same"))
     return out
 
@@ -130,7 +135,8 @@ def climb(cfg: RunConfig, measure_one: Callable[..., dict[str, Any]], device: to
           world: int = 1, warm_up_process: bool = True) -> dict[str, Any]:
     """Climb from ``cfg``; ``measure_one(cfg, world=1, timeout_s=None)`` times a configuration
     on ``world`` ranks (``trial.measure``'s dict, with ``first_loss``), within ``timeout_s`` where
-    it can stop a trial (one in its own processes), or raises (an out-of-memory is a result). The per-device rungs run on one rank; with ``world > 1`` the climbed configuration
+    it can stop a trial (one in its own processes), or raises (an out-of-memory is a result).
+    The per-device rungs run on one rank; with ``world > 1`` the climbed configuration
     is then scaled out to ``world`` ranks and the strategy and bucket rungs run there. Returns
     the ladder as ``preflight.json`` records it (``report`` draws it) with the chosen settings.
     ``warm_up_process``: measure the start once untimed first, for trials that share this process."""
@@ -263,6 +269,16 @@ class Climb:
                     "why": f"peak {row['peak_gb']:.2f} GiB > {self.headroom:.0%} of {memory:.1f} GiB"}
         if drift > tol:
             return {**row, "why": f"first-step loss moved {drift:.1e} (tolerance {tol:.0e}): not the same training"}
+        if name in ("micro-batch", "checkpointing"):  # the search's rule, between the best and this size
+            t = self.cfg.train
+            now = Trial(t.micro_batch_size, t.activation_checkpointing, "ok", tok_per_s=best["tok_per_s"],
+                        spread=best.get("spread"))
+            size = Trial(cand.train.micro_batch_size, cand.train.activation_checkpointing, "ok",
+                         tok_per_s=row["tok_per_s"], spread=row["spread"])
+            pick, why = choose([now, size], self.device.type)
+            if pick is now:
+                return {**row, "why": f"{row['delta_prev']:+.1%}: {why}"}
+            return {**row, "kept": True, "why": f"{row['delta_prev']:+.1%}: {why}; loss within {tol:.0e}"}
         if row["delta_prev"] <= 0:
             return {**row, "why": f"{row['delta_prev']:+.1%}: slower than the best so far"}
         if row["delta_prev"] <= noise:

@@ -26,20 +26,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import math
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 import yaml
 
 from flopwise.checkpoints import latest_checkpoint, load_checkpoint
-from flopwise.config import ConfigError, RunConfig, batch_split_problems
+from flopwise.config import ActivationCheckpointing, ConfigError, RunConfig, batch_split_problems
 from flopwise.fsio import atomic_write
 from flopwise.measure.ceiling import measure_ceiling, step_gemms
 from flopwise.measure.meter import MIN_NOISE, median
@@ -49,15 +49,15 @@ from flopwise.plan.budget import memory_settings_for_run
 from flopwise.plan.flops import flops_per_token
 from flopwise.plan.memory import MemorySettings, estimate
 from flopwise.train.checkpoint import save_checkpoint
+from flopwise.train.choice import Trial, choose, label, median_spread, rate, short, tied
+from flopwise.train.defaults import resolve_speed
 from flopwise.train.device import device_peak
 from flopwise.train.distributed import resolve_device
 from flopwise.train.explain import explain_run
 from flopwise.train.ladder import climb, planned_gb, with_settings
-from flopwise.train.defaults import resolve_speed
 from flopwise.train.precision import cpu_native_bf16, resolve
 from flopwise.train.trainer import train
 from flopwise.train.trial import failure_status, measure, measure_in_processes, ready_processes
-
 
 Log = Callable[[str], None]
 STARVATION_WARN = 0.05  # waiting for data above 5% of step time deserves a look
@@ -70,71 +70,6 @@ MIN_WINDOWS = 3  # timed windows per trial: fewer give no spread
 # apart in a preflight, at most four times those trials' first cost, and the search's time stays
 # bounded by --budget-minutes as well.
 REMEASURE_ROUNDS = 3
-SPREAD_COVERAGE = 0.75  # the median interval's coverage: that of three windows' whole range
-
-
-@dataclass
-class Trial:
-    micro_batch: int
-    checkpointing: str
-    status: str  # ok | oom | no-fit (planner) | error
-    tok_per_s: float | None = None  # median over the timed windows
-    spread: float | None = None  # the median's noise: median_spread of the windows' tok/s
-    windows: int = 0  # timed steps, re-measures included
-    mfu: float | None = None
-    peak_gb: float | None = None
-    predicted_gb: float | None = None
-    data_share: float | None = None
-    note: str = ""
-    rates: list[float] = field(default_factory=list)  # every timed window's tok/s, re-measures included
-    rounds: int = 0  # re-measure rounds it took part in
-    seconds: float = 0.0  # wall time of its measurements (warm-up and compile included)
-
-
-def _label(t: Trial) -> str:
-    return f"micro-batch {t.micro_batch} {'with' if t.checkpointing != 'none' else 'without'} checkpointing"
-
-
-def _short(t: Trial) -> str:
-    return f"micro-batch {t.micro_batch}" + (" (checkpointed)" if t.checkpointing != "none" else "")
-
-
-def median_spread(rates: list[float]) -> float | None:
-    """The noise of the median of ``rates``: half the width of its distribution-free interval,
-    from the k-th smallest to the k-th largest rate with k as large as keeps the coverage at
-    least ``SPREAD_COVERAGE`` (that of three rates' whole range), as a share of the median.
-    Up to five rates it is half the range (``meter.spread``); with more it narrows as the
-    median's uncertainty does (six rates: the 2nd to the 5th; twelve: the 4th to the 9th),
-    where half the range would only widen and re-measuring could never separate two trials."""
-    n = len(rates)
-    if n < 2:
-        return None
-    s, k = sorted(rates), 1
-    while k + 1 <= (n + 1) // 2 and 1 - 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n >= SPREAD_COVERAGE:
-        k += 1
-    return (s[n - k] - s[k - 1]) / 2 / median(s)
-
-
-def _noise(fastest: Trial, t: Trial, min_noise: float) -> float:
-    """The noise between two trials, as a share of the fastest median: their spreads added
-    (their intervals overlap), never less than ``min_noise``."""
-    return max(min_noise, (fastest.spread or 0.0) + (t.spread or 0.0))
-
-
-def _fitting(trials: list[Trial]) -> list[Trial]:
-    return [t for t in trials if t.status == "ok" and t.tok_per_s]
-
-
-def tied(trials: list[Trial], min_noise: float = MIN_NOISE) -> list[Trial]:
-    """The trials that fit whose median is within the noise of the fastest's (the fastest
-    among them), in the search's order."""
-    ok = _fitting(trials)
-    if not ok:
-        return []
-    fastest = max(ok, key=lambda t: t.tok_per_s)
-    return [t for t in ok if fastest.tok_per_s - t.tok_per_s <= _noise(fastest, t, min_noise) * fastest.tok_per_s]
-
-
 def remeasure(trials: list[Trial], measure_one: Callable[[Trial], dict[str, Any]],
               rounds: int = REMEASURE_ROUNDS, budget_s: float = math.inf,
               clock: Callable[[], float] = time.perf_counter, log: Log = print, min_noise: float = MIN_NOISE,
@@ -163,56 +98,14 @@ def remeasure(trials: list[Trial], measure_one: Callable[[Trial], dict[str, Any]
                 f"(up to {rounds} round(s), until the fastest leads by more than the noise)")
         for t in group:
             s0 = clock()
-            _run_trial(t, lambda t=t: measure_one(t), fpt, peak, memory_gb, headroom)
+            _run_trial(t, functools.partial(measure_one, t), fpt, peak, memory_gb, headroom)
             t.seconds += clock() - s0
             t.rounds += 1
         done += 1
         log(f"preflight: re-measure {done}/{rounds}: " + " · ".join(
-            f"{_short(t)} {human(t.tok_per_s)} tok/s ± {100 * (t.spread or 0):.1f}% ({t.windows} steps)"
-            if t.status == "ok" else f"{_short(t)} {t.status}: {t.note}" for t in group))
+            f"{short(t)} {human(rate(t))} tok/s ± {100 * (t.spread or 0):.1f}% ({t.windows} steps)"
+            if t.status == "ok" else f"{short(t)} {t.status}: {t.note}" for t in group))
     return done
-
-
-def choose(trials: list[Trial], device_type: str = "cpu", min_noise: float = MIN_NOISE) -> tuple[Trial, str]:
-    """The trial to run and why, from the trials' medians and spreads alone (pure: no timing).
-
-    The fastest median wins when it leads every other trial by more than the noise
-    (:func:`_noise`). Among those still within it (after :func:`remeasure`), a configuration
-    without activation checkpointing wins first (it does not recompute the forward pass, and is
-    one thing fewer that can go wrong); then, on a GPU (any device but the CPU), the larger
-    micro-batch (fewer, larger kernels keep the device busier; the global batch, hence the
-    optimisation, is the same), and on a CPU the faster median. The choice is always within
-    the noise of the fastest."""
-    ok = _fitting(trials)
-    if not ok:
-        raise ValueError("no trial fits")
-    fastest = max(ok, key=lambda t: t.tok_per_s)
-    group = tied(trials, min_noise)
-    gpu = device_type != "cpu"
-    best = min(group, key=lambda t: (t.checkpointing != "none", -t.micro_batch if gpu else 0, -t.tok_per_s))
-    rounds = max(t.rounds for t in ok)
-    after = f" after {rounds} re-measure round{'s' if rounds != 1 else ''}" if rounds else ""
-    if len(ok) == 1:
-        return best, "the only configuration that fits"
-    if len(group) == 1:
-        runner = max((t for t in ok if t is not fastest), key=lambda t: t.tok_per_s)
-        return best, (f"fastest{after}: {1 - runner.tok_per_s / fastest.tok_per_s:.1%} ahead of {_label(runner)} "
-                      f"(noise {_noise(fastest, runner, min_noise):.1%})")
-    rule = "the larger micro-batch (on a GPU: fewer, larger kernels)" if gpu else "the faster median (on a CPU)"
-    others = [t for t in group if t is not best]
-    steps = []  # the rules that decided it, in their order
-    if best.checkpointing == "none" and any(t.checkpointing != "none" for t in others):
-        steps.append("no activation checkpointing")
-    if any((t.checkpointing == "none") == (best.checkpointing == "none") for t in others):
-        steps.append(rule)
-    why = ", then ".join(steps)
-    if best is fastest:
-        runner = max(others, key=lambda t: t.tok_per_s)
-        gap = 1 - runner.tok_per_s / fastest.tok_per_s
-        return best, (f"fastest, but {_label(runner)} is within the noise ({gap:.1%} slower, noise "
-                      f"{_noise(fastest, runner, min_noise):.1%}){after}: a tie goes to {why}")
-    return best, (f"within the noise of the fastest ({_label(fastest)}, {1 - best.tok_per_s / fastest.tok_per_s:.1%}"
-                  f" faster, noise {_noise(fastest, best, min_noise):.1%}){after}: a tie goes to {why}")
 
 
 def candidates(cfg: RunConfig) -> list[int]:
@@ -301,7 +194,7 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
     report["choice_reason"] = reason
     for line in trials_table(trials, best):
         log(line)
-    log(f"preflight: chose {_label(best)}: {reason}")
+    log(f"preflight: chose {label(best)}: {reason}")
     report["ceiling"] = ceiling(cfg, best, device, fpt, peak, log)
     native = cpu_native_bf16() if device.type == "cpu" else None
     if native and resolve(cfg.train.precision, device).name == "float32":
@@ -317,7 +210,8 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
             f"{', '.join(remedies[:-1])} or {remedies[-1]}")
     # 5. the prediction, and the tuned configuration that `flopwise train --config` runs as is
     tuned = _copy(cfg)
-    tuned.train.micro_batch_size, tuned.train.activation_checkpointing = best.micro_batch, best.checkpointing
+    tuned.train.micro_batch_size = best.micro_batch
+    tuned.train.activation_checkpointing = cast(ActivationCheckpointing, best.checkpointing)  # a trial's own
     predict(report, cfg, tuned, best, tokens, hours, price_per_gpu_hour, fpt, peak, peak_note, log)
     _write(out, report, cfg, tuned, log)
     return report
@@ -446,7 +340,7 @@ def search(cfg: RunConfig, settings: MemorySettings, measure_one: Callable[[int,
                 trial.status, trial.note = "no-fit", f"planner: {pred:.2f} GiB > {headroom:.0%} of {memory_gb:g} GiB"
             else:
                 t0 = clock()
-                _run_trial(trial, lambda: measure_one(b, ckpt, windows), fpt, peak, memory_gb, headroom)
+                _run_trial(trial, functools.partial(measure_one, b, ckpt, windows), fpt, peak, memory_gb, headroom)
                 trial.seconds = clock() - t0
             trials.append(trial)
             log(f"preflight: trial {i}/{len(todo)} {'without' if ckpt == 'none' else 'with'} checkpointing: "
@@ -464,18 +358,20 @@ def ceiling(cfg: RunConfig, best: Trial, device: torch.device, fpt: float, peak:
     c = measure_ceiling(step_gemms(cfg.model, best.micro_batch * cfg.train.seq_len), device,
                         prec.autocast_dtype or prec.param_dtype)
     achieved = best.tok_per_s * fpt if best.tok_per_s else None
-    out = {"tflops": c.flops_per_s / 1e12, "dtype": c.dtype, "micro_batch": best.micro_batch, "fpt": fpt,
-           "gemm_seconds_per_micro_batch": c.seconds_per_step, "shapes": c.shapes,
-           "datasheet_tflops": peak / 1e12 if peak else None,
-           "ceiling_share_of_datasheet": c.flops_per_s / peak if peak else None,
-           "mfu": best.mfu, "share_of_ceiling": achieved / c.flops_per_s if achieved else None}
+    out: dict[str, Any] = {
+        "tflops": c.flops_per_s / 1e12, "dtype": c.dtype, "micro_batch": best.micro_batch, "fpt": fpt,
+        "gemm_seconds_per_micro_batch": c.seconds_per_step, "shapes": c.shapes,
+        "datasheet_tflops": peak / 1e12 if peak else None,
+        "ceiling_share_of_datasheet": c.flops_per_s / peak if peak else None,
+        "mfu": best.mfu, "share_of_ceiling": achieved / c.flops_per_s if achieved else None}
     vs_sheet = (f": {100 * out['ceiling_share_of_datasheet']:.0f}% of the datasheet's {peak / 1e12:g}"
                 if peak else " (no datasheet peak here)")
-    reached = (f"; {_label(best)} reaches {100 * out['share_of_ceiling']:.0f}% of it"
+    reached = (f"; {label(best)} reaches {100 * out['share_of_ceiling']:.0f}% of it"
                + (f" (MFU {100 * best.mfu:.1f}% of the datasheet)" if best.mfu is not None else "")
                if out["share_of_ceiling"] is not None else "")
     log(f"preflight: measured ceiling {human(c.flops_per_s)}FLOP/s ({c.dtype}) on this model's GEMMs at micro-batch "
-        f"{best.micro_batch}{vs_sheet}{reached}; `flopwise plan --peak-tflops {c.flops_per_s / 1e12:.3g}` plans with it")
+        f"{best.micro_batch}{vs_sheet}{reached}; "
+        f"`flopwise plan --peak-tflops {c.flops_per_s / 1e12:.3g}` plans with it")
     return out
 
 
@@ -499,17 +395,18 @@ def predict(report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, best: Tria
             price_per_gpu_hour: float, fpt: float, peak: float | None, peak_note: str, log: Log) -> None:
     """The full run at the chosen trial's rate: tokens, time, cost, against the planner's 40% MFU."""
     hours = hours or (cfg.train.max_hours if not tokens else 0.0)  # a run bounded by train.max_hours
+    tok_per_s = rate(best)
     run_tokens = tuned.total_steps() * tuned.tokens_per_step
-    budget_tokens = tokens or (int(hours * 3600 * best.tok_per_s) if hours else run_tokens)
-    if cfg.train.max_hours and budget_tokens / best.tok_per_s > cfg.train.max_hours * 3600:
-        budget_tokens = int(cfg.train.max_hours * 3600 * best.tok_per_s)  # it will stop on time, with fewer tokens
+    budget_tokens = tokens or (int(hours * 3600 * tok_per_s) if hours else run_tokens)
+    if cfg.train.max_hours and budget_tokens / tok_per_s > cfg.train.max_hours * 3600:
+        budget_tokens = int(cfg.train.max_hours * 3600 * tok_per_s)  # it will stop on time, with fewer tokens
         report["stops_at_max_hours"] = True
     # A batch-size ramp changes how tokens are grouped into steps, not the tokens per second of a
     # micro-batch, so the same rate carries the whole run.
-    wall_s = budget_tokens / best.tok_per_s
+    wall_s = budget_tokens / tok_per_s
     report["prediction"] = p = {
         # measured values, or None (n/a); memory falls back to the planner's estimate, and says so
-        "tokens": budget_tokens, "tok_per_s": best.tok_per_s, "tok_per_s_spread": best.spread, "mfu": best.mfu,
+        "tokens": budget_tokens, "tok_per_s": tok_per_s, "tok_per_s_spread": best.spread, "mfu": best.mfu,
         "memory_gb": best.peak_gb if best.peak_gb is not None else best.predicted_gb,
         "memory_basis": "measured" if best.peak_gb is not None else "assumed",
         "wall_time_s": wall_s, "hours": wall_s / 3600,
@@ -522,7 +419,7 @@ def predict(report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, best: Tria
         tuned.train.max_tokens, tuned.train.max_steps = tokens, 0
     planned = f"planner at 40% MFU: {p['planner']['hours']:.2f} h" if p["planner"]["hours"] else "planner: no peak"
     cost = f" · ${p['cost']:,.0f}" if p["cost"] else ""
-    log(f"preflight: {human(budget_tokens)} tokens at {human(best.tok_per_s)} tok/s = {p['hours']:.2f} h{cost}"
+    log(f"preflight: {human(budget_tokens)} tokens at {human(tok_per_s)} tok/s = {p['hours']:.2f} h{cost}"
         f" · {planned} · final checkpoint ~{p['final_checkpoint_s']:.2f}s")
 
 
@@ -593,6 +490,7 @@ def _copy(cfg: RunConfig) -> RunConfig:
 def _check_checkpoint(run_dir: Path, cfg: RunConfig, device: torch.device) -> dict[str, Any]:
     """Load the scratch run's last checkpoint into a fresh model: every tensor must come back."""
     ckpt = latest_checkpoint(run_dir)
+    assert ckpt is not None, f"the scratch run in {run_dir} saved no checkpoint"
     model = build_model(cfg.model, device=device, seed=cfg.train.seed + 1)
     load_checkpoint(ckpt, model, map_location=device)
     saved = torch.load(ckpt / "model.pt", map_location=device, weights_only=True)
