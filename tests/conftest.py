@@ -74,23 +74,52 @@ def saved_bytes():
     return _saved_bytes
 
 
+_CAP_SYS_ADMIN = 21  # linux/capability.h
+
+
+def _mount_refusal() -> str:
+    """Why this process cannot mount a tmpfs, "" when it may try. Mounting needs CAP_SYS_ADMIN
+    (root has it, unless a container dropped it: then ``mount`` itself fails and says so).
+    Without it there is no other real small filesystem to be had: a loop device needs root
+    too, a FUSE mount needs a size-limited FUSE filesystem (none is a dependency) and
+    ``/dev/fuse``, and a user namespace (``unshare -rm``) would hold the mount in a child
+    process, out of this one's sight."""
+    if shutil.which("mount") is None or shutil.which("umount") is None:
+        return "no `mount`/`umount` command on PATH"
+    if os.geteuid() == 0:
+        return ""
+    try:
+        status = Path("/proc/self/status").read_text()
+        cap_eff = int(next(line.split()[1] for line in status.splitlines() if line.startswith("CapEff:")), 16)
+    except (OSError, StopIteration, ValueError):
+        cap_eff = 0
+    if cap_eff >> _CAP_SYS_ADMIN & 1:
+        return ""
+    return (f"mounting a tmpfs needs root or CAP_SYS_ADMIN; this process is uid {os.geteuid()} without it "
+            "(a loop mount needs root too, and no size-limited FUSE filesystem is installed)")
+
+
 @pytest.fixture
 def small_fs(tmp_path):
     """``small_fs("256k")`` mounts a tmpfs of that size and returns its path: a real filesystem
     that fills up -- ENOSPC from ``write``, torch.save's zip-writer RuntimeError -- not an
-    imitation of a full disk. Skips the test where mounting is not permitted (not root, no
-    CAP_SYS_ADMIN, no ``mount``); unmounts everything at teardown."""
+    imitation of a full disk. Where mounting is not permitted (not root and no CAP_SYS_ADMIN,
+    no ``mount``, a container that refuses it) the test is skipped with the reason, which
+    pytest's ``-ra`` (pyproject's addopts) prints in the summary with the count of such skips;
+    unmounts everything at teardown."""
     mounted: list[Path] = []
 
     def mount(size: str = "1m") -> Path:
-        if shutil.which("mount") is None or os.geteuid() != 0:
-            pytest.skip("mounting a tmpfs needs root and the mount command")
+        refusal = _mount_refusal()
+        if refusal:
+            pytest.skip(f"no real full disk to test on: {refusal}")
         point = tmp_path / f"small_fs{len(mounted)}"
         point.mkdir()
         r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(point)],
                            capture_output=True, text=True, timeout=60)
         if r.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
+            why = " ".join(r.stderr.split()) or f"exit status {r.returncode}"
+            pytest.skip(f"no real full disk to test on: `mount -t tmpfs` failed: {why}")
         mounted.append(point)
         return point
 

@@ -12,10 +12,11 @@ import math
 import os
 import re
 import sys
+from typing import Any
 
 from flopwise import __version__, deps
 from flopwise.config import DEFAULT_PRESET, ConfigError, TrainConfig, build_config, preset_names
-from flopwise.errors import FlopwiseError
+from flopwise.errors import FlopwiseError, is_out_of_memory
 from flopwise.fsio import is_disk_full
 from flopwise.plan import hardware
 from flopwise.plan.budget import PlanError, PlanInputs, build_plan, peak_dtype, plan_inputs_for_run, planned_loss
@@ -40,7 +41,7 @@ class _Parser(argparse.ArgumentParser):
     """A usage error in one line, as every other flopwise error: what is wrong and where the
     help is (argparse's default is the whole usage, then the error)."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
@@ -51,7 +52,7 @@ class _AnyOrder(_Parser):
 
     _inside = False
 
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_known_args(self, args=None, namespace=None):
         if self._inside:  # parse_known_intermixed_args calls back here, in its two passes
             return super().parse_known_args(args, namespace)
         self._inside = True
@@ -146,14 +147,17 @@ def _preflight_parser(sub: "argparse._SubParsersAction") -> None:
                    help="device memory to fit into (default: the GPU's; on a CPU, simulates one)")
     p.add_argument("--headroom", type=float, default=0.9, help="fraction of the memory a micro-batch may use")
     p.add_argument("--warmup", type=int, default=2, help="steps before timing each micro-batch")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per micro-batch (at least 3, each timed on its own)")
+    p.add_argument("--steps", type=int, default=3,
+                   help="timed steps per micro-batch (at least 3, each timed on its own)")
     p.add_argument("--price-per-gpu-hour", type=float, default=0.0)
     p.add_argument("--out", default="", help="where preflight.json/.yaml go (default runs/PRESET-preflight)")
     p.add_argument("--ladder", action="store_true",
                    help="climb the optimization ladder instead of the micro-batch search: precision, attention, "
                         "compile, loss, micro-batch, checkpointing, loader, one change at a time, each kept only when "
                         "faster beyond the noise with the same first-step loss")
-    p.add_argument("--budget-minutes", type=float, default=15.0, help="time the micro-batch search (with its re-measures of tied sizes) or the ladder may spend (default 15)")
+    p.add_argument("--budget-minutes", type=float, default=15.0,
+                   help="time the micro-batch search (with its re-measures of tied sizes) or the ladder may spend "
+                        "(default 15)")
     p.add_argument("--ladder-fp8", action="store_true", help="let the ladder keep fp8 (it changes numerics)")
     p.add_argument("--isolation", "--ladder-isolation", dest="isolation", choices=("auto", "reset", "process"),
                    default="auto",
@@ -201,11 +205,14 @@ def _eval_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--seq-len", type=int, default=0,
                    help="validation window length (default: the run's train.seq_len; else min(max_seq_len, 1024))")
     p.add_argument("--batch-size", type=whole(1, 65536), default=8)
-    p.add_argument("--device", type=device_name, default="auto", help="auto (CUDA when there is one), cpu, cuda, cuda:N")
+    p.add_argument("--device", type=device_name, default="auto",
+                   help="auto (CUDA when there is one), cpu, cuda, cuda:N")
     p.add_argument("--watch", action="store_true",
                    help="keep evaluating each new checkpoint of the run until the run has finished")
-    p.add_argument("--poll", type=number(0, low_open=True), default=30.0, help="--watch: seconds between looks (default 30)")
-    p.add_argument("--timeout", type=number(0), default=0.0, help="--watch: give up after this many seconds (0 = never)")
+    p.add_argument("--poll", type=number(0, low_open=True), default=30.0,
+                   help="--watch: seconds between looks (default 30)")
+    p.add_argument("--timeout", type=number(0), default=0.0,
+                   help="--watch: give up after this many seconds (0 = never)")
     p.set_defaults(func=cmd_eval)
 
 
@@ -217,11 +224,13 @@ def _generate_parser(sub: "argparse._SubParsersAction") -> None:
                    help="tokens to generate after the prompt (default 200)")
     p.add_argument("--temperature", type=number(0), default=0.8, help="0 = greedy")
     p.add_argument("--top-k", type=whole(0), default=50, help="0 = off")
-    p.add_argument("--top-p", type=number(0, 1, low_open=True), default=1.0, help="nucleus sampling, in (0, 1]; 1 = off")
+    p.add_argument("--top-p", type=number(0, 1, low_open=True), default=1.0,
+                   help="nucleus sampling, in (0, 1]; 1 = off")
     p.add_argument("--seed", type=whole(0), default=0)
     p.add_argument("--num-samples", type=whole(1, 4096), default=1)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context every token (reference)")
-    p.add_argument("--device", type=device_name, default="auto", help="auto (CUDA when there is one), cpu, cuda, cuda:N")
+    p.add_argument("--device", type=device_name, default="auto",
+                   help="auto (CUDA when there is one), cpu, cuda, cuda:N")
     p.set_defaults(func=cmd_generate)
 
 
@@ -344,10 +353,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
-    from flopwise.train.trainer import train  # lazy: torch
-
     from flopwise.checkpoints import CheckpointError  # lazy: torch
     from flopwise.train.stopping import NonFiniteError  # lazy: torch
+    from flopwise.train.trainer import train  # lazy: torch
 
     if args.explain:
         from flopwise.train.explain import explain_run  # lazy: torch
@@ -539,7 +547,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
             close = difflib.get_close_matches(name, list(TASKS), n=1, cutoff=0.8)
             if name not in TASKS and close:
                 log(f"eval: {name!r} is a custom task (read from {task_paths[name]}); did you mean {close[0]!r}?")
-    kwargs = dict(data=args.data, other_data=args.other_data, tasks=tasks, task_paths=task_paths, limit=args.limit, windows=args.windows,
+    kwargs = dict(data=args.data, other_data=args.other_data, tasks=tasks, task_paths=task_paths, limit=args.limit,
+                  windows=args.windows,
                   seq_len=args.seq_len, batch_size=args.batch_size, device=args.device)
     if args.watch:
         n = runner.watch(args.source, poll_s=args.poll, timeout_s=args.timeout, log=log, **kwargs)
@@ -560,8 +569,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from flopwise import load  # lazy: torch
     from flopwise.data.tokenizer import special_ids  # lazy: numpy
-    from flopwise.model.io import ModelSourceError  # lazy: torch
     from flopwise.evaluate.generate import generate  # lazy: torch
+    from flopwise.model.io import ModelSourceError  # lazy: torch
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
@@ -639,7 +648,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if precision == "auto":  # as the trainer resolves it on a GPU: bf16 where the card has it
         precision = "fp16" if gpu is not None and gpu.bf16 is None else "bf16"
         notes.append(f"--precision auto is {precision} on {gpu.name if gpu else 'a GPU with bf16'}")
-    model, name, run, source = None, "", {}, {}
+    model, name = None, ""
+    run: dict[str, Any] = {}
+    source: dict[str, Any] = {}  # build_config's arguments
     if args.config:  # the run as configured: every setting the planner models comes from it
         path = Path(args.config)
         source = {"config_file": path / "config.yaml" if path.is_dir() else path}
@@ -666,7 +677,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         model=model, model_name=name, params=args.params, gpu=gpu,
         peak_tflops=args.peak_tflops or run.get("peak_tflops", 0), dtype=args.dtype or peak_dtype(memory.precision),
         memory_gb=args.memory_gb, gpus=args.gpus, gpus_per_node=args.gpus_per_node, mfu=args.mfu,
-        tokens=args.tokens or (0 if budget_given else run.get("tokens", 0)), hours=args.hours, chinchilla=args.chinchilla, price_per_gpu_hour=args.price_per_gpu_hour,
+        tokens=args.tokens or (0 if budget_given else run.get("tokens", 0)), hours=args.hours,
+        chinchilla=args.chinchilla, price_per_gpu_hour=args.price_per_gpu_hour,
         flops_formula=args.flops_formula or ("palm" if model is not None else "6n"),
         seq_len=args.seq_len or run.get("seq_len", 2048), micro_batch=args.micro_batch or run.get("micro_batch", 0),
         grad_accum=args.grad_accum or run.get("grad_accum", 0), target_batch_tokens=args.target_batch_tokens,
@@ -698,7 +710,10 @@ def _trace_plan(source: dict, plan: dict, args: argparse.Namespace) -> dict:
     traced = build_config(**source, read_hf_config=_read_hf_config, overrides=[
         f"train.seq_len={b['seq_len']}", f"train.micro_batch_size={b['micro_batch']}",
         f"train.global_batch_size={b['global_batch']}", f"parallel.strategy={strategy if gpus > 1 else 'single'}"])
-    say = (lambda s: print(s, file=sys.stderr, flush=True))
+
+    def say(s: str) -> None:
+        print(s, file=sys.stderr, flush=True)
+
     return dry_run(traced, gpu=args.gpu, nproc_per_node=min(gpus, per_node), nnodes=max(1, gpus // per_node),
                    memory_gb=args.memory_gb, headroom=args.headroom, log=say)
 
@@ -774,7 +789,7 @@ def user_error(e: BaseException) -> str | None:
     if is_disk_full(e):  # torch.save's zip writer: no errno, no file name
         return "no space left on the device (torch.save's writer failed)"
     text = str(e)
-    if isinstance(e, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower():
+    if is_out_of_memory(e):
         first = text.strip().splitlines()[0][:300] if text.strip() else type(e).__name__
         return (f"out of memory: {first} (flopwise plan --config ... shows what fits; "
                 "a smaller train.micro_batch_size or train.activation_checkpointing=full needs less)")

@@ -33,3 +33,12 @@ def shown(value: object, limit: int = MAX_VALUE_CHARS) -> str:
         return f"{value[:limit]!r}... ({len(value):,} characters)"
     text = _SHORT.repr(value)
     return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether ``e`` is an allocation that failed: torch's ``OutOfMemoryError`` (CUDA), Python's
+    ``MemoryError``, the CPU allocator's ``RuntimeError`` ("can't allocate memory"), or an
+    error that says so in its message (a trial's, told by the process it ran in)."""
+    text = str(e)
+    return (isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError"
+            or "can't allocate memory" in text or "out of memory" in text.lower())

@@ -105,17 +105,59 @@ def test_backend_matches_eager(backend, heads, docs):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
+def _torch_takes_enable_gqa() -> bool:
+    """Asked of torch here, apart from the module's import-time probe: whether SDPA accepts
+    ``enable_gqa`` -- and, when it does, gives what repeating each KV head gives."""
+    q, k, v = qkv(4, 2, B=1, T=5, hd=4)
+    try:
+        native = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    except (TypeError, RuntimeError):
+        return False
+    k2, v2 = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    torch.testing.assert_close(native, torch.nn.functional.scaled_dot_product_attention(q, k2, v2, is_causal=True))
+    return True
+
+
+def test_sdpa_gqa_probe_says_what_torch_does():
+    """The probe's answer is what this torch really does; torch >= 2.5 (the pinned 2.13 and
+    the GPU machines' 2.11 among them) has ``enable_gqa``, so there it must be True."""
+    assert sdpa_supports_gqa() is _torch_takes_enable_gqa()
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    if (major, minor) >= (2, 5):
+        assert sdpa_supports_gqa(), f"torch {torch.__version__} has enable_gqa but the probe says no"
+
+
 @pytest.mark.parametrize("heads", ["gqa", "mqa"])
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
-def test_sdpa_native_gqa_and_repeated_kv_agree(heads, docs):
+def test_sdpa_repeated_kv_matches_eager(heads, docs):
     H, KV = HEADS[heads]
     q, k, v = qkv(H, KV)
     doc_ids = make_doc_ids() if docs else None
     ref = attention(q, k, v, "eager", doc_ids)
     torch.testing.assert_close(sdpa_attention(q, k, v, doc_ids, use_gqa=False), ref, rtol=1e-5, atol=1e-6)
-    assert isinstance(sdpa_supports_gqa(), bool)
-    if sdpa_supports_gqa():
-        torch.testing.assert_close(sdpa_attention(q, k, v, doc_ids, use_gqa=True), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads", ["gqa", "mqa"])
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "docs"])
+def test_sdpa_native_gqa_matches_eager(heads, docs, monkeypatch):
+    """``use_gqa=True`` really hands SDPA the KV heads ungrouped with ``enable_gqa`` (not a
+    silent repeat), and matches eager. Skipped, with its reason in the summary, only on a
+    torch without ``enable_gqa`` (the probe test above checks that answer)."""
+    if not sdpa_supports_gqa():
+        pytest.skip(f"torch {torch.__version__}: scaled_dot_product_attention has no enable_gqa")
+    H, KV = HEADS[heads]
+    q, k, v = qkv(H, KV)
+    doc_ids = make_doc_ids() if docs else None
+    ref = attention(q, k, v, "eager", doc_ids)
+    real, calls = A.F.scaled_dot_product_attention, []
+
+    def sdpa(q_, k_, v_, **kw):
+        calls.append((k_.shape[1], kw.get("enable_gqa")))
+        return real(q_, k_, v_, **kw)
+
+    monkeypatch.setattr(A.F, "scaled_dot_product_attention", sdpa)
+    torch.testing.assert_close(sdpa_attention(q, k, v, doc_ids, use_gqa=True), ref, rtol=1e-5, atol=1e-6)
+    assert calls == [(KV, True)]
 
 
 def test_single_document_equals_plain_causal():
