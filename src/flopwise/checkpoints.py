@@ -295,7 +295,7 @@ def state_problems(state: Any, path: Path) -> list[str]:
         v = state[name]
         if isinstance(v, bool) or not isinstance(v, types):
             out.append(f"field {name!r} = {v!r}: expected {' or '.join(t.__name__ for t in types)}")
-        elif non_negative and v < 0:
+        elif non_negative and isinstance(v, (int, float)) and v < 0:  # (those fields are ints)
             out.append(f"field {name!r} = {v!r}: must be >= 0")
     m = STEP_RE.match(path.name)
     if m and isinstance(state.get("step"), int) and state["step"] != int(m.group(1)):
@@ -409,9 +409,10 @@ def safe_dcp_reader() -> tuple[type, type]:
                                       f"in it was run): {e}") from None
             if not isinstance(metadata, dcp_metadata.Metadata):
                 raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not a checkpoint index")
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = dcp_metadata.StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
+            storage = getattr(metadata, "storage_meta", None)
+            if storage is None:
+                storage = metadata.storage_meta = dcp_metadata.StorageMeta()
+            storage.load_id = self.load_id
             return metadata
 
     class SafeLoadPlanner(DefaultLoadPlanner):

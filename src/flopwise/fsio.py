@@ -28,8 +28,8 @@ import errno
 import fcntl
 import json
 import os
-import shutil
 import re
+import shutil
 import socket
 import sys
 import time
@@ -347,7 +347,7 @@ class FileFormatError(FlopwiseError, ValueError):
     """A file that is not in the format it should be in (not UTF-8, not JSON, nested too
     deeply, too large); ``where`` names the file (and line), ``reason`` says what is wrong."""
 
-    def __init__(self, where: str, reason: str):
+    def __init__(self, where: str | os.PathLike[str], reason: str):
         self.where, self.reason = str(where), reason
         super().__init__(f"{self.where}: {reason}")
 

@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from flopwise.errors import FlopwiseError
+
 from ..fsio import FileFormatError, atomic_write, describe_write_error, read_json
 from .builtin import prepare_builtin
 from .shards import FORMAT_VERSION, ShardError, ShardHeader, dtype_for_vocab, read_header, read_shard, scan_tokens
 from .tokenizer import file_sha256, load_tokenizer
-from flopwise.errors import FlopwiseError
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

@@ -159,7 +159,7 @@ class _BatchLoader:
         # oldest one's position is the position as of the batches handed out.
         self._pending: collections.deque[tuple[Any, concurrent.futures.Future]] = collections.deque()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._stream = None  # CUDA side stream for prefetched copies
+        self._stream: torch.cuda.Stream | None = None  # CUDA side stream for prefetched copies
         # (event, host sources) of handed-out prefetched CUDA batches whose copy may not have
         # completed, oldest first (queued ones keep theirs in their futures' results).
         self._held: collections.deque[tuple[Any, tuple]] = collections.deque()
@@ -221,6 +221,7 @@ class _BatchLoader:
             tokens.record_stream(current)
             if docs is not None:
                 docs.record_stream(current)
+            assert r.host is not None  # set with the event (see _Ready)
             self._hold(r.event, r.host)
         elif self.device.type != "cpu":
             tokens = tokens.to(self.device, non_blocking=tokens.is_pinned())
@@ -355,7 +356,7 @@ class RandomWindowLoader(_BatchLoader):
     _draw = sample_positions
 
     def _position(self) -> dict[str, Any]:
-        return self._rng.bit_generator.state  # a fresh dict
+        return self._rng.bit_generator.state  # type: ignore[return-value]  # a fresh dict; numpy's stubs say Mapping
 
     def _set_position(self, position: dict[str, Any]) -> None:
         rng = np.random.default_rng()
@@ -634,7 +635,7 @@ def make_loader(
     (:class:`EpochLoader`; ``shuffle`` and ``step_samples`` apply to it only).  ``prefetch``:
     batches assembled ahead on a background thread (0 = off); ``pin_memory``: on CUDA, pinned
     host batches copied asynchronously."""
-    common = dict(device=device, rank=rank, world_size=world_size, doc_boundaries=doc_boundaries,
+    common: dict[str, Any] = dict(device=device, rank=rank, world_size=world_size, doc_boundaries=doc_boundaries,
                   eos_id=eos_id, prefetch=prefetch, pin_memory=pin_memory)
     if mode == "random":
         return RandomWindowLoader(datadir, split, seq_len, batch_size, seed, **common)

@@ -76,7 +76,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -84,16 +84,25 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from flopwise.config import NAME_MAX, path_problems
+from flopwise.errors import FlopwiseError
+
 from ..deps import missing_for_source
-from ..fsio import (DirLock, LockedError, describe_write_error, fsync_dir, is_disk_full, read_json, replace_dir,
-                    write_reason)
+from ..fsio import (
+    DirLock,
+    LockedError,
+    describe_write_error,
+    fsync_dir,
+    is_disk_full,
+    read_json,
+    replace_dir,
+    write_reason,
+)
 from .datadir import DataDir
 from .meta import TOKENIZER_FILE, write_meta, write_text
 from .shards import FORMAT_VERSION, SplitWriter, dtype_for_vocab
 from .sources import open_source
 from .tokenizer import encode_documents, file_sha256, load_tokenizer, special_ids, train_bpe
-from flopwise.config import NAME_MAX, path_problems
-from flopwise.errors import FlopwiseError
 
 Log = Callable[[str], None]
 RECIPE_VERSION = 3  # 2: long documents routed in pieces; 3: whole, or a train head and a held-out tail
@@ -300,7 +309,7 @@ def resolve_tokenizer(opts: PrepareOptions, documents: Iterator[str], log: Log):
 
 # --------------------------------------------------------------------------- workers
 
-_WORKER_TOK = None
+_WORKER_TOK: Tokenizer | None = None
 _WORKER_SPECIAL: tuple[int | None, int, np.dtype] | None = None
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PARENT_POLL_S = 1.0  # the fallback watcher's period where prctl is unavailable
@@ -346,6 +355,7 @@ def _worker_init(tokenizer_json: str, bos: int | None, eos: int, dtype: str, par
 
 
 def _worker_encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    assert _WORKER_TOK is not None and _WORKER_SPECIAL is not None  # set by _worker_init, the pool's initializer
     bos, eos, dtype = _WORKER_SPECIAL
     return encode_documents(_WORKER_TOK, texts, bos, eos, dtype)
 
@@ -396,7 +406,7 @@ def _batches(documents: Iterable[str], max_docs: int, max_chars: int) -> Iterato
 
 
 def encoded_stream(documents: Iterable[str], tok, bos: int | None, eos: int, dtype: np.dtype, workers: int,
-                   max_docs: int, max_chars: int) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+                   max_docs: int, max_chars: int) -> Generator[tuple[np.ndarray, np.ndarray, int], None, None]:
     """(ids, per-document lengths, characters) per batch, in source order.
 
     ``workers <= 1`` encodes in this process (the tokenizer then uses its own threads).
@@ -482,7 +492,7 @@ class Router:
 
     def open_splits(self) -> list[str]:
         return [s for s in SPLITS if self.weights.get(s, 0) > 0 and
-                (self.targets[s] is None or self.tokens[s] < self.targets[s])]
+                ((target := self.targets[s]) is None or self.tokens[s] < target)]
 
     def done(self) -> bool:
         """Every split is full (never, while train is unbounded)."""
@@ -499,8 +509,9 @@ class Router:
     def take(self, split: str, n_tokens: int) -> int:
         """Count up to ``n_tokens`` into ``split``; the tokens kept (fewer where its budget ends)."""
         keep = n_tokens
-        if self.targets[split] is not None:
-            keep = min(n_tokens, self.targets[split] - self.tokens[split])
+        target = self.targets[split]
+        if target is not None:
+            keep = min(n_tokens, target - self.tokens[split])
             if keep < n_tokens:
                 self.cut_documents += 1
         self.tokens[split] += keep
@@ -514,7 +525,8 @@ class Router:
     def owed(self, split: str, n_tokens: int) -> int:
         """Tokens ``split`` is short of its share once a document of ``n_tokens`` is counted (a
         split filled first: short of its budget)."""
-        left = None if self.targets[split] is None else self.targets[split] - self.tokens[split]
+        target = self.targets[split]
+        left = None if target is None else target - self.tokens[split]
         if split in self.fill_first:
             return max(0, left or 0)
         need = self.share(split) * (sum(self.tokens.values()) + n_tokens) - self.tokens[split]
@@ -527,7 +539,8 @@ class Router:
         """Tokens a held-out ``split`` may take of a document of ``n_tokens``: what is left of its
         budget, and (unless it is filled first) no more than puts it one share ahead -- twice
         its share of the stream so far, this document counted."""
-        room = float("inf") if self.targets[split] is None else self.targets[split] - self.tokens[split]
+        target = self.targets[split]
+        room = float("inf") if target is None else target - self.tokens[split]
         if split not in self.fill_first:
             room = min(room, 2 * self.share(split) * (sum(self.tokens.values()) + n_tokens) - self.tokens[split])
         return room
@@ -542,7 +555,8 @@ class Router:
         if (n_tokens <= self.piece_tokens or split == "train" or "train" not in self.open_splits()
                 or n_tokens <= self.room(split, n_tokens)):
             return [(split, 0, self.take(split, n_tokens))]
-        left = n_tokens if self.targets[split] is None else self.targets[split] - self.tokens[split]
+        target = self.targets[split]
+        left = n_tokens if target is None else target - self.tokens[split]
         tail = min(n_tokens, left, max(self.owed(split, n_tokens), self.piece_tokens))
         return [("train", 0, self.take("train", n_tokens - tail)), (split, n_tokens - tail, self.take(split, tail))]
 
@@ -613,7 +627,8 @@ def fingerprint(opts: PrepareOptions, source_identity: dict, tokenizer_sha: str 
     # budget (the source's size decides), with one where it raises validation's budget.
     keys["val_fraction"] = opts.fraction
     floor = opts.val_floor()
-    if floor is not None and (not opts.train_tokens or opts.targets()["val"] > opts.fraction_tokens()):
+    # (targets()'s val is an int wherever there is a train budget: `or 0` only for the type)
+    if floor is not None and (not opts.train_tokens or (opts.targets()["val"] or 0) > opts.fraction_tokens()):
         keys["val_floor"] = asdict(floor)
     blob = json.dumps({"options": keys, "source": source_identity, "format": FORMAT_VERSION,
                        "recipe": RECIPE_VERSION}, sort_keys=True, default=str)
@@ -628,7 +643,7 @@ def _floor_state(opts: PrepareOptions, floor: ValFloor | None, splits: dict) -> 
     val = splits.get("val", {}).get("tokens", 0)
     if opts.train_tokens:
         by_share = opts.fraction_tokens()
-        return opts.targets()["val"] > by_share, val, by_share
+        return (opts.targets()["val"] or 0) > by_share, val, by_share  # an int with a train budget
     shared = val + splits.get("train", {}).get("tokens", 0)  # what the floor's cap is a share of
     by_share = round(opts.fraction * shared)
     return min(floor.tokens, floor.max_share * shared) > opts.fraction * shared, val, by_share
@@ -639,6 +654,7 @@ def floor_record(opts: PrepareOptions, floor: ValFloor | None, splits: dict) -> 
     state = _floor_state(opts, floor, splits)
     if state is None:
         return None
+    assert floor is not None  # _floor_state is None without a floor
     applied, val, by_share = state
     return {**asdict(floor), "applied": applied, "fraction_would_give": by_share, "reached": val >= floor.tokens}
 
@@ -648,6 +664,7 @@ def val_floor_note(opts: PrepareOptions, floor: ValFloor | None, splits: dict) -
     state = _floor_state(opts, floor, splits)
     if state is None or not state[0]:
         return ""
+    assert floor is not None  # _floor_state is None without a floor
     _, val, by_share = state
     base = f"--val-fraction {opts.fraction:g} alone would give {'' if opts.train_tokens else '~'}{by_share:,}"
     if val >= floor.tokens:

@@ -41,8 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from ..fsio import fsync_dir, umask
 from flopwise.errors import FlopwiseError
+
+from ..fsio import fsync_dir, umask
 
 MAGIC = b"FLOPWSHD"
 FORMAT_VERSION = 1
@@ -273,7 +274,9 @@ def scan_tokens(path: str | os.PathLike, header: ShardHeader | None = None, toke
     step = max(1, _CRC_CHUNK // h.dtype.itemsize)
     for i in range(0, h.n_tokens, step):
         chunk = tokens[i : i + step]
-        crc = zlib.crc32(chunk, crc)  # a C-contiguous slice of the map: no copy
+        # a C-contiguous slice of the map: no copy. The ignore: numpy's stubs give ndarray its
+        # __buffer__ only for Python >= 3.12
+        crc = zlib.crc32(chunk, crc)  # type: ignore[arg-type]
         high = int(chunk.max())
         if high >= h.vocab_size and bad is None:
             j = int(np.argmax(chunk >= h.vocab_size))
@@ -312,6 +315,7 @@ class SplitWriter:
                 self._close_shard()
 
     def _close_shard(self) -> None:
+        assert self._writer is not None  # both callers check
         self.shards.append(self._writer.close().name)
         self._writer = None
 

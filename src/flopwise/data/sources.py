@@ -70,14 +70,15 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import builtin
 from flopwise.errors import FlopwiseError
+
+from . import builtin
 
 SOURCES_VERSION = 1  # bump when the documents a given input yields change
 TXT_DOC_CHARS = 1_000_000  # a .txt document ends at the first blank line after this many characters
@@ -364,7 +365,7 @@ def _open_files(spec: str, path: Path, text_field: str, follow_links: bool = Fal
 
 
 @contextmanager
-def _open_binary(f: _File) -> Iterator[io.RawIOBase]:
+def _open_binary(f: _File) -> Iterator[io.BufferedReader | gzip.GzipFile]:  # or a zstandard reader
     with ExitStack() as stack:
         fh = stack.enter_context(open(f.path, "rb"))
         if f.comp == "gz":
@@ -393,7 +394,7 @@ def _read_errors(f: _File) -> tuple[type[BaseException], ...]:
     return errors
 
 
-def _file_documents(f: _File, text_field: str, check_only: bool = False) -> Iterator[str]:
+def _file_documents(f: _File, text_field: str, check_only: bool = False) -> Generator[str, None, None]:
     """Documents of one file; decompression and I/O errors become SourceErrors naming it.
     ``check_only``: the caller stops after the first item (txt: the first block is read;
     parquet: only the schema)."""
@@ -522,7 +523,7 @@ def iter_json_array(f: _File, text_field: str = "text") -> Iterator[tuple[int, A
             """Advance past whitespace; False at the end of the file."""
             nonlocal i
             while True:
-                i = _WS.match(buf, i).end()
+                i = _WS.match(buf, i).end()  # type: ignore[union-attr]  # [ \t\n\r]* matches anywhere
                 if i < len(buf):
                     return True
                 if not fill():

@@ -77,12 +77,12 @@ def attention_for_inference(model: torch.nn.Module, device: torch.device) -> Ite
             name, why = _attention.select_backend(current, device, dtype, doc_mask=False, strict=False)
             if name != current:
                 changed.append((m, current))
-                m.set_attention_backend(name)
+                m.set_attention_backend(name)  # type: ignore[operator]  # duck-typed: hasattr above
                 notes += why
         yield notes
     finally:
         for m, previous in reversed(changed):
-            m.set_attention_backend(previous)
+            m.set_attention_backend(previous)  # type: ignore[operator]  # duck-typed, as above
 
 
 @torch.no_grad()

@@ -104,9 +104,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from flopwise.data.tokenizer import special_ids
 from flopwise.errors import FlopwiseError
 from flopwise.fsio import FileFormatError, check_json_depth
-from flopwise.data.tokenizer import special_ids
 
 INSTALL_HINT = "pip install 'flopwise[data]'"
 LOCAL_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}  # extension -> datasets builder
@@ -535,7 +535,8 @@ def loglikelihoods(model: torch.nn.Module, tokenizer, examples: list[Example], d
             batch = mine[turn] if counted else batches[0]
             T = max(len(seqs[k]) for k in batch) - 1
             idx = torch.zeros((len(batch), T), dtype=torch.long)  # (B, T) inputs, right-padded with id 0
-            rows, cols, targets, seg = [], [], [], []  # one entry per choice token in the batch
+            rows, targets, seg = [], [], []  # one entry per choice token in the batch (cols too)
+            cols: list[int] = []
             for b, k in enumerate(batch):
                 s, n = seqs[k], ncont[k]
                 L = len(s) - 1  # real input length
@@ -550,7 +551,7 @@ def loglikelihoods(model: torch.nn.Module, tokenizer, examples: list[Example], d
             with autocast():
                 if use_hidden:  # only the needed rows through the head: no (B, T, V) logits
                     h = model(idx, return_hidden=True)[rows_t, cols_t]  # (N, D)
-                    logits = F.linear(h, model.head_weight)  # (N, V)
+                    logits = F.linear(h, model.head_weight)  # type: ignore[arg-type]  # a Transformer's (use_hidden)
                 else:
                     logits = model(idx)[rows_t, cols_t]  # (N, V)
             logp = logits.float().log_softmax(-1)  # (N, V) float32
@@ -640,9 +641,11 @@ def evaluate_tasks(model: torch.nn.Module, tokenizer, names: list[str], paths: d
     loaded = {}
     for name in names:
         path = paths.get(name)
-        spec = TASKS.get(name)
-        source = str(path) if path is not None else (
-            spec.hub_path + (f":{spec.hub_config}" if spec.hub_config else "") + f" split={spec.split}")
+        if path is not None:
+            source = str(path)
+        else:
+            spec = TASKS[name]  # a built-in: names neither built in nor given a file were refused above
+            source = spec.hub_path + (f":{spec.hub_config}" if spec.hub_config else "") + f" split={spec.split}"
         loaded[name] = (load_task(name, path, limit=limit), source)
     results = {}
     for name, (examples, source) in loaded.items():

@@ -61,7 +61,8 @@ def step_gemms(cfg: ModelConfig, tokens: int) -> list[Gemm]:
         out += _linear("router", tokens, D, E, L)
         out += _linear("expert gate+up", per_expert, D, 2 * F, L * E) + _linear("expert down", per_expert, F, D, L * E)
     elif cfg.mlp == "swiglu":
-        out += _linear("mlp gate+up", tokens, D, 2 * cfg.ffn_hidden, L) + _linear("mlp down", tokens, cfg.ffn_hidden, D, L)
+        out += (_linear("mlp gate+up", tokens, D, 2 * cfg.ffn_hidden, L)
+                + _linear("mlp down", tokens, cfg.ffn_hidden, D, L))
     else:
         out += _linear("mlp up", tokens, D, cfg.ffn_hidden, L) + _linear("mlp down", tokens, cfg.ffn_hidden, D, L)
     return out + _linear("lm head", tokens, D, cfg.vocab_size, 1)

@@ -46,6 +46,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
 from flopwise.errors import FlopwiseError
 
 try:  # torch >= 2.5
@@ -193,7 +194,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: t
         # (B, H, T, T) scores. Repeated KV heads keep it on the efficient one (the dry run's
         # trace found it: tests/integration/test_dryrun.py).
         use_gqa = _SDPA_HAS_GQA and not (doc_ids is not None and q.device.type == "cuda")
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if n_rep > 1:
         if use_gqa:
             kwargs["enable_gqa"] = True
@@ -262,7 +263,9 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc_ids: torch.Tens
     if flex_attention is None:  # pragma: no cover - older torch
         raise AttentionBackendError(_FLEX_IMPORT_ERROR)
     block_mask = flex_block_mask(q.shape[2], q.device, doc_ids)
-    fn = _compiled("flex_attention", flex_attention) if q.device.type == "cuda" else flex_attention
+    fn: Callable[..., torch.Tensor] = flex_attention
+    if q.device.type == "cuda":
+        fn = _compiled("flex_attention", flex_attention)
     return fn(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])  # (B, H, T, hd)
 
 
@@ -414,7 +417,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backend: str,
         if tuple(ids.shape) != (B, T):
             raise ValueError(f"doc_ids must be (B, T) = ({B}, {T}); got {tuple(ids.shape)}")
         if ids.device != q.device and not isinstance(doc_ids, DocSpans):
-            doc_ids = doc_ids.to(q.device)  # defeats the per-forward memo: pass doc_ids on q's device
+            doc_ids = ids.to(q.device)  # (ids is doc_ids here) defeats the per-forward memo: pass doc_ids on q's device
     return kernel(q, k, v, doc_ids)
 
 
@@ -424,7 +427,7 @@ def attend_to_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     sees keys 0 .. Tk - Tq + i. With Tq = 1 (a new token) nothing is masked."""
     Tq, Tk = q.shape[2], k.shape[2]
     n_rep = q.shape[1] // k.shape[1]
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if n_rep > 1:
         if _SDPA_HAS_GQA:
             kwargs["enable_gqa"] = True
@@ -552,7 +555,7 @@ def _describe(name: str, device: torch.device) -> str:
 def _auto(avail: dict[str, str | None], device: torch.device, doc_mask: bool) -> tuple[str, list[str]]:
     """The preference order: flash > flex (only for documents) > sdpa > eager; notes say why
     each better one was skipped."""
-    skipped = []
+    skipped: list[str] = []
     if avail["flash"] is None:
         return "flash", skipped
     skipped.append(f"flash skipped: {avail['flash']}")

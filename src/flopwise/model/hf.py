@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -57,6 +57,9 @@ from flopwise.errors import FlopwiseError
 from flopwise.fsio import FileFormatError, read_json
 from flopwise.model.moe import moe_from_hf, moe_to_hf
 from flopwise.plan.flops import size_problems
+
+if TYPE_CHECKING:
+    from flopwise.model.transformer import Transformer
 
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "gpt2")
 
@@ -118,6 +121,7 @@ def _hf_config(cfg: ModelConfig) -> Any:
     )
     # transformers 5 keeps RoPE settings in ``rope_parameters``; 4.x reads ``rope_theta``.
     rope = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
+    extra: dict[str, Any]
     if cfg.arch == "llama":
         cls, extra = transformers.LlamaConfig, dict(mlp_bias=cfg.mlp_bias)
     elif cfg.arch == "qwen3":
@@ -139,7 +143,7 @@ def _hf_config(cfg: ModelConfig) -> Any:
     return hf
 
 
-def _config_has_rope_parameters(cls: type) -> bool:
+def _config_has_rope_parameters(cls: type[Any]) -> bool:
     import inspect
 
     try:
@@ -224,6 +228,11 @@ def _in_hf_names(problems: list[str], model_type: str) -> list[str]:
     return [re.sub(r"\bmodel\.(\w+)", lambda m: names.get(m.group(1), m.group(0)), p) for p in problems]
 
 
+def _named(label: str) -> Callable[[str], str]:
+    """A ``label`` for :func:`flopwise.config.model_value_problems` that names every field ``label``."""
+    return lambda name: label
+
+
 def _raw_problems(hf: dict, model_type: str) -> list[str]:
     """What is wrong with the values of a ``config.json`` dict that flopwise maps, one value at a
     time (type, finiteness, sign: :func:`flopwise.config.model_value_problems`), named by
@@ -233,11 +242,11 @@ def _raw_problems(hf: dict, model_type: str) -> list[str]:
     given = {k: hf[k] for k in keys if k in hf and not (hf[k] is None and k in _DERIVED_WHEN_NULL)}
     out = []
     for key, value in given.items():
-        out += model_value_problems({keys[key]: value}, label=lambda name, key=key: key)
+        out += model_value_problems({keys[key]: value}, label=_named(key))
     for holder in ("rope_parameters", "rope_scaling"):
         rp = hf.get(holder)
         if isinstance(rp, dict) and "rope_theta" in rp:
-            out += model_value_problems({"rope_theta": rp["rope_theta"]}, label=lambda name: f"{holder}.rope_theta")
+            out += model_value_problems({"rope_theta": rp["rope_theta"]}, label=_named(f"{holder}.rope_theta"))
     return out
 
 
@@ -296,7 +305,7 @@ def _map_config(hf: Any, model_type: str) -> ModelConfig:
     rp = _get(hf, "rope_parameters") or _get(hf, "rope_scaling")
     if isinstance(rp, dict) and rp.get("rope_type", rp.get("type", "default")) not in ("default", None):
         raise HFMappingError(f"RoPE scaling {rp.get('rope_type', rp.get('type'))!r} is not supported")
-    theta = rp.get("rope_theta") if isinstance(rp, dict) and "rope_theta" in rp else _get(hf, "rope_theta", 10000.0)
+    theta = rp["rope_theta"] if isinstance(rp, dict) and "rope_theta" in rp else _get(hf, "rope_theta", 10000.0)
     if type_problem(theta, float):
         raise HFMappingError(f"rope_theta: {type_problem(theta, float)}")
     n_heads = _get(hf, "num_attention_heads")
@@ -317,7 +326,7 @@ def _map_config(hf: Any, model_type: str) -> ModelConfig:
     if _get(hf, "use_sliding_window", False):
         raise HFMappingError(f"{model_type} with use_sliding_window=true is not supported")
     return ModelConfig(
-        arch=model_type,
+        arch=model_type,  # type: ignore[arg-type]  # one of FAMILIES: _config_from_hf checked
         vocab_size=_get(hf, "vocab_size"),
         d_model=d,
         n_layers=_get(hf, "num_hidden_layers"),
@@ -348,7 +357,7 @@ def _times(k: int, d: Any) -> Any:
 
 # --------------------------------------------------------------------------- weights
 
-def to_hf_state_dict(model: torch.nn.Module, moe_layout: str = "fused") -> dict[str, torch.Tensor]:
+def to_hf_state_dict(model: Transformer, moe_layout: str = "fused") -> dict[str, torch.Tensor]:
     """Our model's weights under HF names, projections split. Every tensor has its own storage
     except a tied ``lm_head.weight``, which IS the embedding (drop it before a safetensors save).
 
@@ -457,7 +466,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     return out
 
 
-def to_hf_model(model: torch.nn.Module, attn_implementation: str = "sdpa") -> Any:
+def to_hf_model(model: Transformer, attn_implementation: str = "sdpa") -> Any:
     """A ``transformers`` causal LM with our model's weights (in our weights' dtype), in eval mode."""
     AutoModelForCausalLM = deps.load("transformers", "a Hugging Face model").AutoModelForCausalLM
 

@@ -38,15 +38,26 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from flopwise.errors import FlopwiseError
-from flopwise.checkpoints import (SHARDED, latest_checkpoint, load_checkpoint, read_state, unmarked_checkpoints,
-                                  write_manifest)
+from flopwise.checkpoints import (
+    SHARDED,
+    latest_checkpoint,
+    load_checkpoint,
+    read_state,
+    unmarked_checkpoints,
+    write_manifest,
+)
 from flopwise.config import ModelConfig, load_run_config
 from flopwise.data.tokenizer import load_tokenizer, special_ids
-from flopwise.fsio import (FileFormatError, fsync_dir, is_write_fault, read_json, replace_dir, umask,
-                           write_error)
-from flopwise.model.hf import (SPECIAL_KEYS, check_exportable, from_hf_state_dict, hf_config, read_hf_config,
-                               to_hf_state_dict)
+from flopwise.errors import FlopwiseError
+from flopwise.fsio import FileFormatError, fsync_dir, is_write_fault, read_json, replace_dir, umask, write_error
+from flopwise.model.hf import (
+    SPECIAL_KEYS,
+    check_exportable,
+    from_hf_state_dict,
+    hf_config,
+    read_hf_config,
+    to_hf_state_dict,
+)
 from flopwise.model.transformer import Transformer, build_model, configure_attention
 from flopwise.plan.flops import size_problems
 
@@ -71,11 +82,13 @@ def resolve(path: str | os.PathLike) -> ModelSource:
     """What ``path`` holds: a run, a checkpoint or a Hugging Face model directory."""
     p = Path(path).expanduser()
     if not p.is_dir():
-        raise ModelSourceError(f"{p}: no such directory (expected a run, a checkpoint or a Hugging Face model directory)")
+        raise ModelSourceError(f"{p}: no such directory "
+                               f"(expected a run, a checkpoint or a Hugging Face model directory)")
     is_checkpoint = (p / "model.pt").is_file() or (p / SHARDED).is_dir()  # sharded: written by FSDP2 ranks
     if (p / "config.json").is_file() and not is_checkpoint:
-        cfg = read_hf_config(str(p / "config.json"))  # checked, the file named: before anything is allocated
-        return ModelSource("hf", p, cfg, _find_tokenizer(p / "tokenizer.json"))
+        hf_cfg = read_hf_config(str(p / "config.json"))  # checked, the file named: before anything is allocated
+        return ModelSource("hf", p, hf_cfg, _find_tokenizer(p / "tokenizer.json"))
+    ckpt: Path | None
     if is_checkpoint:
         ckpt, run = p, p.parent.parent
         kind = "checkpoint"
@@ -97,7 +110,8 @@ def resolve(path: str | os.PathLike) -> ModelSource:
     if too_large:
         raise ModelSourceError(f"{ckpt / 'config.yaml'}: {too_large[0]}")
     tok = _find_tokenizer(ckpt / "tokenizer.json", run / "tokenizer.json",
-                          Path(cfg.data.path).expanduser() / "tokenizer.json" if cfg.data.path else Path("/nonexistent"))
+                          Path(cfg.data.path).expanduser() / "tokenizer.json" if cfg.data.path
+                          else Path("/nonexistent"))
     return ModelSource(kind, ckpt, cfg.model, tok)
 
 

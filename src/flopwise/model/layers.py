@@ -113,8 +113,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(q_dim, cfg.d_model, bias=cfg.attn_bias)
         if cfg.qk_norm:
             # One weight of size hd shared by all heads, as in Qwen3.
-            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.q_norm: RMSNorm | None = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm: RMSNorm | None = RMSNorm(self.head_dim, cfg.norm_eps)
         else:
             self.q_norm = None
             self.k_norm = None
@@ -129,7 +129,7 @@ class Attention(nn.Module):
         q = q.view(B, T, H, hd)  # (B, T, H, hd)
         k = k.view(B, T, KV, hd)  # (B, T, KV, hd)
         v = v.view(B, T, KV, hd)  # (B, T, KV, hd)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # set together
             # Qwen3 normalises each head's q and k BEFORE the rotation: it bounds the
             # attention logits, which keeps bf16/large-lr training stable.
             # Back to v's dtype: the norm's fp32 weight promotes its output to fp32 under

@@ -17,14 +17,16 @@ once by :func:`init_weights` from a seeded generator.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from flopwise.config import ModelConfig
-from flopwise.model.attention import doc_spans, select_backend
+from flopwise.model.attention import DocSpans, doc_spans, select_backend
 from flopwise.model.layers import Attention, LayerCache, make_mlp, make_norm, rope_tables
+from flopwise.model.moe import MoE
 
 
 class Block(nn.Module):
@@ -43,6 +45,9 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    rope_cos: torch.Tensor  # buffers (register_buffer in __init__)
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -70,7 +75,7 @@ class Transformer(nn.Module):
         """Use kernel ``name`` (a concrete backend, see ``flopwise.model.attention``) in every layer."""
         self.attention_backend = name
         for block in self.layers:
-            block.attn.backend = name
+            cast(Block, block).attn.backend = name  # (a ModuleList's items are typed Module)
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -83,7 +88,7 @@ class Transformer(nn.Module):
         n = max_len or cfg.max_seq_len
         return [LayerCache(batch, n, cfg.n_kv_heads, cfg.resolved_head_dim, w.dtype, w.device) for _ in self.layers]
 
-    def forward_hidden(self, idx: torch.Tensor, doc_ids: torch.Tensor | None = None,
+    def forward_hidden(self, idx: torch.Tensor, doc_ids: torch.Tensor | DocSpans | None = None,
                        cache: list[LayerCache] | None = None) -> torch.Tensor:
         """idx (B, T) int64 -> final-normed hidden states (B, T, D).
 
@@ -107,8 +112,9 @@ class Transformer(nn.Module):
         for i, block in enumerate(self.layers):
             x = block(x, rope, doc_ids, cache[i] if cache else None)
         if cfg.is_moe:
-            aux = [block.mlp.aux for block in self.layers]
-            self.aux_loss = (cfg.moe_aux_loss_coef * sum(a["load_balance"] for a in aux)
+            aux = [cast(MoE, block.mlp).aux for block in self.layers]  # every block's mlp is a MoE
+            # (sum() of tensors is typed Tensor | int: n_layers >= 1 makes it a tensor)
+            self.aux_loss = (cfg.moe_aux_loss_coef * sum(a["load_balance"] for a in aux)  # type: ignore[assignment]
                              + cfg.moe_z_loss_coef * sum(a["z"] for a in aux)) / cfg.n_layers
         return self.norm(x)  # (B, T, D)
 

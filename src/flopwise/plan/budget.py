@@ -30,8 +30,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from flopwise.errors import FlopwiseError
 from flopwise.config import ModelConfig, batch_split_problems
+from flopwise.errors import FlopwiseError
 from flopwise.plan import hardware, memory
 from flopwise.plan.flops import flops_per_token, flops_per_token_6n, hardware_flops_per_token, param_counts
 from flopwise.plan.memory import MemorySettings, estimate, max_micro_batch, state_bytes
@@ -126,13 +126,13 @@ class PlanInputs:
             p.append(f"the {self.gpu.name} has no dense {self.dtype} peak in the table; choose another --dtype "
                      "or give --peak-tflops")
         mem = self.memory
-        for flag, value, choices in (("--precision", mem.precision, memory.PRECISIONS),
-                                     ("--attention", mem.attention, memory.ATTENTIONS),
-                                     ("--checkpointing", mem.activation_checkpointing, memory.CHECKPOINTING),
-                                     ("--strategy", mem.strategy, memory.STRATEGIES),
-                                     ("--loss", mem.loss, ("plain", "chunked"))):
-            if value not in choices:
-                p.append(f"{flag} {value!r}: choose {', '.join(choices)}")
+        for flag, setting, choices in (("--precision", mem.precision, memory.PRECISIONS),
+                                       ("--attention", mem.attention, memory.ATTENTIONS),
+                                       ("--checkpointing", mem.activation_checkpointing, memory.CHECKPOINTING),
+                                       ("--strategy", mem.strategy, memory.STRATEGIES),
+                                       ("--loss", mem.loss, ("plain", "chunked"))):
+            if setting not in choices:
+                p.append(f"{flag} {setting!r}: choose {', '.join(choices)}")
         if mem.activation_checkpointing_every < 1:
             p.append(f"--checkpointing-every must be >= 1, got {mem.activation_checkpointing_every}")
         if p:
@@ -387,6 +387,7 @@ def _build_plan(inp: PlanInputs) -> dict[str, Any]:
         fpt_palm = None
         fpt_6n = 6 * inp.params
     fpt = fpt_6n if inp.flops_formula == "6n" else fpt_palm
+    assert fpt is not None  # validate() refuses palm without a model
     # hardware FLOPs (HFU's numerator): the forward of the blocks recomputed in backward on top
     recomputed = (inp.memory.recomputed_blocks(m.n_layers) / m.n_layers) if m is not None and m.n_layers else 0.0
     fpt_hw = hardware_flops_per_token(m, inp.seq_len, recomputed) if m is not None and recomputed else None
@@ -434,7 +435,8 @@ def _build_plan(inp: PlanInputs) -> dict[str, Any]:
         chinchilla_tokens=chinchilla_tokens,
         tokens_per_param=tokens / n_flops_params if tokens is not None else None,
         chinchilla_ratio=tokens / chinchilla_tokens if tokens is not None else None,
-        verdict=chinchilla_verdict(tokens, n_flops_params, total_flops) if tokens is not None else None,
+        verdict=(chinchilla_verdict(tokens, n_flops_params, total_flops)
+                 if tokens is not None and total_flops is not None else None),
     )
 
     # -- memory (per GPU)
@@ -447,8 +449,10 @@ def _build_plan(inp: PlanInputs) -> dict[str, Any]:
         mem_total = est.total
         plan["memory"] = {"settings": _settings_dict(inp.memory), **est.gb()}
         variants = {}
-        for label, change in (("sdpa", {"attention": "sdpa"}), ("eager", {"attention": "eager"}),
-                              ("sdpa+checkpointing", {"attention": "sdpa", "activation_checkpointing": "full"})):
+        alternatives: tuple[tuple[str, dict[str, Any]], ...] = (
+            ("sdpa", {"attention": "sdpa"}), ("eager", {"attention": "eager"}),
+            ("sdpa+checkpointing", {"attention": "sdpa", "activation_checkpointing": "full"}))
+        for label, change in alternatives:
             v = estimate(m, batch["micro_batch"], inp.seq_len, replace(inp.memory, **change))
             variants[label] = {
                 "total_gb": v.total / GIB,

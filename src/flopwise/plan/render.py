@@ -93,7 +93,8 @@ def format_plan(plan: dict[str, Any]) -> str:
     g = plan["gpu"]
     peak = g["peak_tflops"]
     row("GPU", f"{g['name'] or 'unspecified'} × {plan['gpus']}",
-        f"dense {g['dtype']} peak {peak:g} TFLOP/s ({g['peak_source']})" if peak else "no peak: give --gpu or --peak-tflops")
+        f"dense {g['dtype']} peak {peak:g} TFLOP/s ({g['peak_source']})" if peak
+        else "no peak: give --gpu or --peak-tflops")
     if g.get("memory_gb"):
         row("GPU memory", f"{g['memory_gb']:g} GiB", f"per GPU ({g.get('memory_source') or 'hardware table'})")
     not_runnable = "  NOT runnable: does not fit in memory (see the top)" if plan.get("runnable") is False else ""
@@ -114,7 +115,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         out.append("  (no --tokens, --hours or --chinchilla: no time estimate)")
 
     section("Chinchilla")
-    row("optimal tokens", _count(plan["chinchilla_tokens"]), "20 × parameters" + (" (active)" if b and b["router"] else ""))
+    row("optimal tokens", _count(plan["chinchilla_tokens"]),
+        "20 × parameters" + (" (active)" if b and b["router"] else ""))
     if plan["tokens"] is not None:
         row("planned", f"{_count(plan['tokens'])} ({plan['tokens_per_param']:.1f}/param)",
             f"{plan['chinchilla_ratio']:.2f}× Chinchilla")
@@ -179,18 +181,21 @@ def format_plan(plan: dict[str, Any]) -> str:
     strategy = plan["scaling"]["strategy"]
     section(f"Scaling ({'ddp' if strategy == 'single' else strategy} at n GPUs, same global batch; "
             f"{plan['scaling']['assumption']})" + (" -- NOT runnable: does not fit" if not_runnable else ""))
-    out.append(f"  {'GPUs':>5} {'link':<9} {'comm/step':>10} {'compute/step':>13} {'comm share':>11} {'efficiency':>11}")
+    out.append(f"  {'GPUs':>5} {'link':<9} {'comm/step':>10} {'compute/step':>13} {'comm share':>11} "
+               f"{'efficiency':>11}")
     for r in plan["scaling"]["table"]:
         comp = "n/a" if r["compute_s"] is None else f"{1000 * r['compute_s']:.1f} ms"
-        share = "n/a" if r["comm_share"] is None else f"{100 * r['comm_share']:.1f}%"
+        comm = "n/a" if r["comm_share"] is None else f"{100 * r['comm_share']:.1f}%"
         eff = "n/a" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}%"
-        out.append(f"  {r['gpus']:>5} {r['link']:<9} {1000 * r['comm_s']:>7.1f} ms {comp:>13} {share:>11} {eff:>11}")
+        out.append(f"  {r['gpus']:>5} {r['link']:<9} {1000 * r['comm_s']:>7.1f} ms {comp:>13} {comm:>11} {eff:>11}")
     at = plan["scaling"]["at_gpus"]
     if strategy == "fsdp2":
         out.append("  fsdp2: all-gather the parameters for forward and backward on every micro-batch, reduce-scatter "
-                   "fp32 gradients once per step: (n-1)/n × params × (2 × gather bytes × micro-batches + 4) ÷ link GB/s")
+                   "fp32 gradients once per step: (n-1)/n × params × (2 × gather bytes × micro-batches + 4) "
+                   "÷ link GB/s")
     else:
-        out.append(f"  all-reduce: 2(n-1)/n × {_n(at['grad_bytes'], 'B')} gradients ÷ link GB/s, once per optimizer step"
+        out.append(f"  all-reduce: 2(n-1)/n × {_n(at['grad_bytes'], 'B')} gradients ÷ link GB/s, once per optimizer "
+                   "step"
                    + ("; zero1 adds (n-1)/n × the parameters, broadcast after each rank's update"
                       if strategy == "zero1" else ""))
     return "\n".join(out)

@@ -116,9 +116,10 @@ def measured_tok_per_s(run: Run) -> float | None:
     tokens, seconds, prev = 0.0, 0.0, None
     for r in rows:
         t = number(r.get("tokens"))
-        if prev is not None and t is not None and t > prev:
+        rate = number(r["tok_per_s"])  # never None nor 0: rows keeps only those
+        if prev is not None and t is not None and t > prev and rate:
             tokens += t - prev
-            seconds += (t - prev) / number(r["tok_per_s"])
+            seconds += (t - prev) / rate
         prev = t
     if seconds > 0:
         return tokens / seconds
@@ -129,8 +130,8 @@ def measured_mfu(run: Run) -> float | None:
     res = number(run.result.get("mfu"))
     if res is not None:
         return res
-    values = [number(r.get("mfu")) for r in run.training_rows()[1:] or run.training_rows()]
-    values = [v for v in values if v is not None]
+    given = [number(r.get("mfu")) for r in run.training_rows()[1:] or run.training_rows()]
+    values = [v for v in given if v is not None]
     return sum(values) / len(values) if values else None
 
 
@@ -149,6 +150,7 @@ def measured_wall_time(run: Run) -> float | None:
     timed = [r for r in run.rows if number(r.get("elapsed_s")) is not None]
     for r in sorted(timed, key=lambda r: number(r.get("step")) or 0.0):
         e = number(r["elapsed_s"])
+        assert e is not None  # timed keeps only the rows with a number here
         if last is not None and e < last:  # the clock restarted: a resumed run
             total += last
         last = e
@@ -173,15 +175,17 @@ def compare(run: Run) -> list[Comparison]:
     eff, fpt = number(plan.get("effective_flops")), number(plan.get("flops_per_token"))
     plan_tps = eff / fpt if eff and fpt else None
     plan_mfu = number(plan.get("mfu"))
-    plan_time = _scaled_time(3600 * number(plan["hours"]) if number(plan.get("hours")) else None,
+    plan_hours = number(plan.get("hours"))
+    plan_time = _scaled_time(3600 * plan_hours if plan_hours else None,
                              number(plan.get("tokens")), tokens)
 
     pre_tps = find(pre, "tok_per_s", "tokens_per_s", "tokens_per_second")
     pre_mfu = find(pre, "mfu")
     pre_mem = find(pre, "memory_gb", "peak_memory_gb", "mem_peak_gb", "peak_mem_gb")
     pre_time = find(pre, "wall_time_s")
-    if pre_time is None and find(pre, "hours") is not None:
-        pre_time = 3600 * find(pre, "hours")
+    pre_hours = find(pre, "hours")
+    if pre_time is None and pre_hours is not None:
+        pre_time = 3600 * pre_hours
     pre_time = _scaled_time(pre_time, find(pre, "tokens"), tokens)
     if pre_time is None and pre_tps and tokens:
         pre_time = tokens / pre_tps

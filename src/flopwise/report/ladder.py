@@ -104,7 +104,8 @@ def read_ladder(preflight: dict[str, Any] | None) -> Ladder | None:
                     spent_minutes=number(raw.get("spent_minutes")), start_settings=_dict(start.get("settings")),
                     world=int(number(raw.get("world")) or 1), scaling_efficiency=number(raw.get("scaling_efficiency")),
                     chosen=_dict(raw.get("chosen")))
-    rungs = raw.get("rungs") if isinstance(raw.get("rungs"), list) else []
+    rungs = raw.get("rungs")
+    rungs = rungs if isinstance(rungs, list) else []
     for r in (r for r in rungs if isinstance(r, dict)):
         ladder.rungs.append(Rung(
             len(ladder.rungs) + 1, _text(r.get("rung")), _text(r.get("change")), number(r.get("tok_per_s")),

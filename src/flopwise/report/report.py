@@ -20,17 +20,34 @@ from __future__ import annotations
 
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from flopwise.fsio import WriteError, is_write_fault, write_error, write_file
 from flopwise.measure.sinks import human
 from flopwise.report import png as png_out
-from flopwise.report.compare import (compare, measured_memory, measured_mfu, measured_tok_per_s,
-                                     measured_wall_time, trained_tokens)
+from flopwise.report.compare import (
+    compare,
+    measured_memory,
+    measured_mfu,
+    measured_tok_per_s,
+    measured_wall_time,
+    trained_tokens,
+)
 from flopwise.report.ladder import ladder_chart, ladder_section, read_ladder
 from flopwise.report.runs import ReportError, Run, load_run, number, unique_names
-from flopwise.report.svg import (PALETTE, BarChart, Chart, Heatmap, HLine, LineChart, Marker, Series, esc,
-                                 fmt_tick, render)
+from flopwise.report.svg import (
+    PALETTE,
+    BarChart,
+    Chart,
+    Heatmap,
+    HLine,
+    LineChart,
+    Marker,
+    Series,
+    esc,
+    fmt_tick,
+    render,
+)
 
 __all__ = ["build_report", "ReportError"]
 
@@ -100,21 +117,23 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None, png:
 
 def build_charts(runs: list[Run]) -> list[tuple[str, list[Chart]]]:
     """(section title, charts) in page order; charts without any data are left out."""
-    training = [loss_chart(runs), bpb_chart(runs), throughput_chart(runs), mfu_chart(runs), memory_chart(runs),
-                lr_chart(runs), grad_norm_chart(runs), breakdown_chart(runs)]
+    training: list[Chart] = [loss_chart(runs), bpb_chart(runs), throughput_chart(runs), mfu_chart(runs),
+                             memory_chart(runs), lr_chart(runs), grad_norm_chart(runs), breakdown_chart(runs)]
     layers = [c for i, run in enumerate(runs) for c in layer_charts(run, i)]
-    sections = [(LADDER, ladder_charts(runs)), ("Training", training), ("Evaluation", eval_charts(runs)),
-                ("Per-layer statistics", layers)]
+    sections: list[tuple[str, Sequence[Chart]]] = [
+        (LADDER, ladder_charts(runs)), ("Training", training), ("Evaluation", eval_charts(runs)),
+        ("Per-layer statistics", layers)]
     return [(title, [c for c in group if c.has_data()]) for title, group in sections]
 
 
-def _log_if_wide(values: Iterable[float], ratio: float) -> bool:
-    values = [v for v in values if v is not None]
-    return bool(values) and min(values) > 0 and max(values) / min(values) >= ratio
+def _log_if_wide(values: Iterable[float | None], ratio: float) -> bool:
+    given = [v for v in values if v is not None]
+    return bool(given) and min(given) > 0 and max(given) / min(given) >= ratio
 
 
 def loss_chart(runs: list[Run]) -> LineChart:
-    series, markers, uniform = [], [], {}
+    series, markers = [], []
+    uniform: dict[float, float] = {}
     for run in runs:
         x, y = run.series("tokens", "loss")
         series.append(Series(f"{run.name} · train", x, y, run.color, run=run.name))
@@ -239,7 +258,8 @@ def _mean(values: list[float]) -> float | None:
 
 def breakdown_chart(runs: list[Run]) -> BarChart:
     """Mean time per step by phase, one bar per run; 'other' is what the phases do not cover."""
-    names, per_component = [], {key: [] for key, _, _ in BREAKDOWN}
+    names = []
+    per_component: dict[str, list[float | None]] = {key: [] for key, _, _ in BREAKDOWN}
     other = []
     for run in runs:
         rows = [r for r in run.training_rows() if any(number(r.get(k)) is not None for k, _, _ in BREAKDOWN)]
@@ -251,7 +271,8 @@ def breakdown_chart(runs: list[Run]) -> BarChart:
         means = {key: _mean([v for v in (number(r.get(key)) for r in rows) if v is not None])
                  for key, _, _ in BREAKDOWN}
         for key in per_component:
-            per_component[key].append(1000 * means[key] if means[key] is not None else None)
+            mean = means[key]
+            per_component[key].append(1000 * mean if mean is not None else None)
         total = _mean([v for v in (number(r.get("step_time_s")) for r in rows) if v is not None])
         covered = sum(v for v in means.values() if v is not None)
         other.append(1000 * (total - covered) if total is not None and total > covered else None)
@@ -466,7 +487,8 @@ def config_summary(run: Run) -> list[tuple[str, str]]:
 
 def run_card(run: Run) -> str:
     rec, res = run.record or {}, run.result
-    code = rec.get("code") if isinstance(rec.get("code"), dict) else {}
+    code = rec.get("code")
+    code = code if isinstance(code, dict) else {}
     versions = " · ".join(f"{k} {rec[k]}" for k in ("flopwise", "torch", "python", "cuda", "tokenizers")
                           if rec.get(k))
     if code.get("git_commit"):

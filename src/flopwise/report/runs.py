@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from flopwise.errors import FlopwiseError
 from flopwise.fsio import FileFormatError, loads_json, read_json
 
@@ -53,8 +54,8 @@ class Run:
     # ---------------------------------------------------------------- series
     def series(self, x_key: str, y_key: str) -> tuple[list[float], list[float]]:
         """(x, y) of the rows where both keys hold finite numbers, sorted by x."""
-        pairs = [(number(r.get(x_key)), number(r.get(y_key))) for r in self.rows]
-        pairs = sorted((x, y) for x, y in pairs if x is not None and y is not None)
+        given = [(number(r.get(x_key)), number(r.get(y_key))) for r in self.rows]
+        pairs = sorted((x, y) for x, y in given if x is not None and y is not None)
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def has(self, key: str) -> bool:
@@ -130,7 +131,8 @@ def read_jsonl(path: Path, warnings: list[str]) -> tuple[list[dict[str, Any]], l
 
     The one exception: a last line with no newline that does not parse is a row being
     written (a live run) or cut by a crash; it is left out with a warning."""
-    rows, events = [], []
+    rows: list[dict[str, Any]] = []
+    events: list[dict[str, Any]] = []
     try:
         data = path.read_bytes()
     except OSError as e:

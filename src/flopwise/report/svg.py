@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import html
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -37,12 +38,12 @@ def esc(text: object) -> str:
 @dataclass
 class Series:
     label: str
-    x: list[Num]
-    y: list[Num]
+    x: Sequence[Num]  # Sequence: a list[float] is one too (a list is invariant)
+    y: Sequence[Num]
     color: str
     dash: str = "solid"  # a key of DASHES
     points: bool = False  # a dot at every point: sparse series (validation, evaluation)
-    err: list[Num] | None = None  # symmetric error bars, e.g. a standard error
+    err: Sequence[Num] | None = None  # symmetric error bars, e.g. a standard error
     run: str = ""  # which run it belongs to (a data attribute, for tests and readers of the DOM)
 
 
@@ -208,7 +209,7 @@ def _thin(points: list[tuple[float, float]], limit: int = MAX_POINTS) -> list[tu
     return out
 
 
-def _segments(xs: list[Num], ys: list[Num], ok) -> list[list[tuple[float, float]]]:
+def _segments(xs: Sequence[Num], ys: Sequence[Num], ok) -> list[list[tuple[float, float]]]:
     """Runs of consecutive valid points; a missing value ends a segment."""
     segs: list[list[tuple[float, float]]] = [[]]
     for x, y in zip(xs, ys):
@@ -354,7 +355,7 @@ def line_chart_svg(c: LineChart, width: float = 600, plot_height: float = 270) -
                        f'</circle>')
         if s.err:
             for x, y, e in zip(s.x, s.y, s.err):
-                if None in (x, y, e) or not ok(y - e if c.log_y else y):
+                if x is None or y is None or e is None or not ok(y - e if c.log_y else y):
                     continue
                 px, y0, y1 = sx(x), sy(y - e), sy(y + e)
                 out.append(f'<path class="errorbar" d="M{px:.1f},{y0:.1f} L{px:.1f},{y1:.1f} M{px - 3:.1f},{y0:.1f} '

@@ -28,10 +28,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from flopwise.checkpoints import (CHECKPOINT_DIR, FORMAT_VERSION, MARKER, CheckpointError, checkpoint_path,
-                                  latest_checkpoint, list_checkpoints, write_checksummed)
+from flopwise.checkpoints import (
+    CHECKPOINT_DIR,
+    FORMAT_VERSION,
+    MARKER,
+    CheckpointError,
+    checkpoint_path,
+    latest_checkpoint,
+    list_checkpoints,
+    write_checksummed,
+)
 from flopwise.fsio import describe_write_error, fsync_dir
-
 
 # --------------------------------------------------------------------------- RNG
 
@@ -41,7 +48,9 @@ def rng_state(device: torch.device | None = None) -> dict[str, Any]:
 
     With a CUDA ``device`` only that device's generator is saved: asking every visible GPU
     (``get_rng_state_all``) would create a CUDA context on each of them from every rank."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)  # numpy's stubs type the no-argument call as a dict
+    assert isinstance(np_state, tuple)  # legacy: the tuple of the global MT19937
+    kind, keys, pos, has_gauss, cached = np_state
     version, mt, gauss_next = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -90,8 +99,8 @@ def save_checkpoint(
 
     ``prewritten``: files already written into the directory :func:`begin_save` made (a
     sharded checkpoint's ``sharded/*``, each rank's own), with their sizes and CRC32s for the
-    manifest; ``model`` is then None. A failure (a full disk, a permission error) removes the partial directory and raises
-    :class:`CheckpointError`; earlier checkpoints are never touched by a save.
+    manifest; ``model`` is then None. A failure (a full disk, a permission error) removes the partial directory and
+    raises :class:`CheckpointError`; earlier checkpoints are never touched by a save.
     """
     final = checkpoint_path(run_dir, step)
     root = final.parent

@@ -17,14 +17,14 @@ import copy
 
 import torch
 
-from flopwise.config import RunConfig
+from flopwise.config import Compile, RunConfig
 from flopwise.train.losses import resolve_loss_impl
 from flopwise.train.parallel import predicted_peak
 
 MEMORY_HEADROOM = 0.9  # the share of the GPU's memory the memory model's peak may use
 
 
-def resolve_compile(choice: str, device: torch.device) -> tuple[str, str]:
+def resolve_compile(choice: Compile, device: torch.device) -> tuple[Compile, str]:
     """``train.compile`` as ``(mode, why)``; ``why`` is empty when it was not ``auto``."""
     if choice != "auto":
         return choice, ""

@@ -26,10 +26,10 @@ def device_peak(device: torch.device, precision: str, user_tflops: float) -> tup
     name = torch.cuda.get_device_name(device)
     key = {"bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16"}.get(
         precision, "tf32" if tf32_matmuls_allowed() else "fp32")
-    peak = hardware.peak_tflops(name, key)
-    if peak is None:
+    spec, peak = hardware.lookup(name), hardware.peak_tflops(name, key)
+    if spec is None or peak is None:  # no peak without a table entry
         return None, f"{name!r} not in the hardware table (set train.peak_tflops for MFU)"
-    return peak * 1e12, f"{peak:g} TFLOP/s dense {key} ({hardware.lookup(name).name})"
+    return peak * 1e12, f"{peak:g} TFLOP/s dense {key} ({spec.name})"
 
 
 def device_label(device: torch.device) -> str:

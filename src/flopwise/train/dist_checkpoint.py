@@ -32,11 +32,22 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
-from flopwise.checkpoints import (SHARDED, file_entry, first_failure, load_checkpoint, load_tensors, read_state,
-                                  verify_checkpoint)
+from flopwise.checkpoints import (
+    SHARDED,
+    file_entry,
+    first_failure,
+    load_checkpoint,
+    load_tensors,
+    read_state,
+    verify_checkpoint,
+)
 from flopwise.config import ConfigError
 from flopwise.train.checkpoint import begin_save, discard_save, rng_state, save_checkpoint, save_failed
 from flopwise.train.distributed import DistEnv
@@ -55,13 +66,15 @@ def save_distributed(run_dir: Path, step: int, env: DistEnv, strategy: str, mode
     state = dict(state)
     rng = None
     if env.is_main:
+        assert rngs is not None  # gathered on the main rank
         rng = dict(rngs[0])
         if env.world_size > 1:
             rng["ranks"] = rngs
             state["loader_ranks"] = loaders
     if not is_sharded_strategy(strategy):
         if strategy == "zero1":
-            optimizer.consolidate_state_dict(to=0)  # every rank sends its shard of the AdamW state
+            # every rank sends its shard of the AdamW state (zero1: a ZeroRedundancyOptimizer)
+            optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
         return env.on_main(lambda: save_checkpoint(run_dir, step, model, optimizer, state, config_yaml, rng=rng))
 
     tmp = env.on_main(lambda: begin_save(run_dir, step))
@@ -78,6 +91,7 @@ def save_distributed(run_dir: Path, step: int, env: DistEnv, strategy: str, mode
     entries = env.gather(mine)
 
     def finish() -> Path:
+        assert entries is not None  # on_main: gathered on this rank
         written = {k: v for part in entries for k, v in part.items()}
         return save_checkpoint(run_dir, step, None, None, state, config_yaml, rng=rng, prewritten=written)
 

@@ -21,7 +21,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -91,7 +91,7 @@ class DistEnv:
             return obj
         box = [obj if self.is_main else None]
         dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return cast(T, box[0])  # rank 0's obj on every rank now
 
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` as a list on rank 0 (None elsewhere)."""
@@ -134,7 +134,8 @@ class DistEnv:
         value = self.on_main(fn)  # rank 0's failure stops every rank with its message
         later = self._in_turn(fn, not self.is_main and self.local_rank == 0)
         last = self._in_turn(fn, self.local_rank != 0)
-        return value if self.is_main else (later if self.local_rank == 0 else last)
+        # each rank's own result: the call of the three where ``fn`` ran on it
+        return value if self.is_main else cast(T, later if self.local_rank == 0 else last)
 
     def _in_turn(self, fn: Callable[[], T], mine: bool) -> T | None:
         """``fn`` on the ranks where ``mine``; a failure on any of them is raised on all."""
@@ -144,7 +145,7 @@ class DistEnv:
                 result = fn()
             except Exception as e:  # noqa: BLE001 - re-raised below
                 error = e
-        errors = [None] * self.world_size
+        errors: list[tuple[int, BaseException] | None] = [None] * self.world_size
         dist.all_gather_object(errors, (self.rank, error) if error is not None else None)
         failed = [e for e in errors if e is not None]
         if error is not None:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flopwise.config import ConfigError, ModelConfig, TrainConfig
+from flopwise.config import ConfigError, Loss, ModelConfig, TrainConfig
 
 IMPLS = ("auto", "chunked", "plain", "fused")
 
@@ -313,8 +313,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, targets: Tensor, impl: 
                                  grads_in_forward=grads_in_forward)
 
 
-def resolve_loss_impl(choice: str, m: ModelConfig, t: TrainConfig, device: torch.device,
-                      plain_fits: str | None = None) -> tuple[str, str]:
+def resolve_loss_impl(choice: Loss, m: ModelConfig, t: TrainConfig, device: torch.device,
+                      plain_fits: str | None = None) -> tuple[Loss, str]:
     """``train.loss`` as ``(impl, why)`` (``why`` empty when it was not ``auto``), for a
     ``train.compile`` already resolved (:func:`flopwise.train.wrap.resolve_compile`).
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,11 @@ from flopwise.config import ConfigError, RunConfig
 from flopwise.plan.budget import memory_settings_for_run
 from flopwise.plan.memory import estimate
 from flopwise.train.distributed import DistEnv
+from flopwise.train.optim import CombinedOptimizer
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
 HEADROOM = 0.9  # share of the GPU the memory model's peak may take for auto to pick a strategy
 
@@ -122,8 +127,9 @@ def apply_data_parallel(model: torch.nn.Module, strategy: str, env: DistEnv, dev
         # a deterministic function of the config (non-persistent), identical on every rank, so
         # broadcasting them from rank 0 would be a wasted collective per micro-batch. torch
         # >= 2.13 names the switch forward_sync_buffers (broadcast_buffers is deprecated there).
-        no_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
-                   else {"broadcast_buffers": False})
+        no_sync: dict[str, Any] = ({"forward_sync_buffers": False}
+                                   if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                                   else {"broadcast_buffers": False})
         wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                       bucket_cap_mb=pc.bucket_mb, gradient_as_bucket_view=True, **no_sync)
         return wrapped, [f"DDP: gradients all-reduced in {pc.bucket_mb:g} MB buckets during backward, once per "
@@ -133,7 +139,7 @@ def apply_data_parallel(model: torch.nn.Module, strategy: str, env: DistEnv, dev
 
         mp = (MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
               if compute_dtype is not None and compute_dtype != torch.float32 else MixedPrecisionPolicy())
-        for block in model.layers:
+        for block in cast(torch.nn.ModuleList, model.layers):  # a flopwise Transformer's blocks
             fully_shard(block, mp_policy=mp, reshard_after_forward=pc.reshard_after_forward)
         # The root (embedding, final norm, head) stays gathered after forward: backward needs it
         # at once, and a loss that applies the head itself (chunked) reads it after forward.
@@ -146,7 +152,7 @@ def apply_data_parallel(model: torch.nn.Module, strategy: str, env: DistEnv, dev
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
-def zero1_optimizer(plain: torch.optim.Optimizer) -> torch.optim.Optimizer:
+def zero1_optimizer(plain: torch.optim.Optimizer | CombinedOptimizer) -> torch.optim.Optimizer:
     """A ``ZeroRedundancyOptimizer`` with ``plain``'s parameter groups and hyper-parameters
     (``plain`` -- built by ``build_optimizer`` and never stepped -- is discarded)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer  # lazy: ~1.5 s to import; zero1 only
@@ -164,16 +170,17 @@ def zero1_optimizer(plain: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return ZeroRedundancyOptimizer(groups, optimizer_class=type(plain), parameters_as_bucket_view=True, **defaults)
 
 
-def grad_sync(wrapped: torch.nn.Module, strategy: str, accum: int) -> Callable[[int], contextlib.AbstractContextManager]:
+def grad_sync(wrapped: torch.nn.Module, strategy: str,
+              accum: int) -> Callable[[int], contextlib.AbstractContextManager]:
     """``sync(i)`` for ``forward_backward`` of a step of ``accum`` micro-batches: gradients are
     reduced only on its last one. Made per step: under a batch ramp ``accum`` changes."""
 
     def sync(i: int) -> contextlib.AbstractContextManager:
         last = i == accum - 1
         if strategy in ("ddp", "zero1"):
-            return contextlib.nullcontext() if last else wrapped.no_sync()
+            return contextlib.nullcontext() if last else cast(DDP, wrapped).no_sync()
         if strategy == "fsdp2":
-            wrapped.set_requires_gradient_sync(last)
+            cast("FSDPModule", wrapped).set_requires_gradient_sync(last)  # fully_shard made it one
         return contextlib.nullcontext()
 
     return sync
@@ -197,8 +204,9 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
         # FSDP2: this rank's shards' sums of squares, summed over ranks. (Not the DTensor
         # norm: torch's CPU float32 norm kernel is off by ~1e-4 relative on large tensors, and
         # differently for each way of cutting them; a sum of squares is accurate.)
-        squared = torch.stack([g.to_local().float().pow(2).sum() for g in grads]).sum()
-        dist.all_reduce(squared, group=grads[0].device_mesh.get_group())
+        shards = cast("list[DTensor]", grads)  # FSDP2's gradients: DTensors (to_local)
+        squared = torch.stack([g.to_local().float().pow(2).sum() for g in shards]).sum()
+        dist.all_reduce(squared, group=shards[0].device_mesh.get_group())
         total = squared.sqrt()
     else:
         total = torch.nn.utils.get_total_norm(grads)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import torch
 
@@ -43,13 +44,14 @@ def make_loss_fn(model: torch.nn.Module, impl: str = "plain", chunk_tokens: int 
             hidden = model(x, doc_ids, return_hidden=True)  # (B, T, D)
             # The backward follows at once, so computing the gradients during the forward costs
             # no extra peak memory and saves recomputing the logits (docs/benchmarks.md#chunked-cross-entropy).
-            s = linear_cross_entropy(hidden.flatten(0, 1), inner.head_weight, y.reshape(-1), impl=impl,
+            head = cast(torch.Tensor, inner.head_weight)  # a flopwise Transformer's property
+            s = linear_cross_entropy(hidden.flatten(0, 1), head, y.reshape(-1), impl=impl,
                                      chunk_tokens=chunk_tokens, grads_in_forward=torch.is_grad_enabled())
         return s, (inner.aux_loss if moe else None)
 
     if compile_mode is None:
         return loss_fn
-    options = {} if compile_mode == "default" else {"mode": compile_mode}
+    mode = None if compile_mode == "default" else compile_mode  # None: torch.compile's default
     flash_docs = getattr(inner, "attention_backend", None) == "flash"
 
     def docs(x: torch.Tensor, doc_ids: torch.Tensor | None):
@@ -58,13 +60,14 @@ def make_loss_fn(model: torch.nn.Module, impl: str = "plain", chunk_tokens: int 
         return doc_spans(doc_ids, bound=x.shape[1]) if flash_docs and doc_ids is not None else doc_ids
 
     if impl != "fused":
-        compiled = torch.compile(loss_fn, **options)
+        compiled = torch.compile(loss_fn, mode=mode)
         return lambda x, y, doc_ids=None: compiled(x, y, docs(x, doc_ids))
-    forward = torch.compile(lambda x, doc_ids: model(x, doc_ids, return_hidden=True), **options)
+    forward = torch.compile(lambda x, doc_ids: model(x, doc_ids, return_hidden=True), mode=mode)
 
     def fused_after_compiled_forward(x: torch.Tensor, y: torch.Tensor, doc_ids: torch.Tensor | None = None):
         hidden = forward(x, docs(x, doc_ids))
-        s = linear_cross_entropy(hidden.flatten(0, 1), inner.head_weight, y.reshape(-1), impl=impl)
+        head = cast(torch.Tensor, inner.head_weight)  # a flopwise Transformer's property
+        s = linear_cross_entropy(hidden.flatten(0, 1), head, y.reshape(-1), impl=impl)
         return s, (inner.aux_loss if moe else None)
 
     return fused_after_compiled_forward

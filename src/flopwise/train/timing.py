@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -69,11 +70,11 @@ class StepTimer:
         self.wall += wall_s
         self.steps += 1
 
-    def window(self) -> dict[str, float]:
+    def window(self) -> dict[str, float | None]:
         """Mean seconds per step of each part over the window (and the CPU overhead share on
         CUDA); resets. Data time was counted inside fwd_bwd's host time and is taken out."""
         n = max(self.steps, 1)
-        out = {"time_data_s": self.host["data"] / n}
+        out: dict[str, float | None] = {"time_data_s": self.host["data"] / n}
         if self.cuda:
             torch.cuda.synchronize()  # the events of this window are done by now anyway
             gpu = {k: sum(a.elapsed_time(b) for a, b in v) / 1000 for k, v in self.events.items()}
@@ -89,13 +90,14 @@ class StepTimer:
         return out
 
 
-def format_breakdown(parts: dict[str, float], step_s: float) -> str:
+def format_breakdown(parts: Mapping[str, float | None], step_s: float) -> str:
     if step_s <= 0:
         return ""
-    share = {k: 100 * parts[f"time_{k}_s"] / step_s for k in ("data", "fwd_bwd", "optim")}
+    # the parts' times are never None (only cpu_overhead is, when no wall time was counted)
+    share = {k: 100 * (parts[f"time_{k}_s"] or 0.0) / step_s for k in ("data", "fwd_bwd", "optim")}
     text = f"data {share['data']:.1f}% · fwd+bwd {share['fwd_bwd']:.0f}% · opt {share['optim']:.0f}%"
-    if parts.get("cpu_overhead") is not None:
-        text += f" · cpu overhead ≥{100 * parts['cpu_overhead']:.0f}%"  # a lower bound (module docstring)
+    if (overhead := parts.get("cpu_overhead")) is not None:
+        text += f" · cpu overhead ≥{100 * overhead:.0f}%"  # a lower bound (module docstring)
     return text
 
 

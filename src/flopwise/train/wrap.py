@@ -18,7 +18,7 @@ compiled or sharded.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -26,8 +26,11 @@ from torch.utils.checkpoint import checkpoint
 from flopwise.plan.flops import checkpointed_blocks
 from flopwise.train.parallel import apply_data_parallel
 
+if TYPE_CHECKING:
+    from flopwise.model.transformer import Transformer
 
-def apply_activation_checkpointing(model: torch.nn.Module, mode: str, every_k: int = 2) -> list[int]:
+
+def apply_activation_checkpointing(model: Transformer, mode: str, every_k: int = 2) -> list[int]:
     """Make the chosen blocks recompute their forward in backward (non-reentrant), in place.
 
     The block's ``forward`` is replaced rather than the block wrapped in another module, so
@@ -50,7 +53,7 @@ def compile_kwargs(mode: str) -> dict[str, Any]:
     return {} if mode == "default" else {"mode": mode}
 
 
-def wrap_model(model: torch.nn.Module, train_cfg) -> list[str]:
+def wrap_model(model: Transformer, train_cfg) -> list[str]:
     """Checkpointing, then per-block compile, in place; returns notes for the log.
 
     ``compile=model`` is applied by the training step to its whole loss function (the
@@ -74,7 +77,7 @@ def wrap_model(model: torch.nn.Module, train_cfg) -> list[str]:
     return notes
 
 
-def wrap_for_training(model: torch.nn.Module, cfg, strategy: str, env, device: torch.device,
+def wrap_for_training(model: Transformer, cfg, strategy: str, env, device: torch.device,
                       compute_dtype: torch.dtype | None) -> tuple[torch.nn.Module, list[str], list[str]]:
     """Activation checkpointing -> compile -> DDP/FSDP2, the only order that works for all
     three: checkpointing replaces block forwards that compile then traces, and DDP's hooks
@@ -86,7 +89,7 @@ def wrap_for_training(model: torch.nn.Module, cfg, strategy: str, env, device: t
     return wrapped, speed_notes, parallel_notes
 
 
-def explain(model: torch.nn.Module, *example_args) -> dict[str, Any]:
+def explain(model: Callable[..., Any], *example_args) -> dict[str, Any]:
     """Graphs, graph breaks and their reasons for one forward (``torch._dynamo.explain``)."""
     import torch._dynamo  # lazy: ~1 s to import; only compile and --explain need it
 

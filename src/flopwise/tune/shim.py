@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
 from flopwise.errors import FlopwiseError
 
 SOURCE = Path(__file__).with_name("fake_cuda_guard.cpp")
