@@ -170,18 +170,25 @@ def test_skip_on_a_nan_gradient_drops_exactly_that_update(tiny_overrides, monkey
     assert any(r.get("step") == 5 and r.get("val_loss") is not None for r in _rows(run)), _rows(run)[-3:]
 
 
-def test_rollback_on_a_nan_gradient_reloads_the_checkpoint_and_trains_on(tiny_overrides, monkeypatch):
-    """Step 4's gradient is NaN: the run goes back to step 2 -- undoing step 3's update, which
-    was applied -- and trains steps 3..5 again on the data after step 4's batch."""
-    nan = NanGradients(monkeypatch, {4})
+def _rolled_back(tiny_overrides, monkeypatch, bad: int, *extra: str) -> tuple[NanGradients, Path, list[str]]:
+    """A 5-step run saving every 2 steps under rollback, step ``bad``'s gradient NaN: the model's
+    recorder, the run directory and the log; its one event checked (that step, a NaN gradient)."""
+    nan = NanGradients(monkeypatch, {bad})
     cfg = _run(tiny_overrides, "train.max_steps=5", "train.checkpoint_every=2", "train.nonfinite=rollback",
-               "train.keep_checkpoints=0")
-    lines = []
+               "train.keep_checkpoints=0", *extra)
+    lines: list[str] = []
     train(cfg, log=lines.append)
     run = Path(cfg.train.run_dir)
     (event,) = _nonfinite_events(run)
-    assert event["step"] == 4 and event["policy"] == "rollback"
+    assert event["step"] == bad and event["policy"] == "rollback"
     _assert_gradient_nan_only(event)
+    return nan, run, lines
+
+
+def test_rollback_on_a_nan_gradient_reloads_the_checkpoint_and_trains_on(tiny_overrides, monkeypatch):
+    """Step 4's gradient is NaN: the run goes back to step 2 -- undoing step 3's update, which
+    was applied -- and trains steps 3..5 again on the data after step 4's batch."""
+    nan, run, lines = _rolled_back(tiny_overrides, monkeypatch, 4)
     assert sum(": rolled back to step-0000002" in line for line in lines) == 1, lines
     step2, final = _checkpoint(run, 2), _checkpoint(run, 5)
     saved = _model_pt(step2)[POISONED]
@@ -243,15 +250,7 @@ def test_rollback_of_a_step_read_late_undoes_the_step_issued_after_it(tiny_overr
     """Step 3's gradient is NaN and step 3 is read only after step 4 was issued (it neither logs
     nor saves): the rollback to step 2 undoes step 4's work too, and the run goes on from step
     2's weights, on the data after step 3's batch -- what a read before each update would do."""
-    nan = NanGradients(monkeypatch, {3})
-    cfg = _run(tiny_overrides, "train.max_steps=5", "train.checkpoint_every=2", "train.nonfinite=rollback",
-               "train.keep_checkpoints=0", LATE)
-    lines = []
-    train(cfg, log=lines.append)
-    run = Path(cfg.train.run_dir)
-    (event,) = _nonfinite_events(run)
-    assert event["step"] == 3 and event["policy"] == "rollback"
-    _assert_gradient_nan_only(event)
+    nan, run, _ = _rolled_back(tiny_overrides, monkeypatch, 3, LATE)
     saved = _model_pt(_checkpoint(run, 2))[POISONED]
     # Forward passes 1..4: steps 1..4 of the first try (4 issued before 3 was read); the 5th, the
     # first after the rollback, starts from step 2's weights.
