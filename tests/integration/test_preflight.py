@@ -168,7 +168,10 @@ def test_the_ladder_at_two_ranks_from_the_command_line_writes_what_torchrun_laun
     assert ranks["status"] == "ok" and ranks["kept"] and "scaling efficiency" in ranks["why"]
     assert 0 < lad["scaling_efficiency"] and abs(ranks["loss"] - lad["start"]["loss"]) < 1e-4 * lad["start"]["loss"]
     rows = {r["rung"] for r in lad["rungs"]}
-    assert {"strategy", "buckets"} <= rows or "fsdp2" in ranks["change"]
+    # the bucket size is climbed unless the strategy measured fastest shards (fsdp2 has no DDP buckets):
+    # which one wins at 2 ranks on a loaded CPU is the measurement's, not the test's, to say
+    assert "strategy" in rows or "fsdp2" in ranks["change"]
+    assert ("buckets" in rows) == (lad["chosen"]["parallel.strategy"] != "fsdp2"), lad["chosen"]
     tuned = build_config(config_file=str(out / "preflight.yaml"))
     assert tuned.parallel.strategy == lad["chosen"]["parallel.strategy"] != "auto"
     assert "ladder: ranks" in capsys.readouterr().out
