@@ -328,11 +328,24 @@ def _plan_parser(sub: "argparse._SubParsersAction") -> None:
                    help="k of --checkpointing selective, as train.activation_checkpointing_every (default 2)")
     g.add_argument("--loss", default=None, help="as train.loss: plain (full logits, the default), chunked, or fused "
                    "(Liger's kernel: no full logits, planned as chunked)")
-    g.add_argument("--strategy", default="", help="as parallel.strategy: single, ddp, zero1, fsdp2 (default: single, "
-                        "ddp with --gpus>1, or the first of zero1/fsdp2 that fits when ddp does not)")
+    g.add_argument("--strategy", default="", help="as parallel.strategy: single, ddp, zero1, fsdp2, diloco (default: "
+                        "single, ddp with --gpus>1, or the first of zero1/fsdp2 that fits when ddp does not; diloco "
+                        "only when asked)")
     g = p.add_argument_group("scaling")
     g.add_argument("--interconnect", default="", help="link within a node (default: the GPU's usual one)")
-    g.add_argument("--network", default="ib-ndr", help="link between nodes (default ib-ndr)")
+    g.add_argument("--network", default="ib-ndr", help="link between nodes (default ib-ndr): a name from --list-gpus "
+                   "or <N>gbit, N Gbit/s (25gbit is eth-25g)")
+    g = p.add_argument_group("DiLoCo (--strategy diloco: worker groups sync every H inner steps)")
+    g.add_argument("--inner-steps", type=int, default=None, help="H, inner steps between outer syncs, as "
+                   "parallel.inner_steps (default 50)")
+    g.add_argument("--outer-dtype", default=None, help="fp32 or bf16: the pseudo-gradient's all-reduce dtype, as "
+                   "parallel.outer_dtype (default fp32)")
+    g.add_argument("--inner-strategy", default=None, help="ddp or fsdp2 inside a worker group, as "
+                   "parallel.inner_strategy (default ddp)")
+    g.add_argument("--group-size", type=int, default=None, help="GPUs per worker group, as parallel.group_size "
+                   "(default: --gpus-per-node)")
+    g.add_argument("--comm-share", type=float, default=None, help="the share of step time communication should stay "
+                   "under: the plan names the smallest H that does (default 0.05)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--trace", action="store_true",
                    help="also trace the planned step on fake tensors (flopwise preflight --dry-run; needs a C++ "
@@ -655,7 +668,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         path = Path(args.config)
         source = {"config_file": path / "config.yaml" if path.is_dir() else path}
         cfg = build_config(**source, read_hf_config=_read_hf_config)
-        run, run_notes = plan_inputs_for_run(cfg, gpus=args.gpus, gpu=gpu, strategy=strategy)
+        run, run_notes = plan_inputs_for_run(cfg, gpus=args.gpus, gpu=gpu, strategy=strategy,
+                                             gpus_per_node=args.gpus_per_node)
         model, name, notes = cfg.model, f"{args.config} ({cfg.preset})", notes + cfg.notes + run_notes
     elif args.model:
         source = {"preset": args.model}
@@ -672,6 +686,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     memory = replace(memory, **{k: v for k, v in flags.items() if v},
                      **({"master_weights": False} if args.no_master_weights else {}),
                      **({"grad_accum": args.grad_accum} if args.grad_accum > 0 else {}))
+    diloco = {"--inner-steps": args.inner_steps, "--outer-dtype": args.outer_dtype, "--comm-share": args.comm_share,
+              "--inner-strategy": args.inner_strategy, "--group-size": args.group_size}
+    given = [flag for flag, value in diloco.items() if value is not None]
+    if given and memory.strategy != "diloco":
+        raise PlanError(f"{', '.join(given)} {'is a DiLoCo setting' if len(given) == 1 else 'are DiLoCo settings'}: "
+                        "give --strategy diloco (or a --config with parallel.strategy=diloco)")
+    memory = replace(memory, **{k: v for k, v in (("inner_strategy", args.inner_strategy),
+                                                  ("outer_dtype", args.outer_dtype),
+                                                  ("group_size", args.group_size)) if v is not None})
     budget_given = args.tokens or args.hours or args.chinchilla
     inp = PlanInputs(
         model=model, model_name=name, params=args.params, gpu=gpu,
@@ -684,6 +707,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         grad_accum=args.grad_accum or run.get("grad_accum", 0), target_batch_tokens=args.target_batch_tokens,
         headroom=args.headroom, memory=memory, interconnect=args.interconnect, network=args.network,
         auto_strategy=not strategy and run.get("auto_strategy", True),
+        inner_steps=args.inner_steps if args.inner_steps is not None else run.get("inner_steps", 50),
+        comm_share=args.comm_share if args.comm_share is not None else 0.05,
     )
     if args.trace and (gpu is None or model is None):
         raise PlanError("--trace traces the planned step: it needs --gpu and --model (or --config)")

@@ -84,8 +84,10 @@ CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 ActivationCheckpointing = Literal["none", "full", "selective"]
 Loss = Literal["auto", "plain", "chunked", "fused"]
 WandbMode = Literal["online", "offline"]
-Strategy = Literal["single", "ddp", "zero1", "fsdp2"]
+Strategy = Literal["single", "ddp", "zero1", "fsdp2", "diloco"]
 StrategyChoice = Literal["auto", Strategy]
+InnerStrategy = Literal["ddp", "fsdp2"]  # inside a DiLoCo worker group
+OuterDtype = Literal["fp32", "bf16"]  # what DiLoCo's pseudo-gradients are all-reduced in
 Backend = Literal["auto", "nccl", "gloo"]
 
 ARCHS = typing.get_args(Arch)
@@ -520,16 +522,43 @@ class ParallelConfig:
     # auto: single on one process; else DDP when weights, gradients and AdamW state fit each
     # GPU, ZeRO-1 when only the optimizer state does not, FSDP2 otherwise (the planner's
     # memory model decides, and the choice is explained at startup).
-    strategy: StrategyChoice = "auto"  # auto | single | ddp | zero1 | fsdp2
+    strategy: StrategyChoice = "auto"  # auto | single | ddp | zero1 | fsdp2 | diloco
     backend: Backend = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
     bucket_mb: float = 25.0  # DDP (and ZeRO-1) gradient all-reduce bucket size
     reshard_after_forward: bool = True  # FSDP2: free gathered block weights after forward (re-gather in backward)
     timeout_min: float = 30.0  # a collective that waits longer than this fails the run instead of hanging
+    # DiLoCo (strategy=diloco, docs/distributed.md#diloco): worker groups of group_size ranks
+    # (0: the ranks of one node) each train inner_steps steps with their own optimizer, then
+    # all-reduce the pseudo-gradient (anchor - parameters) across groups once and an outer
+    # Nesterov SGD steps the anchor. Inside a group ranks train with inner_strategy.
+    group_size: int = 0
+    inner_strategy: InnerStrategy = "ddp"
+    inner_steps: int = 50  # H: inner steps between outer syncs
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_dtype: OuterDtype = "fp32"
+    # Streaming DiLoCo: the model in `fragments` parts synced at staggered inner steps; a
+    # fragment's all-reduce runs while the next `overlap_steps` inner steps compute
+    fragments: int = 1
+    overlap_steps: int = 0
 
     def problems(self) -> list[str]:
         p = _Problems(_choice_problems(self, "parallel"))
         p.positive("parallel.bucket_mb", self.bucket_mb)
         p.positive("parallel.timeout_min", self.timeout_min)
+        p.positive("parallel.group_size", self.group_size, allow_zero=True)
+        p.positive("parallel.inner_steps", self.inner_steps)
+        p.positive("parallel.outer_lr", self.outer_lr)
+        if not 0 <= self.outer_momentum < 1:
+            p.append(f"parallel.outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        p.positive("parallel.fragments", self.fragments)
+        p.positive("parallel.overlap_steps", self.overlap_steps, allow_zero=True)
+        if self.fragments > 0 and self.inner_steps > 0 and self.fragments > self.inner_steps:
+            p.append(f"parallel.fragments={self.fragments} exceeds parallel.inner_steps={self.inner_steps}: "
+                     "each fragment syncs at its own inner step of the H")
+        if self.inner_steps > 0 and self.overlap_steps >= self.inner_steps:
+            p.append(f"parallel.overlap_steps={self.overlap_steps} must be below parallel.inner_steps="
+                     f"{self.inner_steps}: a fragment's all-reduce must land before its next sync")
         return list(p)
 
 

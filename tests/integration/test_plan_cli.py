@@ -202,3 +202,72 @@ def test_plan_flags_take_every_value_the_config_takes(flag, key, literal, capsys
                    flag, value, "--json"])
         assert rc == 0, (flag, value, capsys.readouterr().err)
         capsys.readouterr()
+
+
+def test_plan_diloco_over_25_gbit(cli, tmp_path):
+    """Two 8 x H100 nodes on 25 Gbit/s Ethernet: DiLoCo's communication per step beside ddp's and
+    fsdp2's, and the H at which it drops under 5% of the step."""
+    asked = ("--model", "smollm-360m", "--gpu", "H100", "--gpus", "16", "--gpus-per-node", "8", "--strategy", "diloco",
+             "--network", "25gbit")
+    proc = cli("plan", *asked)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for text in ("diloco (ddp in groups of 8) on 16 GPU(s)", "DiLoCo outer state", "2.70 GiB",
+                 "DiLoCo: 2 groups of 8 GPUs (ddp inside a group)", "every H = 50 inner steps",
+                 "2(G-1)/G × 1.45 GB ÷ 3.125 GB/s (eth-25g)", "ddp, 16 GPUs", "fsdp2, 16 GPUs", "diloco, H = 50",
+                 "under 5% of step time      H >= 66"):
+        assert text in out, text
+    plan, _ = _plan_json(cli, *asked)
+    d = plan["diloco"]
+    assert (d["group_size"], d["groups"], d["inner_steps"], d["outer_allreduce"]["link"]) == (8, 2, 50, "eth-25g")
+    assert d["pseudo_gradient_bytes"] == 361_821_120 * 4
+    assert d["outer_allreduce"]["s"] == pytest.approx(361_821_120 * 4 / 3.125e9)  # 2 (2-1)/2 = 1
+    assert set(d["compare"]) == {"ddp", "fsdp2"} and d["compare"]["ddp"]["comm_share"] > 0.5 > d["comm_share"]
+    h, inner, outer, compute = d["min_inner_steps"], d["inner"]["comm_s"], d["outer_s"], d["compute_s"]
+    assert h == 66
+
+    def share(k: int) -> float:
+        return (inner + outer / k) / (compute + inner + outer / k)
+    assert share(h) <= 0.05 < share(h - 1)
+    # the same plan with H, the outer dtype and the share given
+    plan, _ = _plan_json(cli, *asked, "--inner-steps", "100", "--outer-dtype", "bf16", "--comm-share", "0.1")
+    d = plan["diloco"]
+    assert (d["inner_steps"], d["outer_dtype"], d["target_comm_share"]) == (100, "bf16", 0.1)
+    assert d["min_inner_steps"] < 66
+    # fsdp2 inside a group of 4: four groups
+    plan, _ = _plan_json(cli, *asked, "--inner-strategy", "fsdp2", "--group-size", "4")
+    assert (plan["diloco"]["inner_strategy"], plan["diloco"]["groups"]) == ("fsdp2", 4)
+    assert plan["memory"]["settings"]["inner_strategy"] == "fsdp2"
+    # a run config with parallel.strategy=diloco plans its own H and inner strategy
+    f = tmp_path / "run.yaml"
+    f.write_text(yaml.safe_dump({"preset": "smollm-135m", "parallel": {
+        "strategy": "diloco", "inner_steps": 20, "inner_strategy": "fsdp2"}}))
+    plan, _ = _plan_json(cli, "--config", str(f), "--gpu", "h100", "--gpus", "16", "--network", "25gbit")
+    assert (plan["diloco"]["inner_steps"], plan["diloco"]["inner_strategy"], plan["diloco"]["groups"]) == (
+        20, "fsdp2", 2)
+
+
+def test_plan_network_names_and_diloco_flags_are_checked(capsys):
+    from flopwise.cli import main
+
+    def plan(*args: str) -> tuple[int, str, str]:
+        rc = main(["plan", "--model", "smollm-360m", "--gpu", "h100", "--gpus", "16", *args])
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    rc, by_alias, _ = plan("--strategy", "ddp", "--network", "25gbit")
+    assert rc == 0 and (rc, by_alias) == plan("--strategy", "ddp", "--network", "eth-25g")[:2]
+    assert "eth-25g" in by_alias and "diloco" not in by_alias.lower()
+    cases = [
+        (["--network", "25gbe"], "--network '25gbe' is not known; choose one of pcie3,"),
+        (["--interconnect", "nvlink9"], "--interconnect 'nvlink9' is not known; choose one of"),
+        (["--inner-steps", "10"], "--inner-steps is a DiLoCo setting: give --strategy diloco"),
+        (["--strategy", "diloco", "--group-size", "3"], "--group-size 3 must divide --gpus 16"),
+        (["--strategy", "diloco", "--outer-dtype", "fp8"], "--outer-dtype 'fp8': choose fp32, bf16"),
+    ]
+    for args, message in cases:
+        rc, out, err = plan(*args)
+        assert rc == 2, (args, out)
+        assert message in err, (args, err)
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "<N>gbit" in plan("--network", "x")[2]

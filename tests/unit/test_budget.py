@@ -140,6 +140,32 @@ def test_bad_input_names_the_flag(kwargs, flag):
         build_plan(PlanInputs(model=SMOLLM_360M, gpu=A100, **kwargs))
 
 
+def test_network_rates_in_gbit_are_links():
+    """``--network 25gbit`` is the table's eth-25g (one link, two names); any ``<N>gbit`` is
+    N/8 GB/s; anything else is refused in one line that names the choices."""
+    eth25 = hardware.LINKS["eth-25g"]
+    for name in ("25gbit", "25Gbit", "25 gbit/s", "25.0gbit", "eth-25g"):
+        assert hardware.find_link(name) is eth25, name
+    assert hardware.find_link("400gbit") is hardware.LINKS["ib-ndr"]
+    assert hardware.find_link("100gbit") is hardware.LINKS["eth-100g"]
+    ten = hardware.find_link("10gbit")
+    assert ten is not None and ten.gb_per_s == 10 / 8 and ten.name == "10gbit"
+    assert hardware.find_link("800gbit").gb_per_s == 100.0
+    for bad in ("25gb", "gbit", "0gbit", "-5gbit", "eth-25", ""):
+        assert hardware.find_link(bad) is None, bad
+    # planned alike under either name
+    inp = dict(model=SMOLLM_360M, gpu=A100, gpus=16, tokens=6e9, micro_batch=8, grad_accum=2,
+               memory=MemorySettings(strategy="ddp", n_gpus=16))
+    alias, name = build_plan(PlanInputs(network="25gbit", **inp)), build_plan(PlanInputs(network="eth-25g", **inp))
+    assert alias["scaling"] == name["scaling"] and alias["scaling"]["at_gpus"]["link"] == "eth-25g"
+    assert alias["scaling"]["at_gpus"]["comm_s"] == pytest.approx(2 * 15 / 16 * 361_821_120 * 4 / 3.125e9)
+    with pytest.raises(PlanError) as e:
+        build_plan(PlanInputs(network="25gbps", **inp))
+    message = str(e.value)
+    assert "--network '25gbps' is not known; choose one of" in message and "\n" not in message
+    assert "eth-25g" in message and "ib-ndr" in message and "<N>gbit" in message
+
+
 def test_raw_params_need_6n_and_one_model_description():
     with pytest.raises(PlanError, match="--flops-formula palm needs the model's shape"):
         build_plan(PlanInputs(params=10**9, flops_formula="palm"))

@@ -23,6 +23,8 @@ import contextlib
 import subprocess
 import sys
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -37,6 +39,8 @@ from flopwise.plan.memory import (
     estimate,
     max_micro_batch,
     n_param_tensors,
+    outer_state_bytes,
+    outer_sync_bytes,
     state_bytes,
 )
 from flopwise.train.optim import build_optimizer
@@ -151,6 +155,50 @@ def test_sharding_divides_the_right_terms():
     assert fsdp.params == -(-single.params // 4) and fsdp.fsdp_buffers > 0
     assert fsdp.weight_copies == 0  # gathered weights are already bf16 (MixedPrecisionPolicy)
     assert estimate(cfg, 4, 64, MemorySettings(strategy="ddp", n_gpus=4)).total == single.total
+
+
+def test_diloco_adds_the_outer_state_to_the_inner_strategys():
+    """DiLoCo per rank: the inner strategy's over the group, plus the anchor (fp32, 4 B/param)
+    and the outer Nesterov momentum (fp32, 4 B) for the whole run, and at a sync the fp32
+    pseudo-gradient and its all-reduce buffer (outer_dtype: 4 or 2 B; bf16 also its fp32 mean)
+    beyond the step's freed activations; all sharded over the group under fsdp2 inside."""
+    n = 1_000_003  # not divisible by 8: sharded terms round up
+    ddp = state_bytes(n, MemorySettings(strategy="ddp", n_gpus=16))
+    dil = state_bytes(n, MemorySettings(strategy="diloco", n_gpus=16, group_size=8))
+    assert dil == {**ddp, "outer": (4 + 4) * n}
+    bf16 = MemorySettings(strategy="diloco", n_gpus=16, group_size=8, outer_dtype="bf16")
+    assert outer_sync_bytes(n, bf16) == (4 + 2 + 4) * n
+    assert outer_sync_bytes(n, MemorySettings(strategy="diloco", n_gpus=16, group_size=8)) == (4 + 4) * n
+    # fsdp2 inside: the inner states are fsdp2's over the group's 8 ranks (not the 16 of the world)
+    # and so is the outer state
+    fsdp8 = state_bytes(n, MemorySettings(strategy="fsdp2", n_gpus=8))
+    dil_f = state_bytes(n, MemorySettings(strategy="diloco", n_gpus=16, group_size=8, inner_strategy="fsdp2"))
+    assert dil_f == {**fsdp8, "outer": -(-8 * n // 8)}
+    assert outer_sync_bytes(n, replace(bf16, inner_strategy="fsdp2")) == -(-10 * n // 8)
+    assert outer_state_bytes(n, MemorySettings(strategy="fsdp2", n_gpus=8)) == 0  # only diloco has one
+    # group_size 0: the whole world is one group
+    assert MemorySettings(strategy="diloco", n_gpus=4).group_ranks == 4
+    assert MemorySettings(strategy="diloco", n_gpus=4, group_size=8).group_ranks == 4
+
+    # the whole estimate: exactly the inner strategy's plus the outer state, plus what a sync
+    # needs beyond the activations, logits and temporaries the step freed
+    cfg = tiny(n_layers=4)
+    p = param_counts(cfg)["total"]
+    for inner, k, micro in (("ddp", 4, 4), ("fsdp2", 4, 4), ("ddp", 4, 0)):
+        alone = estimate(cfg, micro, 64, MemorySettings(strategy=inner, n_gpus=k, grad_accum=2))
+        both = estimate(cfg, micro, 64, MemorySettings(strategy="diloco", n_gpus=8, group_size=k,
+                                                       inner_strategy=inner, grad_accum=2))
+        shard = (lambda x: x) if inner == "ddp" else (lambda x: -(-x // k))
+        freed = alone.activations + alone.logits + alone.transient
+        outer = shard(8 * p) + max(0, shard(8 * p) - freed)
+        assert both.outer == outer and both.total == alone.total + outer, (inner, micro, both.outer, outer)
+        assert (both.params, both.grads, both.optimizer, both.fsdp_buffers) == (
+            alone.params, alone.grads, alone.optimizer, alone.fsdp_buffers)
+        assert both.gb()["outer"] == pytest.approx(outer / GIB) and "outer" not in alone.gb()
+    with pytest.raises(ValueError, match="inner_strategy"):
+        state_bytes(10, MemorySettings(strategy="diloco", n_gpus=2, inner_strategy="zero1"))
+    with pytest.raises(ValueError, match="outer_dtype"):
+        state_bytes(10, MemorySettings(strategy="diloco", n_gpus=2, outer_dtype="fp8"))
 
 
 def test_well_known_figure_16_bytes_per_param():

@@ -22,6 +22,16 @@ Formulas
   follows what flopwise's strategies send: DDP one all-reduce of the gradients per step;
   ZeRO-1 that plus the broadcast of each rank's updated parameters; FSDP2 two all-gathers
   of the parameters per micro-batch and one fp32 reduce-scatter per step.
+- DiLoCo (``--strategy diloco``; :func:`diloco_comm`): G = GPUs / S worker groups of S GPUs
+  (default S: a node). Each inner step costs the inner strategy's communication over the
+  group (ddp or fsdp2 at S GPUs, over the intra-node link). Every H inner steps the
+  pseudo-gradient (P parameters x 4 or 2 bytes, ``--outer-dtype``) is all-reduced once
+  across groups, sharded: each of the S ranks all-reduces 1/S of it with its peers, so a
+  node's network carries one model's worth: 2 (G-1)/G x P x outer bytes / network GB/s;
+  then the group all-gathers the pieces: (S-1)/S x P x outer bytes / intra-node GB/s.
+  Per inner step: inner communication + (outer all-reduce + all-gather) / H. The smallest H
+  at which that is at most ``--comm-share`` of the step (compute + communication) is
+  :func:`smallest_inner_steps`; none exists when the in-group communication alone exceeds it.
 """
 
 from __future__ import annotations
@@ -76,7 +86,13 @@ class PlanInputs:
     network: str = "ib-ndr"  # between nodes
     # The strategy was not chosen by the user (plan's default): when it does not fit in
     # memory and another one does, the plan switches to that one and says so at the top.
+    # (Never to diloco: that one is planned only when asked for.)
     auto_strategy: bool = False
+    # --strategy diloco: inner steps between outer syncs (H), and the share of step time
+    # DiLoCo's communication should stay under (the plan names the smallest H that does).
+    # The inner strategy, group size and outer dtype are memory settings (they change memory).
+    inner_steps: int = 50
+    comm_share: float = 0.05
 
     def validate(self) -> None:
         """Raise :class:`PlanError` listing every bad flag."""
@@ -118,8 +134,8 @@ class PlanInputs:
         if not 0 < self.headroom <= 1:
             p.append(f"--headroom must be in (0, 1], got {self.headroom:g}")
         for flag, link in (("--interconnect", self.interconnect), ("--network", self.network)):
-            if link and link not in hardware.LINKS:
-                p.append(f"{flag} {link!r} is not known; choose one of {', '.join(hardware.LINKS)}")
+            if link and hardware.find_link(link) is None:
+                p.append(hardware.unknown_link_message(flag, link))
         if self.model is not None and self.seq_len > self.model.max_seq_len:
             p.append(f"--seq-len {self.seq_len} exceeds the model's max_seq_len {self.model.max_seq_len}")
         if self.gpu is not None and self.peak_tflops == 0 and getattr(self.gpu, self.dtype, None) is None:
@@ -130,9 +146,23 @@ class PlanInputs:
                                        ("--attention", mem.attention, memory.ATTENTIONS),
                                        ("--checkpointing", mem.activation_checkpointing, memory.CHECKPOINTING),
                                        ("--strategy", mem.strategy, memory.STRATEGIES),
-                                       ("--loss", mem.loss, ("plain", "chunked"))):
+                                       ("--loss", mem.loss, ("plain", "chunked")),
+                                       ("--inner-strategy", mem.inner_strategy, memory.INNER_STRATEGIES),
+                                       ("--outer-dtype", mem.outer_dtype, tuple(memory.OUTER_BYTES))):
             if setting not in choices:
                 p.append(f"{flag} {setting!r}: choose {', '.join(choices)}")
+        if mem.strategy == "diloco":
+            if self.inner_steps < 1:
+                p.append(f"--inner-steps must be >= 1, got {self.inner_steps}")
+            if not 0 < self.comm_share < 1:
+                p.append(f"--comm-share must be in (0, 1), got {self.comm_share:g}")
+            group = self.diloco_group
+            if mem.group_size < 0:
+                p.append(f"--group-size must be >= 1, got {mem.group_size}")
+            elif group > self.gpus:
+                p.append(f"--group-size {group} exceeds --gpus {self.gpus}")
+            elif self.gpus % group:
+                p.append(f"--group-size {group} must divide --gpus {self.gpus} into equal worker groups")
         if mem.activation_checkpointing_every < 1:
             p.append(f"--checkpointing-every must be >= 1, got {mem.activation_checkpointing_every}")
         if p:
@@ -148,6 +178,12 @@ class PlanInputs:
             value = getattr(self.gpu, self.dtype)
             return None if value is None else value * 1e12
         return None
+
+    @property
+    def diloco_group(self) -> int:
+        """GPUs in one DiLoCo worker group: ``--group-size``, else the GPUs of one node (all of
+        them when fewer than a node are planned)."""
+        return self.memory.group_size or min(self.gpus_per_node, self.gpus)
 
     @property
     def gpu_memory_bytes(self) -> int | None:
@@ -214,14 +250,35 @@ def allreduce_seconds(grad_bytes: float, n: int, link_gb_per_s: float) -> float:
     return 0.0 if n <= 1 else 2 * (n - 1) / n * grad_bytes / (link_gb_per_s * 1e9)
 
 
+def _find_link(name: str, flag: str) -> hardware.Link:
+    link = hardware.find_link(name)
+    if link is None:
+        raise PlanError(hardware.unknown_link_message(flag, name))
+    return link
+
+
+def ring_link(inp: PlanInputs, gpus: int) -> hardware.Link:
+    """The link a ring over ``gpus`` GPUs runs at: the intra-node one (``--interconnect``, else
+    the GPU's usual link), or the slower of it and ``--network`` when the ring crosses nodes."""
+    link = _find_link(inp.interconnect, "--interconnect") if inp.interconnect else \
+        hardware.LINKS[hardware.default_link(inp.gpu)]
+    if gpus > inp.gpus_per_node:  # the ring crosses nodes: the slowest hop sets the pace
+        link = min((link, _find_link(inp.network, "--network")), key=lambda lk: lk.gb_per_s)
+    return link
+
+
+def _share(comm_s: float, compute_s: float | None) -> float | None:
+    """Communication's share of a step that does not overlap it with compute."""
+    return comm_s / (compute_s + comm_s) if compute_s else None
+
+
 def scaling(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: int, micro_batches_per_step: int,
             gpus: int) -> dict[str, Any]:
     """Communication cost and scaling efficiency of one configuration at ``gpus`` GPUs."""
+    if inp.memory.strategy == "diloco":
+        return diloco_comm(inp, fpt, tokens_per_step, n_params, micro_batches_per_step, gpus)
     peak = inp.peak_flops
-    link_name = inp.interconnect or hardware.default_link(inp.gpu)
-    if gpus > inp.gpus_per_node:  # the ring crosses nodes: the slowest hop sets the pace
-        link_name = min((link_name, inp.network), key=lambda n: hardware.LINKS[n].gb_per_s)
-    link = hardware.LINKS[link_name]
+    link = ring_link(inp, gpus)
     settings = inp.memory
     param_bytes = 2 if settings.precision == "bf16-pure" else 4
     grad_bytes = n_params * param_bytes  # gradients in parameter dtype
@@ -256,7 +313,117 @@ def scaling(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: int, mi
     return out
 
 
-STRATEGY_ORDER = ("ddp", "zero1", "fsdp2")  # least communication first, least memory last
+def smallest_inner_steps(inner_s: float, outer_s: float, compute_s: float | None, share: float) -> int | None:
+    """The smallest H at which DiLoCo's communication per inner step, ``inner_s + outer_s / H``,
+    is at most ``share`` of the step (``compute_s`` + that communication): H = ceil(outer_s /
+    (share / (1 - share) x compute_s - inner_s)), checked against the share itself. None when
+    there is no compute time (no peak) or the in-group communication alone takes the share."""
+    if not compute_s:
+        return None
+
+    def meets(h: int) -> bool:
+        comm = inner_s + outer_s / h
+        return comm / (compute_s + comm) <= share
+
+    slack = share / (1 - share) * compute_s - inner_s  # communication time the share leaves the outer sync
+    if outer_s <= 0:
+        return 1 if meets(1) else None
+    if slack <= 0:
+        return None
+    h = max(1, math.ceil(outer_s / slack))
+    while h > 1 and meets(h - 1):  # floating point at the boundary: the share decides
+        h -= 1
+    while not meets(h):
+        h += 1
+    return h
+
+
+def diloco_comm(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: int, micro_batches_per_step: int,
+                gpus: int, inner_steps: int = 0) -> dict[str, Any]:
+    """DiLoCo's communication per inner step at ``gpus`` GPUs (the module docstring's formula),
+    as a row of :func:`scaling` plus its parts: G = ``gpus`` / S groups of S (``--group-size``,
+    else a node, at most ``gpus``) GPUs; the inner strategy's :func:`scaling` row over S GPUs
+    (same per-GPU batch, so the same compute time); the outer all-reduce of the pseudo-gradient
+    across the G groups and the in-group all-gather of its pieces, both once per H
+    (``inner_steps``, default ``inp.inner_steps``) inner steps. With one group (G = 1) nothing
+    is reduced across groups and the outer sync costs nothing."""
+    mem = inp.memory
+    h = inner_steps or inp.inner_steps
+    group = min(mem.group_size or inp.gpus_per_node, gpus)
+    groups = gpus // group
+    inner_inp = replace(inp, memory=replace(mem, strategy=mem.inner_strategy, n_gpus=group))
+    inner = scaling(inner_inp, fpt, tokens_per_step * group // gpus, n_params, micro_batches_per_step, group)
+    group_link, cross_link = ring_link(inp, group), ring_link(inp, gpus)
+    outer_bytes = memory.OUTER_BYTES[mem.outer_dtype]
+    pseudo_grad = n_params * outer_bytes
+    cross_bytes = 2 * (groups - 1) / groups * pseudo_grad  # a node's (a group's) network traffic, ring
+    cross_s = allreduce_seconds(pseudo_grad, groups, cross_link.gb_per_s)
+    gather_bytes = (group - 1) / group * pseudo_grad if groups > 1 else 0.0
+    gather_s = gather_bytes / (group_link.gb_per_s * 1e9)
+    outer_s = cross_s + gather_s
+    comm_s = inner["comm_s"] + outer_s / h
+    compute_s = inner["compute_s"]
+    share = _share(comm_s, compute_s)
+    return {
+        "gpus": gpus,
+        "link": (cross_link if groups > 1 else group_link).name,
+        "link_gb_per_s": (cross_link if groups > 1 else group_link).gb_per_s,
+        "grad_bytes": pseudo_grad,
+        # per GPU and inner step: the inner strategy's, and 1/S of the outer all-reduce plus the all-gather, over H
+        "comm_bytes_per_gpu": inner["comm_bytes_per_gpu"] + (cross_bytes / group + gather_bytes) / h,
+        "comm_s": comm_s,
+        "compute_s": compute_s,
+        "comm_share": share,
+        "efficiency": compute_s / (compute_s + comm_s) if compute_s else None,
+        "group_size": group,
+        "groups": groups,
+        "inner_strategy": mem.inner_strategy,
+        "inner_steps": h,
+        "outer_dtype": mem.outer_dtype,
+        "outer_bytes_per_param": outer_bytes,
+        "pseudo_gradient_bytes": pseudo_grad,
+        "inner": inner,
+        "outer_allreduce": {"link": cross_link.name, "link_gb_per_s": cross_link.gb_per_s, "groups": groups,
+                            "bytes": cross_bytes, "s": cross_s},
+        "outer_allgather": {"link": group_link.name, "link_gb_per_s": group_link.gb_per_s, "group_size": group,
+                            "bytes": gather_bytes, "s": gather_s},
+        "outer_s": outer_s,
+        "outer_s_per_step": outer_s / h,
+    }
+
+
+def diloco_summary(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: int,
+                   micro_batches_per_step: int) -> dict[str, Any]:
+    """``plan["diloco"]``: DiLoCo at the GPUs and H asked beside ddp and fsdp2 at the same GPUs
+    (each: communication per step, its share of the step), and the smallest H at which DiLoCo's
+    communication is at most ``inp.comm_share`` of the step (``min_inner_steps``; None with
+    ``none_reason`` when no H is)."""
+    gpus = inp.gpus
+    out = diloco_comm(inp, fpt, tokens_per_step, n_params, micro_batches_per_step, gpus)
+    out["compare"] = {s: scaling(replace(inp, memory=replace(inp.memory, strategy=s)), fpt, tokens_per_step,
+                                 n_params, micro_batches_per_step, gpus) for s in ("ddp", "fsdp2")}
+    out["target_comm_share"] = inp.comm_share
+    inner_s, compute_s = out["inner"]["comm_s"], out["compute_s"]
+    h = smallest_inner_steps(inner_s, out["outer_s"], compute_s, inp.comm_share)
+    out["min_inner_steps"] = h
+    out["none_reason"] = None
+    out["at_min_inner_steps"] = out["below_min_inner_steps"] = None
+    if h is not None:
+        for key, at in (("at_min_inner_steps", h), ("below_min_inner_steps", h - 1)):
+            if at >= 1:
+                comm = inner_s + out["outer_s"] / at
+                out[key] = {"inner_steps": at, "comm_s": comm, "comm_share": _share(comm, compute_s)}
+    elif not compute_s:
+        out["none_reason"] = "no compute time without a peak (give --gpu or --peak-tflops)"
+    else:
+        out["none_reason"] = (f"the in-group communication alone ({out['inner_strategy']} over "
+                              f"{out['group_size']} GPUs: {1000 * inner_s:.1f} ms, "
+                              f"{100 * (_share(inner_s, compute_s) or 0):.1f}% of the step) exceeds "
+                              f"{100 * inp.comm_share:g}%")
+    return out
+
+
+STRATEGY_ORDER = ("ddp", "zero1", "fsdp2")  # least communication first, least memory last; never diloco
 
 
 def build_plan(inp: PlanInputs) -> dict[str, Any]:
@@ -271,6 +438,8 @@ def build_plan(inp: PlanInputs) -> dict[str, Any]:
     True; otherwise the plan stays as asked and ``plan["runnable"]`` is False.
     """
     inp.validate()
+    if inp.memory.strategy == "diloco":  # the group size as planned (default: a node) and the memory model's
+        inp = replace(inp, memory=replace(inp.memory, group_size=inp.diloco_group))
     plan = _build_plan(inp)
     asked = inp.memory.strategy
     fit: dict[str, Any] = {
@@ -278,7 +447,16 @@ def build_plan(inp: PlanInputs) -> dict[str, Any]:
         "strategy": asked, "states_only": inp.model is None, "per_strategy": {}, "proposed": None,
         "switched": False,
     }
-    if plan["fits"] is False and inp.gpus > 1:
+    if plan["fits"] is False and inp.gpus > 1 and asked == "diloco":
+        # diloco is only ever planned as asked: no other strategy is proposed for it, but an
+        # fsdp2 inner strategy (sharded over the group) is tried when ddp's does not fit
+        fit["per_strategy"][asked] = {"memory_gb": plan["memory_gb"], "fits": False,
+                                      "max_micro_batch": plan["max_micro_batch"]}
+        if inp.memory.inner_strategy == "ddp":
+            alt = _build_plan(replace(inp, memory=replace(inp.memory, inner_strategy="fsdp2")))
+            fit["inner_alternative"] = {"inner_strategy": "fsdp2", "memory_gb": alt["memory_gb"],
+                                        "fits": alt["fits"], "max_micro_batch": alt["max_micro_batch"]}
+    elif plan["fits"] is False and inp.gpus > 1:
         fit["per_strategy"][asked] = {"memory_gb": plan["memory_gb"], "fits": False,
                                       "max_micro_batch": plan["max_micro_batch"]}
         start = STRATEGY_ORDER.index(asked) + 1 if asked in STRATEGY_ORDER else 1  # single: like ddp
@@ -350,6 +528,8 @@ def fit_suggestions(inp: PlanInputs) -> list[dict[str, Any]]:
         if gb is not None:
             add("--checkpointing full", inp.gpus, asked, "full", gb)
     fewest = MAX_SUGGESTED_GPUS + 1
+    if asked == "diloco":  # more GPUs add groups, not memory: no other strategy is suggested for it
+        return out
     for checkpointing in ([ckpt, "full"] if inp.model is not None and ckpt != "full" else [ckpt]):
         n = 2
         while n < fewest and n <= MAX_SUGGESTED_GPUS:
@@ -481,6 +661,9 @@ def _build_plan(inp: PlanInputs) -> dict[str, Any]:
 
     # -- scaling across GPUs
     counts_to = sorted({1, 2, 4, 8, inp.gpus} | ({16} if inp.gpus > 8 else set()))
+    diloco = inp.memory.strategy == "diloco"
+    if diloco:  # one group below its size, whole groups above
+        counts_to = [n for n in counts_to if n <= inp.diloco_group or n % inp.diloco_group == 0]
     rows = [scaling(inp, fpt, batch["tokens_per_step"], n_params, max(1, batch["grad_accum"] * inp.gpus // n), n)
             for n in counts_to]
     mine = next(r for r in rows if r["gpus"] == inp.gpus)
@@ -491,20 +674,26 @@ def _build_plan(inp: PlanInputs) -> dict[str, Any]:
         "hours_with_comm": (hours / mine["efficiency"] if hours is not None and mine["efficiency"] else None),
         "table": rows,
     }
+    if diloco:
+        plan["diloco"] = diloco_summary(inp, fpt, batch["tokens_per_step"], n_params, max(1, batch["grad_accum"]))
     return plan
 
 
 def _settings_dict(s: MemorySettings) -> dict[str, Any]:
     from dataclasses import asdict
 
-    return asdict(s)
+    d = asdict(s)
+    if s.strategy != "diloco":  # DiLoCo's own settings only where they apply
+        for key in ("inner_strategy", "group_size", "outer_dtype"):
+            del d[key]
+    return d
 
 
 NOMINAL_MFU = 0.40
 
 
 def memory_settings_for_run(cfg: "RunConfig", precision: str, loss: str = "plain", strategy: str = "single",
-                            gpus: int = 1) -> MemorySettings:
+                            gpus: int = 1, gpus_per_node: int = 0) -> MemorySettings:
     """The memory model's settings for a run of ``cfg`` as it will run: ``precision`` the
     resolved ``train.precision`` (bf16, bf16-pure, fp16, float32: the memory model's names
     too), ``loss`` the resolved loss (plain; chunked; fused, Liger's kernel, which also never
@@ -512,15 +701,22 @@ def memory_settings_for_run(cfg: "RunConfig", precision: str, loss: str = "plain
     ``parallel.strategy`` over ``gpus``. Activation checkpointing (none, full, selective
     with its every-k), the attention (eager or not), the micro-batches per step and whether
     it is compiled (``train.compile`` model or blocks; ``auto`` as eager: resolve it first) are
-    the config's."""
+    the config's. Under ``diloco`` so are ``parallel.inner_strategy`` and ``outer_dtype``, and
+    the group is ``parallel.group_size`` ranks, its 0 meaning the ranks of one node:
+    ``gpus_per_node`` when given, else all ``gpus``."""
     t = cfg.train
+    pc = cfg.parallel
+    diloco: dict[str, Any] = {}
+    if strategy == "diloco":
+        diloco = dict(inner_strategy=pc.inner_strategy, outer_dtype=pc.outer_dtype,
+                      group_size=min(pc.group_size or gpus_per_node or gpus, gpus))
     return MemorySettings(
         precision=precision, attention="eager" if cfg.model.attention == "eager" else "sdpa",
         activation_checkpointing=t.activation_checkpointing,
         activation_checkpointing_every=t.activation_checkpointing_every,
         strategy=strategy, n_gpus=gpus,
         loss="plain" if loss == "plain" else "chunked", loss_chunk_tokens=t.loss_chunk_tokens,
-        grad_accum=max(1, cfg.grad_accum_steps(gpus)), compiled=t.compile in ("model", "blocks"))
+        grad_accum=max(1, cfg.grad_accum_steps(gpus)), compiled=t.compile in ("model", "blocks"), **diloco)
 
 
 def peak_dtype(precision: str) -> str:
@@ -556,12 +752,13 @@ def planned_loss(t: "TrainConfig") -> tuple[str, str]:
 
 
 def plan_inputs_for_run(cfg: "RunConfig", gpus: int = 1, gpu: hardware.DeviceSpec | None = None,
-                        strategy: str = "") -> tuple[dict[str, Any], list[str]]:
+                        strategy: str = "", gpus_per_node: int = 0) -> tuple[dict[str, Any], list[str]]:
     """What ``flopwise plan --config RUN.yaml`` plans: the run's own model, seq_len,
     micro-batch, accumulation (its global batch over ``gpus``), token budget, precision,
     loss, activation checkpointing (and its every-k), attention, strategy (its
     ``parallel.strategy`` unless ``strategy`` is given; ``auto`` stays the planner's choice,
-    as the trainer's is) and peak TFLOP/s. Returns ``(PlanInputs fields, notes)``: the notes
+    as the trainer's is), under diloco its inner steps, inner strategy, group size and outer
+    dtype, and peak TFLOP/s. Returns ``(PlanInputs fields, notes)``: the notes
     say how each ``auto`` was resolved. A global batch that ``gpus`` cannot split is a PlanError."""
     t = cfg.train
     split = batch_split_problems(t, gpus)
@@ -572,43 +769,52 @@ def plan_inputs_for_run(cfg: "RunConfig", gpus: int = 1, gpu: hardware.DeviceSpe
     run_strategy = "" if cfg.parallel.strategy == "auto" else cfg.parallel.strategy
     if run_strategy == "single" and gpus > 1:
         run_strategy = ""  # the trainer's `single` is one process: over several GPUs, plan as auto
+    planned = strategy or run_strategy or ("ddp" if gpus > 1 else "single")
     fields = dict(
         model=cfg.model, seq_len=t.seq_len, micro_batch=t.micro_batch_size, grad_accum=cfg.grad_accum_steps(gpus),
         tokens=cfg.total_steps() * cfg.tokens_per_step, peak_tflops=t.peak_tflops, dtype=peak_dtype(precision),
-        memory=memory_settings_for_run(cfg, precision, loss, strategy or run_strategy or
-                                       ("ddp" if gpus > 1 else "single"), gpus),
+        memory=memory_settings_for_run(cfg, precision, loss, planned, gpus, gpus_per_node),
         auto_strategy=not (strategy or run_strategy),
     )
+    if planned == "diloco":
+        fields["inner_steps"] = cfg.parallel.inner_steps
     return fields, [n for n in (note_p, note_l) if n]
 
 
 def run_plan_inputs(cfg: "RunConfig", device_name: str | None, precision: str, peak_tflops: float = 0.0,
                     mfu: float = NOMINAL_MFU, loss: str = "plain", gpus: int = 1,
-                    strategy: str = "single") -> PlanInputs:
+                    strategy: str = "single", gpus_per_node: int = 0) -> PlanInputs:
     """What :func:`plan_for_run` plans (the arguments are its): also what the trainer's
-    memory check (``train/memory_fit.py``) asks :func:`fit_suggestions` about."""
+    memory check (``train/memory_fit.py``) asks :func:`fit_suggestions` about. ``gpus_per_node``
+    (0: unknown, then a diloco group of ``parallel.group_size=0`` is all ``gpus``)."""
     spec = hardware.lookup(device_name) if device_name else None
     dtype = peak_dtype(precision)
     if spec is not None and getattr(spec, dtype) is None:
         spec = None  # e.g. bf16 on a V100: no peak to plan against
-    return PlanInputs(
+    inp = PlanInputs(
         model=cfg.model, model_name=cfg.preset, gpu=spec, peak_tflops=peak_tflops, dtype=dtype,
         gpus=gpus, mfu=mfu,
         tokens=cfg.total_steps() * cfg.tokens_per_step, seq_len=cfg.train.seq_len,
         micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.grad_accum_steps(gpus),
-        memory=memory_settings_for_run(cfg, precision, loss, strategy, gpus),
+        memory=memory_settings_for_run(cfg, precision, loss, strategy, gpus, gpus_per_node),
     )
+    if gpus_per_node > 0:
+        inp.gpus_per_node = gpus_per_node
+    if strategy == "diloco":
+        inp.inner_steps = cfg.parallel.inner_steps
+    return inp
 
 
 def plan_for_run(cfg: "RunConfig", device_name: str | None, precision: str, peak_tflops: float = 0.0,
                  mfu: float = NOMINAL_MFU, loss: str = "plain", gpus: int = 1,
-                 strategy: str = "single") -> dict[str, Any]:
+                 strategy: str = "single", gpus_per_node: int = 0) -> dict[str, Any]:
     """The plan of a training run as configured, written by ``flopwise train`` as ``plan.json``.
 
     ``device_name`` is the CUDA device's name (None on CPU, where no peak is known);
     ``precision`` is the trainer's resolved one (bf16, bf16-pure, fp16 or float32), which
     picks the peak (:func:`peak_dtype`) and the memory model's precision.
     """
-    plan = build_plan(run_plan_inputs(cfg, device_name, precision, peak_tflops, mfu, loss, gpus, strategy))
+    plan = build_plan(run_plan_inputs(cfg, device_name, precision, peak_tflops, mfu, loss, gpus, strategy,
+                                      gpus_per_node))
     plan["device"] = device_name or "cpu"
     return plan

@@ -205,10 +205,13 @@ class Link:
     name: str
     gb_per_s: float
     description: str
+    aliases: tuple[str, ...] = ()  # other names --interconnect / --network accept (``25gbit``)
 
 
 # Nominal per-GPU, one-direction bandwidths. Real all-reduce bus bandwidth (nccl-tests
 # "busbw") lands below these: typically 70-90% of NVLink and ~80% of a PCIe link.
+# A network link is also accepted as ``<N>gbit`` (N Gbit/s = N/8 GB/s): the four rates below
+# are aliases of their entries (``25gbit`` is ``eth-25g``), any other N a link of its own.
 LINKS: dict[str, Link] = {link.name: link for link in (
     Link("pcie3", 16.0, "PCIe 3.0 x16 (no NVLink; traffic through the host or a PCIe switch)"),
     Link("pcie4", 32.0, "PCIe 4.0 x16 (e.g. A100 PCIe, RTX 3090/4090/A6000 servers)"),
@@ -216,11 +219,50 @@ LINKS: dict[str, Link] = {link.name: link for link in (
     Link("nvlink3", 300.0, "NVLink 3 (A100 SXM, 600 GB/s bidirectional)"),
     Link("nvlink4", 450.0, "NVLink 4 (H100/H200 SXM, 900 GB/s bidirectional)"),
     Link("nvlink5", 900.0, "NVLink 5 (B200, 1.8 TB/s bidirectional)"),
-    Link("ib-hdr", 25.0, "InfiniBand HDR 200 Gb/s, one NIC per GPU"),
-    Link("ib-ndr", 50.0, "InfiniBand NDR 400 Gb/s, one NIC per GPU"),
-    Link("eth-100g", 12.5, "100 Gb/s Ethernet / RoCE, one NIC per GPU"),
-    Link("eth-25g", 3.125, "25 Gb/s Ethernet shared by the node"),
+    Link("ib-hdr", 25.0, "InfiniBand HDR 200 Gb/s, one NIC per GPU", ("200gbit",)),
+    Link("ib-ndr", 50.0, "InfiniBand NDR 400 Gb/s, one NIC per GPU", ("400gbit",)),
+    Link("eth-100g", 12.5, "100 Gb/s Ethernet / RoCE, one NIC per GPU", ("100gbit",)),
+    Link("eth-25g", 3.125, "25 Gb/s Ethernet shared by the node", ("25gbit",)),
 )}
+
+_GBIT = re.compile(r"(\d+(?:\.\d+)?)\s*gbit(?:/s)?")
+
+
+def _gbit(text: str) -> float | None:
+    """N of ``<N>gbit`` (also ``N gbit``, ``Ngbit/s``), else None."""
+    m = _GBIT.fullmatch(text.strip().lower())
+    return float(m.group(1)) if m else None
+
+
+def find_link(name: str) -> Link | None:
+    """The link ``--interconnect`` / ``--network`` name: a table name (``eth-25g``), an alias
+    (``25gbit``), or ``<N>gbit`` for a rate the table has no entry for (``10gbit``: 1.25 GB/s).
+    None when it is none of these.
+
+    >>> find_link("25gbit").name, find_link("10gbit").gb_per_s
+    ('eth-25g', 1.25)
+    """
+    key = name.strip().lower()
+    for link in LINKS.values():
+        if key == link.name or key in link.aliases:
+            return link
+    gbit = _gbit(key)
+    if gbit is None or gbit <= 0:
+        return None
+    for link in LINKS.values():  # "25 gbit", "25.0gbit/s": still the alias's entry
+        if gbit in (_gbit(a) for a in link.aliases):
+            return link
+    return Link(f"{gbit:g}gbit", gbit / 8, f"{gbit:g} Gb/s network link ({gbit:g}/8 GB/s)")
+
+
+def link_choices() -> str:
+    """The names ``--interconnect`` / ``--network`` accept, for an error message."""
+    return ", ".join(LINKS) + ", or <N>gbit (N Gbit/s, e.g. 25gbit, 100gbit, 400gbit)"
+
+
+def unknown_link_message(flag: str, name: str) -> str:
+    """Why ``name`` is refused as a link, in one line naming the choices."""
+    return f"{flag} {name!r} is not known; choose one of {link_choices()}"
 
 
 def default_link(spec: DeviceSpec | None) -> str:

@@ -7,7 +7,7 @@ Pure Python (no torch import), so ``flopwise plan`` stays fast. Every number is 
 What is counted (per GPU, at the peak of a training step)
 ---------------------------------------------------------
 ``total = params + grads + optimizer + master + buffers + weight_copies + fsdp_buffers
-          + activations + logits + transient + overhead``
+          + activations + logits + transient + overhead (+ outer under diloco)``
 
 * **States** (:func:`state_bytes`; exact, checked tensor by tensor in the tests):
 
@@ -96,6 +96,13 @@ Strategies
   root before their reduce-scatter (in the compute dtype). With ``bf16`` (or ``fp16``) a
   ``MixedPrecisionPolicy(param_dtype=bf16)`` is assumed: the gathered weights are
   already bf16 (no autocast copies) and the residual stream is bf16 as with ``bf16-pure``.
+* ``diloco`` (DiLoCo, Douglas et al. 2023): ranks train in worker groups of ``group_size``
+  with ``inner_strategy`` (ddp or fsdp2, sharded over the group, not the world), so
+  everything above is the inner strategy's over ``group_size`` ranks, plus the outer state
+  (``outer``): the anchor (an fp32 copy of the parameters, 4 B/param) and the outer Nesterov
+  momentum (fp32, 4 B/param), and what a sync needs beyond the step's freed activations and
+  temporaries (the fp32 pseudo-gradient and its ``outer_dtype`` all-reduce buffer); divided by
+  ``group_size`` under an fsdp2 inner strategy.
 
 Activations in detail (per token, per block, sdpa)
 --------------------------------------------------
@@ -139,7 +146,7 @@ memory-efficient / cuDNN kernels save the same q, k, v, out and a float32 logsum
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flopwise.config import ACTIVATION_CHECKPOINTING, PRECISIONS, AttentionBackend, ModelConfig, Strategy, choices
 from flopwise.plan.flops import checkpointed_blocks, param_counts
@@ -153,6 +160,8 @@ GIB = 1024**3
 ATTENTIONS = choices(AttentionBackend)
 CHECKPOINTING = ACTIVATION_CHECKPOINTING
 STRATEGIES = choices(Strategy)
+INNER_STRATEGIES = ("ddp", "fsdp2")  # parallel.inner_strategy: inside a DiLoCo worker group
+OUTER_BYTES = {"fp32": 4, "bf16": 2}  # parallel.outer_dtype: DiLoCo's pseudo-gradient, bytes per parameter
 AUTOCAST = ("bf16", "fp16")  # fp32 weights, 2-byte matmuls
 
 # The planner's names before they were train's, still accepted (with a note). The planner's
@@ -182,7 +191,7 @@ class MemorySettings:
     # none | full (each block's input; one block recomputed) | selective (blocks 0, k, 2k, ...)
     activation_checkpointing: str = "none"
     activation_checkpointing_every: int = 2  # selective: k
-    strategy: str = "single"  # single | ddp | zero1 | fsdp2, as parallel.strategy
+    strategy: str = "single"  # single | ddp | zero1 | fsdp2 | diloco, as parallel.strategy
     n_gpus: int = 1
     optimizer_dtype: str = "auto"  # AdamW m/v: auto (fp32, or the param dtype for bf16 w/o master) | fp32 | bf16
     ddp_bucket_view: bool = True  # DDP gradient_as_bucket_view=True; False: buckets copy the grads
@@ -197,6 +206,12 @@ class MemorySettings:
     # (it recomputes cheap pointwise results in backward rather than keeping them), see
     # compiled_layer_terms; the temporaries are still modelled as eager's (inductor fuses some).
     compiled: bool = False
+    # strategy "diloco" only (parallel.inner_strategy, group_size, outer_dtype): the strategy
+    # inside a worker group, the group's ranks (0: all n_gpus; the callers resolve the config's
+    # "0 = the ranks of one node"), and the dtype of the pseudo-gradient buffer
+    inner_strategy: str = "ddp"
+    group_size: int = 0
+    outer_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         # The planner's old names (bf16-amp, fp32, fsdp) are still accepted, with a warning.
@@ -218,7 +233,9 @@ class MemorySettings:
                                      ("activation_checkpointing", self.activation_checkpointing, CHECKPOINTING),
                                      ("strategy", self.strategy, STRATEGIES),
                                      ("optimizer_dtype", self.optimizer_dtype, ("auto", "fp32", "bf16")),
-                                     ("loss", self.loss, ("plain", "chunked"))):
+                                     ("loss", self.loss, ("plain", "chunked")),
+                                     ("inner_strategy", self.inner_strategy, INNER_STRATEGIES),
+                                     ("outer_dtype", self.outer_dtype, tuple(OUTER_BYTES))):
             if value not in allowed:
                 problems.append(f"memory {name} {value!r}: choose {', '.join(allowed)}")
         if self.n_gpus < 1:
@@ -230,8 +247,22 @@ class MemorySettings:
                             f"{self.activation_checkpointing_every}")
         if self.overhead_gb < 0:
             problems.append(f"memory overhead_gb must be >= 0, got {self.overhead_gb}")
+        if self.group_size < 0:
+            problems.append(f"memory group_size must be >= 0, got {self.group_size}")
         if problems:
             raise ValueError("; ".join(problems))
+
+    @property
+    def group_ranks(self) -> int:
+        """Ranks of one DiLoCo worker group: ``group_size`` (0: all ``n_gpus``), at most ``n_gpus``."""
+        return min(self.group_size or self.n_gpus, self.n_gpus)
+
+    def inner(self) -> "MemorySettings":
+        """The settings a rank trains with inside its DiLoCo group: the inner strategy over the
+        group's ranks (``self`` for any other strategy)."""
+        if self.strategy != "diloco":
+            return self
+        return replace(self, strategy=self.inner_strategy, n_gpus=self.group_ranks)
 
     def recomputed_blocks(self, n_layers: int) -> int:
         """Blocks recomputed in backward (each keeps only its input in forward)."""
@@ -254,6 +285,7 @@ class MemoryEstimate:
     fsdp_buffers: int = 0  # unsharded params of 2 blocks + root, unsharded grads of 1 block + root
     transient: int = 0  # loss-backward or block-backward temporaries at the peak
     overhead: int = 0  # MemorySettings.overhead_gb
+    outer: int = 0  # diloco: anchor + outer momentum (fp32) + pseudo-gradient (outer_dtype)
     per_layer: int = 0  # activation bytes saved by one block (no checkpointing)
     per_layer_terms: dict[str, int] = field(default_factory=dict)  # that, tensor by tensor
     notes: list[str] = field(default_factory=list)
@@ -263,7 +295,7 @@ class MemoryEstimate:
 
     @property
     def states(self) -> int:
-        return self.params + self.grads + self.optimizer + self.master
+        return self.params + self.grads + self.optimizer + self.master + self.outer
 
     @property
     def allocated(self) -> int:
@@ -271,8 +303,11 @@ class MemoryEstimate:
         return self.total - self.overhead
 
     def gb(self) -> dict[str, float]:
-        """Each term in GiB (1024**3 bytes), keyed like the fields."""
-        return {k: getattr(self, k) / GIB for k in self.TERMS}
+        """Each term in GiB (1024**3 bytes), keyed like the fields; ``outer`` only under diloco."""
+        out = {k: getattr(self, k) / GIB for k in self.TERMS}
+        if self.outer:
+            out["outer"] = self.outer / GIB
+        return out
 
 
 # --------------------------------------------------------------------------- dtypes
@@ -308,8 +343,12 @@ def state_bytes(n_params: int, settings: MemorySettings, n_tensors: int = 0) -> 
     with ``grad_accum`` > 1 the gradients are a whole fp32 copy (accumulated unsharded: the
     dry run's trace of llama3.2-1b at 8 ranks holds 4.6 GiB of them, against 0.58 sharded);
     ``ddp`` with ``ddp_bucket_view=False`` doubles the gradients (bucket copies).
+    ``diloco``: the inner strategy's over the group's ranks, plus ``outer``
+    (:func:`outer_state_bytes`).
     """
     settings.validate()
+    if settings.strategy == "diloco":
+        return {**state_bytes(n_params, settings.inner(), n_tensors), "outer": outer_state_bytes(n_params, settings)}
     d = _dtypes(settings)
     n = int(n_params)
     params, grads = n * d["param"], n * d["grad"]
@@ -325,6 +364,29 @@ def state_bytes(n_params: int, settings: MemorySettings, n_tensors: int = 0) -> 
     elif settings.strategy == "ddp" and not settings.ddp_bucket_view:
         grads *= 2
     return {"params": params, "grads": grads, "optimizer": optimizer + steps, "master": master}
+
+
+def outer_state_bytes(n_params: int, settings: MemorySettings) -> int:
+    """DiLoCo's outer state per rank, held for the whole run: the anchor (fp32 parameters, 4 B
+    each) and the outer Nesterov momentum (fp32, 4 B), each divided by the group's ranks when
+    the inner strategy is fsdp2; 0 for any other strategy."""
+    if settings.strategy != "diloco":
+        return 0
+    return _outer(8 * int(n_params), settings)
+
+
+def outer_sync_bytes(n_params: int, settings: MemorySettings) -> int:
+    """What an outer sync allocates for its moment, after the step's activations are gone: the
+    fp32 pseudo-gradient and its all-reduce buffer in ``outer_dtype`` (bf16: and the fp32 mean
+    read back from it); divided by the group's ranks under fsdp2; 0 for any other strategy."""
+    if settings.strategy != "diloco":
+        return 0
+    per_param = 4 + OUTER_BYTES[settings.outer_dtype] + (4 if settings.outer_dtype != "fp32" else 0)
+    return _outer(per_param * int(n_params), settings)
+
+
+def _outer(nbytes: int, settings: MemorySettings) -> int:
+    return _shard(nbytes, settings.group_ranks) if settings.inner_strategy == "fsdp2" else nbytes
 
 
 def n_param_tensors(cfg: ModelConfig) -> int:
@@ -471,6 +533,18 @@ def estimate(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: MemoryS
     settings.validate()
     if micro_batch < 0 or seq_len < 1:
         raise ValueError(f"micro_batch must be >= 0 and seq_len >= 1, got {micro_batch}, {seq_len}")
+    if settings.strategy == "diloco":  # the inner strategy over the group, plus the outer state
+        est = estimate(cfg, micro_batch, seq_len, settings.inner())
+        n = param_counts(cfg)["total"]
+        # the sync comes after the step, when its activations and temporaries are freed: it adds
+        # to the peak only what it needs beyond them
+        sync = max(0, outer_sync_bytes(n, settings) - (est.activations + est.logits + est.transient))
+        outer = outer_state_bytes(n, settings) + sync
+        note = (f"outer: diloco in groups of {settings.group_ranks} ({settings.inner_strategy} inside): anchor 4 B + "
+                f"outer momentum 4 B per param, and at a sync the fp32 pseudo-gradient + its "
+                f"{settings.outer_dtype} all-reduce buffer beyond the step's freed activations"
+                + (f", sharded over {settings.group_ranks}" if settings.inner_strategy == "fsdp2" else ""))
+        return replace(est, outer=outer, total=est.total + outer, notes=[*est.notes, note])
     d = _dtypes(settings)
     c, r = d["compute"], d["residual"]
     counts = param_counts(cfg)
@@ -560,4 +634,4 @@ def max_micro_batch(cfg: ModelConfig, seq_len: int, memory_bytes: int, settings:
 
 
 __all__ = ["GIB", "MemoryEstimate", "MemorySettings", "estimate", "layer_activation_terms", "max_micro_batch",
-           "n_param_tensors", "state_bytes"]
+           "n_param_tensors", "outer_state_bytes", "outer_sync_bytes", "state_bytes"]

@@ -132,14 +132,21 @@ def format_plan(plan: dict[str, Any]) -> str:
         ckpt += f" (blocks 0, {k}, {2 * k}, ...)"
     how = {"bf16-pure": " (fp32 master weights)" if s["master_weights"] else " (no master weights)",
            "bf16": " (autocast, fp32 weights)", "fp16": " (autocast, fp32 weights)"}.get(s["precision"], "")
+    strategy_how = s["strategy"]
+    if s["strategy"] == "diloco":
+        strategy_how += f" ({s['inner_strategy']} in groups of {s['group_size']})"
     out.append(f"  settings: precision {s['precision']}{how}"
                + f" · attention {s['attention']} · checkpointing {ckpt} · loss {s['loss']}"
-               + f" · {s['strategy']} on {s['n_gpus']} GPU(s)")
+               + f" · {strategy_how} on {s['n_gpus']} GPU(s)")
     row("parameters", _gb(mem["params"]), "")
     row("gradients", _gb(mem["grads"]), "")
     row("optimizer (AdamW)", _gb(mem["optimizer"]), "exp_avg + exp_avg_sq, fp32")
     if mem.get("master"):
         row("master weights", _gb(mem["master"]), "fp32 copy")
+    if mem.get("outer"):
+        row("DiLoCo outer state", _gb(mem["outer"]),
+            "anchor + outer momentum (fp32), and a sync's pseudo-gradient beyond the step's freed activations"
+            + (f", sharded over {s['group_size']}" if s["inner_strategy"] == "fsdp2" else ""))
     if mem.get("activations") is not None:
         row("activations", _gb(mem["activations"]), f"saved for backward, micro-batch {batch['micro_batch']} × seq {T}")
         row("logits + loss", _gb(mem.get("logits")),
@@ -189,7 +196,10 @@ def format_plan(plan: dict[str, Any]) -> str:
         eff = "n/a" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}%"
         out.append(f"  {r['gpus']:>5} {r['link']:<9} {1000 * r['comm_s']:>7.1f} ms {comp:>13} {comm:>11} {eff:>11}")
     at = plan["scaling"]["at_gpus"]
-    if strategy == "fsdp2":
+    if strategy == "diloco":
+        out.append(f"  diloco: {at['inner_strategy']} inside groups of up to {at['group_size']} GPUs every step, the "
+                   f"outer all-reduce across groups once every {at['inner_steps']} steps (see DiLoCo below)")
+    elif strategy == "fsdp2":
         out.append("  fsdp2: all-gather the parameters for forward and backward on every micro-batch, reduce-scatter "
                    "fp32 gradients once per step: (n-1)/n × params × (2 × gather bytes × micro-batches + 4) "
                    "÷ link GB/s")
@@ -198,7 +208,64 @@ def format_plan(plan: dict[str, Any]) -> str:
                    "step"
                    + ("; zero1 adds (n-1)/n × the parameters, broadcast after each rank's update"
                       if strategy == "zero1" else ""))
+    if plan.get("diloco"):
+        out.extend(_diloco_section(plan["diloco"], plan["mfu"]))
     return "\n".join(out)
+
+
+def _ms(seconds: float) -> str:
+    return f"{1000 * seconds:.1f} ms"
+
+
+def _pct(share: float | None, digits: int = 1) -> str:
+    return "n/a" if share is None else f"{100 * share:.{digits}f}%"
+
+
+def _diloco_section(d: dict[str, Any], mfu: float) -> list[str]:
+    """DiLoCo's communication against ddp's and fsdp2's at the same GPUs, and the smallest H."""
+    S, G, H = d["group_size"], d["groups"], d["inner_steps"]
+    ar, ag, inner = d["outer_allreduce"], d["outer_allgather"], d["inner"]
+    pg = _n(d["pseudo_gradient_bytes"], "B")
+    out = ["", f"DiLoCo: {G} group{'s' if G > 1 else ''} of {S} GPUs ({d['inner_strategy']} inside a group), the "
+               f"pseudo-gradient all-reduced across groups every H = {H} inner steps; not overlapped with compute"]
+
+    def row(label: str, value: str, how: str = "") -> None:
+        out.append(f"  {label:<26} {value:<18} {how}".rstrip())
+
+    row("pseudo-gradient", pg, f"{_count(d['pseudo_gradient_bytes'] / d['outer_bytes_per_param'])} parameters "
+        f"× {d['outer_bytes_per_param']} B ({d['outer_dtype']})")
+    if G > 1:
+        row("outer all-reduce", _ms(ar["s"]),
+            f"2(G-1)/G × {pg} ÷ {ar['link_gb_per_s']:g} GB/s ({ar['link']}), G = {G}; once per H steps")
+        row("in-group all-gather", _ms(ag["s"]),
+            f"(S-1)/S × {pg} ÷ {ag['link_gb_per_s']:g} GB/s ({ag['link']}), S = {S}; once per H steps")
+    else:
+        row("outer all-reduce", _ms(0.0), "one group: nothing to reduce across groups")
+    row("in-group per step", _ms(inner["comm_s"]), f"{d['inner_strategy']} over {S} GPUs ({inner['link']}), "
+        "every step")
+    compute = d["compute_s"]
+    row("compute per step", "n/a" if compute is None else _ms(compute), f"at {100 * mfu:.1f}% MFU")
+    out.append(f"  {'communication per step':<26} {'comm/step':>10} {'share':>7}")
+    what = {"ddp": "gradient all-reduce", "fsdp2": "all-gathers and reduce-scatter"}
+    for name, r in d["compare"].items():
+        out.append(f"    {name + ', ' + str(r['gpus']) + ' GPUs':<24} {_ms(r['comm_s']):>10} {_pct(r['comm_share']):>7}"
+                   f"  {what[name]} over {r['link']}, every step")
+    out.append(f"    {'diloco, H = ' + str(H):<24} {_ms(d['comm_s']):>10} {_pct(d['comm_share']):>7}  "
+               f"{_ms(inner['comm_s'])} in-group + {_ms(d['outer_s'])} outer ÷ {H}")
+    target = f"{100 * d['target_comm_share']:g}%"
+    h = d["min_inner_steps"]
+    if h is not None:
+        at, below = d["at_min_inner_steps"], d["below_min_inner_steps"]
+        digits = 2  # enough to tell H's share from H-1's
+        while below and digits < 6 and _pct(at["comm_share"], digits) == _pct(below["comm_share"], digits):
+            digits += 1
+        how = f"diloco at H = {h}: {_ms(at['comm_s'])}, {_pct(at['comm_share'], digits)} of the step"
+        if below:
+            how += f" (H = {below['inner_steps']}: {_pct(below['comm_share'], digits)})"
+        row(f"under {target} of step time", f"H >= {h}", how)
+    else:
+        row(f"under {target} of step time", "no H", d["none_reason"])
+    return out
 
 
 def _fit_banner(plan: dict[str, Any]) -> list[str]:
@@ -217,6 +284,13 @@ def _fit_banner(plan: dict[str, Any]) -> list[str]:
             f"{s} {_gb(v['memory_gb'])} ({'fits' if v['fits'] else 'does not fit'})"
             for s, v in fit["per_strategy"].items()))
     proposed = fit["proposed"]
+    alt = fit.get("inner_alternative")
+    if alt:  # diloco is planned only as asked: its fsdp2 inner strategy is the way out
+        if alt["fits"]:
+            lines.append(f"  ! diloco with --inner-strategy fsdp2 fits ({_gb(alt['memory_gb'])} per GPU): rerun with "
+                         "it. The time, cost and scaling below are NOT runnable as set up.")
+            return lines
+        lines.append(f"  ! diloco with --inner-strategy fsdp2 does not fit either ({_gb(alt['memory_gb'])} per GPU).")
     if fit["switched"]:
         lines.append(f"  ! planned with {proposed} instead ({_gb(plan['memory_gb'])} per GPU{states}): the memory, "
                      f"time, cost and scaling below are for {proposed}; --strategy {asked} to see it as asked.")
@@ -250,5 +324,7 @@ def format_gpu_table() -> str:
     lines.append("")
     lines.append("Links (--interconnect within a node, --network between nodes), GB/s per GPU one way:")
     for link in hardware.LINKS.values():
-        lines.append(f"  {link.name:<9} {link.gb_per_s:>6g}  {link.description}")
+        also = f" (also {', '.join(link.aliases)})" if link.aliases else ""
+        lines.append(f"  {link.name:<9} {link.gb_per_s:>6g}  {link.description}{also}")
+    lines.append(f"  {'<N>gbit':<9} {'N/8':>6}  any other network rate: N Gbit/s, e.g. 10gbit")
     return "\n".join(lines)
