@@ -321,10 +321,12 @@ def _check_rng(state: Any, where: Path) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- sharded (DCP) checkpoints
 
-def load_sharded(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+def load_sharded(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 group: Any = None) -> None:
     """A ``sharded/`` directory into ``model`` (plain, DDP's inner module or FSDP2-sharded) and
     ``optimizer``: DCP reads each rank's part of every tensor, whatever the saving world size
-    (in one process without a process group -- eval, export -- it reads everything)."""
+    (in one process without a process group -- eval, export -- it reads everything). ``group``:
+    the ranks that read it together (a DiLoCo worker group; None: all of them)."""
     # lazy: torch.distributed.checkpoint costs ~0.8 s to import; only a sharded checkpoint needs it
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import CheckpointException
@@ -343,7 +345,7 @@ def load_sharded(directory: Path, model: torch.nn.Module, optimizer: torch.optim
                 return
             model_sd, optim_sd = get_state_dict(model, optimizer)
             sd = {"model": model_sd, "optim": optim_sd}
-            dcp.load(sd, storage_reader=reader, planner=planner)
+            dcp.load(sd, storage_reader=reader, planner=planner, process_group=group)
         except CheckpointException as e:  # a BaseException: every rank's failures, ours among them
             cause = first_failure(e)
             raise (cause if isinstance(cause, CheckpointError) else CheckpointError(

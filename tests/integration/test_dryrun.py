@@ -57,6 +57,7 @@ MULTI = [  # zero1 first: its traced peak moves by a few % with what the process
     ("fsdp2", SMALL, ["parallel.strategy=fsdp2", "train.compile=model"]),
     ("fsdp2 blocks", SMALL, ["parallel.strategy=fsdp2", "train.compile=blocks"]),
     ("fsdp2 llama3.2-1b", "llama3.2-1b", ["parallel.strategy=fsdp2", "train.compile=off"]),
+    ("diloco", SMALL, ["parallel.strategy=diloco", "parallel.group_size=4", "train.compile=off"]),
 ]
 # name -> why the planner's memory is more than 10% from the trace (traced eager peak / planner)
 PLANNER_GAPS: dict[str, str] = {}

@@ -13,7 +13,17 @@ Two formats, one directory protocol (``checkpoint.py``: hidden directory, CRC32 
   so N ranks' checkpoint resumes at M ranks -- or in one process (eval, export, ``single``).
   Each rank checksums the files it wrote; rank 0 adds its entries to the manifest.
 
-Around both: ``rng.pt`` holds rank 0's generator states at the top (what one process
+- **DiLoCo** (diloco): group 0's checkpoint as its inner strategy writes it (full under
+  DDP, ``sharded/`` under FSDP2, by DCP over the group's ranks): what eval and export read,
+  and after the run's last sync every group holds it. Beside it, in ``diloco/``: ``outer.pt``
+  -- the anchor, the outer momentum and counters, the same in every group -- and
+  ``group-K.pt``, group K's fragments in flight and, for K > 0 under DDP, its weights and
+  inner optimizer state (under FSDP2 those are DCP's ``diloco/group-K/``, and both ``.pt``
+  files are per rank of the group: ``outer-I.pt``, ``group-K-I.pt``). It resumes at the same
+  groups and inner strategy; another strategy's checkpoint resumes under diloco with the
+  anchor at its weights.
+
+Around all: ``rng.pt`` holds rank 0's generator states at the top (what one process
 reads) and every rank's under ``"ranks"``; ``state.json`` holds the loader position --
 the epoch loader's is global, the random loader's is per rank (``"loader_ranks"``).
 A full checkpoint resumed under fsdp2 is converted on the fly (each rank loads the full
@@ -44,13 +54,18 @@ from flopwise.checkpoints import (
     file_entry,
     first_failure,
     load_checkpoint,
+    load_sharded,
     load_tensors,
     read_state,
     verify_checkpoint,
+    write_checksummed,
 )
 from flopwise.config import ConfigError
 from flopwise.train.checkpoint import begin_save, discard_save, rng_state, save_checkpoint, save_failed
+from flopwise.train.diloco import DiLoCo
 from flopwise.train.distributed import DistEnv
+
+DILOCO = "diloco"  # the directory of a DiLoCo checkpoint's own files
 
 
 def is_sharded_strategy(strategy: str) -> bool:
@@ -59,8 +74,10 @@ def is_sharded_strategy(strategy: str) -> bool:
 
 def save_distributed(run_dir: Path, step: int, env: DistEnv, strategy: str, model: torch.nn.Module,
                      optimizer: torch.optim.Optimizer, state: dict[str, Any], config_yaml: str,
-                     loader_state: dict[str, Any], device: torch.device | None = None) -> Path:
-    """Write step ``step``'s checkpoint from every rank (a collective); returns its path on all."""
+                     loader_state: dict[str, Any], device: torch.device | None = None,
+                     outer: DiLoCo | None = None) -> Path:
+    """Write step ``step``'s checkpoint from every rank (a collective); returns its path on all.
+    ``outer``: a DiLoCo run's outer loop, whose files go beside group 0's full checkpoint."""
     rngs = env.gather(rng_state(device))
     loaders = env.gather(loader_state)
     state = dict(state)
@@ -71,6 +88,8 @@ def save_distributed(run_dir: Path, step: int, env: DistEnv, strategy: str, mode
         if env.world_size > 1:
             rng["ranks"] = rngs
             state["loader_ranks"] = loaders
+    if outer is not None:
+        return _save_diloco(run_dir, step, env, model, optimizer, state, config_yaml, rng, outer)
     if not is_sharded_strategy(strategy):
         if strategy == "zero1":
             # every rank sends its shard of the AdamW state (zero1: a ZeroRedundancyOptimizer)
@@ -98,16 +117,91 @@ def save_distributed(run_dir: Path, step: int, env: DistEnv, strategy: str, mode
     return env.on_main(finish)
 
 
+def _save_diloco(run_dir: Path, step: int, env: DistEnv, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 state: dict[str, Any], config_yaml: str, rng: dict[str, Any] | None, outer: DiLoCo) -> Path:
+    """Group 0's checkpoint as its inner strategy writes it, beside it the outer loop's files and
+    every other group's own (see the module docstring)."""
+    tmp = env.on_main(lambda: begin_save(run_dir, step))
+    g, sharded = outer.g, outer.sharded
+    tag = f"-{g.inner_rank}" if sharded else ""  # FSDP2 inside: every rank's state is its own
+
+    def write_mine() -> dict[str, dict[str, int]]:
+        files: dict[str, dict[str, int]] = {}
+        (tmp / DILOCO).mkdir(exist_ok=True)
+        if sharded:  # the group's weights and optimizer: DCP over the group's ranks
+            target = SHARDED if g.index == 0 else f"{DILOCO}/group-{g.index}"
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd},
+                     storage_writer=FileSystemWriter(tmp / target, sync_files=True), process_group=env.group)
+            for p in sorted((tmp / target).iterdir()):  # DCP names files by the rank within the group
+                if p.name.startswith(f"__{g.inner_rank}_") or (g.inner_rank == 0 and not p.name.startswith("__")):
+                    files[f"{target}/{p.name}"] = file_entry(p)
+        if sharded or g.inner_rank == 0:  # DDP inside: the group's first rank speaks for it
+            part = outer.group_state()
+            if g.index > 0 and not sharded:  # group 0's are model.pt and optimizer.pt
+                part.update(model=model.state_dict(), optimizer=optimizer.state_dict())
+            name = f"{DILOCO}/group-{g.index}{tag}.pt"
+            files[name] = write_checksummed(tmp / name, lambda f: torch.save(part, f))
+            if g.index == 0:  # the outer state is the same in every group
+                name = f"{DILOCO}/outer{tag}.pt"
+                files[name] = write_checksummed(tmp / name, lambda f: torch.save(outer.state_dict(), f))
+        return files
+
+    try:
+        mine = env.on_every_rank(write_mine)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a full disk on any rank: every rank raises
+        env.on_main(lambda: discard_save(run_dir, step))
+        raise save_failed(run_dir, step, first_failure(e)) from e
+    entries = env.gather(mine)
+
+    def finish() -> Path:
+        assert entries is not None  # on_main: gathered on this rank
+        written = {k: v for part in entries for k, v in part.items()}
+        return save_checkpoint(run_dir, step, None if sharded else model, None if sharded else optimizer, state,
+                               config_yaml, rng=rng, prewritten=written)
+
+    return env.on_main(finish)
+
+
+def _load_diloco(path: Path, env: DistEnv, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 outer: DiLoCo, map_location: torch.device) -> str:
+    """This group's weights, optimizer and fragments in flight, and the outer loop's state, from
+    a DiLoCo checkpoint (group 0's weights are loaded already); from another strategy's, the
+    anchor at its weights. Returns a note for the log ("" when there is nothing to say)."""
+    g, tag = outer.g, f"-{outer.g.inner_rank}" if outer.sharded else ""
+    outer_file, group_file = path / DILOCO / f"outer{tag}.pt", path / DILOCO / f"group-{g.index}{tag}.pt"
+    if not (path / DILOCO).is_dir():
+        outer.reset_anchor()
+        return f"{path.name} was not saved by DiLoCo: the anchor starts at its weights"
+    if not outer_file.is_file() or not group_file.is_file():
+        raise ConfigError([f"{path}: a DiLoCo checkpoint without {outer_file.name} or {group_file.name}: it was "
+                           f"saved by another number of groups or ranks per group than this launch's {g.count} of "
+                           f"{g.size}, or with another parallel.inner_strategy; resume with the launch that saved it"])
+    saved = load_tensors(outer_file, map_location)
+    part = load_tensors(group_file, map_location)
+    if g.index > 0 and not outer.sharded:
+        model.load_state_dict(part["model"])
+        optimizer.load_state_dict(part["optimizer"])
+    outer.load_state_dict(saved, part, str(path))
+    return ""
+
+
 def load_distributed(path: Path, env: DistEnv, strategy: str, model: torch.nn.Module,
-                     optimizer: torch.optim.Optimizer, map_location: torch.device) -> dict[str, Any]:
-    """Load ``path`` (either format) into this rank's model and optimizer; return state.json
-    with this rank's RNG states under ``"rng"`` and its loader position under ``"loader"``."""
+                     optimizer: torch.optim.Optimizer, map_location: torch.device,
+                     outer: DiLoCo | None = None) -> dict[str, Any]:
+    """Load ``path`` (any format) into this rank's model and optimizer (and ``outer``, a DiLoCo
+    run's outer loop); return state.json with this rank's RNG states under ``"rng"``, its loader
+    position under ``"loader"`` and, for ``outer``, what a conversion did under ``"diloco_note"``."""
     sharded = (path / SHARDED).is_dir()
     if sharded and strategy == "zero1":
         raise ConfigError([f"{path} is a sharded (fsdp2) checkpoint: resume it with parallel.strategy=fsdp2, ddp "
                            "or single; zero1's optimizer shards are laid out differently"])
     env.on_main(lambda: verify_checkpoint(path))  # once, not N times; an unmarked directory is refused
-    if not sharded and strategy == "fsdp2":
+    if outer is not None and outer.sharded and sharded:  # DiLoCo, FSDP2 inside: each group reads its own
+        own = path / DILOCO / f"group-{outer.g.index}"
+        saved = read_state(path)
+        load_sharded(own if outer.g.index > 0 and own.is_dir() else path / SHARDED, model, optimizer, env.group)
+    elif not sharded and (strategy == "fsdp2" or (outer is not None and outer.sharded)):
         saved = _load_full_into_fsdp(path, model, optimizer)
     else:
         saved = load_checkpoint(path, model, optimizer, map_location=map_location, verify=False)
@@ -117,6 +211,8 @@ def load_distributed(path: Path, env: DistEnv, strategy: str, model: torch.nn.Mo
     loaders = saved.get("loader_ranks")
     if isinstance(loaders, list) and len(loaders) == env.world_size:
         saved["loader"] = loaders[env.rank]
+    if outer is not None:
+        saved["diloco_note"] = _load_diloco(path, env, model, optimizer, outer, map_location)
     return saved
 
 

@@ -56,6 +56,7 @@ class DistEnv:
     world_size: int = 1
     backend: str | None = None  # None: no process group
     launched: str = "one process"  # how the ranks were started, for the log
+    group: Any = None  # the process group gradients are averaged over (a DiLoCo worker group); None: all ranks
     _owns_group: bool = field(default=False, repr=False)
 
     @property

@@ -93,7 +93,7 @@ def save(run: Run) -> Path:
     if run.prec.scaler is not None:
         state["grad_scaler"] = run.prec.scaler.state_dict()
     path = save_distributed(run.run_dir, p.step, run.env, run.strategy.name, run.state_model, run.optimizer, state,
-                            run.config_yaml, run.train_loader.state_dict(), run.device)
+                            run.config_yaml, run.train_loader.state_dict(), run.device, run.outer)
     run.env.on_main(lambda: apply_retention(run.run_dir, t.keep_checkpoints, t.milestone_every))
     run.deadline.record_save(run.clock() - t0)
     p.last_saved = path
@@ -102,7 +102,8 @@ def save(run: Run) -> Path:
 
 def reload(run: Run, path: Path) -> dict[str, Any]:
     """A rollback: every rank reloads its part of ``path`` (weights, optimizer, RNG)."""
-    saved = load_distributed(path, run.env, run.strategy.name, run.state_model, run.optimizer, run.device)
+    saved = load_distributed(path, run.env, run.strategy.name, run.state_model, run.optimizer, run.device,
+                             run.outer)
     if "rng" in saved:
         set_rng_state(saved["rng"], run.device)
     return saved
@@ -205,12 +206,16 @@ def log_step(run: Run, out: StepOutcome, lr: float, is_last: bool, do_val: bool)
         run.sink.write({"step": p.step, "event": "recompile", "message": warning})
     if run.guard.skipped or run.guard.rollbacks:
         row.update(skipped_steps=run.guard.skipped, rollbacks=run.guard.rollbacks)
+    outer = run.outer.window(run.env, p.tokens) if run.outer is not None else None
+    if outer is not None:
+        row.update(outer)
     per_gpu = f" ({human(rates['tok_per_s'] / world)}/GPU)" if world > 1 else ""
     run.log(f"step {p.step:>6}/{run.total_steps} | tok {human(p.tokens):>7} | loss {p.last_loss:.4f} | lr {lr:.2e}"
             f" | gnorm {out.grad_norm:.3f} | {human(rates['tok_per_s'])} tok/s{per_gpu}"
             f" | mfu {format_mfu(rates['mfu'])}"
             f" | {format_memory(mem)} | {1000 * rates['step_time_s']:.0f} ms/step"
-            f" | {format_breakdown(parts, rates['step_time_s'])} | ETA {eta_text(row, run.deadline)}")
+            f" | {format_breakdown(parts, rates['step_time_s'])}{outer_text(outer, rates['step_time_s'])}"
+            f" | ETA {eta_text(row, run.deadline)}")
     if do_val:
         p.val_end = validate(run, p.step)
         row.update(val_metrics(run, p.val_end))
@@ -221,6 +226,16 @@ def log_step(run: Run, out: StepOutcome, lr: float, is_last: bool, do_val: bool)
     run.sink.write(row)
     p.loss_sum, p.steps_in_window = 0.0, 0
     run.timer.host["log"] += run.clock() - t_log
+
+
+def outer_text(outer: dict[str, Any] | None, step_s: float) -> str:
+    """DiLoCo's part of the log line: outer steps, their traffic and time, the groups' drift."""
+    if outer is None:
+        return ""
+    text = f" | outer {outer['outer_steps']} · {outer['outer_bytes'] / 2**20:.1f} MiB each"
+    if "drift" in outer:
+        text += f" · pgnorm {outer['pseudo_grad_norm']:.3g} · drift {outer['drift']:.3g}"
+    return text
 
 
 def eta_text(row: dict[str, Any], deadline: Deadline) -> str:

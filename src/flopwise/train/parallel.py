@@ -13,6 +13,9 @@
   gathers bf16 weights and reduces gradients in float32 (the sharded fp32 parameters are
   the master copy). ``parallel.reshard_after_forward=false`` keeps gathered blocks until
   backward (less communication, more memory).
+- ``diloco``: worker groups that train apart for ``parallel.inner_steps`` steps and
+  all-reduce the change once (``train/diloco.py``); inside a group ``parallel.inner_strategy``
+  (ddp or fsdp2) over the group's own process group (``DistEnv.group``).
 - ``auto``: single with one process; otherwise the first of ddp, zero1, fsdp2 whose
   memory model (``plan/memory.py``) fits the GPU, with the reason logged.
 
@@ -38,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from flopwise.config import ConfigError, RunConfig
 from flopwise.plan.budget import memory_settings_for_run
 from flopwise.plan.memory import estimate
+from flopwise.train.diloco import group_size, layout_problems
 from flopwise.train.distributed import DistEnv
 from flopwise.train.optim import CombinedOptimizer
 
@@ -50,8 +54,14 @@ HEADROOM = 0.9  # share of the GPU the memory model's peak may take for auto to 
 
 @dataclass
 class Strategy:
-    name: str  # single | ddp | zero1 | fsdp2
+    name: str  # single | ddp | zero1 | fsdp2 | diloco
     why: str  # one line for the log
+    inner: str = ""  # diloco: what wraps the model inside a worker group (ddp, fsdp2; single for one rank)
+
+    @property
+    def step(self) -> str:
+        """What wraps the model and syncs its gradients in the step (diloco: the inner strategy)."""
+        return self.inner or self.name
 
 
 def predicted_peak(cfg: RunConfig, strategy: str, world: int, precision: str, loss: str) -> int:
@@ -63,6 +73,10 @@ def predicted_peak(cfg: RunConfig, strategy: str, world: int, precision: str, lo
 def incompatibilities(cfg: RunConfig, strategy: str, precision: str) -> list[str]:
     """Why ``strategy`` cannot run this configuration (empty when it can)."""
     out = []
+    if strategy == "diloco":
+        return [p.replace(f"parallel.strategy={cfg.parallel.inner_strategy}",
+                          f"parallel.strategy=diloco with parallel.inner_strategy={cfg.parallel.inner_strategy}")
+                for p in incompatibilities(cfg, cfg.parallel.inner_strategy, precision)]
     if strategy in ("zero1", "fsdp2") and cfg.optim.name == "muon":
         out.append(f"parallel.strategy={strategy} with optim.name=muon: Muon orthogonalises whole matrices and "
                    "this strategy splits the optimizer state; use ddp (Muon's state is replicated) or optim.name=adamw")
@@ -87,6 +101,8 @@ def resolve_strategy(cfg: RunConfig, env: DistEnv, device: torch.device, precisi
             raise ConfigError(problems)
         if asked == "single":
             return Strategy("single", "parallel.strategy=single")
+        if asked == "diloco":
+            return diloco_strategy(cfg, world)
         return Strategy(asked, f"parallel.strategy={asked} over {world} rank(s)")
     if not env.distributed or world == 1:
         return Strategy("single", "auto: one process")
@@ -110,6 +126,20 @@ def resolve_strategy(cfg: RunConfig, env: DistEnv, device: torch.device, precisi
                               "or turn on train.activation_checkpointing")
 
 
+def diloco_strategy(cfg: RunConfig, world: int) -> Strategy:
+    """DiLoCo's layout at ``world`` ranks, or a ConfigError when the groups do not divide it."""
+    problems = layout_problems(cfg.parallel, world)
+    if problems:
+        raise ConfigError(problems)
+    pc, size = cfg.parallel, group_size(cfg.parallel, world)
+    inner = pc.inner_strategy if size > 1 else "single"
+    streaming = (f", streaming in {pc.fragments} fragments" + (f" overlapped over {pc.overlap_steps} step(s)"
+                                                               if pc.overlap_steps else "")) if pc.fragments > 1 else ""
+    return Strategy("diloco", f"parallel.strategy=diloco: {world // size} group(s) of {size} rank(s) ({inner} inside), "
+                              f"outer sync every {pc.inner_steps} steps (Nesterov lr {pc.outer_lr:g}, momentum "
+                              f"{pc.outer_momentum:g}, {pc.outer_dtype}){streaming}", inner=inner)
+
+
 # --------------------------------------------------------------------------- model and optimizer
 
 def apply_data_parallel(model: torch.nn.Module, strategy: str, env: DistEnv, device: torch.device,
@@ -131,7 +161,7 @@ def apply_data_parallel(model: torch.nn.Module, strategy: str, env: DistEnv, dev
                                    if "forward_sync_buffers" in inspect.signature(DDP).parameters
                                    else {"broadcast_buffers": False})
         wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                      bucket_cap_mb=pc.bucket_mb, gradient_as_bucket_view=True, **no_sync)
+                      bucket_cap_mb=pc.bucket_mb, gradient_as_bucket_view=True, process_group=env.group, **no_sync)
         return wrapped, [f"DDP: gradients all-reduced in {pc.bucket_mb:g} MB buckets during backward, once per "
                          "step (no_sync on the earlier micro-batches)"]
     if strategy == "fsdp2":
@@ -139,11 +169,16 @@ def apply_data_parallel(model: torch.nn.Module, strategy: str, env: DistEnv, dev
 
         mp = (MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
               if compute_dtype is not None and compute_dtype != torch.float32 else MixedPrecisionPolicy())
+        mesh: dict[str, Any] = {}
+        if env.group is not None:  # a DiLoCo worker group: sharded over its ranks only
+            from torch.distributed.device_mesh import DeviceMesh  # lazy: with fully_shard
+
+            mesh["mesh"] = DeviceMesh.from_group(env.group, device.type)
         for block in cast(torch.nn.ModuleList, model.layers):  # a flopwise Transformer's blocks
-            fully_shard(block, mp_policy=mp, reshard_after_forward=pc.reshard_after_forward)
+            fully_shard(block, mp_policy=mp, reshard_after_forward=pc.reshard_after_forward, **mesh)
         # The root (embedding, final norm, head) stays gathered after forward: backward needs it
         # at once, and a loss that applies the head itself (chunked) reads it after forward.
-        fully_shard(model, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(model, mp_policy=mp, reshard_after_forward=False, **mesh)
         gathered = f"gathered in {str(mp.param_dtype).replace('torch.', '')}" if mp.param_dtype else "gathered in fp32"
         return model, [f"FSDP2: parameters, gradients and optimizer state sharded over {env.world_size} rank(s); "
                        f"each block {gathered}, reduced in fp32"

@@ -44,9 +44,10 @@ from flopwise.plan.flops import (
 from flopwise.train.checkpoint import set_rng_state
 from flopwise.train.defaults import resolve_speed
 from flopwise.train.device import device_peak
+from flopwise.train.diloco import DiLoCo, make_groups
 from flopwise.train.dist_checkpoint import load_distributed
 from flopwise.train.distributed import DistEnv
-from flopwise.train.memory_fit import check_memory_fit
+from flopwise.train.memory_fit import check_memory_fit, local_rank_count
 from flopwise.train.optim import CombinedOptimizer, build_optimizer
 from flopwise.train.parallel import Strategy, resolve_strategy, zero1_optimizer
 from flopwise.train.precision import MasterWeights, Precision, apply_fp8, autocast_factory
@@ -136,6 +137,7 @@ class Run:
     meter: ThroughputMeter  # tokens/s and MFU of the steps, windowed (paused over evaluation and saving)
     timer: StepTimer  # the step's parts: data, forward/backward, optimizer, logging
     recompiles: RecompileWatch  # compiles after the warm-up steps, told as recompiles
+    outer: DiLoCo | None = None  # parallel.strategy=diloco: the outer loop across worker groups
     notes: dict[str, list[str]] = field(default_factory=dict)  # what was chosen and why, for the summary
     sink: Any = field(default_factory=NullTracker)
     progress: Progress = field(default_factory=Progress)
@@ -308,7 +310,8 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
     # The planner's peak per rank against this rank's free memory: a step that cannot fit is
     # refused here, with the change that fits, not by the allocator after the model was built.
     plan = plan_for_run(cfg, torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                        prec.name, t.peak_tflops, loss=loss_impl, gpus=world, strategy=strategy.name)
+                        prec.name, t.peak_tflops, loss=loss_impl, gpus=world, strategy=strategy.name,
+                        gpus_per_node=local_rank_count(world))
     env.on_every_rank(lambda: check_memory_fit(cfg, plan, device, prec.name, loss_impl, strategy.name, world))
     # The data checks (each split long enough for a window) come before any allocation.
     loader = train_loader(cfg, data, device, env.rank, world,
@@ -317,8 +320,11 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
     # 1 and 8 GPUs report comparable validation losses; a resumed run keeps its first one.
     val_windows = fixed_windows(data, "val", t.seq_len, e.batches * t.micro_batch_size)
 
+    groups = make_groups(env, cfg.parallel) if strategy.name == "diloco" else None
+    if groups is not None:
+        env.group = groups.inner  # gradients are averaged inside the worker group only
     torch.manual_seed(t.seed)
-    parts = build_step(cfg, strategy.name, env, device, prec, init_weights=start.checkpoint is None)
+    parts = build_step(cfg, strategy.step, env, device, prec, init_weights=start.checkpoint is None)
     model, master, train_model, loss_fn, optimizer = (parts.model, parts.master, parts.train_model, parts.loss_fn,
                                                       parts.optimizer)
     notes = parts.notes
@@ -346,6 +352,9 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
         meter=ThroughputMeter(flops.per_token, flops.peak * world if flops.peak else None,
                               warmup_steps=t.warmup_log_steps),
         timer=StepTimer(device), recompiles=RecompileWatch(t.compile != "off"))
+    if groups is not None:
+        run.outer = DiLoCo(run.opt_params, cfg.parallel, groups, device,
+                           on_sync=master.master_to_model if master else None, clock=clock)
     run.progress.last_saved = start.checkpoint
     if start.checkpoint is not None:
         restore(run, start.checkpoint)
@@ -363,7 +372,10 @@ def restore(run: Run, checkpoint: Path) -> None:
     """Continue from ``checkpoint``: weights, optimizer, loss scale, data position, held-out
     set, guard counts, RNG, and the learning rate's continuation if the run's length changed."""
     cfg, p = run.cfg, run.progress
-    saved = load_distributed(checkpoint, run.env, run.strategy.name, run.state_model, run.optimizer, run.device)
+    saved = load_distributed(checkpoint, run.env, run.strategy.name, run.state_model, run.optimizer, run.device,
+                             run.outer)
+    if saved.get("diloco_note"):
+        run.notes.setdefault("parallel", []).append(saved["diloco_note"])
     if run.master:
         run.master.master_to_model()
     if run.prec.scaler is not None and "grad_scaler" in saved:

@@ -144,7 +144,7 @@ def train_step(run: Run | StepOnly, step: int, accum: int, step_tokens: int, lr:
         micro = timer.timed_batches(run.train_loader.next_batch, accum)
         # Each rank divides by its own share of the tokens; DDP/FSDP average over ranks,
         # on this step's last micro-batch (a batch ramp changes their number per step).
-        sync = grad_sync(run.train_model, run.strategy.name, accum) if run.strategy.name != "single" else None
+        sync = grad_sync(run.train_model, run.strategy.step, accum) if run.strategy.step != "single" else None
         loss = forward_backward(run.train_model, micro, step_tokens // run.world, run.autocast, run.loss_fn,
                                 scaler, sync)
     with timer.part("optim"), nvtx(t.nvtx, "optimizer"):
@@ -173,7 +173,7 @@ def train_step(run: Run | StepOnly, step: int, accum: int, step_tokens: int, lr:
             scaler.update()  # closes this step's unscale_ so the next step can unscale again
     if before is not None and stats is not None:
         stats["update_ratios"] = update_ratios(run.state_model, before)
-    optimizer.zero_grad(set_to_none=grads_set_to_none(run.strategy.name))
+    optimizer.zero_grad(set_to_none=grads_set_to_none(run.strategy.step))
     return pending
 
 

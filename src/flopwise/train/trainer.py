@@ -139,6 +139,8 @@ def _loop(run: Run) -> str:
                     hooks.record_good(run, out)
                 elif run.guard.policy == "rollback":
                     continue  # the step just issued ran on weights the rollback replaced: undone with them
+            if run.outer is not None:  # DiLoCo: the fragments due sync across worker groups (in the step's time)
+                run.outer.after_step(p.step + 1, last=p.step + 1 == run.total_steps)
             hooks.count_step(run, step_tokens, run.clock() - t_step)
             prof.step()
             if not hooks.reads_now(run):

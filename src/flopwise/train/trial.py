@@ -257,7 +257,8 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
         t.global_batch_size = probe
     accum = cfg.grad_accum_steps(world)
     prec = resolve(t.precision, device)
-    strategy = resolve_strategy(cfg, env, device, prec.name, t.loss).name if env.distributed else "single"
+    # DiLoCo: its inner step, what each step of the run takes (the outer sync every H steps is not timed)
+    strategy = resolve_strategy(cfg, env, device, prec.name, t.loss).step if env.distributed else "single"
     data = open_data_dir(cfg.data, log=lambda s: None)
     loader = train_loader(cfg, data, device, env.rank, world)
     parts = build_step(cfg, strategy, env, device, prec)  # as the trainer builds its step

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import json
 import logging
@@ -43,8 +44,9 @@ from flopwise.plan.flops import attention_flops_per_token, param_counts, recompu
 from flopwise.plan.memory import estimate
 from flopwise.train import train_step as train_step_module
 from flopwise.train.defaults import resolve_speed
+from flopwise.train.diloco import DiLoCo, Groups
 from flopwise.train.distributed import DistEnv
-from flopwise.train.parallel import resolve_strategy
+from flopwise.train.parallel import diloco_strategy, resolve_strategy
 from flopwise.train.precision import resolve as resolve_precision
 from flopwise.train.setup import build_step
 from flopwise.train.train_step import StepOnly
@@ -253,13 +255,19 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
     compiled = t.compile != "off"
     mode = fake.fake_mode()
     gc.collect()
+    # DiLoCo: the inner step as its groups take it, and its outer state synced after every step
+    # (the anchor, the momentum, the pseudo-gradient's buffers), with no group to talk to
+    wraps = diloco_strategy(cfg, env.world_size).step if strategy == "diloco" else strategy
     with mode, fake.LiveMemory(mode) as memory, _collected_between_steps(), _no_copy_event():
-        parts = build_step(cfg, strategy, env, device, prec)
-        run = _step_only(cfg, parts, env, device, prec, strategy, micro_batch)
+        parts = build_step(cfg, wraps, env, device, prec)
+        run = _step_only(cfg, parts, env, device, prec, wraps, micro_batch)
         run.loss_fn = _in_forward(parts.loss_fn, memory)
         params, _ = _states(parts)
         memory.mark(params, "parameters")
         grads = _GradMarker(run.opt_params, memory)
+        outer = (DiLoCo(run.opt_params, dataclasses.replace(cfg.parallel, inner_steps=1, fragments=1, overlap_steps=0),
+                        Groups(), device) if strategy == "diloco" else None)
+
         step = 0
         if compiled:
             graphs = _Graphs()
@@ -271,7 +279,7 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
                 if step == steps - 1:
                     memory.mark(_states(parts)[1], "optimizer")
                     memory.reset_peak()
-                train_step_module.train_step(run, step, accum, step_tokens, 1e-4)
+                _step(run, outer, step, accum, step_tokens)
                 step += 1
                 per_step.append(graphs.snapshot())
             out["compiled"] = {"per_step": per_step, **graphs.close(), "saved": list(fake.SAVED),
@@ -303,7 +311,7 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
                 if i == 2:
                     counter = modes.enter_context(FlopCounterMode(display=False, custom_mapping=GROUPED_MM_FLOPS))
                 modes.enter_context(watch)
-                train_step_module.train_step(run, step, accum, step_tokens, 1e-4)
+                _step(run, outer, step, accum, step_tokens)
             watch.step_done()
             step += 1
         if not full:
@@ -319,8 +327,15 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
             out["dtypes"] = {"parameters": sorted({str(p.dtype) for p in parts.model.parameters()}),
                              "optimizer_state": sorted({str(v.dtype) for v in _states(parts)[1]})}
         grads.close()
-        del parts, run
+        del parts, run, outer
     return out
+
+
+def _step(run: StepOnly, outer: DiLoCo | None, step: int, accum: int, step_tokens: int) -> None:
+    """One traced step, and DiLoCo's outer sync after it."""
+    train_step_module.train_step(run, step, accum, step_tokens, 1e-4)
+    if outer is not None:
+        outer.after_step(step + 1)
 
 
 class _GradMarker:
