@@ -336,3 +336,27 @@ def test_headless_chromium_renders_the_page(two_runs, tmp_path):
     dom = subprocess.run(common + ["--dump-dom", out.as_uri()], capture_output=True, text=True, timeout=180).stdout
     assert len(re.findall(r'<svg[^>]*data-figure="', dom)) == 12
     assert 'data-figure="loss"' in dom and 'id="plan-vs-actual"' in dom
+
+
+def test_a_diloco_run_shows_its_outer_steps_bytes_and_drift(tmp_path):
+    """The outer loop's measures (metrics.jsonl, as the trainer logs them) reach the card and a
+    chart of their own; a run without them has neither."""
+    plain = write_run(tmp_path, "plain", lr=1e-3, cuda=False)
+    d = write_run(tmp_path, "diloco", lr=1e-3, cuda=False)
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        if r.get("loss") is not None and "tokens" in r:
+            n = r["step"] // 10  # an outer step every 10 steps
+            r.update(outer_steps=n, outer_s=0.25, outer_bytes=4_000_000, outer_bytes_total=8_000_000 * n,
+                     outer_bytes_per_token=8_000_000 * n / r["tokens"])
+            if n:
+                r.update(pseudo_grad_norm=1.0 / n, drift=0.5 / n)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    html = build_report([plain, d], out=tmp_path / "r.html", png=False).read_text()
+    total = 8_000_000 * (STEPS // 10)
+    assert (f"<dt>DiLoCo</dt><dd>{STEPS // 10} outer steps · {total / 2**20:,.1f} MiB across groups "
+            f"({total / (STEPS * TOKENS_PER_STEP):,.1f} B/token) · {0.25 * STEPS / 5:.2f} s waiting on them") in html
+    assert html.count("<dt>DiLoCo</dt>") == 1  # the plain run's card has none
+    chart = figures(html)["diloco"]
+    assert "diloco · drift" in chart and "plain" not in chart
+    assert "diloco" not in figures(build_report([plain], out=tmp_path / "p.html", png=False).read_text())

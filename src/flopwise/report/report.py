@@ -118,7 +118,8 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None, png:
 def build_charts(runs: list[Run]) -> list[tuple[str, list[Chart]]]:
     """(section title, charts) in page order; charts without any data are left out."""
     training: list[Chart] = [loss_chart(runs), bpb_chart(runs), throughput_chart(runs), mfu_chart(runs),
-                             memory_chart(runs), lr_chart(runs), grad_norm_chart(runs), breakdown_chart(runs)]
+                             memory_chart(runs), lr_chart(runs), grad_norm_chart(runs), breakdown_chart(runs),
+                             diloco_chart(runs)]
     layers = [c for i, run in enumerate(runs) for c in layer_charts(run, i)]
     sections: list[tuple[str, Sequence[Chart]]] = [
         (LADDER, ladder_charts(runs)), ("Training", training), ("Evaluation", eval_charts(runs)),
@@ -250,6 +251,35 @@ def grad_norm_chart(runs: list[Run]) -> LineChart:
     ys = [v for s in series for v in s.y]
     return LineChart("grad_norm", "Gradient norm vs step", "step", "global gradient norm (before clipping)",
                      series, log_y=_log_if_wide(ys, 20.0))
+
+
+def diloco_chart(runs: list[Run]) -> LineChart:
+    """A DiLoCo run's outer steps: the mean pseudo-gradient's norm and the groups' drift (no data otherwise)."""
+    series = []
+    for run in runs:
+        if run.has("drift"):
+            series.append(Series(f"{run.name} · pseudo-gradient", *run.series("step", "pseudo_grad_norm"), run.color,
+                                 run=run.name))
+            series.append(Series(f"{run.name} · drift", *run.series("step", "drift"), run.color, "dashed",
+                                 run=run.name))
+    return LineChart("diloco", "DiLoCo: pseudo-gradient norm and drift vs step", "step", "L2 norm", series,
+                     note="At each outer step: the norm of the groups' mean pseudo-gradient (anchor minus parameters) "
+                          "and, dashed, how far the groups' parameters were apart (RMS distance to their mean).")
+
+
+def diloco_text(run: Run) -> str:
+    """Outer steps, the bytes sent across worker groups and the time waited for them; "" otherwise."""
+    rows = [r for r in run.rows if number(r.get("outer_steps")) is not None]
+    if not rows:
+        return ""
+    last = rows[-1]
+    total, per_token = number(last.get("outer_bytes_total")), number(last.get("outer_bytes_per_token"))
+    waited = sum(v for v in (number(r.get("outer_s")) for r in rows) if v is not None)
+    text = f"{fmt_count(number(last['outer_steps']))} outer steps"
+    if total is not None:
+        text += f" · {total / 2**20:,.1f} MiB across groups"
+        text += f" ({per_token:,.1f} B/token)" if per_token is not None else ""
+    return text + f" · {waited:.2f} s waiting on them"
 
 
 def _mean(values: list[float]) -> float | None:
@@ -517,6 +547,8 @@ def run_card(run: Run) -> str:
         ("peak memory", f"{fmt_value(mem, 'GiB')} ({mem_what})" if mem is not None else "n/a"),
         ("wall time", wall_time_text(run)),
     ]
+    if diloco_text(run):
+        result.append(("DiLoCo", diloco_text(run)))
     head = [
         ("directory", str(run.path)),
         ("device", f"{rec.get('device', 'unknown')} · precision {rec.get('precision', '?')}"
