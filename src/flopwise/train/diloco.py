@@ -173,7 +173,8 @@ class DiLoCo:
         self.outer_steps = 0  # rounds completed: every fragment synced once more
         self.fragment_syncs = 0
         self.bytes_sent = 0  # cross-group payload this rank all-reduced, over the run
-        # per-rank parts of the last round's squared norms: [sum over groups of |d_g|^2 / G - |d_mean|^2, |d_mean|^2]
+        # this rank's parts of the squared norms of the round being synced and of the last one:
+        # [|d_group - d_mean|^2, |d_mean|^2] over what it holds
         self._round = torch.zeros(2, dtype=torch.float64, device=device)
         self._last_round = torch.zeros(2, dtype=torch.float64, device=device)
         self._window = _Window()
@@ -240,12 +241,11 @@ class DiLoCo:
         if self.slices > 1:
             _all_gather(flight.buffer, mine.clone(), self.g.inner)
         mean = flight.buffer[: flight.delta.numel()].float()
-        # this rank's slice of the drift and the norm (summed over the world when logged, / G)
-        width = mine.numel()
-        lo = (self.g.inner_rank if self.slices > 1 else 0) * width
-        hi = min(lo + width, mean.numel())
-        for a in range(lo, hi, _CHUNK):  # float64 sums over chunks: temporaries of one chunk at a time
-            d, m = flight.delta[a:min(a + _CHUNK, hi)].double(), mean[a:min(a + _CHUNK, hi)].double()
+        # the drift and the norm over what this rank holds (DDP inside: the whole fragment, as every
+        # rank of its group; summed over the world when logged): float64 sums, a chunk at a time
+        n = mean.numel()
+        for a in range(0, n, _CHUNK):
+            d, m = flight.delta[a:min(a + _CHUNK, n)].double(), mean[a:min(a + _CHUNK, n)].double()
             self._round += torch.stack([(d - m).square().sum(), m.square().sum()])
         idx, offset = self.frags[flight.fragment], 0
         progress = []
@@ -297,6 +297,7 @@ class DiLoCo:
             seconds = self._window.seconds
         self._window = _Window()
         drift_sq, norm_sq, total_bytes = env.sum([*self._last_round.tolist(), float(self.bytes_sent)], self.device)
+        drift_sq, norm_sq = drift_sq / self.slices, norm_sq / self.slices  # DDP inside: each rank counted it all
         out: dict[str, float | int] = {"outer_steps": self.outer_steps, "outer_s": seconds,
                                        "outer_bytes": self.round_bytes, "outer_bytes_total": int(total_bytes)}
         if tokens:
@@ -312,12 +313,14 @@ class DiLoCo:
         return {"anchor": self.anchor, "outer": self.outer.state_dict(), "groups": self.g.count,
                 "group_size": self.g.size, "fragments": len(self.frags), "last_sent": list(self.last_sent),
                 "outer_steps": self.outer_steps, "fragment_syncs": self.fragment_syncs,
-                "bytes_sent": self.bytes_sent, "last_round": self._last_round.cpu(), "round": self._round.cpu()}
+                "bytes_sent": self.bytes_sent}
 
     def group_state(self) -> dict[str, Any]:
-        """What is this group's own besides its weights and optimizer: the fragments in flight."""
+        """What is this group's own besides its weights and optimizer: the fragments in flight and
+        its part of the drift and norm sums (the same on every rank of the group under DDP)."""
         return {"inflight": [{"fragment": f.fragment, "sent": f.sent, "land": f.land, "delta": f.delta.cpu()}
-                             for f in self.inflight]}
+                             for f in self.inflight],
+                "last_round": self._last_round.cpu(), "round": self._round.cpu()}
 
     @torch.no_grad()
     def reset_anchor(self) -> None:
@@ -341,8 +344,8 @@ class DiLoCo:
         self.last_sent = list(state["last_sent"])
         self.outer_steps, self.fragment_syncs = state["outer_steps"], state["fragment_syncs"]
         self.bytes_sent = state["bytes_sent"]
-        self._last_round.copy_(state["last_round"])
-        self._round.copy_(state["round"])
+        self._last_round.copy_(group["last_round"])
+        self._round.copy_(group["round"])
         for flight in self.inflight:  # a rollback: what this process sent is finished before it is sent again
             if flight.work is not None:
                 flight.work.wait()
