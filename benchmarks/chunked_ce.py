@@ -1,10 +1,10 @@
 """LM-head cross-entropy: plain (full logits) against chunked, time and memory of forward+backward.
 
 For two head geometries -- SmolLM-135M's (V 49,152, D 576, 8 x 2048 tokens) and the tiny
-preset's (V 8,192, D 128, 2 x 1024 tokens) -- it runs ``flopwise.train.losses``:
+preset's (V 8,192, D 128, 2 x 1024 tokens) -- it runs ``flopwise.model.loss``:
 
 - ``plain`` (the baseline): ``F.linear`` to the full (N, V) logits + float32 cross-entropy,
-  what ``train/step.py`` does today;
+  what ``train/train_step.py`` does today;
 - ``chunked`` (backward recomputes each chunk's logits, the default) at several ``chunk_tokens``;
 - ``chunked, grads in forward`` (the forward-backward fused variant) at the default chunk;
 - ``fused`` (Liger-Kernel) when it is installed and the device is CUDA;
@@ -39,10 +39,10 @@ import time
 from pathlib import Path
 
 import torch
+from _results import cores as n_cores  # benchmarks/ is on sys.path when a script runs
+from _results import cpu_label, save_result
 
-
-from _results import cores as n_cores, cpu_label, save_result  # benchmarks/ is on sys.path when a script runs
-from flopwise.train.losses import fused_linear_cross_entropy_available, linear_cross_entropy
+from flopwise.model.loss import fused_linear_cross_entropy_available, linear_cross_entropy
 
 GEOMETRIES = [  # name, vocab, d_model, tokens (micro-batch x seq)
     ("smollm-135m", 49152, 576, 8 * 2048),

@@ -46,8 +46,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _results import cores as n_cores  # benchmarks/ is on sys.path when a script runs
+from _results import cpu_label, save_result
 
-from _results import cores as n_cores, cpu_label, save_result  # benchmarks/ is on sys.path when a script runs
 from flopwise.checkpoints import latest_checkpoint
 from flopwise.train.record import code_version  # the git commit and dirty flag a run records
 

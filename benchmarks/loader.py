@@ -9,7 +9,7 @@ and seq 2048 x 8 -- it measures:
    on.  Baseline: plain numpy slicing of the *same* windows into an int64 buffer plus the
    ``x``/``y`` split, positions computed beforehand (no loader bookkeeping at all).
 2. **Step share**: the tiny preset's model, one forward + backward per batch (as in
-   ``flopwise.train.step.forward_backward``), timing ``next_batch()`` apart from the
+   ``flopwise.train.train_step.forward_backward``), timing ``next_batch()`` apart from the
    compute; the share is wait / (wait + compute).  Baseline: the same steps on batches
    assembled beforehand (no wait).  The ratio column is step time / baseline step time.
 
@@ -30,15 +30,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _results import cores as n_cores  # benchmarks/ is on sys.path when a script runs
+from _results import cpu_label, save_result
 
-
-from _results import cores as n_cores, cpu_label, save_result  # benchmarks/ is on sys.path when a script runs
 from flopwise.config import build_config
 from flopwise.data.builtin import prepare_builtin
 from flopwise.data.datadir import DataDir
 from flopwise.data.loader import make_loader
 from flopwise.model import build_model
-from flopwise.train.step import forward_backward
+from flopwise.train.train_step import forward_backward
 
 
 def sync(device: torch.device) -> None:

@@ -2,7 +2,7 @@
 
 SmolLM-360M at seq 2048, micro-batches 1, 2, 4, 8 (override with --micro-batches), one
 real training step each, as ``flopwise train`` does it on CUDA: bf16 autocast forward,
-float32 loss (train/step.py), backward, gradient clipping, fused AdamW step.
+float32 loss (train/train_step.py), backward, gradient clipping, fused AdamW step.
 
 Each micro-batch starts from a fresh allocator state (new model and optimizer,
 ``empty_cache``). A first step creates the AdamW state; the peak of the second step is
@@ -27,15 +27,13 @@ import re
 import sys
 
 import torch
-
-
 from _results import save_result  # benchmarks/ is on sys.path when a script runs
+
 from flopwise.config import OptimConfig, build_config
 from flopwise.model import build_model
+from flopwise.model.loss import loss_sum
 from flopwise.plan.memory import GIB, MemorySettings, estimate
 from flopwise.train.optim import build_optimizer
-from flopwise.model.loss import loss_sum
-
 
 
 def measure(cfg, micro_batch: int, seq_len: int, device: torch.device, set_to_none: bool) -> dict:

@@ -20,6 +20,7 @@ import argparse
 import sys
 
 from _results import save_result  # benchmarks/ is on sys.path when a script runs
+
 from flopwise.config import build_config, preset_names
 from flopwise.plan.budget import memory_settings_for_run
 from flopwise.plan.memory import max_micro_batch

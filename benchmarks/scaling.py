@@ -33,8 +33,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-
-from _results import cores as n_cores, cpu_label, save_result  # benchmarks/ is on sys.path when a script runs
+from _results import cores as n_cores  # benchmarks/ is on sys.path when a script runs
+from _results import cpu_label, save_result
 
 
 def launch(nproc: int | None, overrides: list[str], threads: int) -> float:

@@ -28,9 +28,9 @@ import time
 from pathlib import Path
 
 import tokenizers
+from _results import cores as n_cores  # benchmarks/ is on sys.path when a script runs
+from _results import cpu_label, save_result
 
-
-from _results import cores as n_cores, cpu_label, save_result  # benchmarks/ is on sys.path when a script runs
 from flopwise.data.builtin import list_stdlib_files, prepare_builtin, select_files
 from flopwise.data.prepare import PrepareOptions, prepare
 

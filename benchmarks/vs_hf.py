@@ -51,18 +51,20 @@ import sys
 import time
 
 import torch
+from _results import cores as n_cores  # benchmarks/ is on sys.path when a script runs
+from _results import save_result
 
-from _results import cores as n_cores, save_result  # benchmarks/ is on sys.path when a script runs
 from flopwise.config import build_config
 from flopwise.data.datadir import open_data_dir
 from flopwise.data.loader import fixed_windows
 from flopwise.model import build_model, configure_attention
 from flopwise.model.hf import to_hf_model
+from flopwise.model.loss import make_loss_fn
 from flopwise.plan import hardware
 from flopwise.plan.flops import flops_per_token
 from flopwise.train.optim import build_optimizer
 from flopwise.train.precision import resolve as resolve_precision
-from flopwise.train.step import forward_backward, make_loss_fn
+from flopwise.train.train_step import forward_backward
 from flopwise.train.wrap import wrap_model
 
 SIZES = {
@@ -312,7 +314,7 @@ def run_contender(name, cfg, device, amp, args) -> dict:
 
 
 def _loss_impl(cfg, device) -> str:
-    from flopwise.train.losses import resolve_loss_impl
+    from flopwise.model.loss import resolve_loss_impl
 
     return resolve_loss_impl(cfg.train.loss, cfg.model, cfg.train, device)[0]
 

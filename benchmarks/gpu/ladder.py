@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from acceptance import ROOT, RESULTS, Context, device_info, parse_train  # noqa: E402
+from acceptance import RESULTS, ROOT, Context, device_info, parse_train  # noqa: E402
 
 QUIET = ["eval.every=0", "eval.sample_tokens=0", "eval.batches=2", "train.log_every=5", "tracking.tensorboard=false",
          "train.checkpoint_every=0"]

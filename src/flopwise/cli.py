@@ -371,7 +371,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from flopwise.train.trainer import train  # lazy: torch
 
     if args.explain:
-        from flopwise.train.explain import explain_run  # lazy: torch
+        from flopwise.tune.explain import explain_run  # lazy: torch
 
         _one_process_only("train --explain")
         explain_run(cfg, log=lambda s: print(s, flush=True))
@@ -506,7 +506,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     if args.gpu or args.nnodes != 1 or args.json:
         raise ConfigError(["--gpu, --nnodes and --json go with --dry-run (a preflight without it measures the "
                            "device at hand)"])
-    from flopwise.train.preflight import preflight  # lazy: torch
+    from flopwise.tune.preflight import preflight  # lazy: torch
 
     preflight(cfg, tokens=args.tokens, hours=args.hours, memory_gb=args.memory_gb, headroom=args.headroom,
               warmup=args.warmup, steps=args.steps, price_per_gpu_hour=args.price_per_gpu_hour, out_dir=args.out,

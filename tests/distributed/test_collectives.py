@@ -12,8 +12,8 @@ import torch
 import torch.multiprocessing as mp
 
 from flopwise.config import ConfigError, build_config
-from flopwise.train.distributed import init_distributed, read_launch_env
-from flopwise.train.trial import free_port
+from flopwise.parallel.distributed import init_distributed, read_launch_env
+from flopwise.tune.trial import free_port
 
 WORLD = 2
 
@@ -76,8 +76,8 @@ def test_launch_environment_half_set_is_refused_by_name():
 
 
 def test_strategy_single_process_and_refusals():
-    from flopwise.train.distributed import DistEnv
-    from flopwise.train.parallel import resolve_strategy
+    from flopwise.parallel.distributed import DistEnv
+    from flopwise.parallel.strategy import resolve_strategy
 
     cfg = build_config(preset="llama3.2-1b", overrides=["train.micro_batch_size=4"])
     cpu = torch.device("cpu")
@@ -98,8 +98,9 @@ def test_strategy_single_process_and_refusals():
 def _count_allreduces(env, device, accum):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    from flopwise.train.parallel import apply_data_parallel, grad_sync
-    from flopwise.train.step import forward_backward, make_loss_fn
+    from flopwise.parallel.strategy import apply_data_parallel, grad_sync
+    from flopwise.model.loss import make_loss_fn
+    from flopwise.train.train_step import forward_backward
     from flopwise.model import build_model
 
     cfg = build_config(preset="tiny", overrides=["model.n_layers=1", "model.vocab_size=256",
@@ -280,7 +281,7 @@ def _task_logprobs(env, device, arg):
     from flopwise.data.datadir import DataDir
     from flopwise.evaluate.tasks import Example, loglikelihoods
     from flopwise.model import build_model
-    from flopwise.train.parallel import apply_data_parallel
+    from flopwise.parallel.strategy import apply_data_parallel
 
     data_path, strategy = arg
     cfg = build_config(overrides=["model.vocab_size=512", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",

@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flopwise.config import ParallelConfig
-from flopwise.train.diloco import DiLoCo, fragments, make_groups
-from flopwise.train.distributed import DistEnv
+from flopwise.parallel.diloco import DiLoCo, fragments, make_groups
+from flopwise.parallel.distributed import DistEnv
 
 SHAPES = [(6, 5), (7,), (3, 4)]
 LR, MU = 0.7, 0.9

@@ -20,11 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-
 from helpers import torchrun_children
 
 from flopwise.errors import FlopwiseError
-from flopwise.train.distributed import DistEnv, PeerFailure
+from flopwise.parallel.distributed import DistEnv, PeerFailure
 from flopwise.train.stopping import NonFiniteError, SignalStop, ignore_sigterm
 
 GLOO_CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "

@@ -1,4 +1,4 @@
-"""Preflight trials in fresh processes (train/trial.py): one process for an isolated trial,
+"""Preflight trials in fresh processes (tune/trial.py): one process for an isolated trial,
 2 gloo processes for an N-rank one -- real spawned processes, a tiny model on CPU."""
 
 import json
@@ -8,8 +8,8 @@ import torch
 
 from flopwise.config import build_config
 from flopwise.data.datadir import open_data_dir
-from flopwise.train import trial as trial_mod
-from flopwise.train.trial import TrialError, measure, measure_in_processes, ready_processes
+from flopwise.tune import trial as trial_mod
+from flopwise.tune.trial import TrialError, measure, measure_in_processes, ready_processes
 
 CPU = torch.device("cpu")
 

@@ -6,7 +6,7 @@ Skipped without a GPU; run on a CUDA machine with ``python -m pytest -q tests/gp
 import pytest
 import torch
 
-from flopwise.train.memory_fit import available_memory
+from flopwise.plan.fit import available_memory
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

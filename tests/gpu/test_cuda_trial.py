@@ -6,8 +6,8 @@ import torch
 
 from flopwise.config import build_config
 from flopwise.data.datadir import open_data_dir
-from flopwise.train.ladder import rungs
-from flopwise.train.trial import measure, measure_in_processes
+from flopwise.tune.ladder import rungs
+from flopwise.tune.trial import measure, measure_in_processes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CUDA = torch.device("cuda:0")

@@ -22,7 +22,6 @@ fields, exists in today's output.
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import re

@@ -25,11 +25,11 @@ from pathlib import Path
 import pytest
 
 from flopwise.config import build_config, preset_names
-from flopwise.tune.dryrun import dry_run, render, torch_name
-from flopwise.tune.shim import DryRunUnavailable, compiler, ensure_shim
 from flopwise.plan import hardware
 from flopwise.plan.budget import memory_settings_for_run
 from flopwise.plan.memory import compiled_layer_terms
+from flopwise.tune.dryrun import render, torch_name
+from flopwise.tune.shim import DryRunUnavailable, compiler, ensure_shim
 
 H100 = hardware.find("h100")
 SMALL = "smollm-135m"

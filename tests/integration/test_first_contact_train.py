@@ -7,12 +7,11 @@ import shutil
 
 import pytest
 
+from flopwise.checkpoints import list_checkpoints
 from flopwise.config import ConfigError, build_config
 from flopwise.data.datadir import open_data_dir
-from flopwise.checkpoints import list_checkpoints
-from flopwise.train.schedule import lr_at
 from flopwise.train.hooks import validation_prompt
-from flopwise.train.schedule import resumed_schedule
+from flopwise.train.schedule import lr_at, resumed_schedule
 from flopwise.train.trainer import train
 
 QUIET = ["eval.every=0", "eval.sample_tokens=0", "train.log_every=1", "train.keep_checkpoints=0"]

@@ -1,5 +1,5 @@
 """A model this machine cannot hold, through the real command line: refused by the planner's
-numbers before anything is allocated (train/memory_fit.py), in one line, exit 2."""
+numbers before anything is allocated (plan/fit.py), in one line, exit 2."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ _CLI = "sys.argv = ['flopwise'] + sys.argv[1:]\nrunpy.run_module('flopwise', run
 _TRIAL = """
 import json
 from flopwise.config import build_config
-from flopwise.train.trial import TrialError, failure_status, measure_in_processes
+from flopwise.tune.trial import TrialError, failure_status, measure_in_processes
 cfg = build_config(overrides=sys.argv[1:])
 try:
     measure_in_processes(cfg, 8, "none", warmup=1, steps=2, device=torch.device("cpu"))

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 import yaml
 
 from flopwise.config import build_config

@@ -8,8 +8,8 @@ import torch
 
 from flopwise.cli import main as cli_main
 from flopwise.config import build_config
-from flopwise.train.preflight import preflight
-from flopwise.train.trial import measure
+from flopwise.tune.preflight import preflight
+from flopwise.tune.trial import measure
 
 
 def fake_measure(speeds, oom_from=None):
@@ -155,7 +155,7 @@ def test_the_ladder_at_two_ranks_from_the_command_line_writes_what_torchrun_laun
     (the CPU default), then 2 gloo ranks started by the ladder itself; the tuned config names the
     strategy that was measured. (Fresh one-rank processes: tests/distributed/test_trial.py.) The
     rungs of a CPU without native bf16, on any machine (the bf16 rung: tests/unit/test_ladder.py)."""
-    monkeypatch.setattr("flopwise.train.ladder.cpu_native_bf16", lambda: None)
+    monkeypatch.setattr("flopwise.tune.ladder.cpu_native_bf16", lambda: None)
     out = tmp_path / "pf"
     rc = cli_main(["preflight", "--ladder", "--nproc-per-node", "2",
                    "--warmup", "1", "--budget-minutes", "10", "--out", str(out), *tiny_overrides,
@@ -230,7 +230,7 @@ def test_an_isolated_search_on_a_cpu_measures_for_real(tiny_overrides, tmp_path)
 @pytest.mark.parametrize("native", [None, "AVX-512 BF16"])
 def test_a_float32_preflight_on_a_cpu_with_native_bf16_points_at_the_ladder(tiny_overrides, tmp_path, monkeypatch,
                                                                             native):
-    monkeypatch.setattr("flopwise.train.preflight.cpu_native_bf16", lambda: native)
+    monkeypatch.setattr("flopwise.tune.preflight.cpu_native_bf16", lambda: native)
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=20"])
 
     def steady(cfg, micro_batch, checkpointing, warmup, steps, device):

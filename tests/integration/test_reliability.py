@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
+from flopwise.checkpoints import latest_checkpoint, list_checkpoints
 from flopwise.config import ConfigError, build_config
 from flopwise.data.datadir import open_data_dir
 from flopwise.data.loader import make_loader
-from flopwise.checkpoints import latest_checkpoint, list_checkpoints
 from flopwise.train.stopping import Deadline, NonFiniteError, NonFiniteGuard
 from flopwise.train.trainer import train
 

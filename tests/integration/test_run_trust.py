@@ -21,11 +21,11 @@ import torch
 import yaml
 
 import flopwise
+from flopwise.checkpoints import CheckpointError, file_entry, latest_checkpoint, list_checkpoints
 from flopwise.config import ConfigError, build_config
 from flopwise.evaluate.runner import evaluate
 from flopwise.fsio import DirLock, LockedError, atomic_write
 from flopwise.model.io import ModelSourceError, export_consolidated, export_hf
-from flopwise.checkpoints import CheckpointError, file_entry, latest_checkpoint, list_checkpoints
 from flopwise.train.trainer import train
 
 QUIET = ["eval.every=0", "eval.sample_tokens=0", "train.log_every=1"]

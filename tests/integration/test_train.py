@@ -7,12 +7,12 @@ import pytest
 import torch
 from helpers import assert_weights_close
 
+from flopwise.checkpoints import latest_checkpoint, load_checkpoint
 from flopwise.config import ConfigError, ModelConfig, build_config
 from flopwise.model import build_model
-from flopwise.checkpoints import latest_checkpoint, load_checkpoint
 from flopwise.train.checkpoint import save_checkpoint
 from flopwise.train.optim import build_optimizer
-from flopwise.train.step import forward_backward
+from flopwise.train.train_step import forward_backward
 from flopwise.train.trainer import train
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from test_hf_parity import CONFIGS, randomize, tokens  # noqa: E402  (same folder, on sys.path)
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import flopwise  # noqa: E402
@@ -18,8 +19,6 @@ from flopwise.data.tokenizer import train_bpe  # noqa: E402
 from flopwise.model import build_model  # noqa: E402
 from flopwise.model.hf import hf_config, read_hf_config  # noqa: E402
 from flopwise.train.checkpoint import save_checkpoint  # noqa: E402
-
-from test_hf_parity import CONFIGS, randomize, tokens  # noqa: E402  (same folder, on sys.path)
 
 FAMILIES = ["llama-untied", "qwen3-hd24-tied", "gpt2-tied", "qwen3-moe"]
 

@@ -7,8 +7,16 @@ import pytest
 
 from flopwise.config import build_config
 from flopwise.plan import hardware
-from flopwise.plan.budget import (PlanError, PlanInputs, allreduce_seconds, build_plan, chinchilla_verdict,
-                                  memory_settings_for_run, plan_for_run, plan_inputs_for_run)
+from flopwise.plan.budget import (
+    PlanError,
+    PlanInputs,
+    allreduce_seconds,
+    build_plan,
+    chinchilla_verdict,
+    memory_settings_for_run,
+    plan_for_run,
+    plan_inputs_for_run,
+)
 from flopwise.plan.memory import MemorySettings, estimate
 
 A100 = hardware.find("a100")

@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 
-from flopwise.fsio import describe_write_error
 from flopwise.checkpoints import (
     CheckpointError,
     adopt_checkpoint,
@@ -22,6 +21,7 @@ from flopwise.checkpoints import (
     unmarked_checkpoints,
     verify_checkpoint,
 )
+from flopwise.fsio import describe_write_error
 from flopwise.train.checkpoint import apply_retention, rng_state, save_checkpoint, set_rng_state
 
 
@@ -132,7 +132,7 @@ def test_retention_keeps_the_newest_and_milestones(tmp_path):
 def test_kill_9_at_random_moments_of_saving_never_leaves_a_partial_checkpoint(tmp_path):
     """A child saves checkpoints of a ~2 MB model in a loop; it is SIGKILLed at random moments,
     many times. After every kill the newest complete checkpoint verifies and loads."""
-    script = textwrap.dedent(f"""
+    script = textwrap.dedent("""
         import sys, torch
         from flopwise.train.checkpoint import latest_checkpoint, save_checkpoint, apply_retention
         torch.manual_seed(0)
@@ -144,7 +144,7 @@ def test_kill_9_at_random_moments_of_saving_never_leaves_a_partial_checkpoint(tm
             step += 1
             with torch.no_grad():
                 model.weight.fill_(step)
-            save_checkpoint(sys.argv[1], step, model, None, {{"tokens": step}}, "")
+            save_checkpoint(sys.argv[1], step, model, None, {"tokens": step}, "")
             apply_retention(sys.argv[1], keep_last=2)
     """)
     rng = random.Random(0)

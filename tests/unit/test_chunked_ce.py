@@ -1,4 +1,4 @@
-"""Chunked linear cross-entropy (flopwise.train.losses) against the plain F.linear + F.cross_entropy path."""
+"""Chunked linear cross-entropy (flopwise.model.loss) against the plain F.linear + F.cross_entropy path."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from flopwise.config import ModelConfig
 from flopwise.model import build_model
-from flopwise.model.loss import loss_sum
-from flopwise.train import losses
-from flopwise.train.losses import (
+from flopwise.model import loss as losses
+from flopwise.model.loss import (
     chunked_cross_entropy,
     fused_linear_cross_entropy_available,
     linear_cross_entropy,
+    loss_sum,
     plain_linear_cross_entropy,
 )
 

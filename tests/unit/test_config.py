@@ -6,8 +6,17 @@ import typing
 import pytest
 import yaml
 
-from flopwise.config import (SECTIONS, ConfigError, DataConfig, RunConfig, build_config, load_run_config,
-                             parse_override, preset_names, validate)
+from flopwise.config import (
+    SECTIONS,
+    ConfigError,
+    DataConfig,
+    RunConfig,
+    build_config,
+    load_run_config,
+    parse_override,
+    preset_names,
+    validate,
+)
 
 
 def test_every_issue_preset_is_shipped():

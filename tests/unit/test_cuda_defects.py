@@ -17,10 +17,10 @@
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 import torch.nn.functional as F
 from helpers import assert_weights_close
@@ -84,8 +84,8 @@ def _tiny_run():
 
 
 def test_ddp_does_not_broadcast_the_rope_buffers(one_rank_gloo):
-    from flopwise.train.distributed import DistEnv
-    from flopwise.train.parallel import apply_data_parallel
+    from flopwise.parallel.distributed import DistEnv
+    from flopwise.parallel.strategy import apply_data_parallel
 
     cfg, model = _tiny_run()
     assert model.rope_cos.numel() > 0  # there are buffers it would broadcast
@@ -98,8 +98,8 @@ def test_ddp_does_not_broadcast_the_rope_buffers(one_rank_gloo):
 
 def test_zero1_keeps_each_ranks_parameters_in_one_bucket_and_steps_like_adamw(one_rank_gloo):
     from flopwise.config import OptimConfig
+    from flopwise.parallel.strategy import zero1_optimizer
     from flopwise.train.optim import build_optimizer
-    from flopwise.train.parallel import zero1_optimizer
 
     _, model = _tiny_run()
     _, ref = _tiny_run()
@@ -197,8 +197,8 @@ def test_the_fused_loss_runs_after_one_compiled_forward_instead_of_breaking_the_
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from flopwise.train import losses
-    from flopwise.train.step import make_loss_fn
+    from flopwise.model import loss as losses
+    from flopwise.model.loss import make_loss_fn
 
     def liger_like(hidden, weight, targets, ignore_index=-100, reduction="sum", **_):
         rows = int((targets != ignore_index).sum().item())  # a host read, as the real kernel makes
@@ -285,7 +285,7 @@ def test_doc_mask_with_flash_compiles_to_one_graph_whatever_the_number_of_docume
     from torch._dynamo.utils import counters
 
     from flopwise.config import TrainConfig
-    from flopwise.train.step import make_loss_fn
+    from flopwise.model.loss import make_loss_fn
     from flopwise.train.wrap import wrap_model
 
     def varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True):

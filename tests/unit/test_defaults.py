@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from flopwise.config import build_config
+from flopwise.model import build_model
+from flopwise.model.loss import make_loss_fn
 from flopwise.train.defaults import resolve_compile, resolve_speed
 from flopwise.train.trainer import train
 from flopwise.train.wrap import explain
-from flopwise.model import build_model
-from flopwise.train.step import make_loss_fn
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 GiB = 2**30

@@ -11,10 +11,10 @@ import os
 import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from flopwise import deps
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from flopwise.config import ConfigError
-from flopwise.train import device as train_device
-from flopwise.train.distributed import resolve_device
+from flopwise.parallel.distributed import resolve_device
+from flopwise.train import defaults as train_device
 from flopwise.train.precision import autocast_factory
 from flopwise.train.precision import resolve as resolve_precision
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from flopwise.config import ConfigError, build_config
-from flopwise.train.diloco import group_size, layout_problems
-from flopwise.train.distributed import DistEnv
-from flopwise.train.parallel import resolve_strategy
+from flopwise.parallel.diloco import group_size, layout_problems
+from flopwise.parallel.distributed import DistEnv
+from flopwise.parallel.strategy import resolve_strategy
 
 
 def problems(*overrides: str) -> str:

@@ -11,10 +11,10 @@ from flopwise.config import ModelConfig, build_config
 from flopwise.model import build_model
 from flopwise.plan.flops import (
     attention_flops_per_token,
+    checkpointed_blocks,
     flops_per_token,
     flops_per_token_6n,
     forward_flops_per_token,
-    checkpointed_blocks,
     hardware_flops_per_token,
     param_counts,
     recomputed_fraction,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from flopwise.config import build_config
-from flopwise.train.ladder import climb, rungs
-from flopwise.train.preflight import preflight
+from flopwise.tune.ladder import climb, rungs
+from flopwise.tune.preflight import preflight
 
 CPU = torch.device("cpu")
 N_RANK_RUNGS = ("ranks", "strategy", "buckets")
@@ -19,7 +19,7 @@ N_RANK_RUNGS = ("ranks", "strategy", "buckets")
 def _cpu_without_native_bf16(monkeypatch):
     """The rungs of a CPU without AMX / AVX-512 BF16 (the tests that want them say so): the
     climbs below are the same on every machine."""
-    monkeypatch.setattr("flopwise.train.ladder.cpu_native_bf16", lambda: None)
+    monkeypatch.setattr("flopwise.tune.ladder.cpu_native_bf16", lambda: None)
 
 
 def scripted(rates, losses=None, oom_from=None, extra=None):
@@ -53,7 +53,7 @@ def test_cpu_rungs_are_compile_loss_micro_batch_checkpointing_loader_and_threads
 
 @pytest.mark.parametrize("native", ["AMX", "AVX-512 BF16"])
 def test_a_cpu_with_native_bf16_gets_a_bf16_rung_that_changes_numerics(monkeypatch, native):
-    monkeypatch.setattr("flopwise.train.ladder.cpu_native_bf16", lambda: native)
+    monkeypatch.setattr("flopwise.tune.ladder.cpu_native_bf16", lambda: native)
     plan = rungs(base(["train.precision=float32"]), CPU, [1, 2, 4, 8, 16, 32])
     assert plan[0] == ("precision", [{"train.precision": "bf16"}], "changed")
     assert [r[0] for r in rungs(base(["train.precision=bf16"]), CPU, [16])][0] == "compile"  # already there
@@ -61,7 +61,7 @@ def test_a_cpu_with_native_bf16_gets_a_bf16_rung_that_changes_numerics(monkeypat
 
 def test_the_bf16_rung_is_kept_when_faster_within_changed_numerics(monkeypatch):
     """bf16 changes the first loss on purpose: kept within CHANGED_NUMERICS, refused past it."""
-    monkeypatch.setattr("flopwise.train.ladder.cpu_native_bf16", lambda: "AMX")
+    monkeypatch.setattr("flopwise.tune.ladder.cpu_native_bf16", lambda: "AMX")
 
     def measure(loss_bf16):
         inner = scripted({})
@@ -94,7 +94,7 @@ def test_native_bf16_detection_asks_torch(monkeypatch):
 
 
 def test_a_trial_computes_with_its_threads_and_gives_them_back(tiny_overrides):
-    from flopwise.train.trial import measure
+    from flopwise.tune.trial import measure
 
     before = torch.get_num_threads()
     seen = []
@@ -197,12 +197,12 @@ def test_the_micro_batch_rung_goes_outward_and_stops_past_the_fastest_size():
 
 @pytest.mark.parametrize("device, kept", [("cpu", "32"), ("cuda", "32"), ("cpu-slower", None), ("cuda-smaller", "16")])
 def test_the_micro_batch_rung_decides_a_tie_by_the_searchs_rule(monkeypatch, device, kept):
-    """One rule for both micro-batch searches (train/choice.py): within the noise the ladder's
+    """One rule for both micro-batch searches (tune/choice.py): within the noise the ladder's
     rung keeps, as the search would choose, on a CPU the faster median and on a GPU the larger
     micro-batch -- and the search's choose() between the same two trials agrees with the row."""
-    from flopwise.train.choice import Trial, choose
+    from flopwise.tune.choice import Trial, choose
 
-    monkeypatch.setattr("flopwise.train.ladder.planned_gb", lambda cfg, dev: 0.0)
+    monkeypatch.setattr("flopwise.tune.ladder.planned_gb", lambda cfg, dev: 0.0)
     rate32 = {"cpu": 1005.0, "cuda": 1005.0, "cpu-slower": 995.0, "cuda-smaller": 995.0}[device]
     dev = torch.device("cuda" if device.startswith("cuda") else "cpu")
     rates = {("off", "chunked", 32, "none"): rate32, ("off", "chunked", 64, "none"): 500.0,
@@ -399,7 +399,7 @@ def test_preflight_refuses_a_launch_it_cannot_make_before_any_work(tiny_override
 
 
 def test_a_step_is_extrapolated_from_its_parts():
-    from flopwise.train.trial import extrapolated_step_s
+    from flopwise.tune.trial import extrapolated_step_s
 
     micro, opt = [0.08, 0.12, 0.14, 0.30], 0.05  # a first, two steady ones, a last one that also reduces
     assert extrapolated_step_s(micro, opt, accum=4) == pytest.approx(sum(micro) + opt)  # the probe is the step
@@ -415,7 +415,7 @@ def test_a_step_is_extrapolated_from_its_parts():
 def test_a_checkpointed_size_beyond_the_probe_runs_whole_micro_batches_of_the_same_loss(tiny_overrides):
     """A probe of 48 sequences and a micro-batch of 32: the step is rounded up to 64 (two whole
     micro-batches), not 48 sequences' divisor applied to 32 (which scaled the loss by 2/3)."""
-    from flopwise.train.trial import measure
+    from flopwise.tune.trial import measure
 
     overrides = tiny_overrides + ["train.compile=off", "train.threads=1", "data.loader=epoch"]
     probed = measure(build_config(overrides=overrides + ["train.global_batch_size=128"]), 32, "none", warmup=0,
@@ -426,7 +426,7 @@ def test_a_checkpointed_size_beyond_the_probe_runs_whole_micro_batches_of_the_sa
 
 
 def test_the_ladder_probe_is_four_of_the_largest_micro_batch_that_fits(tiny_overrides):
-    from flopwise.train.preflight import probe_sequences
+    from flopwise.tune.preflight import probe_sequences
 
     cfg = build_config(overrides=tiny_overrides + ["train.global_batch_size=256"])
     sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -434,7 +434,7 @@ def test_the_ladder_probe_is_four_of_the_largest_micro_batch_that_fits(tiny_over
     probe = probe_sequences(cfg, sizes, CPU, memory_gb=0.05, headroom=0.9)
     largest = probe // 4  # the prefetched head (up to 2), a steady micro-batch, the last
     assert 0 < probe < 256 and probe == 4 * largest and largest & (largest - 1) == 0  # every size up to it divides it
-    from flopwise.train.ladder import planned_gb, with_settings
+    from flopwise.tune.ladder import planned_gb, with_settings
 
     def fits(b):
         return planned_gb(with_settings(cfg, {"train.micro_batch_size": b}), CPU) <= 0.9 * 0.05
@@ -443,7 +443,7 @@ def test_the_ladder_probe_is_four_of_the_largest_micro_batch_that_fits(tiny_over
 
 
 def test_a_probed_trial_trains_on_the_probe_batch_and_reports_the_runs_rate(tiny_overrides):
-    from flopwise.train.trial import measure
+    from flopwise.tune.trial import measure
 
     cfg = build_config(overrides=tiny_overrides + ["train.compile=off", "train.threads=1", "data.loader=epoch",
                                                    "train.global_batch_size=64"])
@@ -550,7 +550,7 @@ def test_on_cuda_the_attention_rung_skips_autos_own_pick_and_compile_modes_come_
 def test_fp8_is_measured_where_it_runs_and_kept_only_when_asked(monkeypatch, asked):
     """On a GPU that runs float8 (capability 8.9+, torchao installed) the fp8 rung is measured
     and its row marked; it changes numerics, so it is kept only with --ladder-fp8."""
-    import flopwise.train.ladder as ladder_mod
+    import flopwise.tune.ladder as ladder_mod
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(ladder_mod, "fp8_problem", lambda device: None)

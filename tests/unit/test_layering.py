@@ -4,9 +4,9 @@ Layers, low to high (a module may import its own layer and the ones below, never
 
     0  flopwise (__init__), errors, fsio, deps, config, checkpoints
     1  model, data, plan, measure
-    2  evaluate
+    2  evaluate, parallel (process groups, DDP/ZeRO-1/FSDP2 wrapping, DiLoCo)
     3  train
-    4  report, tune (the dry run: it traces train's step)
+    4  report, tune (preflight, the ladder, trials, the dry run: all of it times or traces train's step)
     5  cli, __main__
 
 ``checkpoints`` (the checkpoint directory: find, verify, read) sits with ``fsio`` at the bottom:
@@ -38,12 +38,12 @@ PACKAGE = SRC.name
 LAYERS: dict[str, int] = {
     "__init__": 0, "errors": 0, "fsio": 0, "deps": 0, "config": 0, "checkpoints": 0,
     "model": 1, "data": 1, "plan": 1, "measure": 1,
-    "evaluate": 2,
+    "evaluate": 2, "parallel": 2,
     "train": 3,
     "report": 4, "tune": 4,
     "cli": 5, "__main__": 5,
 }
-LAYER_NAMES = {0: "base (errors/fsio/deps/config/checkpoints)", 1: "model/data/plan/measure", 2: "evaluate", 3: "train",
+LAYER_NAMES = {0: "base (errors/fsio/deps/config/checkpoints)", 1: "model/data/plan/measure", 2: "evaluate/parallel", 3: "train",
                4: "report/tune", 5: "cli"}
 
 # (file relative to src/flopwise, imported module) -> why it is still inside a function without `# lazy:`

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-
 from dataclasses import replace
 
 import pytest
@@ -32,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from flopwise.config import ModelConfig, OptimConfig
 from flopwise.model import build_model
+from flopwise.model.loss import loss_sum
 from flopwise.plan.flops import param_counts
 from flopwise.plan.memory import (
     GIB,
@@ -44,7 +44,6 @@ from flopwise.plan.memory import (
     state_bytes,
 )
 from flopwise.train.optim import build_optimizer
-from flopwise.model.loss import loss_sum
 
 ACT_TOL = 0.02
 PEAK_TOL = 0.02
@@ -216,7 +215,7 @@ def test_well_known_figure_16_bytes_per_param():
 
 def _saved_bytes(model, cfg, B, T, amp=False, math=False, dtype=torch.bfloat16) -> int:
     """Bytes of every storage autograd saves in forward + loss, plus the logits the caller
-    holds (train/step.py keeps them until backward ends); parameters and buffers excluded."""
+    holds (train/train_step.py keeps them until backward ends); parameters and buffers excluded."""
     skip = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     seen: dict[int, int] = {}
 

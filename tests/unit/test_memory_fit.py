@@ -1,5 +1,5 @@
 """`flopwise train` refuses a step the planner says cannot fit this machine's memory, before it
-builds the model or a batch (train/memory_fit.py), naming both numbers and what would fit.
+builds the model or a batch (plan/fit.py), naming both numbers and what would fit.
 
 The machine's memory is injected (``memory_fit.available_memory``) so "this machine has 1 GiB"
 is deterministic; tests/integration/test_memory_fit_cli.py runs the real check on this machine."""
@@ -11,9 +11,10 @@ import torch
 
 from flopwise.config import build_config
 from flopwise.errors import FlopwiseError
+from flopwise.plan import fit as memory_fit
 from flopwise.plan.budget import GIB, plan_for_run
-from flopwise.train import memory_fit, setup
-from flopwise.train.memory_fit import MemoryFitError, available_memory, check_memory_fit
+from flopwise.plan.fit import MemoryFitError, available_memory, check_memory_fit
+from flopwise.train import setup
 from flopwise.train.trainer import train
 
 CPU = torch.device("cpu")

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from flopwise.checkpoints import latest_checkpoint
 from flopwise.config import build_config
 from flopwise.train import setup as trainer_module  # where the run builds its model
-from flopwise.checkpoints import latest_checkpoint
 from flopwise.train.stopping import NonFiniteError, NonFiniteGuard
 from flopwise.train.trainer import train
 

@@ -12,10 +12,21 @@ import torch.nn.functional as F
 from flopwise.config import ModelConfig, OptimConfig
 from flopwise.model import build_model
 from flopwise.train import optim
+from flopwise.train.optim import (
+    CombinedOptimizer,
+    Muon,
+    build_optimizer,
+    describe_optimizer,
+    make_muon,
+    muon_class,
+    muon_lr_scale,
+    muon_split,
+    newton_schulz,
+    param_groups,
+    set_lr,
+    set_lr_factor,
+)
 from flopwise.train.schedule import lr_at
-from flopwise.train.optim import (CombinedOptimizer, Muon, build_optimizer, describe_optimizer,
-                                  make_muon, muon_class, muon_lr_scale, muon_split, newton_schulz, param_groups,
-                                  set_lr, set_lr_factor)
 
 
 def test_warmup_then_cosine_to_floor():

@@ -7,8 +7,16 @@ import pytest
 
 from flopwise.config import build_config
 from flopwise.plan import hardware
-from flopwise.plan.budget import (GIB, STRATEGY_ORDER, PlanInputs, build_plan, diloco_comm, memory_settings_for_run,
-                                  plan_for_run, smallest_inner_steps)
+from flopwise.plan.budget import (
+    GIB,
+    STRATEGY_ORDER,
+    PlanInputs,
+    build_plan,
+    diloco_comm,
+    memory_settings_for_run,
+    plan_for_run,
+    smallest_inner_steps,
+)
 from flopwise.plan.memory import MemorySettings, outer_state_bytes
 
 P = 1_000_000  # parameters

@@ -12,8 +12,8 @@ import random
 import pytest
 
 from flopwise.measure.meter import spread
-from flopwise.train.choice import Trial, choose, median_spread, tied
-from flopwise.train.preflight import MIN_NOISE, REMEASURE_ROUNDS, remeasure, trials_table
+from flopwise.tune.choice import Trial, choose, median_spread, tied
+from flopwise.tune.preflight import MIN_NOISE, REMEASURE_ROUNDS, remeasure, trials_table
 
 
 def trial(micro_batch, checkpointing, tok_per_s, spread=None, status="ok"):

@@ -9,11 +9,10 @@ shapes (``counters["aten_mm_info"]``), which is what this test reads."""
 import re
 
 import pytest
-import torch
 from torch._dynamo.utils import counters
 
 from flopwise.config import build_config
-from flopwise.train.trial import measure
+from flopwise.tune.trial import measure
 
 
 @pytest.mark.slow

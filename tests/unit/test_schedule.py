@@ -7,9 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from flopwise.config import OptimConfig
-from flopwise.train.schedule import lr_at
-from flopwise.train.schedule import (accum_at, decay_curve, lr_factor, ramp_plan, time_progress,
-                                     wsd_decay_start)
+from flopwise.train.schedule import accum_at, decay_curve, lr_at, lr_factor, ramp_plan, time_progress, wsd_decay_start
 
 # Fields the schedule reads that OptimConfig may not have yet (added alongside this module).
 NEW_FIELDS = dict(name="adamw", muon_lr=0.02, muon_momentum=0.95, muon_weight_decay=0.0,

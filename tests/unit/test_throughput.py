@@ -6,10 +6,11 @@ import torch
 import torch.nn.functional as F
 
 from flopwise.config import ConfigError, ModelConfig, build_config
+from flopwise.measure.timing import StepTimer, _NoProfiler, format_breakdown, profiler
 from flopwise.model import build_model
+from flopwise.model.loss import make_loss_fn
 from flopwise.train import precision as precision_mod
-from flopwise.train.step import forward_backward, make_loss_fn
-from flopwise.train.timing import StepTimer, _NoProfiler, format_breakdown, profiler
+from flopwise.train.train_step import forward_backward
 from flopwise.train.wrap import RecompileWatch, apply_activation_checkpointing, explain, wrap_model
 
 
@@ -120,7 +121,7 @@ def test_profiler_writes_a_trace(tmp_path):
 def test_step_timer_splits_a_step(monkeypatch):
     from types import SimpleNamespace
 
-    from flopwise.train import timing
+    from flopwise.measure import timing
 
     now = [0.0]  # a fake clock: the test says how long each part took, whatever the machine's load
 
@@ -176,8 +177,8 @@ def test_bf16_pure_keeps_fp32_masters():
 
 
 def test_memory_model_of_the_chunked_loss_matches_what_autograd_saves(saved_bytes):
+    from flopwise.model.loss import linear_cross_entropy
     from flopwise.plan.memory import MemorySettings, _logits_bytes, estimate
-    from flopwise.train.losses import linear_cross_entropy
 
     cfg = tiny(vocab_size=4096, d_model=64)
     model = build_model(cfg)

@@ -30,7 +30,7 @@ expected to form contiguous runs (as packing produces); the flash varlen path *r
 it, since it cuts the flattened batch into runs. For flash they are cut once per forward
 (:func:`doc_spans`, a :class:`DocSpans` every layer reads), never inside a compiled graph:
 cutting reads the host (``nonzero``) and its length is the number of documents. A compiled
-training step gets them from ``train/step.py``'s loss function, cut before the graph with
+training step gets them from ``train/train_step.py``'s loss function, cut before the graph with
 ``T`` as the bound on a document's length and the length marked dynamic: one graph, no
 break, one host read per micro-batch, no recompile when the number of documents changes.
 """

@@ -785,7 +785,7 @@ def run_plan_inputs(cfg: "RunConfig", device_name: str | None, precision: str, p
                     mfu: float = NOMINAL_MFU, loss: str = "plain", gpus: int = 1,
                     strategy: str = "single", gpus_per_node: int = 0) -> PlanInputs:
     """What :func:`plan_for_run` plans (the arguments are its): also what the trainer's
-    memory check (``train/memory_fit.py``) asks :func:`fit_suggestions` about. ``gpus_per_node``
+    memory check (``plan/fit.py``) asks :func:`fit_suggestions` about. ``gpus_per_node``
     (0: unknown, then a diloco group of ``parallel.group_size=0`` is all ``gpus``)."""
     spec = hardware.lookup(device_name) if device_name else None
     dtype = peak_dtype(precision)

@@ -51,7 +51,7 @@ What is counted (per GPU, at the peak of a training step)
   autocast weight copies are saved by the blocks that are not recomputed.
 
 * **Logits and loss** (``logits``): the (B, T, V) logits in the compute dtype (held by
-  ``train/step.py`` until its backward ends), the float32 log-softmax that
+  ``train/train_step.py`` until its backward ends), the float32 log-softmax that
   ``cross_entropy`` saves (``loss_sum`` upcasts with ``logits.float()``; the fp32 copy
   itself is not saved) and the int64 targets.
 
@@ -484,7 +484,7 @@ def _logits_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: Me
     c = _dtypes(settings)["compute"]
     N, V = micro_batch * seq_len, cfg.vocab_size
     if settings.loss == "chunked":
-        # train/losses.py with the gradients computed in the forward: the (N, D) input
+        # model/loss.py with the gradients computed in the forward: the (N, D) input
         # gradient in the compute dtype and the (V, D) float32 head gradient are held until
         # backward, with the int64 targets; no logits survive the forward.
         return N * cfg.d_model * c + V * cfg.d_model * 4 + N * 8

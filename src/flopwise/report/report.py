@@ -9,7 +9,7 @@ files into ``<stem>_figures/`` next to the page.
 Sections: a header per run (device, versions, configuration, result), the
 plan-vs-preflight-vs-measured table (relative errors first-class; each plan and preflight
 figure is labelled measured or assumed, and what preflight could not measure stays n/a), the
-optimization ladder of ``preflight --ladder`` when preflight.json holds one (``ladder.py``), the training charts
+optimization ladder of ``preflight --ladder`` when preflight.json holds one (``tune/ladder.py``), the training charts
 (loss against tokens, throughput, MFU, memory, learning rate, gradient norm, step-time
 breakdown, bits per byte), evaluation tasks against tokens with their random baseline,
 per-layer gradient norms, events (loss spikes, non-finite steps), and the configuration

@@ -9,6 +9,10 @@ On a CPU: not compiled (compiling costs more than it saves in a CPU-sized run) a
 chunked loss. The choices are resolved on a copy of the configuration, so the run's
 ``config.yaml`` keeps ``auto`` and a resumption on another device decides again; the
 start-up summary prints each choice with its reason.
+
+And what the training device is: its name for the log (:func:`device_label`) and its dense
+peak FLOP/s at the run's precision (:func:`device_peak`, MFU's denominator, from
+``plan/hardware.py``'s table).
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import copy
 import torch
 
 from flopwise.config import Compile, RunConfig
-from flopwise.train.losses import resolve_loss_impl
-from flopwise.train.parallel import predicted_peak
+from flopwise.model.loss import resolve_loss_impl
+from flopwise.parallel.strategy import predicted_peak
+from flopwise.plan import hardware
 
 MEMORY_HEADROOM = 0.9  # the share of the GPU's memory the memory model's peak may use
 
@@ -69,3 +74,36 @@ def resolve_speed(cfg: RunConfig, device: torch.device, precision: str, world: i
     if why:
         notes["loss"] = f"auto -> {t.loss} ({why})"
     return out, notes
+
+
+# --------------------------------------------------------------------------- the device
+
+
+def tf32_matmuls_allowed() -> bool:
+    """Whether float32 CUDA matmuls run on TF32 tensor cores (newer torch: ``fp32_precision``)."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if isinstance(precision, str) and precision in ("tf32", "ieee"):
+        return precision == "tf32"
+    return bool(getattr(matmul, "allow_tf32", False))
+
+
+def device_peak(device: torch.device, precision: str, user_tflops: float) -> tuple[float | None, str]:
+    """Dense peak FLOP/s of one device and a note on where it came from."""
+    if user_tflops > 0:
+        return user_tflops * 1e12, f"{user_tflops:g} TFLOP/s (train.peak_tflops)"
+    if device.type != "cuda":
+        return None, "no peak for CPUs (set train.peak_tflops for MFU)"
+    name = torch.cuda.get_device_name(device)
+    key = {"bf16": "bf16", "bf16-pure": "bf16", "fp16": "fp16"}.get(
+        precision, "tf32" if tf32_matmuls_allowed() else "fp32")
+    spec, peak = hardware.lookup(name), hardware.peak_tflops(name, key)
+    if spec is None or peak is None:  # no peak without a table entry
+        return None, f"{name!r} not in the hardware table (set train.peak_tflops for MFU)"
+    return peak * 1e12, f"{peak:g} TFLOP/s dense {key} ({spec.name})"
+
+
+def device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"cpu ({torch.get_num_threads()} threads)"

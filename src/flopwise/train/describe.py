@@ -11,7 +11,7 @@ from __future__ import annotations
 from flopwise.data.loader import overlap_note
 from flopwise.data.meta import held_out_overlap_note
 from flopwise.measure.sinks import human
-from flopwise.train.device import device_label
+from flopwise.train.defaults import device_label
 from flopwise.train.optim import describe_optimizer, skips_on_device
 from flopwise.train.precision import cpu_native_bf16
 from flopwise.train.setup import Run

@@ -61,9 +61,9 @@ from flopwise.checkpoints import (
     write_checksummed,
 )
 from flopwise.config import ConfigError
+from flopwise.parallel.diloco import DiLoCo
+from flopwise.parallel.distributed import DistEnv
 from flopwise.train.checkpoint import begin_save, discard_save, rng_state, save_checkpoint, save_failed
-from flopwise.train.diloco import DiLoCo
-from flopwise.train.distributed import DistEnv
 
 DILOCO = "diloco"  # the directory of a DiLoCo checkpoint's own files
 

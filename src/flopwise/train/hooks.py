@@ -20,12 +20,12 @@ from flopwise.evaluate.tasks import evaluate_tasks
 from flopwise.fsio import AppendFile, write_file
 from flopwise.measure.meter import format_memory, memory_stats
 from flopwise.measure.sinks import format_mfu, human
+from flopwise.measure.timing import format_breakdown
 from flopwise.train.checkpoint import apply_retention, set_rng_state
 from flopwise.train.dist_checkpoint import load_distributed, save_distributed
 from flopwise.train.record import TrainResult
 from flopwise.train.setup import Run
 from flopwise.train.stopping import Deadline
-from flopwise.train.timing import format_breakdown
 from flopwise.train.train_step import StepOutcome
 
 

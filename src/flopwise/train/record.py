@@ -18,7 +18,7 @@ import tokenizers
 import torch
 
 from flopwise import __version__
-from flopwise.train.device import device_label
+from flopwise.train.defaults import device_label
 
 
 @dataclass

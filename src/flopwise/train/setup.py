@@ -2,8 +2,8 @@
 
 Cheapest checks first, so bad input fails before anything is allocated: the batch split at
 this world size, the loss path and the parallel strategy (refusals), the run directory
-(new, or resumed from its latest complete checkpoint: ``resume.py``), the data directory,
-the task files, whether the planned step fits this rank's free memory (``memory_fit.py``)
+(new, or resumed from its latest complete checkpoint: ``checkpoint.start_run``), the data directory,
+the task files, whether the planned step fits this rank's free memory (``plan/fit.py``)
 and every split's length; only then the model, its wrappers (activation
 checkpointing -> compile -> DDP/FSDP2: ``wrap.py``), the loss and the optimizer. A resumed
 run then gets its weights, optimizer, data position, guard counts and RNG back
@@ -30,10 +30,16 @@ from flopwise.data.loader import fixed_windows, make_loader
 from flopwise.evaluate.loss import target_bytes
 from flopwise.fsio import write_file
 from flopwise.measure.meter import ThroughputMeter
+from flopwise.measure.timing import StepTimer
 from flopwise.measure.tracking import NullTracker, Tracker
 from flopwise.model import Transformer, build_model, configure_attention
 from flopwise.model.io import load_hf_weights
+from flopwise.model.loss import make_loss_fn
+from flopwise.parallel.diloco import DiLoCo, make_groups
+from flopwise.parallel.distributed import DistEnv
+from flopwise.parallel.strategy import Strategy, resolve_strategy, zero1_optimizer
 from flopwise.plan.budget import plan_for_run
+from flopwise.plan.fit import check_memory_fit, local_rank_count
 from flopwise.plan.flops import (
     flops_per_token,
     flops_per_token_6n,
@@ -41,23 +47,15 @@ from flopwise.plan.flops import (
     param_counts,
     recomputed_fraction,
 )
-from flopwise.train.checkpoint import set_rng_state
-from flopwise.train.defaults import resolve_speed
-from flopwise.train.device import device_peak
-from flopwise.train.diloco import DiLoCo, make_groups
+from flopwise.train.checkpoint import RunStart, set_rng_state, start_run, truncate_metrics
+from flopwise.train.defaults import device_peak, resolve_speed
 from flopwise.train.dist_checkpoint import load_distributed
-from flopwise.train.distributed import DistEnv
-from flopwise.train.memory_fit import check_memory_fit, local_rank_count
 from flopwise.train.optim import CombinedOptimizer, build_optimizer
-from flopwise.train.parallel import Strategy, resolve_strategy, zero1_optimizer
 from flopwise.train.precision import MasterWeights, Precision, apply_fp8, autocast_factory
 from flopwise.train.precision import resolve as resolve_precision
 from flopwise.train.record import TrainResult, finished_run, read_json, run_record
-from flopwise.train.resume import RunStart, start_run, truncate_metrics
 from flopwise.train.schedule import Continuation, RampPlan, ramp_plan, resumed_schedule
-from flopwise.train.step import make_loss_fn
 from flopwise.train.stopping import Deadline, NonFiniteGuard, TimeFit
-from flopwise.train.timing import StepTimer
 from flopwise.train.wrap import RecompileWatch, wrap_for_training
 
 Log = Callable[[str], None]

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from flopwise.config import TrainConfig
 from flopwise.errors import FlopwiseError
-from flopwise.train.distributed import DistEnv
+from flopwise.parallel.distributed import DistEnv
 from flopwise.train.schedule import time_progress
 
 

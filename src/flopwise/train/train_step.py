@@ -19,21 +19,23 @@ reads the values before its update instead -- one host sync per step, said in th
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from flopwise.config import RunConfig
-from flopwise.train.distributed import DistEnv
+from flopwise.measure.timing import StepTimer, nvtx
+from flopwise.model.loss import make_loss_fn
+from flopwise.parallel.distributed import DistEnv
+from flopwise.parallel.strategy import Strategy, clip_grad_norm, grad_sync, grads_set_to_none
 from flopwise.train.optim import CombinedOptimizer, set_lr, set_lr_factor, skipped_if, skips_on_device
-from flopwise.train.parallel import Strategy, clip_grad_norm, grad_sync, grads_set_to_none
 from flopwise.train.precision import MasterWeights, Precision, autocast_factory
 from flopwise.train.setup import Run, StepParts, grad_clip
-from flopwise.train.step import forward_backward
 from flopwise.train.stopping import NonFiniteError
-from flopwise.train.timing import StepTimer, nvtx
 
 
 @dataclass
@@ -175,6 +177,53 @@ def train_step(run: Run | StepOnly, step: int, accum: int, step_tokens: int, lr:
         stats["update_ratios"] = update_ratios(run.state_model, before)
     optimizer.zero_grad(set_to_none=grads_set_to_none(run.strategy.step))
     return pending
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    micro_batches: Iterable[tuple[torch.Tensor, ...]],
+    step_tokens: int,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+    scaler: "torch.amp.GradScaler | None" = None,
+    sync: Callable[[int], contextlib.AbstractContextManager] | None = None,
+) -> torch.Tensor:
+    """Accumulate gradients over ``micro_batches``; return the step's mean loss (detached).
+
+    The loss is a mean over *all tokens of the global batch*: each micro-batch contributes
+    ``sum of token losses / tokens in the whole step``. With equal-length windows this is the
+    same as dividing each micro-batch mean by the number of micro-batches, but it stays
+    right when micro-batches carry different numbers of target tokens (masking, packing),
+    where averaging micro-batch means would over-weight the short ones.
+
+    ``step_tokens`` is the number of target tokens in the whole step, known in advance
+    from the batch geometry, so each backward can be issued as soon as its micro-batch
+    is done without holding activations for the others. A micro-batch is ``(x, y)`` or
+    ``(x, y, doc_ids)``. The returned loss is the language-model loss only (a model's
+    aux loss -- MoE load balance -- is trained on, not reported in it). ``loss_fn`` is
+    :func:`make_loss_fn`'s (default: the plain one); ``scaler`` scales fp16 losses.
+    ``sync(i)`` is the context micro-batch ``i`` runs in: under data parallelism it holds
+    back the gradient all-reduce until the last micro-batch of the step (``parallel/strategy.py``).
+    Under data parallelism ``step_tokens`` is this rank's share: DDP and FSDP average the
+    ranks' gradients, which turns the ranks' ``sum / local tokens`` into the global mean.
+    """
+    loss_fn = loss_fn or make_loss_fn(model)
+    total = None
+    for i, batch in enumerate(micro_batches):
+        x, y = batch[0], batch[1]
+        doc_ids = batch[2] if len(batch) > 2 else None  # per-document attention (model.doc_mask)
+        with sync(i) if sync is not None else contextlib.nullcontext():
+            with autocast():
+                s, aux = loss_fn(x, y, doc_ids)
+            loss = s / step_tokens
+            if aux is not None:
+                # MoE: the weighted load-balance (+ z) loss of this micro-batch. Its weight is per
+                # micro-batch, so each adds aux * its share of the step's tokens.
+                loss = loss + aux * (y.numel() / step_tokens)
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        total = s.detach() if total is None else total + s.detach()
+    assert total is not None, "a step needs at least one micro-batch"
+    return total / step_tokens
 
 
 def step_values(env: DistEnv, loss: torch.Tensor, grad_norm: torch.Tensor, check_grads: bool,

@@ -23,14 +23,14 @@ import torch
 from flopwise.config import RunConfig
 from flopwise.deps import missing_for_run, require
 from flopwise.fsio import WriteError
+from flopwise.measure.timing import profiler
+from flopwise.parallel.distributed import DistEnv, init_distributed
 from flopwise.train import hooks
 from flopwise.train.describe import describe
-from flopwise.train.distributed import DistEnv, init_distributed
 from flopwise.train.record import TrainResult
 from flopwise.train.schedule import lr_for_step
 from flopwise.train.setup import Run, setup
 from flopwise.train.stopping import SignalStop, ignore_sigterm, stop_reason, stop_votes
-from flopwise.train.timing import profiler
 from flopwise.train.train_step import PendingStep, settle, train_step
 
 Log = Callable[[str], None]
@@ -41,7 +41,7 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False,
     """Train ``cfg`` in ``train.run_dir``: a new run, or the resumption of the run there.
 
     Under ``torchrun`` every rank calls this; they train in lockstep and rank 0 alone logs
-    and writes the run's files (``train/distributed.py``, ``train/parallel.py``). ``clock``
+    and writes the run's files (``parallel/distributed.py``, ``parallel/strategy.py``). ``clock``
     (seconds) is what ``train.max_hours`` and a time-fitted schedule are measured by."""
     require(missing_for_run(cfg))  # optional packages the config asks for: refused before any work
     t_start = clock()

@@ -1,5 +1,5 @@
 """What is wrapped around the model, in one place and one order (:func:`wrap_for_training`):
-activation checkpointing, then torch.compile, then DDP or FSDP2 (``train/parallel.py``).
+activation checkpointing, then torch.compile, then DDP or FSDP2 (``parallel/strategy.py``).
 The model itself holds none of it, so the same module trains plain, checkpointed,
 compiled or sharded.
 
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from flopwise.parallel.strategy import apply_data_parallel
 from flopwise.plan.flops import checkpointed_blocks
-from flopwise.train.parallel import apply_data_parallel
 
 if TYPE_CHECKING:
     from flopwise.model.transformer import Transformer
@@ -57,7 +57,7 @@ def wrap_model(model: Transformer, train_cfg) -> list[str]:
     """Checkpointing, then per-block compile, in place; returns notes for the log.
 
     ``compile=model`` is applied by the training step to its whole loss function (the
-    model's forward, the LM head and the loss in one graph), see ``train/step.py``.
+    model's forward, the LM head and the loss in one graph), see ``train/train_step.py``.
     ``compile=blocks`` compiles each block with ``nn.Module.compile`` (in place: names
     unchanged); identical blocks share one compiled graph.
     """

@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 import flopwise.model.moe as moe
 import flopwise.model.transformer as transformer
-import flopwise.train.parallel as parallel
+import flopwise.parallel.strategy as parallel
 import flopwise.train.precision as precision
 import flopwise.train.setup as setup
 

@@ -39,14 +39,14 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from flopwise.config import ConfigError, RunConfig, batch_split_problems, load_run_config
+from flopwise.parallel.diloco import DiLoCo, Groups
+from flopwise.parallel.distributed import DistEnv
+from flopwise.parallel.strategy import diloco_strategy, resolve_strategy
 from flopwise.plan.budget import memory_settings_for_run
 from flopwise.plan.flops import attention_flops_per_token, param_counts, recompute_flops_per_token, recomputed_fraction
 from flopwise.plan.memory import estimate
 from flopwise.train import train_step as train_step_module
 from flopwise.train.defaults import resolve_speed
-from flopwise.train.diloco import DiLoCo, Groups
-from flopwise.train.distributed import DistEnv
-from flopwise.train.parallel import diloco_strategy, resolve_strategy
 from flopwise.train.precision import resolve as resolve_precision
 from flopwise.train.setup import build_step
 from flopwise.train.train_step import StepOnly

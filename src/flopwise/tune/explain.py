@@ -9,12 +9,12 @@ import torch
 
 from flopwise.config import RunConfig
 from flopwise.model import build_model, configure_attention
+from flopwise.model.loss import make_loss_fn
+from flopwise.parallel.distributed import resolve_device
 from flopwise.train.defaults import resolve_speed
-from flopwise.train.distributed import resolve_device
 from flopwise.train.precision import autocast_factory
 from flopwise.train.precision import resolve as resolve_precision
 from flopwise.train.setup import open_data, train_loader
-from flopwise.train.step import make_loss_fn
 from flopwise.train.wrap import apply_activation_checkpointing, explain
 
 

@@ -1,5 +1,5 @@
 """The one rule that picks among timed configurations, for the micro-batch search and the
-ladder's micro-batch and checkpointing rungs alike (``train/preflight.py``, ``train/ladder.py``).
+ladder's micro-batch and checkpointing rungs alike (``tune/preflight.py``, ``tune/ladder.py``).
 
 A :class:`Trial` is one configuration's timing: the median of its windows' tokens/s and that
 median's noise (:func:`median_spread`). :func:`choose` takes the fastest when it leads every

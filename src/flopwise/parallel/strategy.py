@@ -14,7 +14,7 @@
   the master copy). ``parallel.reshard_after_forward=false`` keeps gathered blocks until
   backward (less communication, more memory).
 - ``diloco``: worker groups that train apart for ``parallel.inner_steps`` steps and
-  all-reduce the change once (``train/diloco.py``); inside a group ``parallel.inner_strategy``
+  all-reduce the change once (``parallel/diloco.py``); inside a group ``parallel.inner_strategy``
   (ddp or fsdp2) over the group's own process group (``DistEnv.group``).
 - ``auto``: single with one process; otherwise the first of ddp, zero1, fsdp2 whose
   memory model (``plan/memory.py``) fits the GPU, with the reason logged.
@@ -39,11 +39,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from flopwise.config import ConfigError, RunConfig
+from flopwise.parallel.diloco import group_size, layout_problems
+from flopwise.parallel.distributed import DistEnv
 from flopwise.plan.budget import memory_settings_for_run
 from flopwise.plan.memory import estimate
-from flopwise.train.diloco import group_size, layout_problems
-from flopwise.train.distributed import DistEnv
-from flopwise.train.optim import CombinedOptimizer
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -187,9 +186,10 @@ def apply_data_parallel(model: torch.nn.Module, strategy: str, env: DistEnv, dev
     raise ValueError(f"unknown strategy {strategy!r}")
 
 
-def zero1_optimizer(plain: torch.optim.Optimizer | CombinedOptimizer) -> torch.optim.Optimizer:
+def zero1_optimizer(plain: Any) -> torch.optim.Optimizer:
     """A ``ZeroRedundancyOptimizer`` with ``plain``'s parameter groups and hyper-parameters
-    (``plain`` -- built by ``build_optimizer`` and never stepped -- is discarded)."""
+    (``plain`` -- built by ``build_optimizer`` and never stepped -- is discarded). Anything but
+    an AdamW (Muon's combined optimizer included) is refused."""
     from torch.distributed.optim import ZeroRedundancyOptimizer  # lazy: ~1.5 s to import; zero1 only
 
     if not isinstance(plain, torch.optim.AdamW):

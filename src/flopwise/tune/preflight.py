@@ -45,19 +45,18 @@ from flopwise.measure.ceiling import measure_ceiling, step_gemms
 from flopwise.measure.meter import MIN_NOISE, median
 from flopwise.measure.sinks import human
 from flopwise.model import build_model
+from flopwise.parallel.distributed import resolve_device
 from flopwise.plan.budget import memory_settings_for_run
 from flopwise.plan.flops import flops_per_token
 from flopwise.plan.memory import MemorySettings, estimate
 from flopwise.train.checkpoint import save_checkpoint
-from flopwise.train.choice import Trial, choose, label, median_spread, rate, short, tied
-from flopwise.train.defaults import resolve_speed
-from flopwise.train.device import device_peak
-from flopwise.train.distributed import resolve_device
-from flopwise.train.explain import explain_run
-from flopwise.train.ladder import climb, planned_gb, with_settings
+from flopwise.train.defaults import device_peak, resolve_speed
 from flopwise.train.precision import cpu_native_bf16, resolve
 from flopwise.train.trainer import train
-from flopwise.train.trial import failure_status, measure, measure_in_processes, ready_processes
+from flopwise.tune.choice import Trial, choose, label, median_spread, rate, short, tied
+from flopwise.tune.explain import explain_run
+from flopwise.tune.ladder import climb, planned_gb, with_settings
+from flopwise.tune.trial import failure_status, measure, measure_in_processes, ready_processes
 
 Log = Callable[[str], None]
 STARVATION_WARN = 0.05  # waiting for data above 5% of step time deserves a look
@@ -126,10 +125,10 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
               clock: Callable[[], float] = time.perf_counter, world: int = 1, isolation: str = "auto",
               spawn_fn=measure_in_processes, remeasure_rounds: int = REMEASURE_ROUNDS) -> dict[str, Any]:
     """Preflight ``cfg`` on this machine (the module docstring lists the steps). With ``ladder``
-    the micro-batch search is replaced by the optimization ladder (``train/ladder.py``), which
+    the micro-batch search is replaced by the optimization ladder (``tune/ladder.py``), which
     with ``world > 1`` also scales out to that many ranks here; ``isolation`` is how the
     one-rank trials (of the search or of the ladder) are kept apart: ``reset`` (compiler and
-    allocator, in this process), ``process`` (a fresh process each: ``train/trial.py``) or
+    allocator, in this process), ``process`` (a fresh process each: ``tune/trial.py``) or
     ``auto`` (process on CUDA, where an out-of-memory or a crashed kernel must not take the
     next trial's memory or the preflight with it; reset on a CPU, where a process costs more
     than a tiny trial). The search re-measures the trials tied with the fastest
@@ -165,7 +164,7 @@ def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: fl
         torch.cuda.empty_cache()  # the trials' processes share the GPU with this one: hold nothing cached
     # On a GPU the next trial's process imports while one runs (on a CPU that would take the cores being timed)
     ready = ready_processes() if fresh and device.type == "cuda" else contextlib.nullcontext()
-    if ladder:  # 3. every rung, one change at a time (train/ladder.py), the micro-batch among them
+    if ladder:  # 3. every rung, one change at a time (tune/ladder.py), the micro-batch among them
         with ready:
             cfg, best = climb_ladder(cfg, report, device, world, fresh, tokens, warmup, windows, fpt, peak,
                                      memory_gb, headroom, price_per_gpu_hour, budget_minutes, ladder_fp8, measure_fn,

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from flopwise.config import ConfigError, ParallelConfig
-from flopwise.train.distributed import DistEnv
+from flopwise.parallel.distributed import DistEnv
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _CHUNK = 1 << 22  # values per chunk of the drift's float64 sums (32 MiB of temporaries)

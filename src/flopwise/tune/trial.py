@@ -44,11 +44,11 @@ from flopwise.data.prepare import die_with_parent
 from flopwise.errors import FlopwiseError, is_out_of_memory
 from flopwise.fsio import atomic_write
 from flopwise.measure.meter import median
-from flopwise.train.distributed import DistEnv, init_distributed
-from flopwise.train.parallel import resolve_strategy
+from flopwise.measure.timing import StepTimer
+from flopwise.parallel.distributed import DistEnv, init_distributed
+from flopwise.parallel.strategy import resolve_strategy
 from flopwise.train.precision import resolve
 from flopwise.train.setup import build_step, train_loader
-from flopwise.train.timing import StepTimer
 from flopwise.train.train_step import PendingStep, StepOnly, train_step
 
 TRIAL_TIMEOUT_MIN = 10.0  # a collective of a trial that waits longer fails the trial instead of hanging it
@@ -232,7 +232,7 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
     the probe makes a trial cost a compile and a few short steps of the same per-micro-batch
     and per-step work.
 
-    Under ``env`` (a process group: ``train/trial.py`` starts one for an N-rank trial) every
+    Under ``env`` (a process group: ``tune/trial.py`` starts one for an N-rank trial) every
     rank calls this: its share of the batch, the strategy the trainer would resolve
     (``parallel.strategy``, wrapped as the trainer wraps it), the gradients reduced on each
     step's last micro-batch; ``first_loss`` is the first step's loss over all ranks, as the

@@ -18,7 +18,7 @@ default on a GPU, in a fresh process, which is how N-rank options always run), a
 
 - it is faster than the best so far by more than the noise (the two measurements' spreads
   added, never less than ``MIN_NOISE``) -- for a micro-batch or checkpointing row, it is the
-  one :func:`~flopwise.train.choice.choose` picks of the two, the micro-batch search's rule:
+  one :func:`~flopwise.tune.choice.choose` picks of the two, the micro-batch search's rule:
   beyond the noise the faster, within it no checkpointing first, then on a GPU the larger
   micro-batch, on a CPU the faster median;
 - its first step's loss -- the same initial weights on the same first global batch -- is
@@ -52,14 +52,14 @@ import torch
 from flopwise.config import RunConfig, batch_split_problems, validate
 from flopwise.measure.meter import MIN_NOISE, spread
 from flopwise.model.attention import available_backends, select_backend
+from flopwise.model.loss import fused_linear_cross_entropy_available
+from flopwise.parallel.strategy import incompatibilities
 from flopwise.plan.budget import memory_settings_for_run
 from flopwise.plan.memory import estimate
-from flopwise.train.choice import Trial, choose
-from flopwise.train.losses import fused_linear_cross_entropy_available
-from flopwise.train.parallel import incompatibilities
 from flopwise.train.precision import cpu_native_bf16, fp8_problem
 from flopwise.train.precision import resolve as resolve_precision
-from flopwise.train.trial import failure_status
+from flopwise.tune.choice import Trial, choose
+from flopwise.tune.trial import failure_status
 
 SAME_NUMERICS = 1e-3  # relative first-step loss difference for a change that should not change it
 CHANGED_NUMERICS = 2e-2  # ... for one that changes numerics on purpose (float32 -> bf16)
