@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ from pathlib import Path
 import torch
 from _results import cores as n_cores  # benchmarks/ is on sys.path when a script runs
 from _results import cpu_label, save_result
+from _run import run
 
 from flopwise.model.loss import fused_linear_cross_entropy_available, linear_cross_entropy
 
@@ -153,8 +153,7 @@ def memory_in_child(geometry: int, args) -> tuple[dict, bool]:
     """CPU: run :func:`memory_rows` in a fresh process with the glibc setting applied."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--memory-child", str(geometry),
            "--dtype", args.dtype, "--tokens", str(args.tokens), "--repeats", str(args.memory_repeats)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    rec = json.loads(run(cmd).check().stdout.strip().splitlines()[-1])
     return {k: tuple(v) for k, v in rec["rows"].items()}, rec["malloc_tuned"]
 
 

@@ -45,9 +45,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _run
 import torch
 from _results import cores as n_cores  # benchmarks/ is on sys.path when a script runs
 from _results import cpu_label, save_result
+from _run import group_alive, run
 
 from flopwise.checkpoints import latest_checkpoint
 from flopwise.train.record import code_version  # the git commit and dirty flag a run records
@@ -142,34 +144,10 @@ class Watch:
         return sorted(out)
 
 
-def group_alive(pgid: int) -> list[int]:
-    """Live (not zombie) processes of process group ``pgid``."""
-    alive = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{d}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            alive.append(int(d))
-    return alive
-
-
 def kill_group(proc: subprocess.Popen) -> None:
     """SIGKILL the attempt's whole process group, reap the leader and wait until none is left."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-    deadline = time.perf_counter() + 30
-    while left := group_alive(proc.pid):
-        if time.perf_counter() > deadline:
-            raise RuntimeError(f"processes {left} of the killed run's group are still alive after 30 s")
-        time.sleep(0.01)
+    if left := _run.kill_group(proc, wait_s=30):
+        raise RuntimeError(f"processes {left} of the killed run's group are still alive after 30 s")
 
 
 def run_attempt(cmd: list[str], run_dir: Path, log: Path, plan: dict[str, Any] | None, est: dict[str, float],
@@ -181,6 +159,7 @@ def run_attempt(cmd: list[str], run_dir: Path, log: Path, plan: dict[str, Any] |
     watch = Watch(run_dir)
     t0 = time.perf_counter()
     with open(log, "wb") as out:
+        # not _run.run: an attempt is watched while it runs and killed at a moment of the plan's choosing
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         return _drive(proc, watch, t0, plan, est, rng, watchdog_s)
@@ -374,11 +353,10 @@ def _main(a: argparse.Namespace, rng: random.Random, tmp: Path, logs: Path, code
     # 1. The uninterrupted reference, watched for how long start-up, a step and a save take.
     # A first short run prepares the data cache, so that the reference's start-up is a resume's.
     ref = tmp / "ref"
-    warm = subprocess.run([sys.executable, "-m", "flopwise", "train", *overrides(cache, tmp / "warm", 2)],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if warm.returncode != 0:
+    warm = run([sys.executable, "-m", "flopwise", "train", *overrides(cache, tmp / "warm", 2)])
+    if not warm.ok:
         print(warm.stderr, file=sys.stderr)
-        return fail("the data-preparing warm-up run failed")
+        return fail(f"the data-preparing warm-up run failed ({warm.failure})")
     shutil.rmtree(tmp / "warm", ignore_errors=True)
     r = run_attempt(cmd(ref), ref, logs / "ref.log", None, {}, rng, watchdog_s=1800)
     if r["outcome"] != "finished" or ckpt_step(latest_checkpoint(ref)) != a.steps:

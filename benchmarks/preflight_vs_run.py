@@ -17,22 +17,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from _results import cores, cpu_label, save_result
+from _run import run
 
 TINY = ["train.log_every=10", "eval.every=0", "eval.sample_tokens=0", "tracking.tensorboard=false",
         "train.checkpoint_every=0"]
 
 
 def flopwise(*args: str, cwd: Path) -> str:
-    proc = subprocess.run([sys.executable, "-m", "flopwise", *args], capture_output=True, text=True, cwd=cwd)
-    if proc.returncode != 0:
-        sys.exit(f"flopwise {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}")
-    return proc.stdout
+    ran = run([sys.executable, "-m", "flopwise", *args], cwd=cwd)
+    if not ran.ok:
+        sys.exit(ran.report(lines=60))
+    return ran.stdout
 
 
 def run_rate(run_dir: Path) -> tuple[float, list[float]]:

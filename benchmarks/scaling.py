@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -35,20 +33,20 @@ from pathlib import Path
 import torch
 from _results import cores as n_cores  # benchmarks/ is on sys.path when a script runs
 from _results import cpu_label, save_result
+from _run import run
 
 
 def launch(nproc: int | None, overrides: list[str], threads: int) -> float:
     """Steady tokens/s of one run (None: one plain process)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = str(threads)
+    env = {"RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None, "OMP_NUM_THREADS": str(threads)}
     if nproc is None:
         cmd = [sys.executable, "-m", "flopwise", "train", *overrides]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "flopwise", "train", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
-    if proc.returncode != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    ran = run(cmd, env=env, timeout_s=3600)
+    if not ran.ok:
+        raise SystemExit(f"{ran.report(lines=60)}\ncommand: {' '.join(cmd)}")
     run_dir = next(o.split("=", 1)[1] for o in overrides if o.startswith("train.run_dir="))
     return float(json.loads((Path(run_dir) / "run.json").read_text())["result"]["tok_per_s"])
 

@@ -46,13 +46,13 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 from _results import cores as n_cores  # benchmarks/ is on sys.path when a script runs
 from _results import save_result
+from _run import run
 
 from flopwise.config import build_config
 from flopwise.data.datadir import open_data_dir
@@ -208,12 +208,11 @@ def run_child(contender, size, args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--contender", contender, "--size", size,
            "--preset", args.preset, "--compile", args.compile, "--precision", args.precision, "--rounds", str(args.rounds),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--overrides", *args.overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
+    ran = run(cmd)
+    for line in ran.stdout.splitlines():
         if line.startswith(MARK):
             return json.loads(line[len(MARK):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or [""]
-    return {"skipped": f"process exited {proc.returncode}: {tail[0][:300]}"}
+    return {"skipped": f"process exited {ran.rc}: {ran.last_line[:300]}"}
 
 
 def config_for(args, size, use_compile):

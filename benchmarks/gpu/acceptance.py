@@ -28,14 +28,11 @@ fails in the first second, before any GPU time is spent.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
 import platform
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +42,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _run import run  # noqa: E402 - benchmarks/_run.py, the one subprocess runner
+
 RESULTS = ROOT / "benchmarks" / "results"
 TOTAL_BUDGET_S = 25 * 60  # the whole list on one H100
 STEP_LIMIT_S = 9 * 60  # each step: a device call is at most 10 minutes
@@ -315,23 +315,17 @@ def run_step(s: Step, ctx: Context, cuda: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
     stdout = ""
     if s.argv:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+        env = {"PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-        # its own process group: a timeout ends its children too (torchrun ranks, compile workers)
-        proc = subprocess.Popen(s.argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
-        try:
-            stdout, stderr = proc.communicate(timeout=s.timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            return {**rec, "status": "failed", "reason": f"timed out after {s.timeout_s}s",
-                    "wall_s": round(time.perf_counter() - t0, 1), "stdout_tail": (out or "").splitlines()[-15:]}
-        rec["wall_s"] = round(time.perf_counter() - t0, 1)
-        if proc.returncode != 0:
-            return {**rec, "status": "failed", "reason": f"exit {proc.returncode}",
-                    "stdout_tail": stdout.splitlines()[-15:], "stderr_tail": stderr.splitlines()[-25:]}
+        ran = run(s.argv, env=env, cwd=ROOT, timeout_s=s.timeout_s)  # a timeout ends torchrun ranks, compile workers
+        if ran.timed_out:
+            return {**rec, "status": "failed", "reason": ran.reason, "wall_s": round(ran.elapsed_s, 1),
+                    "stdout_tail": ran.stdout.splitlines()[-15:]}
+        rec["wall_s"] = round(ran.elapsed_s, 1)
+        if not ran.ok:
+            return {**rec, "status": "failed", "reason": ran.reason,
+                    "stdout_tail": ran.stdout.splitlines()[-15:], "stderr_tail": ran.stderr.splitlines()[-25:]}
+        stdout = ran.stdout
     try:
         measured = s.parse(ctx, stdout) if s.parse else {}
     except Exception as e:  # noqa: BLE001 -- recorded, the next step runs
@@ -446,9 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available()
     name, tag, versions = device_info()
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001
+        commit = run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, timeout_s=10).stdout.strip()
+    except OSError:  # no git here
         commit = ""
     ctx = Context(work=work, results={"_started": {"t": time.time()}})
     doc: dict[str, Any] = {"benchmark": "gpu_acceptance", "date": date.today().isoformat(), "device": name,

@@ -28,15 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
-import time
 from datetime import date
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1])]
+from _run import run  # noqa: E402 - benchmarks/_run.py
 from acceptance import RESULTS, ROOT, Context, device_info, parse_train  # noqa: E402
 
 QUIET = ["eval.every=0", "eval.sample_tokens=0", "eval.batches=2", "train.log_every=5", "tracking.tensorboard=false",
@@ -44,17 +43,6 @@ QUIET = ["eval.every=0", "eval.sample_tokens=0", "eval.batches=2", "train.log_ev
 # What people reached by hand, quoted by the issue (different models and machines: context, not a target).
 HAND_TUNED = {"transformers loop, 1 GPU, after flex attention, pinned memory, pre-tokenized data, fused AdamW":
               "63.6K tok/s (from 44.9K)", "nanoGPT-style climb": "15% MFU fp32 -> ~85% of the GPU's ceiling"}
-
-
-def run(argv: list[str], log: Path) -> tuple[str, float]:
-    """Run ``argv`` from the repository root; its output (also in ``log``) and seconds. Raises on failure."""
-    t0 = time.perf_counter()
-    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
-    log.write_text(proc.stdout + proc.stderr)
-    if proc.returncode:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-5:])
-        raise RuntimeError(f"{' '.join(argv[2:5])} exited {proc.returncode}:\n{tail}")
-    return proc.stdout, time.perf_counter() - t0
 
 
 def summarize(ladder: dict[str, Any], defaults: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -119,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     flopwise = [sys.executable, "-m", "flopwise"]
 
     def defaults_phase() -> dict[str, Any]:
-        _, doc["defaults_s"] = run([*flopwise, "train", "--preset", args.preset, *common, *steps,
-                                    f"train.run_dir={ctx.run_dir('defaults')}"], work / "defaults.log")
+        ran = run([*flopwise, "train", "--preset", args.preset, *common, *steps,
+                   f"train.run_dir={ctx.run_dir('defaults')}"], cwd=ROOT, log=work / "defaults.log").check(lines=5)
+        doc["defaults_s"] = ran.elapsed_s
         parsed = parse_train(ctx, "", "defaults")
         doc["defaults"] = {k: parsed.get(k) for k in ("tok_per_s", "mfu", "mem_peak_gb", "startup")}
         return parsed
@@ -128,16 +117,19 @@ def main(argv: list[str] | None = None) -> int:
     pf = work / "preflight"
 
     def ladder_phase() -> dict[str, Any]:
-        out, doc["ladder_s"] = run([*flopwise, "preflight", "--ladder", "--preset", args.preset, *common,
-                                    "--budget-minutes", f"{args.budget_minutes:g}", "--out", str(pf)],
-                                   work / "ladder.log")
-        doc["ladder_log"] = [ln for ln in out.splitlines() if ln.startswith(("ladder:", "preflight: measured ceiling"))]
+        ran = run([*flopwise, "preflight", "--ladder", "--preset", args.preset, *common,
+                   "--budget-minutes", f"{args.budget_minutes:g}", "--out", str(pf)],
+                  cwd=ROOT, log=work / "ladder.log").check(lines=5)
+        doc["ladder_s"] = ran.elapsed_s
+        doc["ladder_log"] = [ln for ln in ran.stdout.splitlines()
+                             if ln.startswith(("ladder:", "preflight: measured ceiling"))]
         doc["ladder"] = json.loads((pf / "preflight.json").read_text())["ladder"]
         return doc["ladder"]
 
     def after_phase() -> dict[str, Any]:
-        _, doc["after_s"] = run([*flopwise, "train", "--config", str(pf / "preflight.yaml"), *steps, *QUIET,
-                                 f"train.run_dir={ctx.run_dir('after')}"], work / "after.log")
+        ran = run([*flopwise, "train", "--config", str(pf / "preflight.yaml"), *steps, *QUIET,
+                   f"train.run_dir={ctx.run_dir('after')}"], cwd=ROOT, log=work / "after.log").check(lines=5)
+        doc["after_s"] = ran.elapsed_s
         parsed = parse_train(ctx, "", "after")
         doc["after"] = {k: parsed.get(k) for k in ("tok_per_s", "mfu", "mem_peak_gb", "startup")}
         return parsed

@@ -1,9 +1,13 @@
 """benchmarks/gpu/acceptance.py, on CPU: its step list is valid data (every override set builds a
-config, the timeouts fit the device's limits) and without CUDA it skips every step and exits 0."""
+config, the timeouts fit the device's limits) and without CUDA it skips every step and exits 0.
+Also the ladder benchmark's summary and benchmarks/_run.py, the runner both (and every benchmark) use."""
 
 import importlib.util
 import json
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,3 +104,77 @@ def test_the_ladder_benchmark_reports_the_issues_figures_from_its_three_parts():
     assert s["goal_within_5pct"] is False and s["goal_within_15_min"] is True  # 6.7% below the ladder
     assert s["kept"] == ["compile: train.compile=model"]
     assert mod.summarize({**ladder, "spent_minutes": 16}, {}, {"tok_per_s": 59_000.0})["goal_within_15_min"] is False
+
+
+@pytest.fixture(scope="module")
+def bench_run():
+    """benchmarks/_run.py, the subprocess runner every benchmark (acceptance and ladder too) uses."""
+    spec = importlib.util.spec_from_file_location("_run", ROOT / "benchmarks" / "_run.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["_run"] = mod  # dataclasses resolve their module's annotations through sys.modules
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop("_run", None)
+
+
+def test_the_runner_keeps_stdout_apart_streams_a_log_and_changes_the_env(bench_run, tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOPWISE_BENCH_GONE", "x")
+    code = ("import os, sys; print(os.environ.get('FLOPWISE_BENCH_SET'), os.environ.get('FLOPWISE_BENCH_GONE'));"
+            "print('to stderr', file=sys.stderr)")
+    ran = bench_run.run([sys.executable, "-c", code], env={"FLOPWISE_BENCH_SET": "1", "FLOPWISE_BENCH_GONE": None},
+                        log=tmp_path / "logs" / "child.log")
+    assert ran.ok and ran.rc == 0 and ran.failure == "" and ran.elapsed_s > 0
+    assert ran.stdout == "1 None\n" and ran.stderr == "to stderr\n"
+    assert sorted((tmp_path / "logs" / "child.log").read_text().splitlines()) == ["1 None", "to stderr"]
+
+
+def test_the_runner_says_in_one_line_why_a_command_failed(bench_run):
+    ran = bench_run.run([sys.executable, "-c", "import sys; print('working'); sys.exit('boom: bad config')"])
+    assert ran.rc == 1 and ran.reason == "exit 1" and not ran.timed_out
+    assert ran.failure.endswith(": exit 1: boom: bad config") and "\n" not in ran.failure
+    with pytest.raises(bench_run.RunFailed) as e:
+        ran.check(lines=5)
+    first, *tail = str(e.value).splitlines()  # the line, then the last lines of output (two pipes: either order)
+    assert first == ran.failure and sorted(tail) == ["boom: bad config", "working"]
+
+
+def test_a_timeout_kills_the_commands_whole_process_group(bench_run, tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    ran = bench_run.run(["bash", "-c", f"sleep 60 & echo $! > {pid_file}; echo started; wait"], timeout_s=1)
+    assert ran.timed_out and ran.rc is None and ran.stdout == "started\n"
+    assert ran.reason == "timed out after 1s" and ran.failure.endswith(": timed out after 1s")
+    assert ran.elapsed_s < 30
+    assert _gone(int(pid_file.read_text()))  # the background sleep went with it
+
+
+def test_a_sigterm_to_the_benchmark_ends_the_command_it_runs(tmp_path):
+    """The command has a session of its own: ``timeout``'s SIGTERM to our group would not reach it."""
+    pid_file = tmp_path / "grandchild.pid"
+    script = (f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); from _run import run; "
+              f"run(['bash', '-c', 'sleep 60 & echo $! > {pid_file}; wait'])")
+    bench = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text().strip()):
+        assert bench.poll() is None and time.monotonic() < deadline, "the command never started"
+        time.sleep(0.05)
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+    assert _gone(int(pid_file.read_text()))
+
+
+def test_a_timeout_also_ends_a_command_that_its_command_ran_through_the_runner(bench_run, tmp_path):
+    """acceptance runs vs_hf.py, which runs its contenders: each in a session of its own."""
+    pid_file = tmp_path / "grandchild.pid"
+    script = (f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); from _run import run; "
+              f"run(['bash', '-c', 'sleep 60 & echo $! > {pid_file}; wait'])")
+    deadline = time.monotonic() + 60
+    ran = None
+    while not (pid_file.exists() and pid_file.read_text().strip()) and time.monotonic() < deadline:
+        ran = bench_run.run([sys.executable, "-c", script], timeout_s=3)  # a loaded machine may need a retry
+    assert ran is not None and ran.timed_out
+    assert _gone(int(pid_file.read_text()))
+
+
+def _gone(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    return not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
