@@ -36,7 +36,7 @@ from _results import cpu_label, save_result
 from flopwise.config import build_config
 from flopwise.data.builtin import prepare_builtin
 from flopwise.data.datadir import DataDir
-from flopwise.data.loader import make_loader
+from flopwise.data.loader import LoaderOptions, make_loader
 from flopwise.model import build_model
 from flopwise.train.train_step import forward_backward
 
@@ -129,15 +129,15 @@ def main() -> int:
 
         # -- 1. assembly throughput
         for mode in ("random", "epoch"):
-            probe = make_loader(mode, dd, "train", seq, mb, seed=0)
+            probe = make_loader(mode, dd, "train", LoaderOptions(seq, mb, seed=0))
             plans = [probe._draw() for _ in range(n_batches)]  # the windows the loader will read
             plain_slicing(shards, plans, seq, device)  # touch the pages once: every row then reads warm
             base = min(plain_slicing(shards, plans, seq, device) for _ in range(args.repeats))
             row(geometry=geo, measure="assembly", what=f"baseline: numpy slicing ({mode} windows)",
                 tok_per_s=n_batches * tokens / base, seconds=base, batches=n_batches, ratio=1.0)
             for prefetch in (False, True):
-                sec = min(loader_time(lambda: make_loader(mode, dd, "train", seq, mb, seed=0, device=device,
-                                                          prefetch=prefetch), n_batches, device)
+                opts = LoaderOptions(seq, mb, seed=0, device=device, prefetch=prefetch)
+                sec = min(loader_time(lambda: make_loader(mode, dd, "train", opts), n_batches, device)
                           for _ in range(args.repeats))
                 row(geometry=geo, measure="assembly", what=f"{mode} loader, prefetch {'on' if prefetch else 'off'}",
                     mode=mode, prefetch=prefetch, tok_per_s=n_batches * tokens / sec, seconds=sec,
@@ -148,7 +148,7 @@ def main() -> int:
         # load from elsewhere on the machine does not land on one configuration only.
         mcfg = dataclasses.replace(cfg.model, max_seq_len=max(seq, cfg.model.max_seq_len))
         model = build_model(mcfg, device=device, seed=0)
-        pre = make_loader("random", dd, "train", seq, mb, seed=0, device=device)
+        pre = make_loader("random", dd, "train", LoaderOptions(seq, mb, seed=0, device=device))
         ready = [pre.next_batch() for _ in range(steps + 1)]
         best: dict[tuple, tuple[float, float]] = {}
         for _ in range(args.rounds):
@@ -157,7 +157,8 @@ def main() -> int:
                     it = iter(ready)
                     wait, total = step_times(model, lambda: next(it), steps, tokens, device)
                 else:
-                    loader = make_loader(key[0], dd, "train", seq, mb, seed=0, device=device, prefetch=key[1])
+                    opts = LoaderOptions(seq, mb, seed=0, device=device, prefetch=key[1])
+                    loader = make_loader(key[0], dd, "train", opts)
                     wait, total = step_times(model, loader.next_batch, steps, tokens, device)
                     loader.close()
                 if key not in best or total < best[key][1]:

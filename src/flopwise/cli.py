@@ -507,11 +507,14 @@ def cmd_preflight(args: argparse.Namespace) -> int:
         raise ConfigError(["--gpu, --nnodes and --json go with --dry-run (a preflight without it measures the "
                            "device at hand)"])
     from flopwise.tune.preflight import preflight  # lazy: torch
+    from flopwise.tune.request import TuneRequest  # lazy: torch
 
-    preflight(cfg, tokens=args.tokens, hours=args.hours, memory_gb=args.memory_gb, headroom=args.headroom,
-              warmup=args.warmup, steps=args.steps, price_per_gpu_hour=args.price_per_gpu_hour, out_dir=args.out,
-              log=lambda s: print(s, flush=True), ladder=args.ladder, budget_minutes=args.budget_minutes,
-              ladder_fp8=args.ladder_fp8, world=args.nproc_per_node, isolation=args.isolation)
+    request = TuneRequest(ladder=args.ladder, ladder_fp8=args.ladder_fp8, tokens=args.tokens, hours=args.hours,
+                          price_per_gpu_hour=args.price_per_gpu_hour, memory_gb=args.memory_gb,
+                          headroom=args.headroom, warmup=args.warmup, steps=args.steps,
+                          budget_minutes=args.budget_minutes, isolation=args.isolation, world=args.nproc_per_node,
+                          out_dir=args.out, log=lambda s: print(s, flush=True))
+    preflight(cfg, request)
     return 0
 
 
@@ -560,16 +563,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
             close = difflib.get_close_matches(name, list(TASKS), n=1, cutoff=0.8)
             if name not in TASKS and close:
                 log(f"eval: {name!r} is a custom task (read from {task_paths[name]}); did you mean {close[0]!r}?")
-    kwargs = dict(data=args.data, other_data=args.other_data, tasks=tasks, task_paths=task_paths, limit=args.limit,
-                  windows=args.windows,
-                  seq_len=args.seq_len, batch_size=args.batch_size, device=args.device)
+    options = runner.EvalOptions(data=args.data, other_data=args.other_data, tasks=tasks, task_paths=task_paths,
+                                 limit=args.limit, windows=args.windows, seq_len=args.seq_len,
+                                 batch_size=args.batch_size, device=args.device)
     if args.watch:
-        n = runner.watch(args.source, poll_s=args.poll, timeout_s=args.timeout, log=log, **kwargs)
+        n = runner.watch(args.source, options, poll_s=args.poll, timeout_s=args.timeout, log=log)
         log(f"eval: {n} checkpoint(s) evaluated; results in {Path(args.source) / runner.EVALS_FILE}")
         return 0
     src = resolve(args.source)
     log(f"eval: {src.kind} {src.path}")
-    result = runner.evaluate(args.source, log=log, **kwargs)
+    result = runner.evaluate(args.source, options, log=log)
     if src.kind != "hf":
         run_dir = src.path.parent.parent
         runner.record(run_dir, result)
@@ -582,7 +585,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from flopwise import load  # lazy: torch
     from flopwise.data.tokenizer import special_ids  # lazy: numpy
-    from flopwise.evaluate.generate import generate  # lazy: torch
+    from flopwise.evaluate.generate import Sampling, generate  # lazy: torch
     from flopwise.model.io import ModelSourceError  # lazy: torch
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
@@ -599,8 +602,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     start = start or [ids["eos_id"]]
     gen = torch.Generator(device="cpu").manual_seed(args.seed)
     prompt = torch.tensor([start] * args.num_samples, device=device)
-    out = generate(model, prompt, args.max_tokens, model.cfg.max_seq_len, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, generator=gen, eos_id=ids["eos_id"],
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=gen)
+    out = generate(model, prompt, args.max_tokens, model.cfg.max_seq_len, sampling, eos_id=ids["eos_id"],
                    use_cache=not args.no_cache)
     for i, row in enumerate(out.tolist()):
         if args.num_samples > 1:

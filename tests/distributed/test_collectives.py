@@ -200,10 +200,10 @@ def test_every_rank_takes_the_same_decision(case, tmp_path):
 
 def _epoch_samples(env, device, data_path):
     from flopwise.data.datadir import DataDir
-    from flopwise.data.loader import make_loader
+    from flopwise.data.loader import LoaderOptions, make_loader
 
-    loader = make_loader("epoch", DataDir(data_path), "train", 32, 4, seed=5, rank=env.rank,
-                         world_size=env.world_size, step_samples=16)
+    loader = make_loader("epoch", DataDir(data_path), "train",
+                         LoaderOptions(32, 4, seed=5, rank=env.rank, world_size=env.world_size, step_samples=16))
     seen: list[int] = []
     locate = loader.sample_location
 
@@ -279,6 +279,7 @@ def test_a_nan_on_one_rank_is_handled_by_every_rank(policy, tiny_overrides, tmp_
 
 def _task_logprobs(env, device, arg):
     from flopwise.data.datadir import DataDir
+    from flopwise.evaluate.loss import Shard
     from flopwise.evaluate.tasks import Example, loglikelihoods
     from flopwise.model import build_model
     from flopwise.parallel.strategy import apply_data_parallel
@@ -296,8 +297,8 @@ def _task_logprobs(env, device, arg):
     whole = loglikelihoods(model, tokenizer, examples, device, batch_size=2)  # every rank, unsharded
     if strategy == "fsdp2":
         apply_data_parallel(model, "fsdp2", env, device, cfg, None)
-    shared = loglikelihoods(model, tokenizer, examples, device, batch_size=2, shard=(env.rank, env.world_size),
-                            reduce=lambda v: env.sum(v, device))
+    shared = loglikelihoods(model, tokenizer, examples, device, batch_size=2,
+                            shard=Shard(env.rank, env.world_size, lambda v: env.sum(v, device)))
     return whole, shared
 
 

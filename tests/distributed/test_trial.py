@@ -9,7 +9,7 @@ import torch
 from flopwise.config import build_config
 from flopwise.data.datadir import open_data_dir
 from flopwise.tune import trial as trial_mod
-from flopwise.tune.trial import TrialError, measure, measure_in_processes, ready_processes
+from flopwise.tune.trial import TrialError, TrialSpec, measure, measure_in_processes, ready_processes
 
 CPU = torch.device("cpu")
 
@@ -23,8 +23,8 @@ def cfg(tiny_overrides):
 
 
 def test_a_trial_in_a_fresh_process_measures_what_the_same_trial_here_does(cfg):
-    here = measure(cfg, 8, "none", warmup=1, steps=3, device=CPU)
-    there = measure_in_processes(cfg, 8, "none", warmup=1, steps=3, device=CPU)
+    here = measure(cfg, TrialSpec(8, "none", warmup=1, steps=3), CPU)
+    there = measure_in_processes(cfg, TrialSpec(8, "none", warmup=1, steps=3), CPU)
     assert there["world"] == 1 and there["strategy"] == "single" and len(there["tok_per_s_windows"]) == 3
     assert there["first_loss"] == pytest.approx(here["first_loss"], rel=1e-6), (there["first_loss"], here["first_loss"])
     json.dumps(there)  # it came back as JSON, and is one
@@ -37,8 +37,8 @@ def test_a_two_rank_trial_trains_on_the_same_global_batch_as_one_rank(cfg, strat
     so the ranks' mean first-step loss is the one-rank loss: the N-rank rung measures the same
     training, under each strategy, as its numerics check assumes."""
     cfg.parallel.strategy = strategy
-    one = measure(cfg, 8, "none", warmup=1, steps=3, device=CPU)
-    two = measure_in_processes(cfg, 8, "none", warmup=1, steps=3, device=CPU, world=2)
+    one = measure(cfg, TrialSpec(8, "none", warmup=1, steps=3), CPU)
+    two = measure_in_processes(cfg, TrialSpec(8, "none", warmup=1, steps=3), CPU, world=2)
     assert two["world"] == 2 and two["strategy"] == strategy
     rel = abs(two["first_loss"] - one["first_loss"]) / abs(one["first_loss"])
     assert rel < 1e-5, f"2 ranks {two['first_loss']!r} vs 1 rank {one['first_loss']!r}: {rel:.2e} relative"
@@ -48,14 +48,14 @@ def test_a_two_rank_trial_trains_on_the_same_global_batch_as_one_rank(cfg, strat
 @pytest.mark.slow
 def test_auto_resolves_in_the_ranks_as_the_trainer_would(cfg):
     cfg.parallel.strategy = "auto"
-    two = measure_in_processes(cfg, 8, "none", warmup=1, steps=3, device=CPU, world=2)
+    two = measure_in_processes(cfg, TrialSpec(8, "none", warmup=1, steps=3), CPU, world=2)
     assert two["strategy"] == "ddp"  # CPU ranks: no memory limit to plan against
 
 
 def test_a_failing_trial_says_why_in_one_line(cfg, tmp_path):
     cfg.data.path = str(tmp_path / "no-such-data")
     with pytest.raises(TrialError) as err:
-        measure_in_processes(cfg, 8, "none", warmup=1, steps=3, device=CPU, world=2)
+        measure_in_processes(cfg, TrialSpec(8, "none", warmup=1, steps=3), CPU, world=2)
     message = str(err.value)  # the ranks' exception, not the spawn machinery's report around it
     assert "\n" not in message and "Traceback" not in message and "no-such-data" in message, message
 
@@ -64,7 +64,7 @@ def test_a_trial_past_its_time_is_stopped_and_leaves_no_process(cfg):
     import multiprocessing
 
     with pytest.raises(TrialError, match=r"stopped after 3 s: the time budget ran out"):
-        measure_in_processes(cfg, 8, "none", warmup=100_000, steps=3, device=CPU, world=2, timeout_s=3)
+        measure_in_processes(cfg, TrialSpec(8, "none", warmup=100_000, steps=3), CPU, world=2, timeout_s=3)
     assert multiprocessing.active_children() == []
 
 
@@ -73,10 +73,10 @@ def test_a_one_rank_trial_that_fails_or_runs_past_its_time_says_so_and_leaves_no
 
     bad = build_config(overrides=[f"data.path={tmp_path / 'no-such-data'}", "train.compile=off"])
     with pytest.raises(TrialError) as err:
-        measure_in_processes(bad, 8, "none", warmup=1, steps=3, device=CPU)
+        measure_in_processes(bad, TrialSpec(8, "none", warmup=1, steps=3), CPU)
     assert "\n" not in str(err.value) and "no-such-data" in str(err.value), str(err.value)
     with pytest.raises(TrialError, match=r"stopped after 3 s: the time budget ran out"):
-        measure_in_processes(cfg, 8, "none", warmup=100_000, steps=3, device=CPU, timeout_s=3)
+        measure_in_processes(cfg, TrialSpec(8, "none", warmup=100_000, steps=3), CPU, timeout_s=3)
     assert multiprocessing.active_children() == []
 
 
@@ -86,12 +86,12 @@ def test_the_next_trials_process_is_made_ready_while_one_runs_and_closed_at_the_
     nothing left running after."""
     import multiprocessing
 
-    here = measure(cfg, 8, "none", warmup=1, steps=3, device=CPU)
+    here = measure(cfg, TrialSpec(8, "none", warmup=1, steps=3), CPU)
     with ready_processes():
-        first = measure_in_processes(cfg, 8, "none", warmup=1, steps=3, device=CPU)
+        first = measure_in_processes(cfg, TrialSpec(8, "none", warmup=1, steps=3), CPU)
         waiting = [p.proc.pid for p in trial_mod._ready]
         assert len(waiting) == 1 and multiprocessing.active_children()  # the next one, already started
-        second = measure_in_processes(cfg, 8, "none", warmup=1, steps=3, device=CPU)
+        second = measure_in_processes(cfg, TrialSpec(8, "none", warmup=1, steps=3), CPU)
         assert waiting[0] not in [p.proc.pid for p in trial_mod._ready]  # the second trial ran in it
     for there in (first, second):
         assert there["first_loss"] == pytest.approx(here["first_loss"], rel=1e-6)

@@ -7,7 +7,7 @@ import torch
 from flopwise.config import build_config
 from flopwise.data.datadir import open_data_dir
 from flopwise.tune.ladder import rungs
-from flopwise.tune.trial import measure, measure_in_processes
+from flopwise.tune.trial import TrialSpec, measure, measure_in_processes
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 CUDA = torch.device("cuda:0")
@@ -22,8 +22,8 @@ def cfg(tiny_overrides):
 
 
 def test_a_cuda_trial_here_and_in_a_fresh_process_measure_the_same_step(cfg):
-    here = measure(cfg, 8, "none", warmup=1, steps=3, device=CUDA)
-    there = measure_in_processes(cfg, 8, "none", warmup=1, steps=3, device=CUDA, timeout_s=300)
+    here = measure(cfg, TrialSpec(8, "none", warmup=1, steps=3), CUDA)
+    there = measure_in_processes(cfg, TrialSpec(8, "none", warmup=1, steps=3), CUDA, timeout_s=300)
     assert here["peak_gb"] > 0 and there["peak_gb"] > 0
     assert there["first_loss"] == pytest.approx(here["first_loss"], rel=1e-3), (there, here)
 

@@ -40,10 +40,10 @@ _CLI = "sys.argv = ['flopwise'] + sys.argv[1:]\nrunpy.run_module('flopwise', run
 _TRIAL = """
 import json
 from flopwise.config import build_config
-from flopwise.tune.trial import TrialError, failure_status, measure_in_processes
+from flopwise.tune.trial import TrialError, TrialSpec, failure_status, measure_in_processes
 cfg = build_config(overrides=sys.argv[1:])
 try:
-    measure_in_processes(cfg, 8, "none", warmup=1, steps=2, device=torch.device("cpu"))
+    measure_in_processes(cfg, TrialSpec(8, "none", warmup=1, steps=2), torch.device("cpu"))
     print(json.dumps({"status": "ok"}))
 except TrialError as e:
     print(json.dumps({"status": failure_status(e), "message": str(e)}))

@@ -9,12 +9,14 @@ import torch
 from flopwise.cli import main as cli_main
 from flopwise.config import build_config
 from flopwise.tune.preflight import preflight
-from flopwise.tune.trial import measure
+from flopwise.tune.request import TuneRequest
+from flopwise.tune.trial import TrialSpec, measure
 
 
 def fake_measure(speeds, oom_from=None):
     """A stand-in for timing: tokens/s per micro-batch; an OOM (as CUDA raises it) from a size on."""
-    def run(cfg, micro_batch, checkpointing, warmup, steps, device):
+    def run(cfg, spec, device):
+        micro_batch, checkpointing = spec.micro_batch, spec.checkpointing
         if oom_from and micro_batch >= oom_from and checkpointing == "none":
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return {"tok_per_s": speeds[micro_batch] * (0.8 if checkpointing == "full" else 1.0), "peak_gb": None,
@@ -28,8 +30,8 @@ def test_search_skips_what_cannot_fit_catches_oom_and_picks_the_fastest(tiny_ove
     speeds = {1: 100.0, 2: 180.0, 4: 300.0, 8: 350.0, 16: 400.0}
     # The planner puts micro-batch 16 at ~0.020 GiB without checkpointing and ~0.010 with it:
     # a 0.015 GiB device fits 16 only with checkpointing.
-    report = preflight(cfg, memory_gb=0.015, headroom=1.0, out_dir=tmp_path / "pf",
-                       measure_fn=fake_measure(speeds, oom_from=8), log=lines.append)
+    report = preflight(cfg, TuneRequest(memory_gb=0.015, headroom=1.0, out_dir=tmp_path / "pf",
+                                        measure_fn=fake_measure(speeds, oom_from=8), log=lines.append))
     status = {(t["micro_batch"], t["checkpointing"]): t["status"] for t in report["trials"]}
     assert status[(1, "none")] == status[(2, "none")] == status[(4, "none")] == "ok"
     assert status[(8, "none")] == "oom"  # caught, noted, not fatal
@@ -56,7 +58,8 @@ def test_progress_per_trial_repeated_windows_and_the_simpler_choice_within_noise
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100"])
     asked, order = [], []
 
-    def windows(cfg, micro_batch, checkpointing, warmup, steps, device):
+    def windows(cfg, spec, device):
+        micro_batch, checkpointing, steps = spec.micro_batch, spec.checkpointing, spec.steps
         asked.append(steps)
         order.append((micro_batch, checkpointing))
         base = {1: 100.0, 2: 180.0, 4: 300.0, 8: 300.0, 16: 300.0}[micro_batch]
@@ -67,7 +70,7 @@ def test_progress_per_trial_repeated_windows_and_the_simpler_choice_within_noise
         return {"tok_per_s": rates[1], "tok_per_s_windows": rates, "peak_gb": None, "data_share": 0.01}
 
     lines = []
-    report = preflight(cfg, steps=1, out_dir=tmp_path / "pf", measure_fn=windows, log=lines.append)
+    report = preflight(cfg, TuneRequest(steps=1, out_dir=tmp_path / "pf", measure_fn=windows, log=lines.append))
     assert set(asked) == {3}  # --steps 1 still times three windows: one gives no spread
     # the search (5 sizes without checkpointing, 2 with), then three rounds of the three tied trials
     assert order[7:] == [(4, "none"), (8, "full"), (16, "full")] * 3 and len(order) == 16
@@ -98,14 +101,15 @@ def test_progress_per_trial_repeated_windows_and_the_simpler_choice_within_noise
 def test_nothing_fits_is_a_clear_error(tiny_overrides, tmp_path):
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100"])
     with pytest.raises(RuntimeError, match="no micro-batch fits"):
-        preflight(cfg, memory_gb=0.001, out_dir=tmp_path / "pf", measure_fn=fake_measure({}), log=lambda s: None)
+        preflight(cfg, TuneRequest(memory_gb=0.001, out_dir=tmp_path / "pf", measure_fn=fake_measure({}),
+                                   log=lambda s: None))
 
 
 def test_tuned_config_and_predictions(tiny_overrides, tmp_path):
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100"])
     speeds = {1: 100.0, 2: 180.0, 4: 300.0, 8: 350.0, 16: 320.0}
-    report = preflight(cfg, hours=2.0, price_per_gpu_hour=3.0, out_dir=tmp_path / "pf",
-                       measure_fn=fake_measure(speeds), log=lambda s: None)
+    report = preflight(cfg, TuneRequest(hours=2.0, price_per_gpu_hour=3.0, out_dir=tmp_path / "pf",
+                                        measure_fn=fake_measure(speeds), log=lambda s: None))
     p = report["prediction"]
     assert report["chosen"]["micro_batch_size"] == 8 and p["tok_per_s"] == 350.0
     assert p["tokens"] == int(2.0 * 3600 * 350.0) and p["wall_time_s"] == pytest.approx(p["tokens"] / 350.0)
@@ -118,7 +122,7 @@ def test_tuned_config_and_predictions(tiny_overrides, tmp_path):
 
 def test_real_measurement_and_the_tuned_run_carries_preflight_into_its_report(tiny_overrides, tmp_path):
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=6"])
-    m = measure(cfg, 8, "none", warmup=1, steps=2, device=torch.device("cpu"))
+    m = measure(cfg, TrialSpec(8, "none", warmup=1, steps=2), torch.device("cpu"))
     assert m["tok_per_s"] > 0 and 0 <= m["data_share"] < 1
     assert len(m["tok_per_s_windows"]) == 2 and m["tok_per_s"] == pytest.approx(sum(m["tok_per_s_windows"]) / 2)
     # global batch 8 (4 sizes), as each trial now times 3 windows at least: the test's time stays as it was
@@ -131,8 +135,8 @@ def test_real_measurement_and_the_tuned_run_carries_preflight_into_its_report(ti
 
 def test_max_hours_caps_the_prediction(tiny_overrides, tmp_path):
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=0", "train.max_tokens=1e9", "train.max_hours=1"])
-    report = preflight(cfg, tokens=10**9, out_dir=tmp_path / "pf",
-                       measure_fn=fake_measure({1: 10.0, 2: 20.0, 4: 30.0, 8: 40.0, 16: 50.0}), log=lambda s: None)
+    report = preflight(cfg, TuneRequest(tokens=10**9, out_dir=tmp_path / "pf", log=lambda s: None,
+                                        measure_fn=fake_measure({1: 10.0, 2: 20.0, 4: 30.0, 8: 40.0, 16: 50.0})))
     assert report["stops_at_max_hours"] and report["prediction"]["tokens"] == 3600 * 50
     assert report["prediction"]["hours"] == pytest.approx(1.0)
 
@@ -141,8 +145,8 @@ def test_max_hours_caps_the_prediction(tiny_overrides, tmp_path):
 def test_compile_diagnostics_are_part_of_the_report(tiny_overrides, tmp_path):
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100", "train.compile=blocks"])
     lines = []
-    report = preflight(cfg, out_dir=tmp_path / "pf", measure_fn=fake_measure({1: 1.0, 2: 2.0, 4: 3.0, 8: 4.0,
-                                                                               16: 5.0}), log=lines.append)
+    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", log=lines.append,
+                                        measure_fn=fake_measure({1: 1.0, 2: 2.0, 4: 3.0, 8: 4.0, 16: 5.0})))
     assert report["compile"]["graphs"] >= 1 and "graph_breaks" in report["compile"]
     assert report["end_to_end"]["recompiles"] == []  # fixed shapes: nothing recompiled after warm-up
     assert any(line.startswith("explain: ") for line in lines)
@@ -183,11 +187,11 @@ def test_the_search_times_a_probe_of_a_large_global_batch(tiny_overrides, tmp_pa
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100", "train.global_batch_size=256"])
     probes = []
 
-    def run(cfg, micro_batch, checkpointing, warmup, steps, device, probe_sequences=0):
-        probes.append(probe_sequences)
-        return {"tok_per_s": 100.0 * micro_batch, "peak_gb": None, "data_share": 0.01}
+    def run(cfg, spec, device):
+        probes.append(spec.probe_sequences)
+        return {"tok_per_s": 100.0 * spec.micro_batch, "peak_gb": None, "data_share": 0.01}
 
-    report = preflight(cfg, memory_gb=0.05, out_dir=tmp_path / "pf", measure_fn=run, log=lambda s: None)
+    report = preflight(cfg, TuneRequest(memory_gb=0.05, out_dir=tmp_path / "pf", measure_fn=run, log=lambda s: None))
     assert 0 < report["probe_sequences"] < 256 and set(probes) == {report["probe_sequences"]}
 
 
@@ -198,21 +202,20 @@ def test_the_search_measures_each_size_in_a_fresh_process_when_isolated(tiny_ove
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100"])
     calls = {"here": 0, "spawned": []}
 
-    def here(cfg, micro_batch, checkpointing, warmup, steps, device):
+    def here(cfg, spec, device):
         calls["here"] += 1
-        return {"tok_per_s": 100.0 * micro_batch, "peak_gb": None, "data_share": 0.01}
+        return {"tok_per_s": 100.0 * spec.micro_batch, "peak_gb": None, "data_share": 0.01}
 
-    def spawned(cfg, micro_batch, checkpointing, warmup, steps, device, world=1, timeout_s=None,
-                probe_sequences=0):
-        calls["spawned"].append((micro_batch, world, probe_sequences))
-        return {"tok_per_s": 100.0 * micro_batch, "peak_gb": None, "data_share": 0.01}
+    def spawned(cfg, spec, device, world=1, timeout_s=None):
+        calls["spawned"].append((spec.micro_batch, world, spec.probe_sequences))
+        return {"tok_per_s": 100.0 * spec.micro_batch, "peak_gb": None, "data_share": 0.01}
 
-    report = preflight(cfg, out_dir=tmp_path / "a", measure_fn=here, spawn_fn=spawned, log=lambda s: None,
-                       isolation="process")
+    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "a", measure_fn=here, spawn_fn=spawned, log=lambda s: None,
+                                        isolation="process"))
     assert calls["here"] == 0 and [b for b, _, _ in calls["spawned"]] == [1, 2, 4, 8, 16]
     assert report["isolation"] == "process" and report["chosen"]["micro_batch_size"] == 16
     calls.update(here=0, spawned=[])
-    report = preflight(cfg, out_dir=tmp_path / "b", measure_fn=here, spawn_fn=spawned, log=lambda s: None)
+    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "b", measure_fn=here, spawn_fn=spawned, log=lambda s: None))
     assert calls["here"] == 5 and not calls["spawned"] and report["isolation"] == "reset"
 
 
@@ -221,7 +224,8 @@ def test_an_isolated_search_on_a_cpu_measures_for_real(tiny_overrides, tmp_path)
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100", "train.global_batch_size=8",
                                                    "train.micro_batch_size=4", "train.compile=off"])
     lines = []
-    report = preflight(cfg, steps=3, warmup=1, out_dir=tmp_path / "pf", log=lines.append, isolation="process")
+    report = preflight(cfg, TuneRequest(steps=3, warmup=1, out_dir=tmp_path / "pf", log=lines.append,
+                                        isolation="process"))
     ok = [t for t in report["trials"] if t["status"] == "ok"]
     assert [t["micro_batch"] for t in ok] == [1, 2, 4, 8] and all(t["tok_per_s"] > 0 for t in ok), report["trials"]
     assert report["isolation"] == "process"
@@ -233,12 +237,12 @@ def test_a_float32_preflight_on_a_cpu_with_native_bf16_points_at_the_ladder(tiny
     monkeypatch.setattr("flopwise.tune.preflight.cpu_native_bf16", lambda: native)
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=20"])
 
-    def steady(cfg, micro_batch, checkpointing, warmup, steps, device):
-        rates = [100.0 * micro_batch * f for f in (0.99, 1.0, 1.01)][:steps]
+    def steady(cfg, spec, device):
+        rates = [100.0 * spec.micro_batch * f for f in (0.99, 1.0, 1.01)][:spec.steps]
         return {"tok_per_s": rates[1], "tok_per_s_windows": rates, "peak_gb": None, "data_share": 0.01}
 
     lines = []
-    report = preflight(cfg, steps=1, out_dir=tmp_path / "pf", measure_fn=steady, log=lines.append)
+    report = preflight(cfg, TuneRequest(steps=1, out_dir=tmp_path / "pf", measure_fn=steady, log=lines.append))
     notes = [line for line in lines if "multiplies bf16 natively" in line]
     if native:
         assert report["native_bf16"] == native and len(notes) == 1 and "--ladder" in notes[0], notes

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from flopwise.checkpoints import latest_checkpoint, list_checkpoints
-from flopwise.config import ConfigError, build_config
+from flopwise.config import ConfigError, TrainConfig, build_config
 from flopwise.data.datadir import open_data_dir
-from flopwise.data.loader import make_loader
+from flopwise.data.loader import LoaderOptions, make_loader
 from flopwise.train.stopping import Deadline, NonFiniteError, NonFiniteGuard
 from flopwise.train.trainer import train
 
@@ -40,7 +40,8 @@ def assert_same_weights(a, b):
 def steps_per_epoch(tiny_overrides, extra) -> int:
     cfg = build_config(overrides=tiny_overrides + extra + ["train.max_steps=1"])
     dd = open_data_dir(cfg.data, log=lambda s: None)
-    loader = make_loader("epoch", dd, "train", cfg.train.seq_len, cfg.train.micro_batch_size, seed=cfg.train.seed)
+    t = cfg.train
+    loader = make_loader("epoch", dd, "train", LoaderOptions(t.seq_len, t.micro_batch_size, seed=t.seed))
     return loader.batches_per_epoch // cfg.grad_accum_steps()
 
 
@@ -191,7 +192,7 @@ def test_nonfinite_rollback_reloads_the_checkpoint_and_skips_the_bad_data(tiny_o
 
 
 def test_spike_events():
-    g = NonFiniteGuard("stop", 3, spike_factor=3.0, warmup=3)
+    g = NonFiniteGuard(TrainConfig(nonfinite="stop", nonfinite_patience=3, spike_factor=3.0), warmup=3)
     assert [g.spike(x) for x in (2.0, 2.0, 2.0, 2.0)] == [None] * 4
     assert g.spike(9.0) == pytest.approx(4.5)
 

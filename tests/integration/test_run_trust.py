@@ -23,7 +23,7 @@ import yaml
 import flopwise
 from flopwise.checkpoints import CheckpointError, file_entry, latest_checkpoint, list_checkpoints
 from flopwise.config import ConfigError, build_config
-from flopwise.evaluate.runner import evaluate
+from flopwise.evaluate.runner import EvalOptions, evaluate
 from flopwise.fsio import DirLock, LockedError, atomic_write
 from flopwise.model.io import ModelSourceError, export_consolidated, export_hf
 from flopwise.train.trainer import train
@@ -76,7 +76,7 @@ def loaders(run: Path, cfg_overrides: list[str], tmp: Path):
     """Every way flopwise reads a run: (name, call)."""
     return [
         ("flopwise.load", lambda: flopwise.load(run)),
-        ("eval", lambda: evaluate(run, windows=2, seq_len=32, device="cpu", log=lambda s: None)),
+        ("eval", lambda: evaluate(run, EvalOptions(windows=2, seq_len=32, device="cpu"), log=lambda s: None)),
         ("export hf", lambda: export_hf(run, tmp / "hf", overwrite=True, log=lambda s: None)),
         ("export pt", lambda: export_consolidated(run, tmp / "pt", overwrite=True, log=lambda s: None)),
         ("resume", lambda: train(build_config(overrides=cfg_overrides + ["train.max_steps=3"]), log=lambda s: None)),

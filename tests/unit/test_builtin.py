@@ -19,7 +19,7 @@ from flopwise.data.builtin import (
     split_files,
 )
 from flopwise.data.datadir import DataDir
-from flopwise.data.loader import RandomWindowLoader
+from flopwise.data.loader import LoaderOptions, RandomWindowLoader
 
 MAX_MB = 0.3
 VOCAB = 512
@@ -68,7 +68,7 @@ def test_prepare_layout_and_meta(prepared):
         # one EOS after every document, the last token included
         assert int((tokens == dd.eos_id).sum()) == meta["splits"][split]["documents"]
         assert tokens[-1] == dd.eos_id
-    x, y = RandomWindowLoader(dd, "train", 64, 2, seed=0).next_batch()
+    x, y = RandomWindowLoader(dd, "train", LoaderOptions(64, 2, seed=0)).next_batch()
     assert x.shape == (2, 64)
 
 

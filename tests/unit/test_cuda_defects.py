@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from helpers import assert_weights_close
 
 from flopwise.config import ModelConfig
-from flopwise.evaluate.generate import generate
+from flopwise.evaluate.generate import Sampling, generate
 from flopwise.model import attention as A
 from flopwise.model import build_model
 
@@ -174,7 +174,8 @@ def test_generate_on_fp32_weights_trained_with_flash_falls_back_to_sdpa(flash_on
     model, reference = _tiny_lm(), _tiny_lm()
     model.set_attention_backend("flash")  # what training under bf16 autocast chose
     prompt = torch.randint(0, 96, (2, 5), generator=torch.Generator().manual_seed(0))
-    kw = dict(max_new_tokens=30, max_seq_len=24, temperature=0.0, use_cache=use_cache)  # slides past the window
+    kw = dict(max_new_tokens=30, max_seq_len=24, sampling=Sampling(temperature=0.0),  # slides past the window
+              use_cache=use_cache)
     out = generate(model, prompt, **kw)  # the old code: RuntimeError from the fp32-refusing kernel
     assert torch.equal(out, generate(reference, prompt, **kw))
     assert flash_on_cpu.calls == 0
@@ -186,7 +187,7 @@ def test_generate_keeps_flash_when_it_computes_in_bf16(flash_on_cpu):
     model.set_attention_backend("flash")
     prompt = torch.randint(0, 96, (1, 4), generator=torch.Generator().manual_seed(1))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = generate(model, prompt, max_new_tokens=3, max_seq_len=24, temperature=0.0)
+        out = generate(model, prompt, max_new_tokens=3, max_seq_len=24, sampling=Sampling(temperature=0.0))
     assert out.shape == (1, 7) and flash_on_cpu.calls > 0  # the prompt went through the "flash" kernel
 
 

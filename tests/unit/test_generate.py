@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from flopwise.config import ModelConfig
-from flopwise.evaluate.generate import _pick, generate
+from flopwise.evaluate.generate import Sampling, _pick, generate
 from flopwise.model import build_model
 
 CONFIGS = {
@@ -38,8 +38,8 @@ def test_cache_logits_equal_full_recompute(name):
 def test_greedy_generation_is_the_same_with_and_without_the_cache(name):
     model = build_model(tiny(**CONFIGS[name]), seed=2)
     prompt = torch.randint(0, 96, (3, 5), generator=torch.Generator().manual_seed(1))
-    a = generate(model, prompt, 50, 40, temperature=0)  # runs past max_seq_len: the cache hands over
-    b = generate(model, prompt, 50, 40, temperature=0, use_cache=False)
+    a = generate(model, prompt, 50, 40, Sampling(temperature=0))  # runs past max_seq_len: the cache hands over
+    b = generate(model, prompt, 50, 40, Sampling(temperature=0), use_cache=False)
     assert a.shape == (3, 55) and torch.equal(a, b)
 
 
@@ -48,8 +48,8 @@ def test_sampling_is_deterministic_given_a_seed():
     prompt = torch.randint(0, 96, (2, 4), generator=torch.Generator().manual_seed(2))
 
     def run(seed):
-        return generate(model, prompt, 20, 40, temperature=1.0, top_k=20, top_p=0.9,
-                        generator=torch.Generator().manual_seed(seed))
+        return generate(model, prompt, 20, 40, Sampling(temperature=1.0, top_k=20, top_p=0.9,
+                                                  generator=torch.Generator().manual_seed(seed)))
 
     assert torch.equal(run(7), run(7)) and not torch.equal(run(7), run(8))
 
@@ -57,17 +57,17 @@ def test_sampling_is_deterministic_given_a_seed():
 def test_top_k_and_top_p_restrict_the_candidates():
     logits = torch.tensor([[4.0, 3.0, 2.0, -5.0, -5.0]])
     g = torch.Generator().manual_seed(0)
-    drawn = {int(_pick(logits, 1.0, 2, 1.0, g)) for _ in range(200)}
+    drawn = {int(_pick(logits, Sampling(temperature=1.0, top_k=2, generator=g))) for _ in range(200)}
     assert drawn == {0, 1}
     # probabilities ~ [0.665, 0.245, 0.090, ...]: top_p 0.8 keeps the first two, 0.5 only the first
-    drawn = {int(_pick(logits, 1.0, 0, 0.8, g)) for _ in range(200)}
+    drawn = {int(_pick(logits, Sampling(temperature=1.0, top_p=0.8, generator=g))) for _ in range(200)}
     assert drawn == {0, 1}
-    assert {int(_pick(logits, 1.0, 0, 0.5, g)) for _ in range(50)} == {0}
+    assert {int(_pick(logits, Sampling(temperature=1.0, top_p=0.5, generator=g))) for _ in range(50)} == {0}
 
 
 def test_eos_stops_every_row():
     model = build_model(tiny(), seed=4)
     prompt = torch.zeros(1, 3, dtype=torch.long)
-    first = int(generate(model, prompt, 1, 40, temperature=0)[0, -1])
-    out = generate(model, prompt, 30, 40, temperature=0, eos_id=first)
+    first = int(generate(model, prompt, 1, 40, Sampling(temperature=0))[0, -1])
+    out = generate(model, prompt, 30, 40, Sampling(temperature=0), eos_id=first)
     assert out.shape[1] == 4  # stopped right after producing the EOS

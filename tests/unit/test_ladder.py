@@ -10,6 +10,8 @@ import torch
 from flopwise.config import build_config
 from flopwise.tune.ladder import climb, rungs
 from flopwise.tune.preflight import preflight
+from flopwise.tune.request import Bench, TuneRequest
+from flopwise.tune.trial import TrialSpec
 
 CPU = torch.device("cpu")
 N_RANK_RUNGS = ("ranks", "strategy", "buckets")
@@ -44,6 +46,16 @@ def base(overrides=()):
                                                   "train.micro_batch_size=16", *overrides])
 
 
+def bench(device=CPU, **kw):
+    """Where these climbs run: a model of 1e7 FLOPs a token; no peak or memory limit unless given."""
+    return Bench(device, fpt=1e7, **kw)
+
+
+def ask(**kw):
+    """What these climbs are asked: a run of a million tokens, quiet unless given a log."""
+    return TuneRequest(**{"tokens": 10**6, "log": lambda s: None, **kw})
+
+
 def test_cpu_rungs_are_compile_loss_micro_batch_checkpointing_loader_and_threads(monkeypatch):
     plan = rungs(base(), CPU, [1, 2, 4, 8, 16, 32])
     assert [r[0] for r in plan] == ["compile", "loss", "micro-batch", "checkpointing", "loader", "threads"]
@@ -73,12 +85,10 @@ def test_the_bf16_rung_is_kept_when_faster_within_changed_numerics(monkeypatch):
             return m
         return measure_one
 
-    kept = climb(base(["train.precision=float32"]), measure(9.05), CPU, [16], run_tokens=10**6, fpt=1e7, peak=None,
-                 budget_s=1e9, log=lambda s: None)
+    kept = climb(base(["train.precision=float32"]), measure(9.05), [16], bench(), ask(budget_minutes=1e9 / 60))
     row = next(r for r in kept["rungs"] if r["rung"] == "precision")
     assert row["kept"], row
-    refused = climb(base(["train.precision=float32"]), measure(9.5), CPU, [16], run_tokens=10**6, fpt=1e7, peak=None,
-                    budget_s=1e9, log=lambda s: None)
+    refused = climb(base(["train.precision=float32"]), measure(9.5), [16], bench(), ask(budget_minutes=1e9 / 60))
     row = next(r for r in refused["rungs"] if r["rung"] == "precision")
     assert not row["kept"] and "loss" in row["why"], row
 
@@ -107,7 +117,7 @@ def test_a_trial_computes_with_its_threads_and_gives_them_back(tiny_overrides):
     torch.optim.AdamW.step = step
     try:
         cfg = build_config(overrides=tiny_overrides + ["train.compile=off", "train.threads=1"])
-        measure(cfg, 8, "none", warmup=1, steps=1, device=CPU)
+        measure(cfg, TrialSpec(8, "none", warmup=1, steps=1), CPU)
     finally:
         torch.optim.AdamW.step = real
     assert seen and set(seen) == {1} and torch.get_num_threads() == before
@@ -119,8 +129,7 @@ def test_a_faster_change_is_kept_a_slower_or_noisy_one_is_not():
              ("model", "plain", 16, "none"): 1400.0,  # slower than the kept 1500
              ("model", "chunked", 32, "none"): 1800.0}  # +20% over 1500: kept
     lines = []
-    lad = climb(base(), scripted(rates), CPU, [8, 16, 32], run_tokens=10**6, fpt=1e7, peak=None,
-                log=lines.append)
+    lad = climb(base(), scripted(rates), [8, 16, 32], bench(), ask(log=lines.append))
     kept = [(r["rung"], r["change"]) for r in lad["rungs"] if r["kept"]]
     assert kept == [("compile", "train.compile=model"), ("micro-batch", "train.micro_batch_size=32"),
                     ("confirm", "-")]  # the climbed configuration, measured once more
@@ -138,7 +147,7 @@ def test_a_faster_change_is_kept_a_slower_or_noisy_one_is_not():
 def test_a_faster_change_that_moves_the_first_loss_is_not_the_same_training():
     rates = {("model", "chunked", 16, "none"): 2000.0}
     losses = {("model", "chunked", 16, "none"): 9.05}  # 5.6e-3 relative: beyond 1e-3
-    lad = climb(base(), scripted(rates, losses), CPU, [16], run_tokens=10**6, fpt=1e7, peak=None, log=lambda s: None)
+    lad = climb(base(), scripted(rates, losses), [16], bench(), ask())
     row = next(r for r in lad["rungs"] if r["change"] == "train.compile=model")
     assert not row["kept"] and "first-step loss moved" in row["why"]
 
@@ -152,8 +161,7 @@ def test_checkpointing_is_tried_only_for_micro_batches_that_do_not_fit_without()
         measured.append((cfg.train.micro_batch_size, cfg.train.activation_checkpointing))
         return scripted(rates, oom_from=32)(cfg)
 
-    lad = climb(base(["train.global_batch_size=64"]), measure_one, CPU, [16, 32, 64],
-                run_tokens=10**6, fpt=1e7, peak=None, log=lambda s: None)
+    lad = climb(base(["train.global_batch_size=64"]), measure_one, [16, 32, 64], bench(), ask())
     status = {r["change"]: (r["status"], r["kept"]) for r in lad["rungs"]}
     assert status["train.micro_batch_size=32"] == ("oom", False)
     assert status["train.micro_batch_size=64"] == ("skipped", False)  # 32 did not fit: 64 is not run
@@ -167,8 +175,7 @@ def test_checkpointing_is_tried_only_for_micro_batches_that_do_not_fit_without()
 def test_checkpointing_stops_at_the_first_size_it_does_not_pay_for():
     rates = {("off", "chunked", 32, "selective"): 900.0, ("off", "chunked", 32, "full"): 800.0,
              ("off", "chunked", 64, "selective"): 5000.0}  # never reached
-    lad = climb(base(["train.global_batch_size=64"]), scripted(rates, oom_from=32), CPU, [16, 32, 64],
-                run_tokens=10**6, fpt=1e7, peak=None, log=lambda s: None)
+    lad = climb(base(["train.global_batch_size=64"]), scripted(rates, oom_from=32), [16, 32, 64], bench(), ask())
     ckpt = [r["change"] for r in lad["rungs"] if r["rung"] == "checkpointing"]
     assert ckpt == ["train.micro_batch_size=32 train.activation_checkpointing=selective",
                     "train.micro_batch_size=32 train.activation_checkpointing=full"]
@@ -185,8 +192,7 @@ def test_the_micro_batch_rung_goes_outward_and_stops_past_the_fastest_size():
         measured.append(cfg.train.micro_batch_size)
         return scripted(rates)(cfg)
 
-    lad = climb(base(["train.global_batch_size=128"]), measure_one, CPU, [1, 2, 4, 8, 16, 32, 64, 128],
-                run_tokens=10**6, fpt=1e7, peak=None, log=lambda s: None)
+    lad = climb(base(["train.global_batch_size=128"]), measure_one, [1, 2, 4, 8, 16, 32, 64, 128], bench(), ask())
     rows = [(r["change"].split("=")[1], r["status"], r["kept"]) for r in lad["rungs"] if r["rung"] == "micro-batch"]
     assert rows == [("32", "ok", True), ("64", "ok", False), ("128", "skipped", False),
                     ("8", "ok", False), ("4", "skipped", False), ("2", "skipped", False), ("1", "skipped", False)]
@@ -209,8 +215,8 @@ def test_the_micro_batch_rung_decides_a_tie_by_the_searchs_rule(monkeypatch, dev
              ("off", "chunked", 8, "none"): 500.0}
     if device == "cuda-smaller":  # the larger size is the current one: a smaller one within the noise is not kept
         rates = {("off", "chunked", 32, "none"): 500.0, ("off", "chunked", 8, "none"): 1005.0}
-    lad = climb(base(["train.global_batch_size=128"]), scripted(rates), dev, [8, 16, 32, 64],
-                run_tokens=10**6, fpt=1e7, peak=None, log=lambda s: None, warm_up_process=False)
+    lad = climb(base(["train.global_batch_size=128"]), scripted(rates), [8, 16, 32, 64],
+                bench(device=dev, fresh=True), ask())
     rows = {r["change"].split("=")[1]: r for r in lad["rungs"] if r["rung"] == "micro-batch" and r["status"] == "ok"}
     got = [b for b, r in rows.items() if r["kept"]]
     assert got == ([kept] if kept and kept != "16" else []), {b: r["why"] for b, r in rows.items()}
@@ -228,8 +234,7 @@ def test_an_option_the_memory_model_says_cannot_fit_is_not_run():
         return scripted({}, extra=lambda c, w: 1 + c.train.micro_batch_size / 100)(cfg)  # larger is faster
 
     # planned peak (tiny preset): 32 -> 0.31 GiB, 64 -> 0.49 GiB; 90% of 0.5 GiB is 0.45
-    lad = climb(base(["train.global_batch_size=128"]), measure_one, CPU, [16, 32, 64, 128], run_tokens=10**6,
-                fpt=1e7, peak=None, memory_gb=0.5, log=lambda s: None)
+    lad = climb(base(["train.global_batch_size=128"]), measure_one, [16, 32, 64, 128], bench(memory_gb=0.5), ask())
     row = next(r for r in lad["rungs"] if r["change"] == "train.micro_batch_size=64")
     assert row["status"] == "no-fit" and row["why"].startswith("planner: 0.49 GiB > 90% of 0.5 GiB"), row["why"]
     assert (64, "none") not in measured and (128, "none") not in measured
@@ -243,8 +248,7 @@ def test_the_time_budget_stops_the_climb_and_says_so():
         now["t"] += 60
         return scripted({})(cfg)
 
-    lad = climb(base(), measure_one, CPU, [8, 16, 32], run_tokens=10**6, fpt=1e7, peak=None, budget_s=200,
-                clock=lambda: now["t"], log=lambda s: None)
+    lad = climb(base(), measure_one, [8, 16, 32], bench(), ask(budget_minutes=200 / 60, clock=lambda: now["t"]))
     skipped = [r for r in lad["rungs"] if r["why"] == "the time budget is spent"]
     measured = [r for r in lad["rungs"] if r["status"] == "ok"]
     assert len(measured) == 2 and skipped  # 2 x 60 s of warm-up + start, then 2 options fit the 200 s
@@ -253,12 +257,12 @@ def test_the_time_budget_stops_the_climb_and_says_so():
 def test_preflight_ladder_writes_the_ladder_and_the_tuned_config(tiny_overrides, tmp_path):
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100", "train.compile=off", "train.loss=chunked"])
 
-    def measure_fn(c, micro_batch, checkpointing, warmup, steps, device):
-        c.train.micro_batch_size, c.train.activation_checkpointing = micro_batch, checkpointing
+    def measure_fn(c, spec, device):
+        c.train.micro_batch_size, c.train.activation_checkpointing = spec.micro_batch, spec.checkpointing
         return scripted({("off", "plain", 8, "none"): 3000.0})(c)
 
     lines = []
-    report = preflight(cfg, out_dir=tmp_path / "pf", measure_fn=measure_fn, log=lines.append, ladder=True)
+    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", measure_fn=measure_fn, log=lines.append, ladder=True))
     assert report["ladder"]["chosen"] == {"train.loss": "plain"}
     assert report["prediction"]["tok_per_s"] == 3000.0 and report["choice_reason"] == "the ladder's last kept rung"
     saved = json.loads((tmp_path / "pf" / "preflight.json").read_text())
@@ -272,8 +276,7 @@ def test_the_loader_rung_keeps_prefetch_when_it_pays():
     def extra(cfg, world):
         return {0: 1.0, 1: 1.10, 2: 1.12}[cfg.data.prefetch]  # depth 2: +1.8% over depth 1, inside the noise
 
-    lad = climb(base(), scripted({}, extra=extra), CPU, [16], run_tokens=10**6, fpt=1e7, peak=None,
-                log=lambda s: None)
+    lad = climb(base(), scripted({}, extra=extra), [16], bench(), ask())
     rows = {r["change"]: r for r in lad["rungs"] if r["rung"] == "loader"}
     assert rows["data.prefetch=1"]["kept"] and not rows["data.prefetch=2"]["kept"]
     assert "within the noise" in rows["data.prefetch=2"]["why"]
@@ -293,9 +296,8 @@ def scaling(efficiency):
 def test_at_n_ranks_the_ladder_scales_out_then_climbs_strategy_and_buckets():
     eff = {("ddp", 25.0): 0.80, ("zero1", 25.0): 0.88, ("zero1", 50.0): 0.95, ("fsdp2", 25.0): 0.70}
     lines = []
-    lad = climb(base(["train.threads=2", "train.global_batch_size=64"]), scripted({}, extra=scaling(eff)), CPU, [16],
-                run_tokens=10**6, fpt=1e7,
-                peak=1e12, price_per_gpu_hour=2.0, world=4, log=lines.append)
+    lad = climb(base(["train.threads=2", "train.global_batch_size=64"]), scripted({}, extra=scaling(eff)), [16],
+                bench(peak=1e12), ask(log=lines.append, price_per_gpu_hour=2.0, world=4))
     rows = [r for r in lad["rungs"] if r["rung"] in ("ranks", "strategy", "buckets")]
     assert [(r["rung"], r["change"], r["kept"]) for r in rows] == [
         ("ranks", "4 ranks, parallel.strategy=ddp", True),
@@ -316,8 +318,7 @@ def test_at_n_ranks_the_ladder_scales_out_then_climbs_strategy_and_buckets():
 def test_buckets_are_not_climbed_under_fsdp2_nor_strategies_that_cannot_run_this_config():
     def n_rank_rows(overrides, eff):
         cfg = base(["train.threads=2", *overrides])
-        lad = climb(cfg, scripted({}, extra=scaling(eff)), CPU, [16], run_tokens=10**6, fpt=1e7, peak=None, world=2,
-                    log=lambda s: None)
+        lad = climb(cfg, scripted({}, extra=scaling(eff)), [16], bench(), ask(world=2))
         return [(r["rung"], r["change"]) for r in lad["rungs"] if r["rung"] in ("ranks", "strategy", "buckets")]
 
     # FSDP2 reduce-scatters block by block: it has no bucket size to climb
@@ -333,8 +334,7 @@ def test_buckets_are_not_climbed_under_fsdp2_nor_strategies_that_cannot_run_this
 def test_a_climbed_micro_batch_the_ranks_cannot_split_is_a_skipped_scale_out():
     rates = {("off", "chunked", 32, "none"): 2000.0}
     cfg = base(["train.threads=2", "train.global_batch_size=32"])
-    lad = climb(cfg, scripted(rates, extra=scaling({})), CPU, [16, 32], run_tokens=10**6, fpt=1e7, peak=None,
-                world=2, log=lambda s: None)
+    lad = climb(cfg, scripted(rates, extra=scaling({})), [16, 32], bench(), ask(world=2))
     ranks = next(r for r in lad["rungs"] if r["rung"] == "ranks")
     assert ranks["status"] == "skipped" and "x 2 ranks = 64" in ranks["why"]
     assert lad["chosen"] == {"train.micro_batch_size": 32} and lad["final"]["tok_per_s"] == 2000.0
@@ -344,19 +344,18 @@ def test_preflight_sends_n_rank_and_isolated_trials_to_fresh_processes(tiny_over
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100", "train.compile=off", "train.threads=1"])
     calls = {"here": 0, "spawned": [], "timeouts": []}
 
-    def measure_fn(c, micro_batch, checkpointing, warmup, steps, device):
+    def measure_fn(c, spec, device):
         calls["here"] += 1
         return scripted({})(c)
 
-    def spawn_fn(c, micro_batch, checkpointing, warmup, steps, device, world=1, timeout_s=None,
-                 probe_sequences=0):
+    def spawn_fn(c, spec, device, world=1, timeout_s=None):
         calls["spawned"].append(world)
         calls["timeouts"].append(timeout_s)
         return scripted({}, extra=scaling({}))(c, world)
 
     lines = []
-    report = preflight(cfg, out_dir=tmp_path / "a", measure_fn=measure_fn, spawn_fn=spawn_fn, log=lines.append,
-                       ladder=True, world=2)
+    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "a", measure_fn=measure_fn, spawn_fn=spawn_fn,
+                                        log=lines.append, ladder=True, world=2))
     assert f"(torchrun --nproc-per-node 2 -m flopwise train --config {tmp_path / 'a' / 'preflight.yaml'})" in lines[-1]
     measured_here = sum(r["status"] == "ok" for r in report["ladder"]["rungs"] if r["rung"] not in N_RANK_RUNGS)
     # auto on a CPU: one-rank trials in this process, after one untimed warm-up of the start
@@ -372,8 +371,9 @@ def test_preflight_sends_n_rank_and_isolated_trials_to_fresh_processes(tiny_over
         now["t"] += 1
         return now["t"]
 
-    report = preflight(cfg, out_dir=tmp_path / "b", measure_fn=measure_fn, spawn_fn=spawn_fn, log=lambda s: None,
-                       ladder=True, isolation="process", budget_minutes=1, clock=clock)
+    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "b", measure_fn=measure_fn, spawn_fn=spawn_fn,
+                                        log=lambda s: None, ladder=True, isolation="process", budget_minutes=1,
+                                        clock=clock))
     start, *options = calls["timeouts"]
     assert start is None and options and all(0 < t < 60 for t in options)  # the start is not timed out
     assert options == sorted(options, reverse=True)  # each option gets what is left of the minute
@@ -394,7 +394,7 @@ def test_preflight_refuses_a_launch_it_cannot_make_before_any_work(tiny_override
 
     cfg = build_config(overrides=tiny_overrides + ["train.compile=off"])
     with pytest.raises(ConfigError, match=problem.replace("(", r"\(")):
-        preflight(cfg, out_dir=tmp_path / "pf", measure_fn=None, log=lambda s: None, **kwargs)
+        preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", measure_fn=None, log=lambda s: None, **kwargs))
     assert not (tmp_path / "pf" / "preflight.json").exists()
 
 
@@ -418,10 +418,10 @@ def test_a_checkpointed_size_beyond_the_probe_runs_whole_micro_batches_of_the_sa
     from flopwise.tune.trial import measure
 
     overrides = tiny_overrides + ["train.compile=off", "train.threads=1", "data.loader=epoch"]
-    probed = measure(build_config(overrides=overrides + ["train.global_batch_size=128"]), 32, "none", warmup=0,
-                     steps=1, device=CPU, probe_sequences=48)
-    whole = measure(build_config(overrides=overrides + ["train.global_batch_size=64"]), 32, "none", warmup=0,
-                    steps=1, device=CPU)
+    probed = measure(build_config(overrides=overrides + ["train.global_batch_size=128"]),
+                     TrialSpec(32, "none", warmup=0, steps=1, probe_sequences=48), CPU)
+    whole = measure(build_config(overrides=overrides + ["train.global_batch_size=64"]),
+                    TrialSpec(32, "none", warmup=0, steps=1), CPU)
     assert probed["probe_sequences"] == 64 and probed["first_loss"] == whole["first_loss"]
 
 
@@ -430,8 +430,8 @@ def test_the_ladder_probe_is_four_of_the_largest_micro_batch_that_fits(tiny_over
 
     cfg = build_config(overrides=tiny_overrides + ["train.global_batch_size=256"])
     sizes = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    assert probe_sequences(cfg, sizes, CPU, memory_gb=0, headroom=0.9) == 0  # no memory size: the whole batch
-    probe = probe_sequences(cfg, sizes, CPU, memory_gb=0.05, headroom=0.9)
+    assert probe_sequences(cfg, sizes, Bench(CPU, memory_gb=0, headroom=0.9)) == 0  # no memory size: the whole batch
+    probe = probe_sequences(cfg, sizes, Bench(CPU, memory_gb=0.05, headroom=0.9))
     largest = probe // 4  # the prefetched head (up to 2), a steady micro-batch, the last
     assert 0 < probe < 256 and probe == 4 * largest and largest & (largest - 1) == 0  # every size up to it divides it
     from flopwise.tune.ladder import planned_gb, with_settings
@@ -439,7 +439,7 @@ def test_the_ladder_probe_is_four_of_the_largest_micro_batch_that_fits(tiny_over
     def fits(b):
         return planned_gb(with_settings(cfg, {"train.micro_batch_size": b}), CPU) <= 0.9 * 0.05
     assert fits(largest) and not fits(2 * largest)
-    assert probe_sequences(cfg, sizes, CPU, memory_gb=1000, headroom=0.9) == 0  # all fit: 4 x 256 is not smaller
+    assert probe_sequences(cfg, sizes, Bench(CPU, memory_gb=1000, headroom=0.9)) == 0  # all fit: 4 x 256 is not smaller
 
 
 def test_a_probed_trial_trains_on_the_probe_batch_and_reports_the_runs_rate(tiny_overrides):
@@ -447,10 +447,10 @@ def test_a_probed_trial_trains_on_the_probe_batch_and_reports_the_runs_rate(tiny
 
     cfg = build_config(overrides=tiny_overrides + ["train.compile=off", "train.threads=1", "data.loader=epoch",
                                                    "train.global_batch_size=64"])
-    probed = measure(cfg, 8, "none", warmup=1, steps=3, device=CPU, probe_sequences=16)
+    probed = measure(cfg, TrialSpec(8, "none", warmup=1, steps=3, probe_sequences=16), CPU)
     small = build_config(overrides=tiny_overrides + ["train.compile=off", "train.threads=1", "data.loader=epoch",
                                                      "train.global_batch_size=16"])
-    whole_probe = measure(small, 8, "none", warmup=1, steps=3, device=CPU)
+    whole_probe = measure(small, TrialSpec(8, "none", warmup=1, steps=3), CPU)
     assert probed["probe_sequences"] == 16 and whole_probe["probe_sequences"] is None
     assert probed["first_loss"] == whole_probe["first_loss"]  # the same 16 sequences, the same step
     assert len(probed["tok_per_s_windows"]) == 3 and probed["tok_per_s"] > 0
@@ -461,12 +461,12 @@ def test_preflight_probes_the_ladder_where_a_memory_size_bounds_the_micro_batch(
                                                    "train.global_batch_size=256"])
     probes = []
 
-    def measure_fn(c, micro_batch, checkpointing, warmup, steps, device, probe_sequences=0):
-        probes.append(probe_sequences)
+    def measure_fn(c, spec, device):
+        probes.append(spec.probe_sequences)
         return scripted({})(c)
 
-    report = preflight(cfg, out_dir=tmp_path / "pf", measure_fn=measure_fn, log=lambda s: None, ladder=True,
-                       memory_gb=0.05)
+    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", measure_fn=measure_fn, log=lambda s: None,
+                                        ladder=True, memory_gb=0.05))
     assert report["ladder_probe_sequences"] and set(probes) == {report["ladder_probe_sequences"]}
 
 
@@ -484,7 +484,7 @@ def test_the_climbed_configuration_is_measured_again_against_the_winners_curse()
         return {"tok_per_s": rate, "tok_per_s_windows": [rate] * 3, "peak_gb": None, "data_share": 0.01,
                 "first_loss": 9.0}
 
-    lad = climb(base(), measure_one, CPU, [16], run_tokens=10**6, fpt=1e7, peak=None, log=lambda s: None)
+    lad = climb(base(), measure_one, [16], bench(), ask())
     confirm = lad["rungs"][-1]
     assert confirm["rung"] == "confirm" and confirm["kept"] and confirm["tok_per_s"] == 1350.0
     assert lad["final"]["tok_per_s"] == 1350.0 and lad["selection_bias"] == pytest.approx(1500 / 1350 - 1)
@@ -492,7 +492,7 @@ def test_the_climbed_configuration_is_measured_again_against_the_winners_curse()
 
 
 def test_nothing_kept_nothing_to_confirm_and_no_budget_no_confirmation():
-    lad = climb(base(), scripted({}), CPU, [16], run_tokens=10**6, fpt=1e7, peak=None, log=lambda s: None)
+    lad = climb(base(), scripted({}), [16], bench(), ask())
     assert "confirm" not in [r["rung"] for r in lad["rungs"]]  # the start was measured once, unselected
     now = {"t": 0.0}
 
@@ -500,8 +500,7 @@ def test_nothing_kept_nothing_to_confirm_and_no_budget_no_confirmation():
         now["t"] += 60
         return scripted({("blocks", "chunked", 16, "none"): 2000.0})(cfg)
 
-    lad = climb(base(), measure_one, CPU, [16], run_tokens=10**6, fpt=1e7, peak=None, budget_s=150,
-                clock=lambda: now["t"], log=lambda s: None)
+    lad = climb(base(), measure_one, [16], bench(), ask(budget_minutes=2.5, clock=lambda: now["t"]))
     confirm = lad["rungs"][-1]
     assert confirm["rung"] == "confirm" and confirm["status"] == "skipped" and "may read high" in confirm["why"]
     assert lad["final"]["tok_per_s"] == 2000.0
@@ -518,8 +517,7 @@ def test_time_is_held_back_so_the_climb_ends_confirmed():
         timeouts.append(timeout_s)
         return scripted({("blocks", "chunked", 16, "none"): 2000.0})(cfg)
 
-    lad = climb(base(), measure_one, CPU, [8, 16, 32], run_tokens=10**6, fpt=1e7, peak=None, budget_s=300,
-                clock=lambda: now["t"], log=lambda s: None)
+    lad = climb(base(), measure_one, [8, 16, 32], bench(), ask(budget_minutes=5, clock=lambda: now["t"]))
     rows = lad["rungs"]
     assert [r["rung"] for r in rows if r["status"] == "ok"] == ["compile", "compile", "confirm"], rows
     assert rows[-1]["kept"] and lad["final"]["tok_per_s"] == 2000.0
@@ -562,7 +560,7 @@ def test_fp8_is_measured_where_it_runs_and_kept_only_when_asked(monkeypatch, ask
                 "first_loss": loss}
 
     cfg = build_config(preset="tiny", overrides=["train.compile=model", "train.loss=plain", "train.precision=bf16"])
-    lad = climb(cfg, measure_one, cuda, [16], run_tokens=10**6, fpt=1e7, peak=None, log=lambda s: None, fp8=asked)
+    lad = climb(cfg, measure_one, [16], bench(device=cuda), ask(ladder_fp8=asked))
     row = next(r for r in lad["rungs"] if r["rung"] == "fp8")
     assert row["numerics"] == "fp8" and row["status"] == "ok" and row["delta_prev"] == pytest.approx(0.5)
     assert row["kept"] is asked and lad["chosen"].get("train.fp8", False) is asked

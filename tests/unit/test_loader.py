@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -9,7 +10,14 @@ import pytest
 import torch
 
 from flopwise.data.datadir import DataDir, DataDirError
-from flopwise.data.loader import EpochLoader, RandomWindowLoader, document_ids, fixed_windows, make_loader
+from flopwise.data.loader import (
+    EpochLoader,
+    LoaderOptions,
+    RandomWindowLoader,
+    document_ids,
+    fixed_windows,
+    make_loader,
+)
 from flopwise.data.shards import HEADER_SIZE, shard_name, write_shard
 from flopwise.data.tokenizer import EOS_TOKEN, eos_id, file_sha256, load_tokenizer, train_bpe
 
@@ -159,7 +167,7 @@ def test_datadir_split_absent(dd):
     with pytest.raises(DataDirError, match=r"split 'test'.*train, val"):
         dd.shards("test")
     with pytest.raises(DataDirError, match=r"split 'test'"):
-        RandomWindowLoader(dd, "test", 8, 2, seed=0)
+        RandomWindowLoader(dd, "test", LoaderOptions(8, 2, seed=0))
 
 
 # ----------------------------------------------------------------- loader
@@ -170,7 +178,7 @@ def batches(loader, n):
 
 
 def test_shapes_and_dtype(dd):
-    x, y = next(iter(RandomWindowLoader(dd, "train", seq_len=16, batch_size=4, seed=0)))
+    x, y = next(iter(RandomWindowLoader(dd, "train", LoaderOptions(seq_len=16, batch_size=4, seed=0))))
     assert x.shape == y.shape == (4, 16)
     assert x.dtype == y.dtype == torch.int64
     assert x.is_contiguous() and y.is_contiguous()
@@ -178,9 +186,9 @@ def test_shapes_and_dtype(dd):
 
 
 def test_same_seed_same_batches(dd):
-    a = batches(RandomWindowLoader(dd, "train", 16, 4, seed=7), 5)
-    b = batches(RandomWindowLoader(dd, "train", 16, 4, seed=7), 5)
-    c = batches(RandomWindowLoader(dd, "train", 16, 4, seed=8), 5)
+    a = batches(RandomWindowLoader(dd, "train", LoaderOptions(16, 4, seed=7)), 5)
+    b = batches(RandomWindowLoader(dd, "train", LoaderOptions(16, 4, seed=7)), 5)
+    c = batches(RandomWindowLoader(dd, "train", LoaderOptions(16, 4, seed=8)), 5)
     for (xa, ya), (xb, yb) in zip(a, b):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert not all(torch.equal(xa, xc) for (xa, _), (xc, _) in zip(a, c))
@@ -191,7 +199,7 @@ def test_target_shift_and_contiguity(dd):
     windows = [np.lib.stride_tricks.sliding_window_view(np.asarray(s), seq + 1) for s in dd.shards("train")
                if len(s) > seq]
     hits_per_shard = np.zeros(len(windows), dtype=int)
-    loader = RandomWindowLoader(dd, "train", seq, 8, seed=3)
+    loader = RandomWindowLoader(dd, "train", LoaderOptions(seq, 8, seed=3))
     for _ in range(20):
         x, y = loader.next_batch()
         assert torch.equal(y[:, :-1], x[:, 1:])
@@ -205,24 +213,24 @@ def test_target_shift_and_contiguity(dd):
 
 
 def test_state_dict_resume(dd):
-    a = RandomWindowLoader(dd, "train", 16, 4, seed=11)
+    a = RandomWindowLoader(dd, "train", LoaderOptions(16, 4, seed=11))
     batches(a, 3)
     state = json.loads(json.dumps(a.state_dict()))  # survives a JSON round trip
     rest = batches(a, 4)
-    b = RandomWindowLoader(dd, "train", 16, 4, seed=999)
+    b = RandomWindowLoader(dd, "train", LoaderOptions(16, 4, seed=999))
     b.load_state_dict(state)
     assert b.batches == 3
     for (xa, ya), (xb, yb) in zip(rest, batches(b, 4)):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert b.batches == 7
     with pytest.raises(ValueError, match="split"):
-        RandomWindowLoader(dd, "val", 16, 4, seed=0).load_state_dict(state)
+        RandomWindowLoader(dd, "val", LoaderOptions(16, 4, seed=0)).load_state_dict(state)
 
 
 def test_too_small_split(dd):
     with pytest.raises(ValueError, match=r"'val'.*seq_len=700.*701 tokens"):
-        RandomWindowLoader(dd, "val", seq_len=700, batch_size=2, seed=0)
-    RandomWindowLoader(dd, "val", seq_len=699, batch_size=2, seed=0).next_batch()  # exactly one window
+        RandomWindowLoader(dd, "val", LoaderOptions(seq_len=700, batch_size=2, seed=0))
+    RandomWindowLoader(dd, "val", LoaderOptions(seq_len=699, batch_size=2, seed=0)).next_batch()  # exactly one window
     with pytest.raises(ValueError, match="seq_len=700"):
         fixed_windows(dd, "val", 700, 4)
 
@@ -253,12 +261,13 @@ def test_fixed_windows(dd):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
 def test_cuda_batches(dd):
-    x, y = RandomWindowLoader(dd, "train", 16, 4, seed=0, device="cuda").next_batch()
-    xc, yc = RandomWindowLoader(dd, "train", 16, 4, seed=0).next_batch()
+    x, y = RandomWindowLoader(dd, "train", LoaderOptions(16, 4, seed=0, device="cuda")).next_batch()
+    xc, yc = RandomWindowLoader(dd, "train", LoaderOptions(16, 4, seed=0)).next_batch()
     assert x.is_cuda and torch.equal(x.cpu(), xc) and torch.equal(y.cpu(), yc)
     for mode in ("random", "epoch"):  # prefetch: side-stream copies, event waits
-        ref = make_loader(mode, dd, "train", 16, 4, seed=0, doc_boundaries=True)
-        gpu = make_loader(mode, dd, "train", 16, 4, seed=0, device="cuda", doc_boundaries=True, prefetch=True)
+        ref = make_loader(mode, dd, "train", LoaderOptions(16, 4, seed=0, doc_boundaries=True))
+        gpu = make_loader(mode, dd, "train",
+                          LoaderOptions(16, 4, seed=0, device="cuda", doc_boundaries=True, prefetch=True))
         for _ in range(5):
             for a, b in zip(gpu.next_batch(), ref.next_batch()):
                 assert a.is_cuda and torch.equal(a.cpu(), b)
@@ -273,9 +282,9 @@ def test_random_windows_golden(tmp_path, tokenizer_file):
     """The trainer's batches for mode "random" on rank 0 of 1 must not change: pinned values."""
     dd = DataDir(make_datadir(tmp_path / "g", tokenizer_file,
                               {"train": [np.arange(1000) % 251, (np.arange(400) * 7) % 251]}))
-    for loader in (RandomWindowLoader(dd, "train", 6, 3, seed=1234),
-                   RandomWindowLoader(dd, "train", 6, 3, seed=1234, rank=0, world_size=4),
-                   make_loader("random", dd, "train", 6, 3, seed=1234, prefetch=True)):
+    for loader in (RandomWindowLoader(dd, "train", LoaderOptions(6, 3, seed=1234)),
+                   RandomWindowLoader(dd, "train", LoaderOptions(6, 3, seed=1234, rank=0, world_size=4)),
+                   make_loader("random", dd, "train", LoaderOptions(6, 3, seed=1234, prefetch=True))):
         x, y = loader.next_batch()
         assert x.tolist() == [[36, 43, 50, 57, 64, 71], [9, 10, 11, 12, 13, 14], [127, 134, 141, 148, 155, 162]]
         assert y[:, -1].tolist() == [78, 15, 169]
@@ -284,22 +293,22 @@ def test_random_windows_golden(tmp_path, tokenizer_file):
 
 
 def test_random_ranks_independent_and_state_per_rank(dd):
-    r0 = batches(RandomWindowLoader(dd, "train", 16, 4, seed=5, rank=0, world_size=2), 3)
-    r1 = batches(RandomWindowLoader(dd, "train", 16, 4, seed=5, rank=1, world_size=2), 3)
+    r0 = batches(RandomWindowLoader(dd, "train", LoaderOptions(16, 4, seed=5, rank=0, world_size=2)), 3)
+    r1 = batches(RandomWindowLoader(dd, "train", LoaderOptions(16, 4, seed=5, rank=1, world_size=2)), 3)
     assert not any(torch.equal(a[0], b[0]) for a, b in zip(r0, r1))
-    a = RandomWindowLoader(dd, "train", 16, 4, seed=5, rank=1, world_size=2)
+    a = RandomWindowLoader(dd, "train", LoaderOptions(16, 4, seed=5, rank=1, world_size=2))
     batches(a, 2)
     state = json.loads(json.dumps(a.state_dict()))
-    b = RandomWindowLoader(dd, "train", 16, 4, seed=5, rank=1, world_size=2)
+    b = RandomWindowLoader(dd, "train", LoaderOptions(16, 4, seed=5, rank=1, world_size=2))
     b.load_state_dict(state)
     for (xa, _), (xb, _) in zip(batches(a, 3), batches(b, 3)):
         assert torch.equal(xa, xb)
     with pytest.raises(ValueError, match=r"rank 1 of 2.*rank 0 of 2"):
-        RandomWindowLoader(dd, "train", 16, 4, seed=5, rank=0, world_size=2).load_state_dict(state)
+        RandomWindowLoader(dd, "train", LoaderOptions(16, 4, seed=5, rank=0, world_size=2)).load_state_dict(state)
     with pytest.raises(ValueError, match=r"rank 1 of 2.*rank 1 of 3"):
-        RandomWindowLoader(dd, "train", 16, 4, seed=5, rank=1, world_size=3).load_state_dict(state)
+        RandomWindowLoader(dd, "train", LoaderOptions(16, 4, seed=5, rank=1, world_size=3)).load_state_dict(state)
     with pytest.raises(ValueError, match="rank"):
-        RandomWindowLoader(dd, "train", 16, 4, seed=5, rank=2, world_size=2)
+        RandomWindowLoader(dd, "train", LoaderOptions(16, 4, seed=5, rank=2, world_size=2))
 
 
 # ----------------------------------------------------------------- epoch loader
@@ -321,7 +330,8 @@ def labelled(tmp_path, tokenizer_file):
 
 
 def rank_loaders(dd, world, batch, **kw):
-    return [EpochLoader(dd, "train", 16, batch, seed=3, rank=r, world_size=world, **kw) for r in range(world)]
+    return [EpochLoader(dd, "train", LoaderOptions(16, batch, seed=3, rank=r, world_size=world, **kw))
+            for r in range(world)]
 
 
 def sample_key(x):
@@ -378,7 +388,7 @@ def test_epoch_every_token_once_when_batches_divide(tmp_path, tokenizer_file):
 
 def test_epoch_unshuffled_order_and_drop(labelled):
     dd, shards = labelled
-    L = EpochLoader(dd, "train", 16, 8, seed=0, shuffle=False)
+    L = EpochLoader(dd, "train", LoaderOptions(16, 8, seed=0, shuffle=False))
     firsts = []
     for _ in range(L.batches_per_epoch):
         firsts += sample_key(L.next_batch()[0])
@@ -390,9 +400,9 @@ def test_epoch_unshuffled_order_and_drop(labelled):
 def test_epoch_too_small(labelled):
     dd, _ = labelled
     with pytest.raises(DataDirError, match=r"83 packed samples.*16 x 6 rank\(s\) = 96"):
-        EpochLoader(dd, "train", 16, 16, seed=0, rank=0, world_size=6)
+        EpochLoader(dd, "train", LoaderOptions(16, 16, seed=0, rank=0, world_size=6))
     with pytest.raises(DataDirError, match=r"'val'.* too small for seq_len=1000: a window needs 1001 tokens"):
-        EpochLoader(dd, "val", 1000, 1, seed=0)  # not one window: the same words as the random loader's
+        EpochLoader(dd, "val", LoaderOptions(1000, 1, seed=0))  # not one window: the same words as the random loader's
 
 
 def snapshot(loader):
@@ -404,13 +414,13 @@ def test_epoch_resume_mid_epoch_mid_accumulation(labelled, prefetch):
     """accum = 3 micro-batches per step; stop after 4 micro-batches (inside step 2 and epoch 0),
     resume, and run across the epoch boundary (10 batches per epoch): identical batches."""
     dd, _ = labelled
-    a = EpochLoader(dd, "train", 16, 8, seed=9, prefetch=prefetch)
+    a = EpochLoader(dd, "train", LoaderOptions(16, 8, seed=9, prefetch=prefetch))
     batches(a, 4)
     state = snapshot(a)
     assert state["epoch"] == 0 and state["global_sample_position"] == 32 and state["batches"] == 4
     rest = batches(a, 12)
     assert a.epoch == 1
-    b = EpochLoader(dd, "train", 16, 8, seed=9, prefetch=prefetch)
+    b = EpochLoader(dd, "train", LoaderOptions(16, 8, seed=9, prefetch=prefetch))
     batches(b, 1)  # whatever it did before is replaced
     b.load_state_dict(state)
     assert b.batches == 4
@@ -421,11 +431,11 @@ def test_epoch_resume_mid_epoch_mid_accumulation(labelled, prefetch):
 
 def test_epoch_resume_at_epoch_boundary(labelled):
     dd, _ = labelled
-    a = EpochLoader(dd, "train", 16, 8, seed=9)
+    a = EpochLoader(dd, "train", LoaderOptions(16, 8, seed=9))
     batches(a, 10)  # exactly one epoch
     state = snapshot(a)
     assert state["epoch"] == 1 and state["global_sample_position"] == 0
-    b = EpochLoader(dd, "train", 16, 8, seed=9)
+    b = EpochLoader(dd, "train", LoaderOptions(16, 8, seed=9))
     b.load_state_dict(state)
     for (xa, _), (xb, _) in zip(batches(a, 3), batches(b, 3)):
         assert torch.equal(xa, xb)
@@ -440,7 +450,7 @@ def test_epoch_resume_on_other_world_size(labelled):
             ld.next_batch()
     state = snapshot(two[1])
     assert state == snapshot(two[0])
-    one = EpochLoader(dd, "train", 16, 8, seed=3)
+    one = EpochLoader(dd, "train", LoaderOptions(16, 8, seed=3))
     one.load_state_dict(state)
     for _ in range(6):  # across the epoch boundary
         x1, y1 = one.next_batch()
@@ -460,20 +470,21 @@ def test_epoch_resume_refusals(labelled):
     state = snapshot(a)
     with pytest.raises(ValueError, match=r"2 rank\(s\) x batch_size 4, 8 samples per optimizer step; .* "
                                          r"2 rank\(s\) x batch_size 8, 16 samples per step"):
-        EpochLoader(dd, "train", 16, 8, seed=3, rank=0, world_size=2).load_state_dict(state)
+        EpochLoader(dd, "train", LoaderOptions(16, 8, seed=3, rank=0, world_size=2)).load_state_dict(state)
     with pytest.raises(ValueError, match=r"seq_len 16 in the state, 8 here"):
-        EpochLoader(dd, "train", 8, 8, seed=3).load_state_dict(state)
+        EpochLoader(dd, "train", LoaderOptions(8, 8, seed=3)).load_state_dict(state)
     with pytest.raises(ValueError, match=r"seed 3 in the state, 4 here"):
-        EpochLoader(dd, "train", 16, 8, seed=4).load_state_dict(state)
+        EpochLoader(dd, "train", LoaderOptions(16, 8, seed=4)).load_state_dict(state)
     with pytest.raises(ValueError, match=r"shuffle"):
-        EpochLoader(dd, "train", 16, 8, seed=3, shuffle=False).load_state_dict(state)
+        EpochLoader(dd, "train", LoaderOptions(16, 8, seed=3, shuffle=False)).load_state_dict(state)
     with pytest.raises(ValueError, match=r"mode 'epoch'.*mode 'random'"):
-        RandomWindowLoader(dd, "train", 16, 8, seed=3).load_state_dict(state)
+        RandomWindowLoader(dd, "train", LoaderOptions(16, 8, seed=3)).load_state_dict(state)
     with pytest.raises(ValueError, match=r"mode 'random'.*mode 'epoch'"):
-        EpochLoader(dd, "train", 16, 8, seed=3).load_state_dict(RandomWindowLoader(dd, "train", 16, 8, 3).state_dict())
+        random_state = RandomWindowLoader(dd, "train", LoaderOptions(16, 8, seed=3)).state_dict()
+        EpochLoader(dd, "train", LoaderOptions(16, 8, seed=3)).load_state_dict(random_state)
     changed = dict(state, shard_tokens=[1000, 333, 17, 6])
     with pytest.raises(ValueError, match=r"data changed.*\[1000, 333, 17, 6\].*\[1000, 333, 17, 5\]"):
-        EpochLoader(dd, "train", 16, 8, seed=3).load_state_dict(changed)
+        EpochLoader(dd, "train", LoaderOptions(16, 8, seed=3)).load_state_dict(changed)
 
 
 # ----------------------------------------------------------------- document boundaries
@@ -499,8 +510,8 @@ def test_doc_boundaries_in_batches(tmp_path, tokenizer_file, mode, bos):
     toks[rng.random(3000) < 0.05] = 1  # BOS (or an ordinary token when meta has no bos_id)
     dd = DataDir(make_datadir(tmp_path / "docs", tokenizer_file, {"train": [toks]},
                               extra_meta={"eos_id": 0, "bos_id": bos}))
-    loader = make_loader(mode, dd, "train", 32, 4, seed=1, doc_boundaries=True)
-    plain = make_loader(mode, dd, "train", 32, 4, seed=1)
+    loader = make_loader(mode, dd, "train", LoaderOptions(32, 4, seed=1, doc_boundaries=True))
+    plain = make_loader(mode, dd, "train", LoaderOptions(32, 4, seed=1))
     for _ in range(5):
         x, y, docs = loader.next_batch()
         x0, y0 = plain.next_batch()
@@ -520,17 +531,28 @@ def test_doc_boundaries_in_batches(tmp_path, tokenizer_file, mode, bos):
 
 
 def test_make_loader(dd):
-    assert isinstance(make_loader("random", dd, "train", 16, 2, seed=0), RandomWindowLoader)
-    e = make_loader("epoch", dd, "train", 16, 2, seed=0, rank=1, world_size=2, doc_boundaries=True)
+    assert isinstance(make_loader("random", dd, "train", LoaderOptions(16, 2, seed=0)), RandomWindowLoader)
+    e = make_loader("epoch", dd, "train", LoaderOptions(16, 2, seed=0, rank=1, world_size=2, doc_boundaries=True))
     assert isinstance(e, EpochLoader) and e.rank == 1 and e.world_size == 2 and len(e.next_batch()) == 3
     with pytest.raises(ValueError, match=r"unknown loader mode 'sequential'.*'random' or 'epoch'"):
-        make_loader("sequential", dd, "train", 16, 2, seed=0)
+        make_loader("sequential", dd, "train", LoaderOptions(16, 2, seed=0))
+
+
+def test_random_loader_ignores_the_epoch_options(dd):
+    """The trainer gives either loader the same options: ``shuffle`` and ``step_samples`` are
+    the epoch loader's, and change nothing in the random loader's batches or state."""
+    opts = LoaderOptions(16, 4, seed=7)
+    plain = RandomWindowLoader(dd, "train", opts)
+    other = RandomWindowLoader(dd, "train", dataclasses.replace(opts, shuffle=False, step_samples=8))
+    assert other.opts.step_samples == 8
+    same_batches(batches(other, 3), batches(plain, 3))
+    assert other.state_dict() == plain.state_dict()
 
 
 @pytest.mark.parametrize("mode", ["random", "epoch"])
 def test_prefetch_same_batches_and_state(dd, mode):
-    a = make_loader(mode, dd, "train", 16, 4, seed=2)
-    b = make_loader(mode, dd, "train", 16, 4, seed=2, prefetch=True)
+    a = make_loader(mode, dd, "train", LoaderOptions(16, 4, seed=2))
+    b = make_loader(mode, dd, "train", LoaderOptions(16, 4, seed=2, prefetch=True))
     for k in range(6):
         (xa, ya), (xb, yb) = a.next_batch(), b.next_batch()
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
@@ -553,8 +575,8 @@ def test_prefetch_depth_same_batches_and_state(labelled, mode, depth):
     """Up to `depth` batches in flight (across epoch boundaries: 10 batches per epoch), yet the
     same batches, doc ids and state after every batch as without prefetch."""
     dd, _ = labelled
-    ref = make_loader(mode, dd, "train", 16, 8, seed=4, doc_boundaries=True)
-    pre = make_loader(mode, dd, "train", 16, 8, seed=4, doc_boundaries=True, prefetch=depth)
+    ref = make_loader(mode, dd, "train", LoaderOptions(16, 8, seed=4, doc_boundaries=True))
+    pre = make_loader(mode, dd, "train", LoaderOptions(16, 8, seed=4, doc_boundaries=True, prefetch=depth))
     assert pre.prefetch == depth
     for k in range(25):
         same_batches(batches(pre, 1), batches(ref, 1))
@@ -571,8 +593,8 @@ def test_prefetch_state_mid_stream_resumes_exactly(labelled, mode, depth):
     """A state taken with batches in flight resumes, with prefetch off or 3 deep, on exactly the
     batches the uninterrupted loader goes on to draw."""
     dd, _ = labelled
-    a = make_loader(mode, dd, "train", 16, 8, seed=6, prefetch=depth)
-    ref = make_loader(mode, dd, "train", 16, 8, seed=6)
+    a = make_loader(mode, dd, "train", LoaderOptions(16, 8, seed=6, prefetch=depth))
+    ref = make_loader(mode, dd, "train", LoaderOptions(16, 8, seed=6))
     batches(a, 7)
     batches(ref, 7)
     assert len(a._pending) == depth
@@ -580,7 +602,7 @@ def test_prefetch_state_mid_stream_resumes_exactly(labelled, mode, depth):
     assert state == snapshot(ref) and state["batches"] == 7
     rest = batches(a, 15)  # across the epoch boundary
     for resume_depth in (0, 3):
-        b = make_loader(mode, dd, "train", 16, 8, seed=6, prefetch=resume_depth)
+        b = make_loader(mode, dd, "train", LoaderOptions(16, 8, seed=6, prefetch=resume_depth))
         batches(b, 2)  # batches (and prefetched ones) of its own, which the state replaces
         b.load_state_dict(state)
         assert snapshot(b) == state
@@ -595,8 +617,8 @@ def test_prefetch_close_then_continue(labelled, mode):
     """close() drops every batch in flight and restores the position as of those handed out:
     the next batches are the ones an uninterrupted loader draws, again and again."""
     dd, _ = labelled
-    ref = make_loader(mode, dd, "train", 16, 8, seed=8)
-    pre = make_loader(mode, dd, "train", 16, 8, seed=8, prefetch=4)
+    ref = make_loader(mode, dd, "train", LoaderOptions(16, 8, seed=8))
+    pre = make_loader(mode, dd, "train", LoaderOptions(16, 8, seed=8, prefetch=4))
     pre.close()  # nothing in flight yet: harmless
     for n in (3, 1, 9):  # 13 batches: across the epoch boundary
         same_batches(batches(pre, n), batches(ref, n))
@@ -610,18 +632,18 @@ def test_prefetch_close_then_continue(labelled, mode):
 
 
 def test_prefetch_flag_values_and_pin_memory_on_cpu(dd):
-    ref = batches(make_loader("random", dd, "train", 16, 4, seed=3), 4)
-    assert make_loader("epoch", dd, "train", 16, 4, seed=3, prefetch=True).prefetch == 1
-    assert make_loader("epoch", dd, "train", 16, 4, seed=3, prefetch=False).prefetch == 0
-    assert make_loader("epoch", dd, "train", 16, 4, seed=3).prefetch == 0  # off by default
+    ref = batches(make_loader("random", dd, "train", LoaderOptions(16, 4, seed=3)), 4)
+    assert make_loader("epoch", dd, "train", LoaderOptions(16, 4, seed=3, prefetch=True)).prefetch == 1
+    assert make_loader("epoch", dd, "train", LoaderOptions(16, 4, seed=3, prefetch=False)).prefetch == 0
+    assert make_loader("epoch", dd, "train", LoaderOptions(16, 4, seed=3)).prefetch == 0  # off by default
     for kw in (dict(prefetch=True), dict(pin_memory=False), dict(prefetch=2, pin_memory=False)):
-        loader = make_loader("random", dd, "train", 16, 4, seed=3, **kw)
+        loader = make_loader("random", dd, "train", LoaderOptions(16, 4, seed=3, **kw))
         got = batches(loader, 4)
         same_batches(got, ref)
         assert not got[0][0].is_pinned()  # on a CPU nothing is pinned either way
         loader.close()
     with pytest.raises(ValueError, match=r"prefetch must be >= 0.*got -1"):
-        make_loader("epoch", dd, "train", 16, 4, seed=3, prefetch=-1)
+        make_loader("epoch", dd, "train", LoaderOptions(16, 4, seed=3, prefetch=-1))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -630,9 +652,9 @@ def test_prefetch_flag_values_and_pin_memory_on_cpu(dd):
 def test_cuda_prefetch_depth_and_pinning(labelled, pin):
     dd, _ = labelled
     for mode in ("random", "epoch"):
-        ref = make_loader(mode, dd, "train", 16, 8, seed=5, doc_boundaries=True)
-        gpu = make_loader(mode, dd, "train", 16, 8, seed=5, device="cuda", doc_boundaries=True, prefetch=3,
-                          pin_memory=pin)
+        ref = make_loader(mode, dd, "train", LoaderOptions(16, 8, seed=5, doc_boundaries=True))
+        opts = LoaderOptions(16, 8, seed=5, device="cuda", doc_boundaries=True, prefetch=3, pin_memory=pin)
+        gpu = make_loader(mode, dd, "train", opts)
         for k in range(14):
             if k == 6:
                 gpu.close()  # drops 3 in-flight copies; the next batches are unchanged
@@ -641,8 +663,9 @@ def test_cuda_prefetch_depth_and_pinning(labelled, pin):
             assert gpu.state_dict() == ref.state_dict()
             assert gpu._held and all(host[0].is_pinned() == pin for _, host in gpu._held)
         gpu.close()
-        plain = make_loader(mode, dd, "train", 16, 8, seed=5, device="cuda", pin_memory=pin)
-        assert torch.equal(plain.next_batch()[0].cpu(), make_loader(mode, dd, "train", 16, 8, seed=5).next_batch()[0])
+        plain = make_loader(mode, dd, "train", LoaderOptions(16, 8, seed=5, device="cuda", pin_memory=pin))
+        cpu = make_loader(mode, dd, "train", LoaderOptions(16, 8, seed=5))
+        assert torch.equal(plain.next_batch()[0].cpu(), cpu.next_batch()[0])
 
 
 def test_epoch_resume_at_another_world_size_with_the_same_step(labelled):
@@ -656,7 +679,7 @@ def test_epoch_resume_at_another_world_size_with_the_same_step(labelled):
     for _ in range(3 * 2):  # three steps
         for ld in two:
             ld.next_batch()
-    one = EpochLoader(dd, "train", 16, 4, seed=3, step_samples=16)
+    one = EpochLoader(dd, "train", LoaderOptions(16, 4, seed=3, step_samples=16))
     one.load_state_dict(snapshot(two[0]))
     for step in range(5):  # steps 4..8: epoch 0 ends after step 5
         got = sorted(k for _ in range(4) for k in sample_key(one.next_batch()[0]))
@@ -664,4 +687,4 @@ def test_epoch_resume_at_another_world_size_with_the_same_step(labelled):
         assert got == want, step
     assert one.epoch == two[0].epoch == 1
     with pytest.raises(ValueError, match=r"16 samples per optimizer step; .* 8 samples per step"):
-        EpochLoader(dd, "train", 16, 4, seed=3, step_samples=8).load_state_dict(snapshot(two[0]))
+        EpochLoader(dd, "train", LoaderOptions(16, 4, seed=3, step_samples=8)).load_state_dict(snapshot(two[0]))

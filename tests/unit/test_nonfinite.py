@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flopwise.checkpoints import latest_checkpoint
-from flopwise.config import build_config
+from flopwise.config import TrainConfig, build_config
 from flopwise.train import setup as trainer_module  # where the run builds its model
 from flopwise.train.stopping import NonFiniteError, NonFiniteGuard
 from flopwise.train.trainer import train
@@ -26,8 +26,15 @@ LN_V = math.log(512)
 
 # --------------------------------------------------------------------------- the guard alone
 
+def guard(policy: str, patience: int = 3, spike_factor: float = 0.0, warmup: int = 10,
+          uniform_loss: float | None = None, **train) -> NonFiniteGuard:
+    """The guard of ``train.nonfinite=policy`` and the other ``train`` settings given."""
+    t = TrainConfig(nonfinite=policy, nonfinite_patience=patience, spike_factor=spike_factor, **train)
+    return NonFiniteGuard(t, uniform_loss=uniform_loss, warmup=warmup)
+
+
 def test_rollbacks_are_bounded_per_checkpoint_and_per_run():
-    g = NonFiniteGuard("rollback", patience=3, spike_factor=0, max_rollbacks=3, max_rollbacks_per_checkpoint=2)
+    g = guard("rollback", nonfinite_max_rollbacks=3, nonfinite_max_rollbacks_per_checkpoint=2)
     for _ in range(2):
         assert g.refusal("step-0000004") == ""
         g.record_rollback("step-0000004")
@@ -37,11 +44,11 @@ def test_rollbacks_are_bounded_per_checkpoint_and_per_run():
     g.record_rollback("step-0000008")
     assert "3 rollback(s) already in this run" in g.refusal("step-0000012")
     assert "train.nonfinite_max_rollbacks=3" in g.refusal("step-0000012")
-    assert NonFiniteGuard("rollback", 3, 0).refusal(None) == "no checkpoint to roll back to"
+    assert guard("rollback").refusal(None) == "no checkpoint to roll back to"
 
 
 def test_skips_are_bounded_and_patience_still_counts():
-    g = NonFiniteGuard("skip", patience=3, spike_factor=0, max_skips=2)
+    g = guard("skip", nonfinite_max_skips=2)
     for _ in range(2):
         assert not g.check(float("nan"), 1.0)
         assert g.refusal(None) == ""
@@ -49,20 +56,20 @@ def test_skips_are_bounded_and_patience_still_counts():
         assert g.check(1.0, 1.0)  # a finite step in between: the streak starts over...
     assert not g.check(1.0, float("inf"))
     assert "train.nonfinite_max_skips=2" in g.refusal(None)  # ...the total does not
-    g = NonFiniteGuard("skip", patience=1, spike_factor=0)
+    g = guard("skip", patience=1)
     g.check(float("nan"), 1.0), g.check(float("nan"), 1.0)
     assert g.refusal(None) == "2 in a row exceeds train.nonfinite_patience=1"
 
 
 def test_counts_survive_a_checkpoint_round_trip_through_json():
-    g = NonFiniteGuard("rollback", 3, 0)
+    g = guard("rollback")
     g.record_rollback("step-0000002"), g.record_rollback("step-0000002"), g.record_skip()
     state = json.loads(json.dumps(g.state_dict()))  # as state.json stores it
-    h = NonFiniteGuard("rollback", 3, 0, max_rollbacks_per_checkpoint=2)
+    h = guard("rollback", nonfinite_max_rollbacks_per_checkpoint=2)
     h.load_state_dict(state)
     assert (h.rollbacks, h.skipped, h.rollbacks_to) == (2, 1, {"step-0000002": 2})
     assert "already rolled back to step-0000002" in h.refusal("step-0000002")
-    NonFiniteGuard("stop", 3, 0).load_state_dict({"skipped": 1, "rollbacks": 0, "mean": None, "seen": 0})  # older
+    guard("stop").load_state_dict({"skipped": 1, "rollbacks": 0, "mean": None, "seen": 0})  # older
 
 
 def _feed(g: NonFiniteGuard, steps: list[tuple[float, float]]) -> list[int]:
@@ -78,27 +85,27 @@ def _feed(g: NonFiniteGuard, steps: list[tuple[float, float]]) -> list[int]:
 
 
 def test_a_collapse_is_k_flat_steps_in_a_row_after_warm_up():
-    g = NonFiniteGuard("stop", 3, 3.0, warmup=4, collapse_steps=3, uniform_loss=LN_V)
+    g = guard("stop", spike_factor=3.0, warmup=4, collapse_steps=3, uniform_loss=LN_V)
     healthy = [(6.2, 1.3), (6.0, 0.9), (5.8, 0.7), (5.7, 0.6)]
     flat = [(LN_V, 0.0)] * 3
     assert _feed(g, healthy + flat) == [7]
     # Before warm-up flat steps do not count; a healthy step in between restarts the count.
-    g = NonFiniteGuard("stop", 3, 3.0, warmup=4, collapse_steps=3, uniform_loss=LN_V)
+    g = guard("stop", spike_factor=3.0, warmup=4, collapse_steps=3, uniform_loss=LN_V)
     assert _feed(g, [(LN_V, 0.0)] * 5 + [(5.0, 0.5)] + [(LN_V, 0.0)] * 2 + [(5.0, 0.5)]) == []
     # Exactly 0 fires at any loss; ~0 (below 1e-6) only with the loss at ln V (within 1e-4).
-    g = NonFiniteGuard("stop", 3, 0.0, warmup=0, collapse_steps=2, uniform_loss=LN_V)
+    g = guard("stop", warmup=0, collapse_steps=2, uniform_loss=LN_V)
     assert _feed(g, [(3.0, 0.0)] * 2) == [2]
     assert _feed(g, [(LN_V + 5e-5, 3e-7)] * 2) == [2]
     assert _feed(g, [(3.0, 3e-7)] * 4 + [(LN_V + 1e-3, 3e-7)] * 4 + [(LN_V, 1e-3)] * 4) == []
     # Off.
-    g = NonFiniteGuard("stop", 3, 0.0, warmup=0, collapse_steps=0, uniform_loss=LN_V)
+    g = guard("stop", warmup=0, collapse_steps=0, uniform_loss=LN_V)
     assert _feed(g, [(LN_V, 0.0)] * 10) == []
 
 
 def test_a_collapse_is_never_skipped_only_rolled_back():
-    assert "a collapse is not skipped" in NonFiniteGuard("skip", 3, 0).refusal("step-0000002", collapse=True)
-    assert "a collapse is not skipped" in NonFiniteGuard("stop", 3, 0).refusal("step-0000002", collapse=True)
-    assert NonFiniteGuard("rollback", 3, 0).refusal("step-0000002", collapse=True) == ""
+    assert "a collapse is not skipped" in guard("skip").refusal("step-0000002", collapse=True)
+    assert "a collapse is not skipped" in guard("stop").refusal("step-0000002", collapse=True)
+    assert guard("rollback").refusal("step-0000002", collapse=True) == ""
 
 
 # --------------------------------------------------------------------------- real tiny runs

@@ -11,9 +11,10 @@ import random
 
 import pytest
 
-from flopwise.measure.meter import spread
+from flopwise.measure.meter import MIN_NOISE, spread
 from flopwise.tune.choice import Trial, choose, median_spread, tied
-from flopwise.tune.preflight import MIN_NOISE, REMEASURE_ROUNDS, remeasure, trials_table
+from flopwise.tune.preflight import remeasure, trials_table
+from flopwise.tune.request import REMEASURE_ROUNDS, TuneRequest
 
 
 def trial(micro_batch, checkpointing, tok_per_s, spread=None, status="ok"):
@@ -54,7 +55,7 @@ def test_the_users_sequence_re_measures_the_tied_and_picks_within_noise_of_the_f
     trials = [measured(b, r, s) for b, (r, s) in USER.items()]
     assert [t.micro_batch for t in tied(trials)] == [4, 8, 16, 32]  # what the old rule chose among
     calls, lines = [], []
-    rounds = remeasure(trials, windows_at({b: r for b, (r, _) in USER.items()}, calls), log=lines.append)
+    rounds = remeasure(trials, windows_at({b: r for b, (r, _) in USER.items()}, calls), TuneRequest(log=lines.append))
     # round 1 measures every tied size; 4 and 16 then fall out of the noise; 8 and 32 stay tied
     assert calls == [4, 8, 16, 32, 8, 32, 8, 32] and rounds == REMEASURE_ROUNDS == 3
     assert [t.windows for t in trials] == [3, 3, 6, 12, 6, 12]
@@ -90,8 +91,9 @@ def test_the_budget_bounds_the_rounds():
         return [measured(4, 1000.0, 0.03, seconds=10.0), measured(8, 1005.0, 0.03, seconds=10.0)]
 
     calls = []
-    assert remeasure(pair(), windows_at({4: 1000.0, 8: 1000.0}, calls), rounds=2) == 2 and len(calls) == 4
-    assert remeasure(pair(), windows_at({4: 1000.0, 8: 1000.0}, []), rounds=0) == 0
+    assert remeasure(pair(), windows_at({4: 1000.0, 8: 1000.0}, calls), TuneRequest(remeasure_rounds=2)) == 2
+    assert len(calls) == 4
+    assert remeasure(pair(), windows_at({4: 1000.0, 8: 1000.0}, []), TuneRequest(remeasure_rounds=0)) == 0
     # the time budget, by an injected clock: each measurement takes 10 s; a round needs 20 s
     now, calls, lines = [0.0], [], []
 
@@ -100,7 +102,8 @@ def test_the_budget_bounds_the_rounds():
         return windows_at({4: 1000.0, 8: 1000.0}, calls)(t)
 
     trials = pair()
-    assert remeasure(trials, run, rounds=10, budget_s=45.0, clock=lambda: now[0], log=lines.append) == 2
+    request = TuneRequest(remeasure_rounds=10, clock=lambda: now[0], log=lines.append)
+    assert remeasure(trials, run, request, budget_s=45.0) == 2
     assert calls == [4, 8, 4, 8] and now[0] == 40.0  # a third round would end at 60 s > 45 s: not started
     assert lines[-1].startswith("preflight: re-measuring stops after 2 round(s)")
     assert choose(trials)[1].endswith("after 2 re-measure rounds: a tie goes to the faster median (on a CPU)")
@@ -161,7 +164,7 @@ def test_a_trial_that_fails_on_a_re_measure_is_not_chosen():
 def test_the_table_shows_the_timed_steps_of_each_row():
     trials = [measured(4, 1000.0, 0.03), measured(8, 1005.0, 0.03),
               Trial(16, "none", "oom", predicted_gb=0.2, note="CUDA out of memory")]
-    remeasure(trials, windows_at({4: 1000.0, 8: 1005.0}, []), rounds=1, log=lambda s: None)
+    remeasure(trials, windows_at({4: 1000.0, 8: 1005.0}, []), TuneRequest(remeasure_rounds=1, log=lambda s: None))
     lines = trials_table(trials, trials[1])
     assert lines[0].split() == ["micro-batch", "ckpt", "status", "tok/s", "±", "steps", "MFU", "peak", "GiB",
                                 "plan", "GiB", "data"]

@@ -12,7 +12,7 @@ import pytest
 from torch._dynamo.utils import counters
 
 from flopwise.config import build_config
-from flopwise.tune.trial import measure
+from flopwise.tune.trial import TrialSpec, measure
 
 
 @pytest.mark.slow
@@ -28,7 +28,7 @@ def test_each_trial_compiles_a_static_graph_for_its_own_size(tiny_overrides):
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         for micro in (2, 4):
             counters.clear()
-            measure(cfg, micro, "none", warmup=1, steps=1, device=torch.device("cpu"))
+            measure(cfg, TrialSpec(micro, "none", warmup=1, steps=1), torch.device("cpu"))
             shapes[micro] = sorted(counters["aten_mm_info"])
     for micro, names in shapes.items():
         assert names, f"micro-batch {micro}: no compiled matmul seen (was the loss compiled?)"

@@ -2,7 +2,8 @@
 
 Text becomes a *data directory* (``tokenizer.json``, ``meta.json``,
 ``SPLIT-NNNNN.bin`` shards); :class:`DataDir` opens and validates one;
-:class:`RandomWindowLoader` draws training batches from it and :func:`fixed_windows`
+:func:`make_loader` builds a training loader over it (:class:`RandomWindowLoader` or
+:class:`EpochLoader`, set up by a :class:`LoaderOptions`) and :func:`fixed_windows` draws
 a fixed validation subset.
 """
 
@@ -13,7 +14,7 @@ import importlib
 _EXPORTS = {
     "prepare_builtin": ".builtin",
     "DataDir": ".datadir", "DataDirError": ".datadir", "open_data_dir": ".datadir", "resolve_data_dir": ".datadir",
-    "RandomWindowLoader": ".loader", "EpochLoader": ".loader", "make_loader": ".loader",
+    "LoaderOptions": ".loader", "RandomWindowLoader": ".loader", "EpochLoader": ".loader", "make_loader": ".loader",
     "document_ids": ".loader", "fixed_windows": ".loader",
     "ShardError": ".shards", "ShardWriter": ".shards", "SplitWriter": ".shards", "read_header": ".shards",
     "read_shard": ".shards", "scan_tokens": ".shards", "shard_name": ".shards", "write_shard": ".shards",

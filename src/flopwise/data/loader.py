@@ -1,7 +1,9 @@
 """Training batches from memory-mapped token shards, and the fixed validation windows.
 
 Two loaders, one interface (``next_batch()``, iteration, ``state_dict()`` /
-``load_state_dict()``), both built by :func:`make_loader`:
+``load_state_dict()``), both built by :func:`make_loader` from a data directory, a split
+and a :class:`LoaderOptions` (the geometry, the seed, the ranks, the device and the
+settings below):
 
 - :class:`RandomWindowLoader` (mode ``"random"``): each row is a random contiguous window
   of ``seq_len + 1`` tokens from one shard, sampled *with replacement*.  The shard is
@@ -25,13 +27,13 @@ run would have drawn -- in the middle of an epoch and in the middle of a gradien
 accumulation window alike, since a training step simply draws its micro-batches one
 after another from the same loader.
 
-**Data parallelism.** Give every rank its ``rank`` and ``world_size``.  The epoch loader
-splits each global batch of ``batch_size * world_size`` samples into disjoint slices, and
-its state counts samples globally (identical on every rank), so a run may resume on a
-different number of ranks as long as the global batch is unchanged.  The random loader
-gives each rank its own generator (seeded with ``(seed, rank)``; rank 0 with ``seed``
-alone, which is the same stream): ranks are independent, not disjoint, and its state is
-per rank.
+**Data parallelism.** Give every rank its ``rank`` and ``world_size`` (in its options).  The
+epoch loader splits each global batch of ``batch_size * world_size`` samples into disjoint
+slices, and its state counts samples globally (identical on every rank), so a run may
+resume on a different number of ranks as long as the global batch is unchanged.  The
+random loader gives each rank its own generator (seeded with ``(seed, rank)``; rank 0 with
+``seed`` alone, which is the same stream): ranks are independent, not disjoint, and its
+state is per rank.
 
 **Devices and prefetch.** On CUDA the host batch is put in pinned memory and copied with
 ``non_blocking=True``; ``pin_memory=False`` keeps it in pageable memory and copies it with
@@ -64,6 +66,30 @@ import torch
 from .datadir import DataDir, DataDirError
 
 Batch = tuple[torch.Tensor, ...]  # (x, y) or (x, y, doc_ids), each (batch_size, seq_len) int64
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """How a training loader cuts its batches and hands them out: all but what it reads (a
+    data directory and a split) and, for :func:`make_loader`, which loader.
+
+    The loader checks them when it is built: a ``ValueError`` names the field at fault
+    (``seq_len``, ``batch_size``, ``rank`` and ``world_size``, ``prefetch``, ``step_samples``).
+    """
+
+    seq_len: int  # tokens per row; a window is seq_len + 1 tokens (inputs and shifted targets)
+    batch_size: int  # rows per batch on this rank: the micro-batch
+    seed: int  # the random loader's windows; the epoch loader's orders
+    device: torch.device | str = "cpu"  # where batches are delivered
+    rank: int = 0  # this data-parallel rank, 0 <= rank < world_size
+    world_size: int = 1
+    doc_boundaries: bool = False  # batches are (x, y, doc_ids): what a per-document causal mask needs
+    eos_id: int | None = None  # the document separator for doc_ids; None = the data directory's
+    prefetch: int | bool = 0  # batches assembled ahead on a background thread (True = 1; 0 = off)
+    pin_memory: bool = True  # on CUDA: pinned host batches, copied asynchronously
+    # The epoch loader's only (the random loader ignores them):
+    shuffle: bool = True  # a seeded order per epoch; False = storage order
+    step_samples: int | None = None  # samples per optimizer step over all ranks; None = one global batch
 
 
 def _usable(counts: list[int], seq_len: int) -> np.ndarray:
@@ -117,41 +143,33 @@ class _BatchLoader:
     A subclass implements ``_draw()`` (the next batch's (shard index, offset) pairs;
     advances its position; always called on the caller's thread), ``_position()`` (a
     snapshot of that position) and ``_set_position()``.
+
+    The options are copied into plain attributes (``seq_len``, ``batch_size``, ``rank``,
+    ``device``, ...), normalized, so the per-batch path reads them directly; ``opts`` keeps
+    the options as given.
     """
 
-    def __init__(
-        self,
-        datadir: DataDir,
-        split: str,
-        seq_len: int,
-        batch_size: int,
-        device: torch.device | str,
-        rank: int,
-        world_size: int,
-        doc_boundaries: bool,
-        eos_id: int | None,
-        prefetch: int | bool,
-        pin_memory: bool = True,
-    ):
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be > 0, got {batch_size}")
-        if world_size <= 0 or not 0 <= rank < world_size:
-            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    def __init__(self, datadir: DataDir, split: str, opts: LoaderOptions):
+        if opts.batch_size <= 0:
+            raise ValueError(f"batch_size must be > 0, got {opts.batch_size}")
+        if opts.world_size <= 0 or not 0 <= opts.rank < opts.world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={opts.rank}, world_size={opts.world_size}")
+        self.opts = opts
         self.datadir = datadir
         self.split = split
-        self.seq_len = int(seq_len)
-        self.batch_size = int(batch_size)
-        self.rank = int(rank)
-        self.world_size = int(world_size)
-        self.device = torch.device(device)
-        self.doc_boundaries = bool(doc_boundaries)
-        self.eos_id = datadir.eos_id if eos_id is None else int(eos_id)
+        self.seq_len = int(opts.seq_len)
+        self.batch_size = int(opts.batch_size)
+        self.rank = int(opts.rank)
+        self.world_size = int(opts.world_size)
+        self.device = torch.device(opts.device)
+        self.doc_boundaries = bool(opts.doc_boundaries)
+        self.eos_id = datadir.eos_id if opts.eos_id is None else int(opts.eos_id)
         bos = datadir.meta.get("bos_id")
         self.bos_id = None if bos is None else int(bos)
-        if int(prefetch) < 0:
-            raise ValueError(f"prefetch must be >= 0 (batches assembled ahead; 0 = off), got {prefetch}")
-        self.prefetch = int(prefetch)  # True -> 1, False -> 0
-        self.pin_memory = bool(pin_memory)
+        if int(opts.prefetch) < 0:
+            raise ValueError(f"prefetch must be >= 0 (batches assembled ahead; 0 = off), got {opts.prefetch}")
+        self.prefetch = int(opts.prefetch)  # True -> 1, False -> 0
+        self.pin_memory = bool(opts.pin_memory)
         self._shards = datadir.shards(split)
         self._vocab = datadir.vocab_size
         self.batches = 0  # batches handed out by this loader (see state_dict for what resumes)
@@ -315,29 +333,15 @@ class RandomWindowLoader(_BatchLoader):
     generator with ``(seed, rank)``: the ranks' streams are independent, not disjoint
     (use :class:`EpochLoader` for disjoint data).  The state (generator state and batch
     count) is per rank: each rank must save and restore its own, and loading a state
-    taken on another rank or world size is refused.
+    taken on another rank or world size is refused.  The options' ``shuffle`` and
+    ``step_samples`` (the epoch loader's) do not apply.
     """
 
     mode = "random"
 
-    def __init__(
-        self,
-        datadir: DataDir,
-        split: str,
-        seq_len: int,
-        batch_size: int,
-        seed: int,
-        device: torch.device | str = "cpu",
-        rank: int = 0,
-        world_size: int = 1,
-        doc_boundaries: bool = False,
-        eos_id: int | None = None,
-        prefetch: int | bool = 0,
-        pin_memory: bool = True,
-    ):
-        super().__init__(datadir, split, seq_len, batch_size, device, rank, world_size, doc_boundaries, eos_id,
-                         prefetch, pin_memory)
-        self.seed = int(seed)
+    def __init__(self, datadir: DataDir, split: str, opts: LoaderOptions):
+        super().__init__(datadir, split, opts)
+        self.seed = int(opts.seed)
         self._usable = _usable(datadir.shard_token_counts(split), self.seq_len)
         _check_enough(datadir, split, self.seq_len, self._usable)
         self._p = self._usable / self._usable.sum()
@@ -437,33 +441,16 @@ class EpochLoader(_BatchLoader):
 
     mode = "epoch"
 
-    def __init__(
-        self,
-        datadir: DataDir,
-        split: str,
-        seq_len: int,
-        batch_size: int,
-        seed: int,
-        device: torch.device | str = "cpu",
-        rank: int = 0,
-        world_size: int = 1,
-        shuffle: bool = True,
-        doc_boundaries: bool = False,
-        eos_id: int | None = None,
-        prefetch: int | bool = 0,
-        step_samples: int | None = None,
-        pin_memory: bool = True,
-    ):
-        super().__init__(datadir, split, seq_len, batch_size, device, rank, world_size, doc_boundaries, eos_id,
-                         prefetch, pin_memory)
+    def __init__(self, datadir: DataDir, split: str, opts: LoaderOptions):
+        super().__init__(datadir, split, opts)
         if self.seq_len <= 0:
-            raise ValueError(f"seq_len must be > 0, got {seq_len}")
+            raise ValueError(f"seq_len must be > 0, got {opts.seq_len}")
         G = self.global_batch_size
-        self.step_samples = int(step_samples) if step_samples else G
+        self.step_samples = int(opts.step_samples) if opts.step_samples else G
         if self.step_samples % G:
             raise ValueError(f"step_samples ({self.step_samples}) must be a multiple of batch_size x world_size ({G})")
-        self.seed = int(seed)
-        self.shuffle = bool(shuffle)
+        self.seed = int(opts.seed)
+        self.shuffle = bool(opts.shuffle)
         T = self.seq_len
         self._counts = datadir.shard_token_counts(split)
         _check_enough(datadir, split, T, _usable(self._counts, T))  # not even one window: say so, as random does
@@ -613,35 +600,13 @@ class EpochLoader(_BatchLoader):
         self.batches = int(state.get("batches", 0))
 
 
-def make_loader(
-    mode: str,
-    datadir: DataDir,
-    split: str,
-    seq_len: int,
-    batch_size: int,
-    seed: int,
-    device: torch.device | str = "cpu",
-    rank: int = 0,
-    world_size: int = 1,
-    doc_boundaries: bool = False,
-    *,
-    shuffle: bool = True,
-    eos_id: int | None = None,
-    prefetch: int | bool = 0,
-    pin_memory: bool = True,
-    step_samples: int | None = None,
-) -> RandomWindowLoader | EpochLoader:
-    """A training loader: ``mode`` ``"random"`` (:class:`RandomWindowLoader`) or ``"epoch"``
-    (:class:`EpochLoader`; ``shuffle`` and ``step_samples`` apply to it only).  ``prefetch``:
-    batches assembled ahead on a background thread (0 = off); ``pin_memory``: on CUDA, pinned
-    host batches copied asynchronously."""
-    common: dict[str, Any] = dict(device=device, rank=rank, world_size=world_size, doc_boundaries=doc_boundaries,
-                  eos_id=eos_id, prefetch=prefetch, pin_memory=pin_memory)
+def make_loader(mode: str, datadir: DataDir, split: str, opts: LoaderOptions) -> RandomWindowLoader | EpochLoader:
+    """The training loader of ``split`` of ``datadir``: ``mode`` ``"random"``
+    (:class:`RandomWindowLoader`) or ``"epoch"`` (:class:`EpochLoader`), as ``opts`` says."""
     if mode == "random":
-        return RandomWindowLoader(datadir, split, seq_len, batch_size, seed, **common)
+        return RandomWindowLoader(datadir, split, opts)
     if mode == "epoch":
-        return EpochLoader(datadir, split, seq_len, batch_size, seed, shuffle=shuffle, step_samples=step_samples,
-                           **common)
+        return EpochLoader(datadir, split, opts)
     raise ValueError(f"unknown loader mode {mode!r}: expected 'random' or 'epoch'")
 
 

@@ -101,7 +101,7 @@ from ..fsio import (
 from .datadir import DataDir
 from .meta import TOKENIZER_FILE, write_meta, write_text
 from .shards import FORMAT_VERSION, SplitWriter, dtype_for_vocab
-from .sources import open_source
+from .sources import Source, open_source
 from .tokenizer import encode_documents, file_sha256, load_tokenizer, special_ids, train_bpe
 
 Log = Callable[[str], None]
@@ -728,23 +728,12 @@ def prepare(opts: PrepareOptions, log: Log = print) -> Path:
         lock.release()
 
 
-def _prepare_locked(opts: PrepareOptions, out: Path, source, fp: str, log: Log, t_start: float) -> Path:
+def _prepare_locked(opts: PrepareOptions, out: Path, source: Source, fp: str, log: Log, t_start: float) -> Path:
+    """:func:`prepare` once it holds the lock: build ``.NAME.partial``, publish it as ``out``, report."""
     _finish_interrupted_publish(out, log)
-    if out.exists():
-        if not out.is_dir():
-            raise PrepareError(f"--out {str(out)!r} is a file, not a directory")
-        meta = _existing_meta(out)
-        if meta.get("fingerprint") == fp:
-            log(f"prepare: {out} already holds this data (same inputs, fingerprint {fp[:12]}); nothing to do")
-            return out
-        if any(out.iterdir()) and not opts.overwrite:
-            what = "a prepared data directory with other inputs" if (out / "meta.json").is_file() else "files"
-            recipe = meta.get("recipe")
-            old = recipe.get("version") if isinstance(recipe, dict) else None
-            if isinstance(old, int) and old != RECIPE_VERSION:
-                what += f" (prepared by recipe {old}; this flopwise prepares recipe {RECIPE_VERSION})"
-            raise PrepareError(f"--out {str(out)!r} already holds {what}; pass --overwrite to replace it "
-                               "(it is only replaced once the new data is complete)")
+    if _holds_this_data(opts, out, fp):
+        log(f"prepare: {out} already holds this data (same inputs, fingerprint {fp[:12]}); nothing to do")
+        return out
     had_out = out.exists()
     partial = out.parent / f".{out.name}.partial"
     if partial.exists():  # we hold the lock: whoever wrote it is gone
@@ -753,15 +742,9 @@ def _prepare_locked(opts: PrepareOptions, out: Path, source, fp: str, log: Log, 
     writers: dict[str, SplitWriter] = {}
     try:
         partial.mkdir()
-        tok = resolve_tokenizer(opts, source.documents(), log)
-        specials = special_ids(tok)
-        bos, eos = specials["bos_id"], specials["eos_id"]
-        if eos is None:
-            raise PrepareError(f"--tokenizer {opts.tokenizer!r} defines no end-of-text token "
-                               f"(looked for {', '.join(specials['eos_candidates'])})")
+        tok, bos, eos = _save_tokenizer(opts, source, partial, log)
         vocab = tok.get_vocab_size()
         dtype = dtype_for_vocab(vocab)
-        write_text(partial / TOKENIZER_FILE, tok.to_str(pretty=True))  # the bytes tok.save() writes
 
         targets, weights = opts.targets(), opts.weights()
         budget = sum(v for v in targets.values() if v) if opts.train_tokens else None
@@ -776,50 +759,12 @@ def _prepare_locked(opts: PrepareOptions, out: Path, source, fp: str, log: Log, 
         progress = Progress(budget, log)
         stream = encoded_stream(source.documents(), tok, bos, eos, dtype, workers, opts.batch_docs, opts.batch_chars)
         try:
-            per_doc = None
-            continued = {s: 0 for s in writers}  # documents begun in another split that go on here
-            for ids, lengths, _ in stream:
-                if per_doc is None:  # the first batch is the sample: no text is encoded twice
-                    per_doc = summarize_document_lengths(lengths)
-                    need = f" · the budget needs ~{budget / per_doc['mean']:,.0f} documents" if budget else ""
-                    log(f"prepare: ~{per_doc['mean']:,.0f} tokens per document (median {per_doc['median']:,.0f}, "
-                        f"from the first {per_doc['documents']:,} documents){need}")
-                pos = 0
-                written = 0
-                routed = 0  # documents of this batch that got a split (not those after the budget was met)
-                for n in lengths.tolist():
-                    pieces = router.route_document(n)
-                    if not pieces:
-                        break
-                    for split, offset, keep in pieces:
-                        writers[split].write(ids[pos + offset : pos + offset + keep])
-                        written += keep
-                    # counted once, in the split holding its first token, so the splits' counts
-                    # add up to the documents used; the other splits it reaches count it as continued
-                    first = pieces[0][0]
-                    writers[first].documents += 1
-                    for split in {p[0] for p in pieces} - {first}:
-                        continued[split] += 1
-                    routed += 1
-                    pos += n
-                progress.update(routed, written)
-                if opts.train_tokens and router.done():
-                    break
+            per_doc, continued = _write_documents(opts, stream, writers, router, progress, budget, log)
         finally:
             stream.close()
             progress.close()
 
-        splits = {s: {**w.close(), "continued_documents": continued[s]} for s, w in writers.items()}
-        splits = {s: info for s, info in splits.items() if info["tokens"] > 0}
-        if "val" not in splits:
-            raise PrepareError(f"SOURCE {opts.source!r} gave no validation tokens (too few documents?); "
-                               "give --val-tokens or a larger source")
-        if "train" not in splits:
-            raise PrepareError(f"SOURCE {opts.source!r} gave no training tokens after validation; use a larger source")
-        short = [f"{s} has {splits.get(s, {}).get('tokens', 0):,} of {targets[s]:,} tokens"
-                 for s in SPLITS if targets[s] and splits.get(s, {}).get("tokens", 0) < targets[s]]
-        if short:
-            log("prepare: WARNING: the source ran out before the budget: " + "; ".join(short))
+        splits = _closed_splits(opts, writers, continued, targets, log)
         write_meta(partial, source=source.description, vocab_size=vocab, eos_id=eos, bos_id=bos, splits=splits,
                    fingerprint=fp, recipe={
                        "version": RECIPE_VERSION,
@@ -849,8 +794,110 @@ def _prepare_locked(opts: PrepareOptions, out: Path, source, fp: str, log: Log, 
     except OSError as e:
         log(f"prepare: WARNING: could not sync {out.parent} after the rename: {describe_write_error(e)}")
 
-    total = sum(s["tokens"] for s in splits.values())
     log(f"prepare: done in {time.perf_counter() - t_start:.1f}s · {progress.line()}")
+    _log_splits(opts, out, splits, floor, dtype, log)
+    return out
+
+
+def _holds_this_data(opts: PrepareOptions, out: Path, fp: str) -> bool:
+    """Whether ``out`` already holds the data of these inputs (fingerprint ``fp``).
+
+    Refuses (PrepareError) an ``out`` that is a file, or that holds other files and no
+    ``--overwrite`` was given; False means ``out`` may be written.
+    """
+    if not out.exists():
+        return False
+    if not out.is_dir():
+        raise PrepareError(f"--out {str(out)!r} is a file, not a directory")
+    meta = _existing_meta(out)
+    if meta.get("fingerprint") == fp:
+        return True
+    if any(out.iterdir()) and not opts.overwrite:
+        what = "a prepared data directory with other inputs" if (out / "meta.json").is_file() else "files"
+        recipe = meta.get("recipe")
+        old = recipe.get("version") if isinstance(recipe, dict) else None
+        if isinstance(old, int) and old != RECIPE_VERSION:
+            what += f" (prepared by recipe {old}; this flopwise prepares recipe {RECIPE_VERSION})"
+        raise PrepareError(f"--out {str(out)!r} already holds {what}; pass --overwrite to replace it "
+                           "(it is only replaced once the new data is complete)")
+    return False
+
+
+def _save_tokenizer(opts: PrepareOptions, source: Source, partial: Path, log: Log) -> tuple[Tokenizer, int | None, int]:
+    """The tokenizer (loaded or trained: :func:`resolve_tokenizer`), written to ``partial``,
+    and its BOS id (None where it has none) and EOS id (refused where it has none)."""
+    tok = resolve_tokenizer(opts, source.documents(), log)
+    specials = special_ids(tok)
+    bos, eos = specials["bos_id"], specials["eos_id"]
+    if eos is None:
+        raise PrepareError(f"--tokenizer {opts.tokenizer!r} defines no end-of-text token "
+                           f"(looked for {', '.join(specials['eos_candidates'])})")
+    write_text(partial / TOKENIZER_FILE, tok.to_str(pretty=True))  # the bytes tok.save() writes
+    return tok, bos, eos
+
+
+def _write_documents(opts: PrepareOptions, stream: Iterator[tuple[np.ndarray, np.ndarray, int]],
+                     writers: dict[str, SplitWriter], router: Router, progress: Progress, budget: int | None,
+                     log: Log) -> tuple[dict | None, dict[str, int]]:
+    """Route the encoded batches of ``stream`` into the splits' writers until the budget is
+    met (or the stream ends). Returns the tokens per document estimated from the first batch
+    (None when there was none) and, per split, the documents begun in another split that go
+    on there."""
+    per_doc = None
+    continued = {s: 0 for s in writers}  # documents begun in another split that go on here
+    for ids, lengths, _ in stream:
+        if per_doc is None:  # the first batch is the sample: no text is encoded twice
+            per_doc = summarize_document_lengths(lengths)
+            need = f" · the budget needs ~{budget / per_doc['mean']:,.0f} documents" if budget else ""
+            log(f"prepare: ~{per_doc['mean']:,.0f} tokens per document (median {per_doc['median']:,.0f}, "
+                f"from the first {per_doc['documents']:,} documents){need}")
+        pos = 0
+        written = 0
+        routed = 0  # documents of this batch that got a split (not those after the budget was met)
+        for n in lengths.tolist():
+            pieces = router.route_document(n)
+            if not pieces:
+                break
+            for split, offset, keep in pieces:
+                writers[split].write(ids[pos + offset : pos + offset + keep])
+                written += keep
+            # counted once, in the split holding its first token, so the splits' counts
+            # add up to the documents used; the other splits it reaches count it as continued
+            first = pieces[0][0]
+            writers[first].documents += 1
+            for split in {p[0] for p in pieces} - {first}:
+                continued[split] += 1
+            routed += 1
+            pos += n
+        progress.update(routed, written)
+        if opts.train_tokens and router.done():
+            break
+    return per_doc, continued
+
+
+def _closed_splits(opts: PrepareOptions, writers: dict[str, SplitWriter], continued: dict[str, int],
+                   targets: dict[str, int | None], log: Log) -> dict[str, dict]:
+    """Close the writers: the ``meta.json`` record of each split that got tokens. Refuses an
+    output without validation or training tokens; warns of budgets the source fell short of."""
+    splits = {s: {**w.close(), "continued_documents": continued[s]} for s, w in writers.items()}
+    splits = {s: info for s, info in splits.items() if info["tokens"] > 0}
+    if "val" not in splits:
+        raise PrepareError(f"SOURCE {opts.source!r} gave no validation tokens (too few documents?); "
+                           "give --val-tokens or a larger source")
+    if "train" not in splits:
+        raise PrepareError(f"SOURCE {opts.source!r} gave no training tokens after validation; use a larger source")
+    short = [f"{s} has {splits.get(s, {}).get('tokens', 0):,} of {targets[s]:,} tokens"
+             for s in SPLITS if targets[s] and splits.get(s, {}).get("tokens", 0) < targets[s]]
+    if short:
+        log("prepare: WARNING: the source ran out before the budget: " + "; ".join(short))
+    return splits
+
+
+def _log_splits(opts: PrepareOptions, out: Path, splits: dict[str, dict], floor: ValFloor | None,
+                dtype: np.dtype, log: Log) -> None:
+    """The final summary: each split's tokens, documents and shards, the validation floor's
+    note where it applies, and the output's size."""
+    total = sum(s["tokens"] for s in splits.values())
     for s, info in splits.items():
         cont = info["continued_documents"]
         more = f" (+{cont:,} continued from another split)" if cont else ""
@@ -860,7 +907,6 @@ def _prepare_locked(opts: PrepareOptions, out: Path, source, fp: str, log: Log, 
     if note:
         log(f"  {note}")
     log(f"  {out} ({total * dtype.itemsize / 1e6:,.1f} MB of {dtype.name} tokens)")
-    return out
 
 
 def _publish(partial: Path, out: Path) -> None:

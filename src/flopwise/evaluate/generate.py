@@ -18,6 +18,7 @@ restored afterwards.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -25,23 +26,34 @@ import torch
 from flopwise.model import attention as _attention
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
-          generator: torch.Generator | None) -> torch.Tensor:
+@dataclass(frozen=True)
+class Sampling:
+    """How each next token is chosen: ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1
+    keep every candidate; ``generator`` seeds the draws (a CPU one serves a model on any device)."""
+
+    temperature: float = 0.8
+    top_k: int = 0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+
+def _pick(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """Next token ids (B, 1) from float32 logits (B, V)."""
-    if temperature <= 0:
+    if s.temperature <= 0:
         return logits.argmax(dim=-1, keepdim=True)  # greedy
-    logits = logits / temperature
-    if top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+    logits = logits / s.temperature
+    if s.top_k > 0:
+        kth = torch.topk(logits, min(s.top_k, logits.size(-1))).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if 0 < top_p < 1:
+    if 0 < s.top_p < 1:
         # Keep the smallest set of tokens whose probability reaches top_p (the top one always).
         sorted_logits, order = torch.sort(logits, descending=True)
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p  # mass before this token already enough
+        drop = cum - torch.softmax(sorted_logits, dim=-1) >= s.top_p  # mass before this token already enough
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = torch.softmax(logits, dim=-1)
+    generator = s.generator
     if probs.device.type != "cpu" and generator is not None and generator.device.type == "cpu":
         return torch.multinomial(probs.cpu(), 1, generator=generator).to(probs.device)
     return torch.multinomial(probs, 1, generator=generator)
@@ -91,38 +103,34 @@ def generate(
     idx: torch.Tensor,
     max_new_tokens: int,
     max_seq_len: int,
-    temperature: float = 0.8,
-    top_k: int = 0,
-    generator: torch.Generator | None = None,
+    sampling: Sampling = Sampling(),
     eos_id: int | None = None,
-    top_p: float = 1.0,
     use_cache: bool = True,
 ) -> torch.Tensor:
-    """Extend ``idx`` (B, T) by up to ``max_new_tokens``; temperature 0 is greedy. Stops early
-    when every row has produced ``eos_id``. Runs whatever attention backend the model was
+    """Extend ``idx`` (B, T) by up to ``max_new_tokens``, each drawn as ``sampling`` says. Stops
+    early when every row has produced ``eos_id``. Runs whatever attention backend the model was
     configured with: one that cannot compute in this dtype here (flash-attn on fp32 weights
     without autocast) is swapped for the call (:func:`attention_for_inference`)."""
     was_training = model.training
     model.eval()
     try:
         with attention_for_inference(model, idx.device):
-            return _generate(model, idx, max_new_tokens, max_seq_len, temperature, top_k, generator, eos_id,
-                             top_p, use_cache)
+            return _generate(model, idx, max_new_tokens, max_seq_len, sampling, eos_id, use_cache)
     finally:
         model.train(was_training)
 
 
-def _generate(model, idx, max_new_tokens, max_seq_len, temperature, top_k, generator, eos_id, top_p,
-              use_cache) -> torch.Tensor:
+def _generate(model: torch.nn.Module, idx: torch.Tensor, max_new_tokens: int, max_seq_len: int, sampling: Sampling,
+              eos_id: int | None, use_cache: bool) -> torch.Tensor:
     cache = None
     if use_cache and hasattr(model, "new_cache") and idx.shape[1] < max_seq_len:
-        cache = model.new_cache(idx.shape[0], max_seq_len)
+        cache = model.new_cache(idx.shape[0], max_seq_len)  # type: ignore[operator]  # duck-typed: hasattr above
         logits = model(idx, cache=cache)[:, -1, :].float()  # the prompt, once
     done = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
     for _ in range(max_new_tokens):
         if cache is None:
             logits = model(idx[:, -max_seq_len:])[:, -1, :].float()  # (B, V)
-        nxt = _pick(logits, temperature, top_k, top_p, generator)  # (B, 1)
+        nxt = _pick(logits, sampling)  # (B, 1)
         idx = torch.cat([idx, nxt], dim=1)
         if eos_id is not None:
             done |= nxt[:, 0] == eos_id

@@ -9,11 +9,26 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from flopwise.data.loader import document_ids
 from flopwise.model.loss import loss_sum
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's share of an evaluation under data parallelism: rank ``rank`` of ``world``,
+    and ``reduce``, which sums a list of floats element-wise over the ranks and gives every rank
+    the sums."""
+
+    rank: int = 0
+    world: int = 1
+    reduce: Callable[[list[float]], list[float]] | None = None
+
+
+UNSHARDED = Shard()  # one process evaluates everything
 
 
 @torch.no_grad()
@@ -25,24 +40,23 @@ def evaluate_loss(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     doc_eos: int | None = None,
     doc_bos: int | None = None,
-    shard: tuple[int, int] = (0, 1),
-    reduce: Callable[[list[float]], list[float]] | None = None,
+    shard: Shard = UNSHARDED,
 ) -> float:
     """Mean token loss over ``windows`` (N, seq_len + 1), evaluated ``batch_size`` at a time.
 
     A model trained with ``doc_mask`` is evaluated with the same per-document attention
     when ``doc_eos`` (and ``doc_bos``, if the tokenizer has one) say where documents end.
 
-    Under data parallelism (``shard=(rank, world_size)``) each rank evaluates a contiguous
-    ~1/world of the windows and ``reduce`` sums (loss, tokens) over ranks, so every rank
-    returns the same mean as one process would. All ranks run the same number of
-    forwards (a rank with fewer windows repeats one and does not count it): FSDP2 gathers
-    weights collectively inside every forward."""
+    Under data parallelism (``shard``) each rank evaluates a contiguous ~1/world of the
+    windows and ``shard.reduce`` sums (loss, tokens) over ranks, so every rank returns the
+    same mean as one process would. All ranks run the same number of forwards (a rank with
+    fewer windows repeats one and does not count it): FSDP2 gathers weights collectively
+    inside every forward."""
     was_training = model.training
     model.eval()
     total, count = torch.zeros((), device=device), 0
     cfg = getattr(model, "cfg", None)
-    rank, world = shard
+    rank, world = shard.rank, shard.world
     per_rank = -(-windows.size(0) // world)
     mine = windows[rank * per_rank : (rank + 1) * per_rank]
     for i in range(0, per_rank, batch_size):
@@ -60,8 +74,8 @@ def evaluate_loss(
             count += y.numel()
     model.train(was_training)
     values = [float(total), float(count)]
-    if reduce is not None:
-        values = reduce(values)
+    if shard.reduce is not None:
+        values = shard.reduce(values)
     return values[0] / max(values[1], 1)
 
 

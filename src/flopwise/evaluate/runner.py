@@ -49,13 +49,33 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def evaluate(path: str | os.PathLike, data: str = "", tasks: list[str] | None = None,
-             task_paths: dict[str, str] | None = None, limit: int = 0, windows: int = 0, seq_len: int = 0,
-             batch_size: int = 8, device: str = "auto", other_data: bool = False, log: Log = print) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class EvalOptions:
+    """What ``flopwise eval`` measures and how, the same for every checkpoint it evaluates.
+
+    ``data``: the data directory of the validation loss ("": the run's own), refused when it
+    is not the data the run trained on unless ``other_data``. ``tasks``: the multiple-choice
+    tasks to score, ``task_paths`` a task's local file or folder, ``limit`` examples per task
+    (0: all). ``windows`` x ``seq_len``: the validation windows (0: chosen as the module
+    docstring says). ``batch_size``: windows or sequences per forward. ``device``: "auto"
+    (CUDA where there is one) or a torch device name."""
+
+    data: str = ""
+    other_data: bool = False
+    tasks: list[str] = dataclasses.field(default_factory=list)
+    task_paths: dict[str, str] = dataclasses.field(default_factory=dict)
+    limit: int = 0
+    windows: int = 0
+    seq_len: int = 0
+    batch_size: int = 8
+    device: str = "auto"
+
+
+def evaluate(path: str | os.PathLike, options: EvalOptions = EvalOptions(), log: Log = print) -> dict[str, Any]:
     """Evaluate the model at ``path``; return ``{"step", "tokens", "checkpoint", "val_loss",
     "val_ppl", "val_bpb", "val_windows", "val_seq_len", "eval": {task: scores}}`` (keys
     present when measured). Which windows: the module docstring."""
-    dev = _device(device)
+    dev = _device(options.device)
     src = resolve(path)
     model, src = load_model(src.path, device=dev)
     amp = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else None
@@ -70,13 +90,13 @@ def evaluate(path: str | os.PathLike, data: str = "", tasks: list[str] | None = 
     dd: DataDir | None = None
     said = False  # why validation is skipped, once said
     trained_on = state.get("data_fingerprint") if run_cfg is not None else (geometry or {}).get("fingerprint")
-    if data:  # checked like a run's own data: checksums and id range, remembered per shard
-        dd = DataDir(data)
+    if options.data:  # checked like a run's own data: checksums and id range, remembered per shard
+        dd = DataDir(options.data)
         found = dd.meta.get("fingerprint")
-        if trained_on and found != trained_on and not other_data:
-            raise DataDirError(f"--data {data}: not the data the run trained on (fingerprint {str(found)[:12]}, "
-                               f"the run's {trained_on[:12]}): point at a copy of the run's data, or pass "
-                               "--other-data to evaluate on this one")
+        if trained_on and found != trained_on and not options.other_data:
+            raise DataDirError(f"--data {options.data}: not the data the run trained on (fingerprint "
+                               f"{str(found)[:12]}, the run's {trained_on[:12]}): point at a copy of the run's data, "
+                               "or pass --other-data to evaluate on this one")
         dd.check_shards(check_cache_path((run_cfg.data if run_cfg else DataConfig()).cache_dir, dd.path))
     elif run_cfg is not None:
         recorded = run_cfg.data.path
@@ -95,27 +115,27 @@ def evaluate(path: str | os.PathLike, data: str = "", tasks: list[str] | None = 
                 "give --data DIR")
             said = True
     if dd is not None:
-        n, T, why = _windows(windows, seq_len, geometry, model.cfg.max_seq_len)
+        n, T, why = _windows(options.windows, options.seq_len, geometry, model.cfg.max_seq_len)
         if geometry is not None and geometry["fingerprint"] and \
                 dd.meta.get("fingerprint") not in (None, geometry["fingerprint"]):
             log(f"  val        note: {dd.path} is not the data the run was validated on (fingerprint "
                 f"{dd.meta.get('fingerprint', '')[:12]}, the run's {geometry['fingerprint'][:12]})")
         w = fixed_windows(dd, "val", T, n)
-        loss = evaluate_loss(model, w, batch_size, dev, autocast, dd.eos_id, dd.bos_id)
+        loss = evaluate_loss(model, w, options.batch_size, dev, autocast, dd.eos_id, dd.bos_id)
         out.update(val_loss=loss, val_ppl=perplexity(loss),
                    val_bpb=bits_per_byte(loss, w[:, 1:].numel(), target_bytes(w, dd.tokenizer)),
                    val_windows=n, val_seq_len=T)
         overlap = overlap_note(n, T, dd.num_tokens("val"))
         log(f"  val        loss {loss:.4f} · ppl {out['val_ppl']:,.1f} · bpb {out['val_bpb']:.4f} "
             f"({n} windows x {T} tokens: {why}; {dd.path}{'; ' + overlap if overlap else ''})")
-    elif not tasks and not said:
+    elif not options.tasks and not said:
         log("  val        skipped: no data directory (give --data DIR)")
-    if tasks:
+    if options.tasks:
         if src.tokenizer_path is None:
             raise ModelSourceError(f"{path}: no tokenizer.json to score the tasks with")
         tok = load_tokenizer(src.tokenizer_path)  # a malformed file: an error naming it
-        results = evaluate_tasks(model, tok, tasks, paths=task_paths, limit=limit, device=dev,
-                                 batch_size=batch_size, autocast=autocast)
+        results = evaluate_tasks(model, tok, options.tasks, paths=options.task_paths, limit=options.limit,
+                                 device=dev, batch_size=options.batch_size, autocast=autocast)
         out["eval"] = results
         for name, r in results.items():
             log(f"  {name:<14} acc {r['acc']:.4f} · acc_norm {r['acc_norm']:.4f} · acc_token {r['acc_token']:.4f}"
@@ -213,11 +233,11 @@ def run_finished(run_dir: Path) -> bool:
     return isinstance(record_, dict) and "result" in record_ and last is not None and int(last.name[5:]) >= total
 
 
-def watch(run_dir: str | os.PathLike, poll_s: float = 30.0, timeout_s: float = 0.0, log: Log = print,
-          before_eval: Callable[[Path], None] | None = None, **kwargs) -> int:
-    """Evaluate every complete checkpoint of ``run_dir`` not yet in ``evals.jsonl``, as they
-    land, until the run has finished and its last checkpoint is evaluated (or ``timeout_s``).
-    Returns the number of checkpoints evaluated.
+def watch(run_dir: str | os.PathLike, options: EvalOptions = EvalOptions(), poll_s: float = 30.0,
+          timeout_s: float = 0.0, log: Log = print, before_eval: Callable[[Path], None] | None = None) -> int:
+    """Evaluate (as ``options`` say) every complete checkpoint of ``run_dir`` not yet in
+    ``evals.jsonl``, as they land, until the run has finished and its last checkpoint is
+    evaluated (or ``timeout_s``). Returns the number of checkpoints evaluated.
 
     Training prunes old checkpoints (``train.keep_checkpoints``) while this runs, so one
     listed a moment ago may be gone when it is read: whatever error that gives (a missing
@@ -239,7 +259,7 @@ def watch(run_dir: str | os.PathLike, poll_s: float = 30.0, timeout_s: float = 0
                 before_eval(ckpt)
             log(f"eval: {ckpt}")
             try:
-                result = evaluate(ckpt, log=log, **kwargs)
+                result = evaluate(ckpt, options, log=log)
             except Exception as err:  # noqa: BLE001 - which error a deletion gives depends on its timing
                 if not vanished(ckpt):
                     raise

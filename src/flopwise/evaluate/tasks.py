@@ -99,13 +99,14 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from flopwise.data.tokenizer import special_ids
 from flopwise.errors import FlopwiseError
+from flopwise.evaluate.loss import UNSHARDED, Shard
 from flopwise.fsio import FileFormatError, check_json_depth
 
 INSTALL_HINT = "pip install 'flopwise[data]'"
@@ -461,40 +462,25 @@ def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 
-@torch.no_grad()
-def loglikelihoods(model: torch.nn.Module, tokenizer, examples: list[Example], device: str | torch.device = "cpu",
-                   batch_size: int = 16,
-                   autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                   shard: tuple[int, int] = (0, 1),
-                   reduce: Callable[[list[float]], list[float]] | None = None,
-                   ) -> tuple[list[list[float]], list[list[int]], int]:
-    """``(logprobs, n_tokens, truncated)``: for example i and choice j, ``logprobs[i][j]``
-    = log P(choice | context) (float32 log-softmax, summed) over ``n_tokens[i][j]``
-    choice tokens; ``truncated`` counts sequences that lost context on the left.
+class _Requests(NamedTuple):
+    """One request per (example, choice), in example then choice order."""
 
-    ``tokenizer`` is a ``tokenizers.Tokenizer``; conventions in the module docstring.
+    seqs: list[list[int]]  # each: context + choice, cut on the left to max_len + 1 tokens
+    ncont: list[int]  # choice tokens at the end of each sequence
+    owner: list[tuple[int, int]]  # (example, choice) of each
+    truncated: int  # sequences that lost context on the left
 
-    Under data parallelism (``shard=(rank, world_size)``) each rank scores every
-    world_size-th batch and ``reduce`` sums the per-request results over ranks (each is
-    filled by one rank, zero elsewhere), so every rank returns the whole answer. All ranks
-    run the same number of forwards (a rank short of batches repeats one and discards it):
-    FSDP2 gathers weights collectively inside every forward."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    cfg = getattr(model, "cfg", None)
-    max_len = getattr(cfg, "max_seq_len", None)
-    if not isinstance(max_len, int) or max_len < 1:
-        raise ValueError("the model needs cfg.max_seq_len (its longest input) to be a positive integer")
+
+def _requests(tokenizer, examples: list[Example], max_len: int) -> _Requests:
+    """The token sequences to score (module docstring: how they are built and cut)."""
     ids = special_ids(tokenizer)
     bos, eos = ids["bos_id"], ids["eos_id"]
-
-    # Token ids: contexts once per example, choices flattened. One request per (example, choice).
+    # Token ids: contexts once per example, choices flattened.
     ctx_ids = _encode(tokenizer, [ex.context for ex in examples])
-    flat_choices = [c for ex in examples for c in ex.choices]
-    choice_ids = _encode(tokenizer, flat_choices)
-    seqs: list[list[int]] = []  # each: full sequence, context + choice (truncated to max_len + 1)
-    ncont: list[int] = []  # choice tokens at the end of each sequence
-    owner: list[tuple[int, int]] = []  # (example, choice) of each request
+    choice_ids = _encode(tokenizer, [c for ex in examples for c in ex.choices])
+    seqs: list[list[int]] = []
+    ncont: list[int] = []
+    owner: list[tuple[int, int]] = []
     truncated = 0
     r = 0
     for i, ex in enumerate(examples):
@@ -519,59 +505,92 @@ def loglikelihoods(model: torch.nn.Module, tokenizer, examples: list[Example], d
             seqs.append(seq)
             ncont.append(len(cont))
             owner.append((i, j))
+    return _Requests(seqs, ncont, owner, truncated)
+
+
+def _batch_logprobs(model: torch.nn.Module, seqs: list[list[int]], ncont: list[int], device: str | torch.device,
+                    autocast: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
+    """Summed log-probabilities (B,) of the last ``ncont[b]`` tokens of each of ``seqs``, in one
+    forward over the sequences right-padded (float64, on ``device``)."""
+    T = max(len(s) for s in seqs) - 1
+    idx = torch.zeros((len(seqs), T), dtype=torch.long)  # (B, T) inputs, right-padded with id 0
+    rows, targets, seg = [], [], []  # one entry per choice token in the batch (cols too)
+    cols: list[int] = []
+    for b, (s, n) in enumerate(zip(seqs, ncont)):
+        L = len(s) - 1  # real input length
+        idx[b, :L] = torch.tensor(s[:-1])
+        rows += [b] * n
+        cols += range(L - n, L)  # logits at position t predict token t + 1
+        targets += s[L + 1 - n :]
+        seg += [b] * n
+    idx = idx.to(device)
+    rows_t = torch.tensor(rows, device=device)
+    cols_t = torch.tensor(cols, device=device)
+    use_hidden = hasattr(model, "forward_hidden") and hasattr(model, "head_weight")
+    with autocast():
+        if use_hidden:  # only the needed rows through the head: no (B, T, V) logits
+            h = model(idx, return_hidden=True)[rows_t, cols_t]  # (N, D)
+            logits = F.linear(h, model.head_weight)  # type: ignore[arg-type]  # a Transformer's (use_hidden)
+        else:
+            logits = model(idx)[rows_t, cols_t]  # (N, V)
+    logp = logits.float().log_softmax(-1)  # (N, V) float32
+    tok = logp.gather(1, torch.tensor(targets, device=device)[:, None]).squeeze(1)  # (N,)
+    sums = torch.zeros(len(seqs), dtype=torch.float64, device=device)
+    return sums.index_add_(0, torch.tensor(seg, device=device), tok.double())  # (B,)
+
+
+@torch.no_grad()
+def loglikelihoods(model: torch.nn.Module, tokenizer, examples: list[Example], device: str | torch.device = "cpu",
+                   batch_size: int = 16,
+                   autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                   shard: Shard = UNSHARDED,
+                   ) -> tuple[list[list[float]], list[list[int]], int]:
+    """``(logprobs, n_tokens, truncated)``: for example i and choice j, ``logprobs[i][j]``
+    = log P(choice | context) (float32 log-softmax, summed) over ``n_tokens[i][j]``
+    choice tokens; ``truncated`` counts sequences that lost context on the left.
+
+    ``tokenizer`` is a ``tokenizers.Tokenizer``; conventions in the module docstring.
+
+    Under data parallelism (``shard``) each rank scores every world-th batch and
+    ``shard.reduce`` sums the per-request results over ranks (each is filled by one rank,
+    zero elsewhere), so every rank returns the whole answer. All ranks run the same number
+    of forwards (a rank short of batches repeats one and discards it): FSDP2 gathers
+    weights collectively inside every forward."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    cfg = getattr(model, "cfg", None)
+    max_len = getattr(cfg, "max_seq_len", None)
+    if not isinstance(max_len, int) or max_len < 1:
+        raise ValueError("the model needs cfg.max_seq_len (its longest input) to be a positive integer")
+    req = _requests(tokenizer, examples, max_len)
 
     # Longest first: little padding per batch, and a too-big batch fails on the first one.
-    order = sorted(range(len(seqs)), key=lambda k: -len(seqs[k]))
-    result = [0.0] * len(seqs)
-    use_hidden = hasattr(model, "forward_hidden") and hasattr(model, "head_weight")
+    order = sorted(range(len(req.seqs)), key=lambda k: -len(req.seqs[k]))
+    result = [0.0] * len(req.seqs)
     was_training = model.training
     model.eval()
-    rank, world = shard
     batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
-    mine = batches[rank::world]  # round robin: every rank gets long and short sequences alike
+    mine = batches[shard.rank :: shard.world]  # round robin: every rank gets long and short sequences alike
     try:
-        for turn in range(-(-len(batches) // world)):
+        for turn in range(-(-len(batches) // shard.world)):
             counted = turn < len(mine)
             batch = mine[turn] if counted else batches[0]
-            T = max(len(seqs[k]) for k in batch) - 1
-            idx = torch.zeros((len(batch), T), dtype=torch.long)  # (B, T) inputs, right-padded with id 0
-            rows, targets, seg = [], [], []  # one entry per choice token in the batch (cols too)
-            cols: list[int] = []
-            for b, k in enumerate(batch):
-                s, n = seqs[k], ncont[k]
-                L = len(s) - 1  # real input length
-                idx[b, :L] = torch.tensor(s[:-1])
-                rows += [b] * n
-                cols += range(L - n, L)  # logits at position t predict token t + 1
-                targets += s[L + 1 - n :]
-                seg += [b] * n
-            idx = idx.to(device)
-            rows_t = torch.tensor(rows, device=device)
-            cols_t = torch.tensor(cols, device=device)
-            with autocast():
-                if use_hidden:  # only the needed rows through the head: no (B, T, V) logits
-                    h = model(idx, return_hidden=True)[rows_t, cols_t]  # (N, D)
-                    logits = F.linear(h, model.head_weight)  # type: ignore[arg-type]  # a Transformer's (use_hidden)
-                else:
-                    logits = model(idx)[rows_t, cols_t]  # (N, V)
-            logp = logits.float().log_softmax(-1)  # (N, V) float32
-            tok = logp.gather(1, torch.tensor(targets, device=device)[:, None]).squeeze(1)  # (N,)
-            sums = torch.zeros(len(batch), dtype=torch.float64, device=device)
-            sums.index_add_(0, torch.tensor(seg, device=device), tok.double())  # (B,)
+            sums = _batch_logprobs(model, [req.seqs[k] for k in batch], [req.ncont[k] for k in batch], device,
+                                   autocast)
             if counted:
                 for k, v in zip(batch, sums.tolist()):
                     result[k] = v
     finally:
         model.train(was_training)
-    if reduce is not None:
-        result = reduce(result)
+    if shard.reduce is not None:
+        result = shard.reduce(result)
 
     logprobs = [[0.0] * len(ex.choices) for ex in examples]
     ntoks = [[0] * len(ex.choices) for ex in examples]
-    for k, (i, j) in enumerate(owner):
+    for k, (i, j) in enumerate(req.owner):
         logprobs[i][j] = result[k]
-        ntoks[i][j] = ncont[k]
-    return logprobs, ntoks, truncated
+        ntoks[i][j] = req.ncont[k]
+    return logprobs, ntoks, req.truncated
 
 
 def _argmax(values: list[float]) -> int:
@@ -606,7 +625,7 @@ def metrics(examples: list[Example], logprobs: list[list[float]], n_tokens: list
 def score(model: torch.nn.Module, tokenizer, examples: list[Example], device: str | torch.device = "cpu",
           batch_size: int = 16,
           autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-          shard: tuple[int, int] = (0, 1), reduce: Callable[[list[float]], list[float]] | None = None) -> dict:
+          shard: Shard = UNSHARDED) -> dict:
     """Score ``examples`` by log-probability (module docstring: tokenization, truncation,
     normalisations, stderr formula).
 
@@ -618,8 +637,7 @@ def score(model: torch.nn.Module, tokenizer, examples: list[Example], device: st
     for i, ex in enumerate(examples):
         if len(ex.choices) < 1 or not 0 <= ex.label < len(ex.choices):
             raise TaskError(f"example {i}: label {ex.label} is not an index into its {len(ex.choices)} choices")
-    logprobs, ntoks, truncated = loglikelihoods(model, tokenizer, examples, device, batch_size, autocast,
-                                                shard, reduce)
+    logprobs, ntoks, truncated = loglikelihoods(model, tokenizer, examples, device, batch_size, autocast, shard)
     out = metrics(examples, logprobs, ntoks)
     out["truncated"] = truncated
     return out

@@ -37,7 +37,7 @@ Formulas
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from flopwise.config import ModelConfig, batch_split_problems
@@ -549,35 +549,53 @@ def fit_suggestions(inp: PlanInputs) -> list[dict[str, Any]]:
 
 
 def _build_plan(inp: PlanInputs) -> dict[str, Any]:
-    m = inp.model
-    plan: dict[str, Any] = {"model": inp.model_name or ("custom" if m else f"{_h(inp.params)} parameters")}
+    """The plan of ``inp`` as asked, section by section (:func:`build_plan` adds the fit check)."""
+    plan: dict[str, Any] = {"model": inp.model_name or ("custom" if inp.model else f"{_h(inp.params)} parameters")}
+    plan.update(_params_and_flops(inp))
+    fpt, n_params = plan["flops_per_token"], plan["params"]
+    # Chinchilla counts active parameters: for a mixture of experts, only the experts a token is routed to
+    active = plan["params_breakdown"]["active"] if plan["params_breakdown"] else n_params
+    peak = inp.peak_flops
+    effective = peak * inp.gpus * inp.mfu if peak else None
+    plan.update(gpu=_gpu(inp), gpus=inp.gpus, mfu=inp.mfu, effective_flops=effective)
+    plan.update(_tokens_time_cost(inp, fpt, active, effective))
+    plan.update(_memory_and_batch(inp, n_params))
+    batch = plan["batch"]
+    if plan["tokens"] is not None:
+        batch["steps"] = math.ceil(plan["tokens"] / batch["tokens_per_step"])
+    plan["scaling"] = _scaling_plan(inp, fpt, batch, n_params, plan["hours"])
+    if inp.memory.strategy == "diloco":
+        plan["diloco"] = diloco_summary(inp, fpt, batch["tokens_per_step"], n_params, max(1, batch["grad_accum"]))
+    return plan
 
-    # -- parameters and FLOPs/token
+
+def _params_and_flops(inp: PlanInputs) -> dict[str, Any]:
+    """Parameters (with their breakdown when there is a model) and FLOPs per token under each
+    formula: ``flops_per_token`` is the one asked (``--flops-formula``)."""
+    m = inp.model
+    breakdown: dict[str, Any] | None = None
     if m is not None:
-        counts = param_counts(m)
-        n_params, n_flops_params = counts["total"], counts["active"]
-        plan["params"] = n_params
-        plan["params_breakdown"] = counts
-        fpt_palm = flops_per_token(m, inp.seq_len)
+        breakdown = param_counts(m)
+        n_params = breakdown["total"]
+        fpt_palm: float | None = flops_per_token(m, inp.seq_len)
         fpt_6n = flops_per_token_6n(m)
     else:
-        n_params = n_flops_params = inp.params
-        plan["params"] = n_params
-        plan["params_breakdown"] = None
-        fpt_palm = None
-        fpt_6n = 6 * inp.params
+        n_params = inp.params
+        fpt_palm, fpt_6n = None, 6 * inp.params
     fpt = fpt_6n if inp.flops_formula == "6n" else fpt_palm
     assert fpt is not None  # validate() refuses palm without a model
     # hardware FLOPs (HFU's numerator): the forward of the blocks recomputed in backward on top
     recomputed = (inp.memory.recomputed_blocks(m.n_layers) / m.n_layers) if m is not None and m.n_layers else 0.0
     fpt_hw = hardware_flops_per_token(m, inp.seq_len, recomputed) if m is not None and recomputed else None
-    plan.update(flops_formula=inp.flops_formula, flops_per_token=fpt, flops_per_token_palm=fpt_palm,
-                flops_per_token_6n=fpt_6n, flops_per_token_hardware=fpt_hw, recomputed_fraction=recomputed,
-                seq_len=inp.seq_len)
+    return dict(params=n_params, params_breakdown=breakdown, flops_formula=inp.flops_formula, flops_per_token=fpt,
+                flops_per_token_palm=fpt_palm, flops_per_token_6n=fpt_6n, flops_per_token_hardware=fpt_hw,
+                recomputed_fraction=recomputed, seq_len=inp.seq_len)
 
-    # -- hardware
+
+def _gpu(inp: PlanInputs) -> dict[str, Any]:
+    """``plan["gpu"]``: the device, its dense peak and memory, and where each came from."""
     peak = inp.peak_flops
-    plan["gpu"] = {
+    return {
         "name": inp.gpu.name if inp.gpu else None,
         "dtype": inp.dtype,
         "peak_tflops": peak / 1e12 if peak else None,
@@ -585,13 +603,12 @@ def _build_plan(inp: PlanInputs) -> dict[str, Any]:
         "memory_gb": inp.gpu_memory_bytes / GIB if inp.gpu_memory_bytes else None,
         "memory_source": "--memory-gb" if inp.memory_gb > 0 else ("hardware table" if inp.gpu else None),
     }
-    plan["gpus"] = inp.gpus
-    plan["mfu"] = inp.mfu
-    effective = peak * inp.gpus * inp.mfu if peak else None
-    plan["effective_flops"] = effective
 
-    # -- tokens, time, cost
-    chinchilla_tokens = CHINCHILLA_TOKENS_PER_PARAM * n_flops_params
+
+def _tokens_time_cost(inp: PlanInputs, fpt: float, active_params: int, effective: float | None) -> dict[str, Any]:
+    """Tokens (``--tokens``, Chinchilla's, or what ``--hours`` affords), the wall time and cost
+    they take at ``effective`` FLOP/s, and where they stand against Chinchilla."""
+    chinchilla_tokens = CHINCHILLA_TOKENS_PER_PARAM * active_params
     tokens: float | None = None
     if inp.tokens:
         tokens = float(inp.tokens)
@@ -605,7 +622,7 @@ def _build_plan(inp: PlanInputs) -> dict[str, Any]:
     elif inp.hours:
         hours = inp.hours
     total_flops = tokens * fpt if tokens is not None else None
-    plan.update(
+    return dict(
         tokens=tokens,
         total_flops=total_flops,
         hours=hours,
@@ -613,75 +630,89 @@ def _build_plan(inp: PlanInputs) -> dict[str, Any]:
         price_per_gpu_hour=inp.price_per_gpu_hour or None,
         cost=hours * inp.gpus * inp.price_per_gpu_hour if hours is not None and inp.price_per_gpu_hour else None,
         chinchilla_tokens=chinchilla_tokens,
-        tokens_per_param=tokens / n_flops_params if tokens is not None else None,
+        tokens_per_param=tokens / active_params if tokens is not None else None,
         chinchilla_ratio=tokens / chinchilla_tokens if tokens is not None else None,
-        verdict=(chinchilla_verdict(tokens, n_flops_params, total_flops)
+        verdict=(chinchilla_verdict(tokens, active_params, total_flops)
                  if tokens is not None and total_flops is not None else None),
     )
 
-    # -- memory (per GPU)
-    mem_bytes = inp.gpu_memory_bytes
+
+# what the plan also prices the memory of: (label, the change to the memory settings)
+MEMORY_VARIANTS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("sdpa", {"attention": "sdpa"}), ("eager", {"attention": "eager"}),
+    ("sdpa+checkpointing", {"attention": "sdpa", "activation_checkpointing": "full"}))
+
+
+def _memory_and_batch(inp: PlanInputs, n_params: int) -> dict[str, Any]:
+    """Memory per GPU and whether it fits, with the batch it is counted at: the largest
+    micro-batch that fits and the recommended batch (:func:`recommend_batch`), and the memory
+    of :data:`MEMORY_VARIANTS`. With ``--params`` only the states are counted."""
+    m, mem_bytes = inp.model, inp.gpu_memory_bytes
     if m is not None:
         max_micro = (max_micro_batch(m, inp.seq_len, mem_bytes, inp.memory, headroom=inp.headroom)
                      if mem_bytes else None)
         batch = recommend_batch(inp, max_micro)
         est = estimate(m, batch["micro_batch"], inp.seq_len, inp.memory)
         mem_total = est.total
-        plan["memory"] = {"settings": _settings_dict(inp.memory), **est.gb()}
-        variants = {}
-        alternatives: tuple[tuple[str, dict[str, Any]], ...] = (
-            ("sdpa", {"attention": "sdpa"}), ("eager", {"attention": "eager"}),
-            ("sdpa+checkpointing", {"attention": "sdpa", "activation_checkpointing": "full"}))
-        for label, change in alternatives:
-            v = estimate(m, batch["micro_batch"], inp.seq_len, replace(inp.memory, **change))
-            variants[label] = {
-                "total_gb": v.total / GIB,
-                "max_micro_batch": (max_micro_batch(m, inp.seq_len, mem_bytes, replace(inp.memory, **change),
-                                                    headroom=inp.headroom) if mem_bytes else None),
-            }
-        plan["memory_variants"] = variants
-        plan["max_micro_batch"] = max_micro
+        out: dict[str, Any] = {
+            "memory": {"settings": _settings_dict(inp.memory), **est.gb()},
+            "memory_variants": _memory_variants(inp, m, batch["micro_batch"]),
+            "max_micro_batch": max_micro,
+        }
     else:
         states = state_bytes(n_params, inp.memory)
         mem_total = sum(states.values())
-        plan["memory"] = {"settings": _settings_dict(inp.memory), **{k: v / GIB for k, v in states.items()},
-                          "activations": None, "total": mem_total / GIB,
-                          "counted": "parameters, gradients, optimizer states and master weights only: "
-                                     "activations, logits and FSDP gather buffers are NOT counted (--params "
-                                     "gives no model shape; give --model or --config to count them)"}
-        plan["memory_variants"] = None
-        plan["max_micro_batch"] = None
+        out = {
+            "memory": {"settings": _settings_dict(inp.memory), **{k: v / GIB for k, v in states.items()},
+                       "activations": None, "total": mem_total / GIB,
+                       "counted": "parameters, gradients, optimizer states and master weights only: "
+                                  "activations, logits and FSDP gather buffers are NOT counted (--params "
+                                  "gives no model shape; give --model or --config to count them)"},
+            "memory_variants": None,
+            "max_micro_batch": None,
+        }
         batch = recommend_batch(inp, None)
-    plan["memory_gb"] = mem_total / GIB
-    plan["headroom"] = inp.headroom
-    plan["fits"] = (mem_total <= inp.headroom * mem_bytes) if mem_bytes else None
-    plan["batch"] = batch
-    if tokens is not None:
-        plan["batch"]["steps"] = math.ceil(tokens / batch["tokens_per_step"])
+    out.update(memory_gb=mem_total / GIB, headroom=inp.headroom,
+               fits=(mem_total <= inp.headroom * mem_bytes) if mem_bytes else None, batch=batch)
+    return out
 
-    # -- scaling across GPUs
+
+def _memory_variants(inp: PlanInputs, m: ModelConfig, micro_batch: int) -> dict[str, Any]:
+    """Each of :data:`MEMORY_VARIANTS`: its memory per GPU at ``micro_batch``, and its own
+    largest micro-batch that fits (None when the GPU's memory is unknown)."""
+    mem_bytes = inp.gpu_memory_bytes
+    variants = {}
+    for label, change in MEMORY_VARIANTS:
+        settings = replace(inp.memory, **change)
+        variants[label] = {
+            "total_gb": estimate(m, micro_batch, inp.seq_len, settings).total / GIB,
+            "max_micro_batch": (max_micro_batch(m, inp.seq_len, mem_bytes, settings, headroom=inp.headroom)
+                                if mem_bytes else None),
+        }
+    return variants
+
+
+def _scaling_plan(inp: PlanInputs, fpt: float, batch: dict[str, Any], n_params: int,
+                  hours: float | None) -> dict[str, Any]:
+    """``plan["scaling"]``: the strategy's :func:`scaling` rows at 1, 2, 4, 8 (16 past 8) and
+    the GPUs asked, each with the same global batch (under diloco: one group below its size,
+    whole groups above), and the wall time once communication is counted."""
     counts_to = sorted({1, 2, 4, 8, inp.gpus} | ({16} if inp.gpus > 8 else set()))
-    diloco = inp.memory.strategy == "diloco"
-    if diloco:  # one group below its size, whole groups above
+    if inp.memory.strategy == "diloco":
         counts_to = [n for n in counts_to if n <= inp.diloco_group or n % inp.diloco_group == 0]
     rows = [scaling(inp, fpt, batch["tokens_per_step"], n_params, max(1, batch["grad_accum"] * inp.gpus // n), n)
             for n in counts_to]
     mine = next(r for r in rows if r["gpus"] == inp.gpus)
-    plan["scaling"] = {
+    return {
         "strategy": inp.memory.strategy,
         "assumption": "communication not overlapped with compute (a lower bound on efficiency)",
         "at_gpus": mine,
         "hours_with_comm": (hours / mine["efficiency"] if hours is not None and mine["efficiency"] else None),
         "table": rows,
     }
-    if diloco:
-        plan["diloco"] = diloco_summary(inp, fpt, batch["tokens_per_step"], n_params, max(1, batch["grad_accum"]))
-    return plan
 
 
 def _settings_dict(s: MemorySettings) -> dict[str, Any]:
-    from dataclasses import asdict
-
     d = asdict(s)
     if s.strategy != "diloco":  # DiLoCo's own settings only where they apply
         for key in ("inner_strategy", "group_size", "outer_dtype"):
@@ -781,19 +812,17 @@ def plan_inputs_for_run(cfg: "RunConfig", gpus: int = 1, gpu: hardware.DeviceSpe
     return fields, [n for n in (note_p, note_l) if n]
 
 
-def run_plan_inputs(cfg: "RunConfig", device_name: str | None, precision: str, peak_tflops: float = 0.0,
-                    mfu: float = NOMINAL_MFU, loss: str = "plain", gpus: int = 1,
-                    strategy: str = "single", gpus_per_node: int = 0) -> PlanInputs:
+def run_plan_inputs(cfg: "RunConfig", device_name: str | None, precision: str, *, loss: str = "plain",
+                    gpus: int = 1, strategy: str = "single", gpus_per_node: int = 0) -> PlanInputs:
     """What :func:`plan_for_run` plans (the arguments are its): also what the trainer's
-    memory check (``plan/fit.py``) asks :func:`fit_suggestions` about. ``gpus_per_node``
-    (0: unknown, then a diloco group of ``parallel.group_size=0`` is all ``gpus``)."""
+    memory check (``plan/fit.py``) asks :func:`fit_suggestions` about."""
     spec = hardware.lookup(device_name) if device_name else None
     dtype = peak_dtype(precision)
     if spec is not None and getattr(spec, dtype) is None:
         spec = None  # e.g. bf16 on a V100: no peak to plan against
     inp = PlanInputs(
-        model=cfg.model, model_name=cfg.preset, gpu=spec, peak_tflops=peak_tflops, dtype=dtype,
-        gpus=gpus, mfu=mfu,
+        model=cfg.model, model_name=cfg.preset, gpu=spec, peak_tflops=cfg.train.peak_tflops, dtype=dtype,
+        gpus=gpus, mfu=NOMINAL_MFU,
         tokens=cfg.total_steps() * cfg.tokens_per_step, seq_len=cfg.train.seq_len,
         micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.grad_accum_steps(gpus),
         memory=memory_settings_for_run(cfg, precision, loss, strategy, gpus, gpus_per_node),
@@ -805,16 +834,21 @@ def run_plan_inputs(cfg: "RunConfig", device_name: str | None, precision: str, p
     return inp
 
 
-def plan_for_run(cfg: "RunConfig", device_name: str | None, precision: str, peak_tflops: float = 0.0,
-                 mfu: float = NOMINAL_MFU, loss: str = "plain", gpus: int = 1,
-                 strategy: str = "single", gpus_per_node: int = 0) -> dict[str, Any]:
+def plan_for_run(cfg: "RunConfig", device_name: str | None, precision: str, *, loss: str = "plain",
+                 gpus: int = 1, strategy: str = "single", gpus_per_node: int = 0) -> dict[str, Any]:
     """The plan of a training run as configured, written by ``flopwise train`` as ``plan.json``.
 
-    ``device_name`` is the CUDA device's name (None on CPU, where no peak is known);
-    ``precision`` is the trainer's resolved one (bf16, bf16-pure, fp16 or float32), which
-    picks the peak (:func:`peak_dtype`) and the memory model's precision.
+    What the config settles comes from ``cfg``: the model, the batch, the token budget and
+    ``train.peak_tflops`` (0: the hardware table's peak). The rest is how the trainer resolved
+    the run on this machine: ``device_name`` is the CUDA device's name (None on CPU, where no
+    peak is known); ``precision`` the resolved one (bf16, bf16-pure, fp16 or float32), which
+    picks the peak (:func:`peak_dtype`) and the memory model's precision; ``loss`` and
+    ``strategy`` the resolved ``train.loss`` and ``parallel.strategy`` over ``gpus`` ranks
+    (:func:`memory_settings_for_run`); ``gpus_per_node`` the ranks of one host (0: unknown, then
+    a diloco group of ``parallel.group_size=0`` is all ``gpus``). The MFU is the nominal
+    :data:`NOMINAL_MFU`.
     """
-    plan = build_plan(run_plan_inputs(cfg, device_name, precision, peak_tflops, mfu, loss, gpus, strategy,
-                                      gpus_per_node))
+    plan = build_plan(run_plan_inputs(cfg, device_name, precision, loss=loss, gpus=gpus, strategy=strategy,
+                                      gpus_per_node=gpus_per_node))
     plan["device"] = device_name or "cpu"
     return plan

@@ -1,7 +1,16 @@
-"""The plan as a readable table: each number next to the inputs of its formula."""
+"""The plan as a readable table: each number next to the inputs of its formula.
+
+:func:`format_plan` lays out :data:`SECTIONS`, the plan's sections as data. A section is a
+title and its items, each shown where its ``when`` holds: a :class:`Row` (a label, a value,
+and how the value came about: its formula and inputs), a free :class:`Line`, a
+:class:`Table` of columns, or :class:`Each`, a row for every item of a list. A field that is
+a function is called with the plan (a :class:`PlanView`); anything else is shown as it is.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from flopwise.plan import hardware
@@ -41,178 +50,6 @@ def _gb(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f} GiB"
 
 
-def format_plan(plan: dict[str, Any]) -> str:
-    out: list[str] = []
-
-    def section(title: str) -> None:
-        out.append("")
-        out.append(title)
-
-    def row(label: str, value: str, how: str = "") -> None:
-        out.append(f"  {label:<26} {value:<18} {how}".rstrip())
-
-    out.append(f"flopwise plan · {plan['model']}")
-    out.extend(_fit_banner(plan))
-
-    section("Parameters")
-    b = plan["params_breakdown"]
-    total = plan["params"]
-    if b:
-        def share(k: str) -> str:
-            return f"{100 * b[k] / total:.1f}% of total"
-        row("embedding", _count(b["embedding"]), share("embedding"))
-        if b.get("position"):
-            row("positions (learned)", _count(b["position"]), share("position"))
-        row("attention", _count(b["attention"]), share("attention"))
-        mlp_how = share("mlp")
-        if b["router"]:
-            mlp_how += f"; active per token {_count(b['mlp_active'])} (router {_count(b['router'])})"
-        row("MLP" + (" (all experts)" if b["router"] else ""), _count(b["mlp"]), mlp_how)
-        row("norms", _count(b["norm"]), share("norm"))
-        row("LM head", _count(b["lm_head"]) if b["lm_head"] else "tied", share("lm_head") if b["lm_head"] else
-            "shares the embedding matrix")
-        row("total", f"{total:,}", f"active {b['active']:,}" if b["active"] != total else "")
-        row("N_matmul", _count(b["matmul"]), "weights in matmuls, head once (lookups, norms and biases excluded)")
-    else:
-        row("total", f"{total:,}", "given with --params")
-
-    section("FLOPs")
-    T = plan["seq_len"]
-    if plan["flops_per_token_palm"] is not None:
-        row("per token (PaLM)", _n(plan["flops_per_token_palm"]), f"6·N_matmul + 12·L·d_attn·T at T={T}")
-    row("per token (6N)", _n(plan["flops_per_token_6n"]), "6 × parameters" + (" (active)" if b and b["router"] else ""))
-    if plan.get("flops_per_token_hardware"):
-        row("per token (hardware)", _n(plan["flops_per_token_hardware"]),
-            f"+ recomputed forward of {100 * plan['recomputed_fraction']:.0f}% of the blocks (HFU's numerator)")
-    row("formula used", plan["flops_formula"], "")
-    if plan["tokens"] is not None:
-        row("tokens", _count(plan["tokens"]), "")
-        row("total", _n(plan["total_flops"], "FLOP"), "FLOPs/token × tokens")
-
-    section("Time and cost")
-    g = plan["gpu"]
-    peak = g["peak_tflops"]
-    row("GPU", f"{g['name'] or 'unspecified'} × {plan['gpus']}",
-        f"dense {g['dtype']} peak {peak:g} TFLOP/s ({g['peak_source']})" if peak
-        else "no peak: give --gpu or --peak-tflops")
-    if g.get("memory_gb"):
-        row("GPU memory", f"{g['memory_gb']:g} GiB", f"per GPU ({g.get('memory_source') or 'hardware table'})")
-    not_runnable = "  NOT runnable: does not fit in memory (see the top)" if plan.get("runnable") is False else ""
-    row("MFU", f"{100 * plan['mfu']:.1f}%", "assumed model FLOPs utilisation")
-    if plan["effective_flops"]:
-        row("effective", _n(plan["effective_flops"], "FLOP/s"), f"{peak:g}T × {plan['gpus']} GPUs × {plan['mfu']:g}")
-    if plan["hours"] is not None:
-        row("wall time", _hours(plan["hours"]), "total FLOPs ÷ effective FLOP/s" + not_runnable)
-        row("GPU-hours", f"{plan['gpu_hours']:,.1f}", f"{_hours(plan['hours'])} × {plan['gpus']}")
-        if plan["cost"] is not None:
-            row("cost", f"${plan['cost']:,.2f}",
-                f"GPU-hours × ${plan['price_per_gpu_hour']:g}/GPU-hour" + not_runnable)
-        sc = plan["scaling"]
-        if plan["gpus"] > 1 and sc["hours_with_comm"]:
-            row("with communication", _hours(sc["hours_with_comm"]),
-                f"÷ scaling efficiency {100 * sc['at_gpus']['efficiency']:.1f}% (see Scaling)" + not_runnable)
-    elif plan["tokens"] is None:
-        out.append("  (no --tokens, --hours or --chinchilla: no time estimate)")
-
-    section("Chinchilla")
-    row("optimal tokens", _count(plan["chinchilla_tokens"]),
-        "20 × parameters" + (" (active)" if b and b["router"] else ""))
-    if plan["tokens"] is not None:
-        row("planned", f"{_count(plan['tokens'])} ({plan['tokens_per_param']:.1f}/param)",
-            f"{plan['chinchilla_ratio']:.2f}× Chinchilla")
-        out.append(f"  verdict: {plan['verdict']}")
-
-    section("Memory per GPU")
-    mem = plan["memory"]
-    s = mem["settings"]
-    batch = plan["batch"]
-    ckpt = s["activation_checkpointing"]
-    if ckpt == "selective":
-        k = s["activation_checkpointing_every"]
-        ckpt += f" (blocks 0, {k}, {2 * k}, ...)"
-    how = {"bf16-pure": " (fp32 master weights)" if s["master_weights"] else " (no master weights)",
-           "bf16": " (autocast, fp32 weights)", "fp16": " (autocast, fp32 weights)"}.get(s["precision"], "")
-    strategy_how = s["strategy"]
-    if s["strategy"] == "diloco":
-        strategy_how += f" ({s['inner_strategy']} in groups of {s['group_size']})"
-    out.append(f"  settings: precision {s['precision']}{how}"
-               + f" · attention {s['attention']} · checkpointing {ckpt} · loss {s['loss']}"
-               + f" · {strategy_how} on {s['n_gpus']} GPU(s)")
-    row("parameters", _gb(mem["params"]), "")
-    row("gradients", _gb(mem["grads"]), "")
-    row("optimizer (AdamW)", _gb(mem["optimizer"]), "exp_avg + exp_avg_sq, fp32")
-    if mem.get("master"):
-        row("master weights", _gb(mem["master"]), "fp32 copy")
-    if mem.get("outer"):
-        row("DiLoCo outer state", _gb(mem["outer"]),
-            "anchor + outer momentum (fp32), and a sync's pseudo-gradient beyond the step's freed activations"
-            + (f", sharded over {s['group_size']}" if s["inner_strategy"] == "fsdp2" else ""))
-    if mem.get("activations") is not None:
-        row("activations", _gb(mem["activations"]), f"saved for backward, micro-batch {batch['micro_batch']} × seq {T}")
-        row("logits + loss", _gb(mem.get("logits")),
-            "LM-head output and float32 log-softmax" if s["loss"] == "plain" else
-            "chunked: head-input and head-weight gradients computed in forward")
-    else:
-        row("activations", "NOT counted", "--params gives no model shape: activations, logits and FSDP buffers "
-            "are left out (give --model or --config to count them)")
-    for key, label, how in (("weight_copies", "autocast weight copies", "2-byte copies of the matmul weights"),
-                            ("transient", "backward transients", "peak temporaries of the loss/attention backward"),
-                            ("fsdp_buffers", "FSDP gather buffers", "unsharded params/grads in flight"),
-                            ("buffers", "buffers", "RoPE tables"),
-                            ("overhead", "overhead", "CUDA context etc. (--headroom covers it by default)")):
-        if mem.get(key) and mem[key] >= 0.005:  # hide terms that round to 0.00 GiB
-            row(label, _gb(mem[key]), how)
-    mem_gb = g["memory_gb"]
-    verdict = ""
-    if plan["fits"] is not None:
-        verdict = (f"fits under {100 * plan['headroom']:.0f}% of {mem_gb:g} GiB" if plan["fits"]
-                   else f"does NOT fit under {100 * plan['headroom']:.0f}% of {mem_gb:g} GiB")
-    if mem.get("activations") is None:
-        verdict = "states only, activations NOT counted" + (f"; {verdict} before activations" if verdict else "")
-    row("total", _gb(plan["memory_gb"]), verdict)
-    if plan["max_micro_batch"] is not None:
-        row("largest micro-batch", str(plan["max_micro_batch"]), f"at seq {T} under the headroom")
-    if plan["memory_variants"]:
-        for label, v in plan["memory_variants"].items():
-            mm = v["max_micro_batch"]
-            row(f"  with {label}", _gb(v["total_gb"]), f"largest micro-batch {mm}" if mm is not None else "")
-
-    section("Batch")
-    row("micro-batch", str(batch["micro_batch"]), batch["micro_batch_source"])
-    row("accumulation", str(batch["grad_accum"]), "")
-    row("global batch", f"{batch['global_batch']} seq", f"micro × accumulation × {plan['gpus']} GPU(s)")
-    row("tokens per step", f"{batch['tokens_per_step']:,}", f"target {batch['target_tokens_per_step']:,}")
-    if "steps" in batch:
-        row("optimizer steps", f"{batch['steps']:,}", "")
-
-    strategy = plan["scaling"]["strategy"]
-    section(f"Scaling ({'ddp' if strategy == 'single' else strategy} at n GPUs, same global batch; "
-            f"{plan['scaling']['assumption']})" + (" -- NOT runnable: does not fit" if not_runnable else ""))
-    out.append(f"  {'GPUs':>5} {'link':<9} {'comm/step':>10} {'compute/step':>13} {'comm share':>11} "
-               f"{'efficiency':>11}")
-    for r in plan["scaling"]["table"]:
-        comp = "n/a" if r["compute_s"] is None else f"{1000 * r['compute_s']:.1f} ms"
-        comm = "n/a" if r["comm_share"] is None else f"{100 * r['comm_share']:.1f}%"
-        eff = "n/a" if r["efficiency"] is None else f"{100 * r['efficiency']:.1f}%"
-        out.append(f"  {r['gpus']:>5} {r['link']:<9} {1000 * r['comm_s']:>7.1f} ms {comp:>13} {comm:>11} {eff:>11}")
-    at = plan["scaling"]["at_gpus"]
-    if strategy == "diloco":
-        out.append(f"  diloco: {at['inner_strategy']} inside groups of up to {at['group_size']} GPUs every step, the "
-                   f"outer all-reduce across groups once every {at['inner_steps']} steps (see DiLoCo below)")
-    elif strategy == "fsdp2":
-        out.append("  fsdp2: all-gather the parameters for forward and backward on every micro-batch, reduce-scatter "
-                   "fp32 gradients once per step: (n-1)/n × params × (2 × gather bytes × micro-batches + 4) "
-                   "÷ link GB/s")
-    else:
-        out.append(f"  all-reduce: 2(n-1)/n × {_n(at['grad_bytes'], 'B')} gradients ÷ link GB/s, once per optimizer "
-                   "step"
-                   + ("; zero1 adds (n-1)/n × the parameters, broadcast after each rank's update"
-                      if strategy == "zero1" else ""))
-    if plan.get("diloco"):
-        out.extend(_diloco_section(plan["diloco"], plan["mfu"]))
-    return "\n".join(out)
-
-
 def _ms(seconds: float) -> str:
     return f"{1000 * seconds:.1f} ms"
 
@@ -221,51 +58,446 @@ def _pct(share: float | None, digits: int = 1) -> str:
     return "n/a" if share is None else f"{100 * share:.{digits}f}%"
 
 
-def _diloco_section(d: dict[str, Any], mfu: float) -> list[str]:
-    """DiLoCo's communication against ddp's and fsdp2's at the same GPUs, and the smallest H."""
-    S, G, H = d["group_size"], d["groups"], d["inner_steps"]
-    ar, ag, inner = d["outer_allreduce"], d["outer_allgather"], d["inner"]
-    pg = _n(d["pseudo_gradient_bytes"], "B")
-    out = ["", f"DiLoCo: {G} group{'s' if G > 1 else ''} of {S} GPUs ({d['inner_strategy']} inside a group), the "
-               f"pseudo-gradient all-reduced across groups every H = {H} inner steps; not overlapped with compute"]
+# ---------------------------------------------------------------- the layout's vocabulary
+class PlanView:
+    """The plan (:func:`~flopwise.plan.budget.build_plan`) with the parts its rows read at hand."""
 
-    def row(label: str, value: str, how: str = "") -> None:
-        out.append(f"  {label:<26} {value:<18} {how}".rstrip())
+    def __init__(self, plan: dict[str, Any]) -> None:
+        self.plan = plan
+        self.breakdown: dict[str, Any] = plan["params_breakdown"] or {}  # empty with --params
+        self.moe = bool(self.breakdown.get("router"))  # FLOPs and Chinchilla count active parameters
+        self.gpu: dict[str, Any] = plan["gpu"]
+        self.memory: dict[str, Any] = plan["memory"]
+        self.settings: dict[str, Any] = self.memory["settings"]
+        self.batch: dict[str, Any] = plan["batch"]
+        self.scaling: dict[str, Any] = plan["scaling"]
+        self.diloco: dict[str, Any] = plan.get("diloco") or {}
+        self.seq_len: int = plan["seq_len"]
+        # said after each time and cost when the set-up as asked does not fit
+        self.not_runnable = ("  NOT runnable: does not fit in memory (see the top)"
+                             if plan.get("runnable") is False else "")
 
-    row("pseudo-gradient", pg, f"{_count(d['pseudo_gradient_bytes'] / d['outer_bytes_per_param'])} parameters "
-        f"× {d['outer_bytes_per_param']} B ({d['outer_dtype']})")
-    if G > 1:
-        row("outer all-reduce", _ms(ar["s"]),
-            f"2(G-1)/G × {pg} ÷ {ar['link_gb_per_s']:g} GB/s ({ar['link']}), G = {G}; once per H steps")
-        row("in-group all-gather", _ms(ag["s"]),
-            f"(S-1)/S × {pg} ÷ {ag['link_gb_per_s']:g} GB/s ({ag['link']}), S = {S}; once per H steps")
-    else:
-        row("outer all-reduce", _ms(0.0), "one group: nothing to reduce across groups")
-    row("in-group per step", _ms(inner["comm_s"]), f"{d['inner_strategy']} over {S} GPUs ({inner['link']}), "
-        "every step")
-    compute = d["compute_s"]
-    row("compute per step", "n/a" if compute is None else _ms(compute), f"at {100 * mfu:.1f}% MFU")
-    out.append(f"  {'communication per step':<26} {'comm/step':>10} {'share':>7}")
+
+Text = str | Callable[[PlanView], str]  # what is shown, or how to make it from the plan
+When = Callable[[PlanView], Any]  # shown where truthy
+
+
+def _always(v: PlanView) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Row:
+    """``  label  value  how``: ``value`` (the plan's number, or a function of the plan that
+    gives it) shown by ``fmt``; ``how`` says which formula and inputs gave it."""
+
+    label: Text
+    value: Any
+    fmt: Callable[[Any], str] = str
+    how: Text = ""
+    when: When = field(default=_always, kw_only=True)
+
+
+@dataclass(frozen=True)
+class Line:
+    """A line of prose in a section, indented like its rows."""
+
+    text: Text
+    when: When = field(default=_always, kw_only=True)
+
+
+@dataclass(frozen=True)
+class Column:
+    """A column of a :class:`Table`."""
+
+    header: str
+    align: str  # the format spec of its cells and header: "<9", ">10"
+    gap: str = " "  # before it (none before the first column)
+
+
+@dataclass(frozen=True)
+class Table:
+    """A header of ``columns``, then one line per tuple of ``rows`` (its cells, formatted)."""
+
+    columns: tuple[Column, ...]
+    rows: Callable[[PlanView], Iterable[tuple[str, ...]]]
+    when: When = field(default=_always, kw_only=True)
+
+
+@dataclass(frozen=True)
+class Each:
+    """The row ``row`` makes of each of ``items``."""
+
+    items: Callable[[PlanView], Iterable[Any]]
+    row: Callable[[Any], Row]
+
+
+@dataclass(frozen=True)
+class Section:
+    """A title, then its items' lines; the whole section only where ``when`` holds."""
+
+    title: Text
+    items: tuple[Row | Line | Table | Each, ...]
+    when: When = field(default=_always, kw_only=True)
+
+
+def _resolve(x: Any, v: PlanView) -> Any:
+    """A field's content: a function is called with the plan, anything else is as it is."""
+    return x(v) if callable(x) else x
+
+
+def _lines(item: Row | Line | Table | Each, v: PlanView) -> list[str]:
+    """The one renderer: an item's lines (none where its ``when`` does not hold)."""
+    if isinstance(item, Each):
+        return [line for x in item.items(v) for line in _lines(item.row(x), v)]
+    if not item.when(v):
+        return []
+    if isinstance(item, Row):
+        label, value, how = _resolve(item.label, v), item.fmt(_resolve(item.value, v)), _resolve(item.how, v)
+        return [f"  {label:<26} {value:<18} {how}".rstrip()]
+    if isinstance(item, Line):
+        return [f"  {_resolve(item.text, v)}"]
+    columns = item.columns
+    return [_table_line(columns, [c.header for c in columns]), *(_table_line(columns, r) for r in item.rows(v))]
+
+
+def _table_line(columns: tuple[Column, ...], cells: Sequence[str]) -> str:
+    return ("  " + "".join((c.gap if i else "") + f"{cell:{c.align}}"
+                           for i, (c, cell) in enumerate(zip(columns, cells)))).rstrip()
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    """The plan as text: its title, what does not fit (:func:`_fit_banner`), then :data:`SECTIONS`."""
+    v = PlanView(plan)
+    out = [f"flopwise plan · {plan['model']}", *_fit_banner(plan)]
+    for section in SECTIONS:
+        if section.when(v):
+            out += ["", _resolve(section.title, v)]
+            for item in section.items:
+                out += _lines(item, v)
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- what the rows read
+def _plan(key: str) -> Callable[[PlanView], Any]:
+    return lambda v: v.plan[key]
+
+
+def _part(key: str) -> Callable[[PlanView], Any]:
+    """A part of the parameter count."""
+    return lambda v: v.breakdown[key]
+
+
+def _memory(key: str) -> Callable[[PlanView], Any]:
+    """A term of the memory per GPU, in GiB (None where the plan has none)."""
+    return lambda v: v.memory.get(key)
+
+
+def _budgeted(v: PlanView) -> bool:
+    """Whether the plan has a token budget (--tokens, --hours or --chinchilla)."""
+    return v.plan["tokens"] is not None
+
+
+# ---------------------------------------------------------------- Parameters
+def _has_breakdown(v: PlanView) -> bool:
+    return bool(v.breakdown)
+
+
+def _share(key: str) -> Callable[[PlanView], str]:
+    return lambda v: f"{100 * v.breakdown[key] / v.plan['params']:.1f}% of total"
+
+
+def _mlp_how(v: PlanView) -> str:
+    b = v.breakdown
+    return _share("mlp")(v) + (f"; active per token {_count(b['mlp_active'])} (router {_count(b['router'])})"
+                               if v.moe else "")
+
+
+def _total_how(v: PlanView) -> str:
+    if not v.breakdown:
+        return "given with --params"
+    return f"active {v.breakdown['active']:,}" if v.breakdown["active"] != v.plan["params"] else ""
+
+
+PARAMETERS = Section("Parameters", (
+    Row("embedding", _part("embedding"), _count, _share("embedding"), when=_has_breakdown),
+    Row("positions (learned)", _part("position"), _count, _share("position"),
+        when=lambda v: v.breakdown.get("position")),
+    Row("attention", _part("attention"), _count, _share("attention"), when=_has_breakdown),
+    Row(lambda v: "MLP (all experts)" if v.moe else "MLP", _part("mlp"), _count, _mlp_how, when=_has_breakdown),
+    Row("norms", _part("norm"), _count, _share("norm"), when=_has_breakdown),
+    Row("LM head", _part("lm_head"), lambda n: _count(n) if n else "tied",
+        lambda v: _share("lm_head")(v) if v.breakdown["lm_head"] else "shares the embedding matrix",
+        when=_has_breakdown),
+    Row("total", _plan("params"), lambda n: f"{n:,}", _total_how),
+    Row("N_matmul", _part("matmul"), _count, "weights in matmuls, head once (lookups, norms and biases excluded)",
+        when=_has_breakdown),
+))
+
+
+# ---------------------------------------------------------------- FLOPs
+FLOPS = Section("FLOPs", (
+    Row("per token (PaLM)", _plan("flops_per_token_palm"), _n,
+        lambda v: f"6·N_matmul + 12·L·d_attn·T at T={v.seq_len}",
+        when=lambda v: v.plan["flops_per_token_palm"] is not None),
+    Row("per token (6N)", _plan("flops_per_token_6n"), _n,
+        lambda v: "6 × parameters" + (" (active)" if v.moe else "")),
+    Row("per token (hardware)", _plan("flops_per_token_hardware"), _n,
+        lambda v: f"+ recomputed forward of {100 * v.plan['recomputed_fraction']:.0f}% of the blocks (HFU's numerator)",
+        when=lambda v: v.plan.get("flops_per_token_hardware")),
+    Row("formula used", _plan("flops_formula")),
+    Row("tokens", _plan("tokens"), _count, when=_budgeted),
+    Row("total", _plan("total_flops"), lambda x: _n(x, "FLOP"), "FLOPs/token × tokens", when=_budgeted),
+))
+
+
+# ---------------------------------------------------------------- Time and cost
+def _peak_how(v: PlanView) -> str:
+    g = v.gpu
+    if not g["peak_tflops"]:
+        return "no peak: give --gpu or --peak-tflops"
+    return f"dense {g['dtype']} peak {g['peak_tflops']:g} TFLOP/s ({g['peak_source']})"
+
+
+def _timed(v: PlanView) -> bool:
+    return v.plan["hours"] is not None
+
+
+TIME_AND_COST = Section("Time and cost", (
+    Row("GPU", lambda v: f"{v.gpu['name'] or 'unspecified'} × {v.plan['gpus']}", how=_peak_how),
+    Row("GPU memory", lambda v: v.gpu["memory_gb"], lambda gb: f"{gb:g} GiB",
+        lambda v: f"per GPU ({v.gpu.get('memory_source') or 'hardware table'})",
+        when=lambda v: v.gpu.get("memory_gb")),
+    Row("MFU", _plan("mfu"), lambda mfu: f"{100 * mfu:.1f}%", "assumed model FLOPs utilisation"),
+    Row("effective", _plan("effective_flops"), lambda x: _n(x, "FLOP/s"),
+        lambda v: f"{v.gpu['peak_tflops']:g}T × {v.plan['gpus']} GPUs × {v.plan['mfu']:g}",
+        when=_plan("effective_flops")),
+    Row("wall time", _plan("hours"), _hours,
+        lambda v: "total FLOPs ÷ effective FLOP/s" + v.not_runnable, when=_timed),
+    Row("GPU-hours", _plan("gpu_hours"), lambda h: f"{h:,.1f}",
+        lambda v: f"{_hours(v.plan['hours'])} × {v.plan['gpus']}", when=_timed),
+    Row("cost", _plan("cost"), lambda usd: f"${usd:,.2f}",
+        lambda v: f"GPU-hours × ${v.plan['price_per_gpu_hour']:g}/GPU-hour" + v.not_runnable,
+        when=lambda v: _timed(v) and v.plan["cost"] is not None),
+    Row("with communication", lambda v: v.scaling["hours_with_comm"], _hours,
+        lambda v: f"÷ scaling efficiency {100 * v.scaling['at_gpus']['efficiency']:.1f}% (see Scaling)"
+                  + v.not_runnable,
+        when=lambda v: _timed(v) and v.plan["gpus"] > 1 and v.scaling["hours_with_comm"]),
+    Line("(no --tokens, --hours or --chinchilla: no time estimate)",
+         when=lambda v: not _timed(v) and not _budgeted(v)),
+))
+
+
+# ---------------------------------------------------------------- Chinchilla
+CHINCHILLA = Section("Chinchilla", (
+    Row("optimal tokens", _plan("chinchilla_tokens"), _count,
+        lambda v: "20 × parameters" + (" (active)" if v.moe else "")),
+    Row("planned", lambda v: f"{_count(v.plan['tokens'])} ({v.plan['tokens_per_param']:.1f}/param)",
+        how=lambda v: f"{v.plan['chinchilla_ratio']:.2f}× Chinchilla", when=_budgeted),
+    Line(lambda v: f"verdict: {v.plan['verdict']}", when=_budgeted),
+))
+
+
+# ---------------------------------------------------------------- Memory per GPU
+def _settings_line(v: PlanView) -> str:
+    s = v.settings
+    ckpt = s["activation_checkpointing"]
+    if ckpt == "selective":
+        k = s["activation_checkpointing_every"]
+        ckpt += f" (blocks 0, {k}, {2 * k}, ...)"
+    weights = {"bf16-pure": " (fp32 master weights)" if s["master_weights"] else " (no master weights)",
+               "bf16": " (autocast, fp32 weights)", "fp16": " (autocast, fp32 weights)"}.get(s["precision"], "")
+    strategy = s["strategy"]
+    if strategy == "diloco":
+        strategy += f" ({s['inner_strategy']} in groups of {s['group_size']})"
+    return (f"settings: precision {s['precision']}{weights} · attention {s['attention']} · checkpointing {ckpt}"
+            f" · loss {s['loss']} · {strategy} on {s['n_gpus']} GPU(s)")
+
+
+def _counted(v: PlanView) -> bool:
+    """Whether activations are counted (not with --params: no model shape)."""
+    return v.memory.get("activations") is not None
+
+
+def _shown(key: str) -> When:
+    return lambda v: bool(v.memory.get(key)) and v.memory[key] >= 0.005  # hide terms that round to 0.00 GiB
+
+
+def _memory_verdict(v: PlanView) -> str:
+    plan = v.plan
+    verdict = ""
+    if plan["fits"] is not None:
+        under = f"under {100 * plan['headroom']:.0f}% of {v.gpu['memory_gb']:g} GiB"
+        verdict = f"fits {under}" if plan["fits"] else f"does NOT fit {under}"
+    if not _counted(v):
+        verdict = "states only, activations NOT counted" + (f"; {verdict} before activations" if verdict else "")
+    return verdict
+
+
+def _variant_row(variant: tuple[str, dict[str, Any]]) -> Row:
+    """A row of ``plan["memory_variants"]``: the memory with another attention or checkpointing."""
+    label, memory = variant
+    largest = memory["max_micro_batch"]
+    return Row(f"  with {label}", memory["total_gb"], _gb,
+               f"largest micro-batch {largest}" if largest is not None else "")
+
+
+# the terms shown only where they hold something: (key, label, how)
+MEMORY_EXTRAS = (("weight_copies", "autocast weight copies", "2-byte copies of the matmul weights"),
+                 ("transient", "backward transients", "peak temporaries of the loss/attention backward"),
+                 ("fsdp_buffers", "FSDP gather buffers", "unsharded params/grads in flight"),
+                 ("buffers", "buffers", "RoPE tables"),
+                 ("overhead", "overhead", "CUDA context etc. (--headroom covers it by default)"))
+
+MEMORY = Section("Memory per GPU", (
+    Line(_settings_line),
+    Row("parameters", _memory("params"), _gb),
+    Row("gradients", _memory("grads"), _gb),
+    Row("optimizer (AdamW)", _memory("optimizer"), _gb, "exp_avg + exp_avg_sq, fp32"),
+    Row("master weights", _memory("master"), _gb, "fp32 copy", when=_memory("master")),
+    Row("DiLoCo outer state", _memory("outer"), _gb,
+        lambda v: "anchor + outer momentum (fp32), and a sync's pseudo-gradient beyond the step's freed activations"
+                  + (f", sharded over {v.settings['group_size']}" if v.settings["inner_strategy"] == "fsdp2" else ""),
+        when=_memory("outer")),
+    Row("activations", _memory("activations"), _gb,
+        lambda v: f"saved for backward, micro-batch {v.batch['micro_batch']} × seq {v.seq_len}", when=_counted),
+    Row("logits + loss", _memory("logits"), _gb,
+        lambda v: "LM-head output and float32 log-softmax" if v.settings["loss"] == "plain" else
+        "chunked: head-input and head-weight gradients computed in forward", when=_counted),
+    Row("activations", "NOT counted", how="--params gives no model shape: activations, logits and FSDP buffers "
+        "are left out (give --model or --config to count them)", when=lambda v: not _counted(v)),
+    *(Row(label, _memory(key), _gb, how, when=_shown(key)) for key, label, how in MEMORY_EXTRAS),
+    Row("total", _plan("memory_gb"), _gb, _memory_verdict),
+    Row("largest micro-batch", _plan("max_micro_batch"),
+        how=lambda v: f"at seq {v.seq_len} under the headroom",
+        when=lambda v: v.plan["max_micro_batch"] is not None),
+    Each(lambda v: (v.plan["memory_variants"] or {}).items(), _variant_row),
+))
+
+
+# ---------------------------------------------------------------- Batch
+BATCH = Section("Batch", (
+    Row("micro-batch", lambda v: v.batch["micro_batch"], how=lambda v: v.batch["micro_batch_source"]),
+    Row("accumulation", lambda v: v.batch["grad_accum"]),
+    Row("global batch", lambda v: f"{v.batch['global_batch']} seq",
+        how=lambda v: f"micro × accumulation × {v.plan['gpus']} GPU(s)"),
+    Row("tokens per step", lambda v: v.batch["tokens_per_step"], lambda n: f"{n:,}",
+        lambda v: f"target {v.batch['target_tokens_per_step']:,}"),
+    Row("optimizer steps", lambda v: v.batch.get("steps"), lambda n: f"{n:,}", when=lambda v: "steps" in v.batch),
+))
+
+
+# ---------------------------------------------------------------- Scaling
+def _scaling_title(v: PlanView) -> str:
+    strategy = v.scaling["strategy"]
+    return (f"Scaling ({'ddp' if strategy == 'single' else strategy} at n GPUs, same global batch; "
+            f"{v.scaling['assumption']})" + (" -- NOT runnable: does not fit" if v.not_runnable else ""))
+
+
+def _scaling_rows(v: PlanView) -> Iterator[tuple[str, ...]]:
+    for r in v.scaling["table"]:
+        yield (str(r["gpus"]), r["link"], _ms(r["comm_s"]), "n/a" if r["compute_s"] is None else _ms(r["compute_s"]),
+               _pct(r["comm_share"]), _pct(r["efficiency"]))
+
+
+def _traffic(v: PlanView) -> str:
+    """What the strategy sends per step, the formula of the table's comm/step."""
+    strategy, at = v.scaling["strategy"], v.scaling["at_gpus"]
+    if strategy == "diloco":
+        return (f"diloco: {at['inner_strategy']} inside groups of up to {at['group_size']} GPUs every step, the "
+                f"outer all-reduce across groups once every {at['inner_steps']} steps (see DiLoCo below)")
+    if strategy == "fsdp2":
+        return ("fsdp2: all-gather the parameters for forward and backward on every micro-batch, reduce-scatter "
+                "fp32 gradients once per step: (n-1)/n × params × (2 × gather bytes × micro-batches + 4) "
+                "÷ link GB/s")
+    return (f"all-reduce: 2(n-1)/n × {_n(at['grad_bytes'], 'B')} gradients ÷ link GB/s, once per optimizer step"
+            + ("; zero1 adds (n-1)/n × the parameters, broadcast after each rank's update"
+               if strategy == "zero1" else ""))
+
+
+SCALING = Section(_scaling_title, (
+    Table((Column("GPUs", ">5"), Column("link", "<9"), Column("comm/step", ">10"), Column("compute/step", ">13"),
+           Column("comm share", ">11"), Column("efficiency", ">11")), _scaling_rows),
+    Line(_traffic),
+))
+
+
+# ---------------------------------------------------------------- DiLoCo
+def _diloco_title(v: PlanView) -> str:
+    d = v.diloco
+    return (f"DiLoCo: {d['groups']} group{'s' if d['groups'] > 1 else ''} of {d['group_size']} GPUs "
+            f"({d['inner_strategy']} inside a group), the pseudo-gradient all-reduced across groups every "
+            f"H = {d['inner_steps']} inner steps; not overlapped with compute")
+
+
+def _pseudo_gradient(v: PlanView) -> str:
+    return _n(v.diloco["pseudo_gradient_bytes"], "B")
+
+
+def _groups(v: PlanView) -> bool:
+    return v.diloco["groups"] > 1
+
+
+def _outer_how(key: str, formula: str, n: str, n_key: str) -> Callable[[PlanView], str]:
+    """The formula of one of the outer sync's collectives (``key``): ``formula`` × the
+    pseudo-gradient over its link, with ``n`` (``n_key`` of the plan's DiLoCo) given."""
+    def how(v: PlanView) -> str:
+        c = v.diloco[key]
+        return (f"{formula} × {_pseudo_gradient(v)} ÷ {c['link_gb_per_s']:g} GB/s ({c['link']}), "
+                f"{n} = {v.diloco[n_key]}; once per H steps")
+    return how
+
+
+def _comm_rows(v: PlanView) -> Iterator[tuple[str, ...]]:
+    """Communication per step: ddp's and fsdp2's at the same GPUs, then DiLoCo's."""
+    d = v.diloco
     what = {"ddp": "gradient all-reduce", "fsdp2": "all-gathers and reduce-scatter"}
     for name, r in d["compare"].items():
-        out.append(f"    {name + ', ' + str(r['gpus']) + ' GPUs':<24} {_ms(r['comm_s']):>10} {_pct(r['comm_share']):>7}"
-                   f"  {what[name]} over {r['link']}, every step")
-    out.append(f"    {'diloco, H = ' + str(H):<24} {_ms(d['comm_s']):>10} {_pct(d['comm_share']):>7}  "
-               f"{_ms(inner['comm_s'])} in-group + {_ms(d['outer_s'])} outer ÷ {H}")
-    target = f"{100 * d['target_comm_share']:g}%"
-    h = d["min_inner_steps"]
-    if h is not None:
-        at, below = d["at_min_inner_steps"], d["below_min_inner_steps"]
-        digits = 2  # enough to tell H's share from H-1's
-        while below and digits < 6 and _pct(at["comm_share"], digits) == _pct(below["comm_share"], digits):
-            digits += 1
-        how = f"diloco at H = {h}: {_ms(at['comm_s'])}, {_pct(at['comm_share'], digits)} of the step"
-        if below:
-            how += f" (H = {below['inner_steps']}: {_pct(below['comm_share'], digits)})"
-        row(f"under {target} of step time", f"H >= {h}", how)
-    else:
-        row(f"under {target} of step time", "no H", d["none_reason"])
-    return out
+        yield (f"  {name}, {r['gpus']} GPUs", _ms(r["comm_s"]), _pct(r["comm_share"]),
+               f"{what[name]} over {r['link']}, every step")
+    yield (f"  diloco, H = {d['inner_steps']}", _ms(d["comm_s"]), _pct(d["comm_share"]),
+           f"{_ms(d['inner']['comm_s'])} in-group + {_ms(d['outer_s'])} outer ÷ {d['inner_steps']}")
+
+
+def _target(v: PlanView) -> str:
+    return f"under {100 * v.diloco['target_comm_share']:g}% of step time"
+
+
+def _min_h_how(v: PlanView) -> str:
+    """DiLoCo at the smallest H, and at H - 1 with enough digits to tell the two apart."""
+    d = v.diloco
+    at, below = d["at_min_inner_steps"], d["below_min_inner_steps"]
+    digits = 2
+    while below and digits < 6 and _pct(at["comm_share"], digits) == _pct(below["comm_share"], digits):
+        digits += 1
+    how = f"diloco at H = {d['min_inner_steps']}: {_ms(at['comm_s'])}, {_pct(at['comm_share'], digits)} of the step"
+    if below:
+        how += f" (H = {below['inner_steps']}: {_pct(below['comm_share'], digits)})"
+    return how
+
+
+DILOCO = Section(_diloco_title, (
+    Row("pseudo-gradient", _pseudo_gradient,
+        how=lambda v: f"{_count(v.diloco['pseudo_gradient_bytes'] / v.diloco['outer_bytes_per_param'])} parameters "
+                      f"× {v.diloco['outer_bytes_per_param']} B ({v.diloco['outer_dtype']})"),
+    Row("outer all-reduce", lambda v: v.diloco["outer_allreduce"]["s"], _ms,
+        _outer_how("outer_allreduce", "2(G-1)/G", "G", "groups"), when=_groups),
+    Row("in-group all-gather", lambda v: v.diloco["outer_allgather"]["s"], _ms,
+        _outer_how("outer_allgather", "(S-1)/S", "S", "group_size"), when=_groups),
+    Row("outer all-reduce", 0.0, _ms, "one group: nothing to reduce across groups", when=lambda v: not _groups(v)),
+    Row("in-group per step", lambda v: v.diloco["inner"]["comm_s"], _ms,
+        lambda v: f"{v.diloco['inner_strategy']} over {v.diloco['group_size']} GPUs ({v.diloco['inner']['link']}), "
+                  "every step"),
+    Row("compute per step", lambda v: v.diloco["compute_s"], lambda s: "n/a" if s is None else _ms(s),
+        lambda v: f"at {100 * v.plan['mfu']:.1f}% MFU"),
+    Table((Column("communication per step", "<26"), Column("comm/step", ">10"), Column("share", ">7"),
+           Column("", "", gap="  ")), _comm_rows),
+    Row(_target, lambda v: f"H >= {v.diloco['min_inner_steps']}", how=_min_h_how,
+        when=lambda v: v.diloco["min_inner_steps"] is not None),
+    Row(_target, "no H", how=lambda v: v.diloco["none_reason"], when=lambda v: v.diloco["min_inner_steps"] is None),
+), when=lambda v: v.diloco)
+
+SECTIONS = (PARAMETERS, FLOPS, TIME_AND_COST, CHINCHILLA, MEMORY, BATCH, SCALING, DILOCO)
 
 
 def _fit_banner(plan: dict[str, Any]) -> list[str]:

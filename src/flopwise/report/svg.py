@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Union
 
@@ -250,23 +250,35 @@ def _open(chart_id: str, kind: str, title: str, width: float, height: float) -> 
 
 # --------------------------------------------------------------------------- line chart
 
+@dataclass
+class _Plot:
+    """A line chart's plot area in the SVG, and where a data point lands in it."""
+
+    left: float
+    top: float
+    width: float
+    height: float
+    x_lo: float
+    x_hi: float
+    y_lo: float
+    y_hi: float
+    log_y: bool
+
+    def sx(self, x: float) -> float:
+        return self.left + (x - self.x_lo) / (self.x_hi - self.x_lo) * self.width
+
+    def sy(self, y: float) -> float:
+        if self.log_y:
+            f = (math.log10(y) - math.log10(self.y_lo)) / (math.log10(self.y_hi) - math.log10(self.y_lo))
+        else:
+            f = (y - self.y_lo) / (self.y_hi - self.y_lo)
+        return self.top + self.height - f * self.height
+
+
 def line_chart_svg(c: LineChart, width: float = 600, plot_height: float = 270) -> str:
     ok = (lambda y: y > 0) if c.log_y else (lambda y: True)
-    xs_all: list[float] = []
-    ys_all: list[float] = []
-    segs_by_series = []
-    for s in c.series:
-        segs = _segments(s.x, s.y, ok)
-        segs_by_series.append(segs)
-        for seg in segs:
-            xs_all.extend(p[0] for p in seg)
-            ys_all.extend(p[1] for p in seg)
-        if s.err:
-            for x, y, e in zip(s.x, s.y, s.err):
-                if x is not None and y is not None and e is not None and math.isfinite(e):
-                    ys_all.extend(v for v in (y - e, y + e) if ok(v))
-    ys_all += [h.y for h in c.hlines if ok(h.y)]
-    xs_all += [m.x for m in c.markers]  # markers above the data sit on the top edge rather than squash it
+    segs_by_series = [_segments(s.x, s.y, ok) for s in c.series]
+    xs_all, ys_all = _line_extent(c, segs_by_series, ok)
     if not xs_all or not ys_all:
         return _empty_svg(c.id, c.title, width)
 
@@ -286,43 +298,64 @@ def line_chart_svg(c: LineChart, width: float = 600, plot_height: float = 270) -
     size = 12
     left = 14 + 16 + max(_text_width(t, size) for t in y_labels) + 6
     right, top = 18, 14
-    pw = width - left - right
-    ph = plot_height
-
-    def sx(x: float) -> float:
-        return left + (x - x_lo) / (x_hi - x_lo) * pw
-
-    def sy(y: float) -> float:
-        if c.log_y:
-            f = (math.log10(y) - math.log10(y_lo)) / (math.log10(y_hi) - math.log10(y_lo))
-        else:
-            f = (y - y_lo) / (y_hi - y_lo)
-        return top + ph - f * ph
+    plot = _Plot(left, top, width - left - right, plot_height, x_lo, x_hi, y_lo, y_hi, c.log_y)
 
     entries = [(s.label, s.color, s.dash, s.points) for s, segs in zip(c.series, segs_by_series) if segs]
     entries += [(h.label, h.color, h.dash, False) for h in c.hlines]
-    legend_y = top + ph + 40
-    legend, legend_h = _legend(entries, left, legend_y, pw, size)
+    legend_y = top + plot.height + 40
+    legend, legend_h = _legend(entries, left, legend_y, plot.width, size)
     height = legend_y + legend_h + 8
 
     clip = f"clip-{_safe_id(c.id)}"
     out = [_open(c.id, "line", c.title, width, height),
-           f'<defs><clipPath id="{clip}"><rect x="{left:.1f}" y="{top - 2:.1f}" width="{pw:.1f}" '
-           f'height="{ph + 4:.1f}"/></clipPath></defs>']
-    # grid and ticks
-    out.append('<g class="grid" stroke="#e3e3e3" stroke-width="1">')
-    for t in y_ticks:
+           f'<defs><clipPath id="{clip}"><rect x="{left:.1f}" y="{top - 2:.1f}" width="{plot.width:.1f}" '
+           f'height="{plot.height + 4:.1f}"/></clipPath></defs>']
+    out += _line_axes(c, plot, list(zip(x_ticks, x_labels)), list(zip(y_ticks, y_labels)), size)
+    # reference lines, series, error bars, markers (clipped to the plot area)
+    out.append(f'<g clip-path="url(#{clip})">')
+    out += _line_data(c, plot, segs_by_series, ok)
+    out.append("</g>")
+    out.extend(legend)
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _line_extent(c: LineChart, segs_by_series: list[list[list[tuple[float, float]]]],
+                 ok: Callable[[float], bool]) -> tuple[list[float], list[float]]:
+    """Every x and every y the chart must show: the series' points (and error bars), the
+    reference lines and the markers' x."""
+    xs_all: list[float] = []
+    ys_all: list[float] = []
+    for s, segs in zip(c.series, segs_by_series):
+        for seg in segs:
+            xs_all.extend(p[0] for p in seg)
+            ys_all.extend(p[1] for p in seg)
+        if s.err:
+            for x, y, e in zip(s.x, s.y, s.err):
+                if x is not None and y is not None and e is not None and math.isfinite(e):
+                    ys_all.extend(v for v in (y - e, y + e) if ok(v))
+    ys_all += [h.y for h in c.hlines if ok(h.y)]
+    xs_all += [m.x for m in c.markers]  # markers above the data sit on the top edge rather than squash it
+    return xs_all, ys_all
+
+
+def _line_axes(c: LineChart, plot: _Plot, x_ticks: list[tuple[float, str]], y_ticks: list[tuple[float, str]],
+               size: float) -> list[str]:
+    """The grid, the axes, their ticks (value, label) and the axis labels."""
+    left, top, pw, ph, sx, sy = plot.left, plot.top, plot.width, plot.height, plot.sx, plot.sy
+    out = ['<g class="grid" stroke="#e3e3e3" stroke-width="1">']
+    for t, _ in y_ticks:
         out.append(f'<line x1="{left:.1f}" y1="{sy(t):.1f}" x2="{left + pw:.1f}" y2="{sy(t):.1f}"/>')
-    for t in x_ticks:
+    for t, _ in x_ticks:
         out.append(f'<line x1="{sx(t):.1f}" y1="{top:.1f}" x2="{sx(t):.1f}" y2="{top + ph:.1f}"/>')
     out.append("</g>")
     out.append(f'<g class="axes" stroke="#444" stroke-width="1"><line x1="{left:.1f}" y1="{top + ph:.1f}" '
                f'x2="{left + pw:.1f}" y2="{top + ph:.1f}"/><line x1="{left:.1f}" y1="{top:.1f}" '
                f'x2="{left:.1f}" y2="{top + ph:.1f}"/></g>')
     out.append(f'<g class="ticks" font-size="{size}">')
-    for t, label in zip(y_ticks, y_labels):
+    for t, label in y_ticks:
         out.append(f'<text x="{left - 6:.1f}" y="{sy(t) + 4:.1f}" text-anchor="end">{esc(label)}</text>')
-    for t, label in zip(x_ticks, x_labels):
+    for t, label in x_ticks:
         out.append(f'<text x="{sx(t):.1f}" y="{top + ph + 16:.1f}" text-anchor="middle">{esc(label)}</text>')
     out.append("</g>")
     out.append(f'<text class="xlabel" x="{left + pw / 2:.1f}" y="{top + ph + 33:.1f}" text-anchor="middle" '
@@ -330,9 +363,15 @@ def line_chart_svg(c: LineChart, width: float = 600, plot_height: float = 270) -
     ylab = c.y_label + (" (log scale)" if c.log_y else "")
     out.append(f'<text class="ylabel" x="14" y="{top + ph / 2:.1f}" text-anchor="middle" font-size="{size + 1}" '
                f'transform="rotate(-90 14 {top + ph / 2:.1f})">{esc(ylab)}</text>')
+    return out
 
-    # reference lines, series, error bars, markers (clipped to the plot area)
-    out.append(f'<g clip-path="url(#{clip})">')
+
+def _line_data(c: LineChart, plot: _Plot, segs_by_series: list[list[list[tuple[float, float]]]],
+               ok: Callable[[float], bool]) -> list[str]:
+    """The reference lines, the series (thinned; their points where asked or alone), the error
+    bars and the markers."""
+    left, top, pw, sx, sy = plot.left, plot.top, plot.width, plot.sx, plot.sy
+    out = []
     for h in c.hlines:
         if ok(h.y):
             out.append(f'<line class="hline" x1="{left:.1f}" y1="{sy(h.y):.1f}" x2="{left + pw:.1f}" '
@@ -354,23 +393,20 @@ def line_chart_svg(c: LineChart, width: float = 600, plot_height: float = 270) -
                        f'<title>{esc(s.label)}: {esc(fmt_tick(y, None, c.percent))} at {esc(fmt_tick(x))}</title>'
                        f'</circle>')
         if s.err:
-            for x, y, e in zip(s.x, s.y, s.err):
-                if x is None or y is None or e is None or not ok(y - e if c.log_y else y):
+            for xi, yi, e in zip(s.x, s.y, s.err):
+                if xi is None or yi is None or e is None or not ok(yi - e if c.log_y else yi):
                     continue
-                px, y0, y1 = sx(x), sy(y - e), sy(y + e)
+                px, y0, y1 = sx(xi), sy(yi - e), sy(yi + e)
                 out.append(f'<path class="errorbar" d="M{px:.1f},{y0:.1f} L{px:.1f},{y1:.1f} M{px - 3:.1f},{y0:.1f} '
                            f'L{px + 3:.1f},{y0:.1f} M{px - 3:.1f},{y1:.1f} L{px + 3:.1f},{y1:.1f}" '
                            f'stroke="{esc(s.color)}" stroke-width="1" fill="none"/>')
     for m in c.markers:
         px = sx(m.x)
-        py = top + 8 if m.y is None or not ok(m.y) or m.y > y_hi else max(top + 8, sy(m.y) - 6)
+        py = top + 8 if m.y is None or not ok(m.y) or m.y > plot.y_hi else max(top + 8, sy(m.y) - 6)
         out.append(f'<path class="marker" d="M{px - 5:.1f},{py - 7:.1f} L{px + 5:.1f},{py - 7:.1f} '
                    f'L{px:.1f},{py + 1:.1f} Z" fill="{esc(m.color)}" stroke="#fff" stroke-width="0.8">'
                    f'<title>{esc(m.label)}</title></path>')
-    out.append("</g>")
-    out.extend(legend)
-    out.append("</svg>")
-    return "".join(out)
+    return out
 
 
 def _tick_step(ticks: list[float]) -> float | None:

@@ -36,6 +36,8 @@ eval and export use too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,14 +74,31 @@ def is_sharded_strategy(strategy: str) -> bool:
     return strategy == "fsdp2"
 
 
-def save_distributed(run_dir: Path, step: int, env: DistEnv, strategy: str, model: torch.nn.Module,
-                     optimizer: torch.optim.Optimizer, state: dict[str, Any], config_yaml: str,
-                     loader_state: dict[str, Any], device: torch.device | None = None,
-                     outer: DiLoCo | None = None) -> Path:
+@dataclass(frozen=True)
+class RankParts:
+    """What this rank saves a checkpoint from and loads one into: the process group, the
+    strategy (which laid out the model and optimizer), the model and optimizer (what the
+    optimizer steps: fp32, sharded under fsdp2), the device (whose RNG is saved; where tensors
+    load) and, in a DiLoCo run, its outer loop (whose files go beside group 0's checkpoint)."""
+
+    env: DistEnv
+    strategy: str
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    outer: DiLoCo | None = None
+
+
+Entries = dict[str, dict[str, int]]  # a checkpoint file's path inside it -> its manifest entry (size, CRC32)
+
+
+def save_distributed(run_dir: Path, step: int, parts: RankParts, state: dict[str, Any], config_yaml: str) -> Path:
     """Write step ``step``'s checkpoint from every rank (a collective); returns its path on all.
-    ``outer``: a DiLoCo run's outer loop, whose files go beside group 0's full checkpoint."""
-    rngs = env.gather(rng_state(device))
-    loaders = env.gather(loader_state)
+    ``state``: state.json's contents, this rank's loader position under ``"loader"`` (every
+    rank's is kept, under ``"loader_ranks"``)."""
+    env, model, optimizer = parts.env, parts.model, parts.optimizer
+    rngs = env.gather(rng_state(parts.device))
+    loaders = env.gather(state["loader"])
     state = dict(state)
     rng = None
     if env.is_main:
@@ -88,86 +107,94 @@ def save_distributed(run_dir: Path, step: int, env: DistEnv, strategy: str, mode
         if env.world_size > 1:
             rng["ranks"] = rngs
             state["loader_ranks"] = loaders
-    if outer is not None:
-        return _save_diloco(run_dir, step, env, model, optimizer, state, config_yaml, rng, outer)
-    if not is_sharded_strategy(strategy):
-        if strategy == "zero1":
+
+    def finish(written: Entries, weights: bool = False) -> Path:
+        """The rest of the checkpoint and its manifest, around the files the ranks wrote; with
+        ``weights``, ``model.pt`` and ``optimizer.pt`` too (group 0 of a DiLoCo run over DDP)."""
+        return save_checkpoint(run_dir, step, model if weights else None, optimizer if weights else None, state,
+                               config_yaml, rng=rng, prewritten=written)
+
+    if parts.outer is not None:
+        outer = parts.outer
+        weights = not outer.sharded
+        return _save_prewritten(run_dir, step, env,  # on_every_rank: a full disk on one rank raises on all
+                                lambda tmp: env.on_every_rank(lambda: _write_diloco(tmp, parts, outer)),
+                                lambda written: finish(written, weights))
+    if not is_sharded_strategy(parts.strategy):
+        if parts.strategy == "zero1":
             # every rank sends its shard of the AdamW state (zero1: a ZeroRedundancyOptimizer)
             optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]
         return env.on_main(lambda: save_checkpoint(run_dir, step, model, optimizer, state, config_yaml, rng=rng))
+    return _save_prewritten(run_dir, step, env, lambda tmp: _write_shards(tmp, parts), finish)
 
+
+def _save_prewritten(run_dir: Path, step: int, env: DistEnv, write: Callable[[Path], Entries],
+                     finish: Callable[[Entries], Path]) -> Path:
+    """A save in which every rank writes files: rank 0 begins the checkpoint's hidden
+    directory, every rank runs ``write(directory)``, which returns the manifest entries of the
+    files it wrote and fails on every rank or on none; then rank 0 ``finish``-es the checkpoint
+    with all ranks' entries. A failed write discards the directory and raises on every rank."""
     tmp = env.on_main(lambda: begin_save(run_dir, step))
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    out = tmp / SHARDED
-    try:  # DCP gathers every rank's outcome: a full disk on one rank raises on all of them
-        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=FileSystemWriter(out, sync_files=True))
+    try:
+        mine = write(tmp)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - whatever a full disk looks like to DCP
         env.on_main(lambda: discard_save(run_dir, step))
         raise save_failed(run_dir, step, first_failure(e)) from e
-    env.barrier()  # every rank's files are written (and .metadata, by rank 0) before they are listed
-    mine = {f"{SHARDED}/{p.name}": file_entry(p) for p in sorted(out.iterdir())
-            if p.name.startswith(f"__{env.rank}_") or (env.is_main and not p.name.startswith("__"))}
     entries = env.gather(mine)
 
-    def finish() -> Path:
+    def complete() -> Path:
         assert entries is not None  # on_main: gathered on this rank
-        written = {k: v for part in entries for k, v in part.items()}
-        return save_checkpoint(run_dir, step, None, None, state, config_yaml, rng=rng, prewritten=written)
+        return finish({k: v for part in entries for k, v in part.items()})
 
-    return env.on_main(finish)
+    return env.on_main(complete)
 
 
-def _save_diloco(run_dir: Path, step: int, env: DistEnv, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 state: dict[str, Any], config_yaml: str, rng: dict[str, Any] | None, outer: DiLoCo) -> Path:
-    """Group 0's checkpoint as its inner strategy writes it, beside it the outer loop's files and
-    every other group's own (see the module docstring)."""
-    tmp = env.on_main(lambda: begin_save(run_dir, step))
+def _write_shards(tmp: Path, parts: RankParts) -> Entries:
+    """fsdp2: this rank's shards of the model and optimizer into ``sharded/``, by DCP, which
+    gathers every rank's outcome (a full disk on one rank raises on all of them)."""
+    env = parts.env
+    model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
+    out = tmp / SHARDED
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=FileSystemWriter(out, sync_files=True))
+    env.barrier()  # every rank's files are written (and .metadata, by rank 0) before they are listed
+    return {f"{SHARDED}/{p.name}": file_entry(p) for p in sorted(out.iterdir())
+            if p.name.startswith(f"__{env.rank}_") or (env.is_main and not p.name.startswith("__"))}
+
+
+def _write_diloco(tmp: Path, parts: RankParts, outer: DiLoCo) -> Entries:
+    """DiLoCo: this rank's part of group 0's checkpoint as its inner strategy writes it (the
+    sharded files under FSDP2; model.pt and optimizer.pt, under DDP, are ``finish``'s), beside
+    it the outer loop's files and every other group's own (see the module docstring)."""
+    model, optimizer = parts.model, parts.optimizer
     g, sharded = outer.g, outer.sharded
     tag = f"-{g.inner_rank}" if sharded else ""  # FSDP2 inside: every rank's state is its own
-
-    def write_mine() -> dict[str, dict[str, int]]:
-        files: dict[str, dict[str, int]] = {}
-        (tmp / DILOCO).mkdir(exist_ok=True)
-        if sharded:  # the group's weights and optimizer: DCP over the group's ranks
-            target = SHARDED if g.index == 0 else f"{DILOCO}/group-{g.index}"
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            dcp.save({"model": model_sd, "optim": optim_sd},
-                     storage_writer=FileSystemWriter(tmp / target, sync_files=True), process_group=env.group)
-            for p in sorted((tmp / target).iterdir()):  # DCP names files by the rank within the group
-                if p.name.startswith(f"__{g.inner_rank}_") or (g.inner_rank == 0 and not p.name.startswith("__")):
-                    files[f"{target}/{p.name}"] = file_entry(p)
-        if sharded or g.inner_rank == 0:  # DDP inside: the group's first rank speaks for it
-            part = outer.group_state()
-            if g.index > 0 and not sharded:  # group 0's are model.pt and optimizer.pt
-                part.update(model=model.state_dict(), optimizer=optimizer.state_dict())
-            name = f"{DILOCO}/group-{g.index}{tag}.pt"
-            files[name] = write_checksummed(tmp / name, lambda f: torch.save(part, f))
-            if g.index == 0:  # the outer state is the same in every group
-                name = f"{DILOCO}/outer{tag}.pt"
-                files[name] = write_checksummed(tmp / name, lambda f: torch.save(outer.state_dict(), f))
-        return files
-
-    try:
-        mine = env.on_every_rank(write_mine)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a full disk on any rank: every rank raises
-        env.on_main(lambda: discard_save(run_dir, step))
-        raise save_failed(run_dir, step, first_failure(e)) from e
-    entries = env.gather(mine)
-
-    def finish() -> Path:
-        assert entries is not None  # on_main: gathered on this rank
-        written = {k: v for part in entries for k, v in part.items()}
-        return save_checkpoint(run_dir, step, None if sharded else model, None if sharded else optimizer, state,
-                               config_yaml, rng=rng, prewritten=written)
-
-    return env.on_main(finish)
+    files: Entries = {}
+    (tmp / DILOCO).mkdir(exist_ok=True)
+    if sharded:  # the group's weights and optimizer: DCP over the group's ranks
+        target = SHARDED if g.index == 0 else f"{DILOCO}/group-{g.index}"
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd},
+                 storage_writer=FileSystemWriter(tmp / target, sync_files=True), process_group=parts.env.group)
+        for p in sorted((tmp / target).iterdir()):  # DCP names files by the rank within the group
+            if p.name.startswith(f"__{g.inner_rank}_") or (g.inner_rank == 0 and not p.name.startswith("__")):
+                files[f"{target}/{p.name}"] = file_entry(p)
+    if sharded or g.inner_rank == 0:  # DDP inside: the group's first rank speaks for it
+        part = outer.group_state()
+        if g.index > 0 and not sharded:  # group 0's are model.pt and optimizer.pt
+            part.update(model=model.state_dict(), optimizer=optimizer.state_dict())
+        name = f"{DILOCO}/group-{g.index}{tag}.pt"
+        files[name] = write_checksummed(tmp / name, lambda f: torch.save(part, f))
+        if g.index == 0:  # the outer state is the same in every group
+            name = f"{DILOCO}/outer{tag}.pt"
+            files[name] = write_checksummed(tmp / name, lambda f: torch.save(outer.state_dict(), f))
+    return files
 
 
-def _load_diloco(path: Path, env: DistEnv, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 outer: DiLoCo, map_location: torch.device) -> str:
+def _load_diloco(path: Path, parts: RankParts, outer: DiLoCo) -> str:
     """This group's weights, optimizer and fragments in flight, and the outer loop's state, from
     a DiLoCo checkpoint (group 0's weights are loaded already); from another strategy's, the
     anchor at its weights. Returns a note for the log ("" when there is nothing to say)."""
+    model, optimizer, map_location = parts.model, parts.optimizer, parts.device
     g, tag = outer.g, f"-{outer.g.inner_rank}" if outer.sharded else ""
     outer_file, group_file = path / DILOCO / f"outer{tag}.pt", path / DILOCO / f"group-{g.index}{tag}.pt"
     if not (path / DILOCO).is_dir():
@@ -186,12 +213,13 @@ def _load_diloco(path: Path, env: DistEnv, model: torch.nn.Module, optimizer: to
     return ""
 
 
-def load_distributed(path: Path, env: DistEnv, strategy: str, model: torch.nn.Module,
-                     optimizer: torch.optim.Optimizer, map_location: torch.device,
-                     outer: DiLoCo | None = None) -> dict[str, Any]:
-    """Load ``path`` (any format) into this rank's model and optimizer (and ``outer``, a DiLoCo
-    run's outer loop); return state.json with this rank's RNG states under ``"rng"``, its loader
-    position under ``"loader"`` and, for ``outer``, what a conversion did under ``"diloco_note"``."""
+def load_distributed(path: Path, parts: RankParts) -> dict[str, Any]:
+    """Load ``path`` (any format) into this rank's model and optimizer (and the outer loop of a
+    DiLoCo run), tensors onto ``parts.device``; return state.json with this rank's RNG states
+    under ``"rng"``, its loader position under ``"loader"`` and, in a DiLoCo run, what a
+    conversion did under ``"diloco_note"``."""
+    env, strategy, model, optimizer = parts.env, parts.strategy, parts.model, parts.optimizer
+    outer = parts.outer
     sharded = (path / SHARDED).is_dir()
     if sharded and strategy == "zero1":
         raise ConfigError([f"{path} is a sharded (fsdp2) checkpoint: resume it with parallel.strategy=fsdp2, ddp "
@@ -204,7 +232,7 @@ def load_distributed(path: Path, env: DistEnv, strategy: str, model: torch.nn.Mo
     elif not sharded and (strategy == "fsdp2" or (outer is not None and outer.sharded)):
         saved = _load_full_into_fsdp(path, model, optimizer)
     else:
-        saved = load_checkpoint(path, model, optimizer, map_location=map_location, verify=False)
+        saved = load_checkpoint(path, model, optimizer, map_location=parts.device, verify=False)
     rng = saved.get("rng")
     if isinstance(rng, dict) and len(rng.get("ranks") or []) == env.world_size:
         saved["rng"] = rng["ranks"][env.rank]
@@ -212,7 +240,7 @@ def load_distributed(path: Path, env: DistEnv, strategy: str, model: torch.nn.Mo
     if isinstance(loaders, list) and len(loaders) == env.world_size:
         saved["loader"] = loaders[env.rank]
     if outer is not None:
-        saved["diloco_note"] = _load_diloco(path, env, model, optimizer, outer, map_location)
+        saved["diloco_note"] = _load_diloco(path, parts, outer)
     return saved
 
 

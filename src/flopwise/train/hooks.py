@@ -14,15 +14,15 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 
 from flopwise.data.datadir import DataDir
-from flopwise.evaluate.generate import generate
-from flopwise.evaluate.loss import bits_per_byte, evaluate_loss, perplexity
+from flopwise.evaluate.generate import Sampling, generate
+from flopwise.evaluate.loss import Shard, bits_per_byte, evaluate_loss, perplexity
 from flopwise.evaluate.tasks import evaluate_tasks
 from flopwise.fsio import AppendFile, write_file
 from flopwise.measure.meter import format_memory, memory_stats
 from flopwise.measure.sinks import format_mfu, human
 from flopwise.measure.timing import format_breakdown
 from flopwise.train.checkpoint import apply_retention, set_rng_state
-from flopwise.train.dist_checkpoint import load_distributed, save_distributed
+from flopwise.train.dist_checkpoint import RankParts, load_distributed, save_distributed
 from flopwise.train.record import TrainResult
 from flopwise.train.setup import Run
 from flopwise.train.stopping import Deadline
@@ -37,11 +37,15 @@ def fmt_time(seconds: float) -> str:
 
 # --------------------------------------------------------------------------- evaluation
 
+def eval_shard(run: Run) -> Shard:
+    """This rank's share of an evaluation, summed over the run's ranks."""
+    return Shard(run.env.rank, run.world, lambda v: run.env.sum(v, run.device))
+
+
 def validate(run: Run, step: int) -> float:
     """The held-out loss (shared out over ranks, summed), logged with perplexity and bits per byte."""
     val = evaluate_loss(run.model, run.val_windows, run.cfg.train.micro_batch_size, run.device, run.autocast,
-                        run.data.eos_id, run.data.bos_id, shard=(run.env.rank, run.world),
-                        reduce=lambda v: run.env.sum(v, run.device))
+                        run.data.eos_id, run.data.bos_id, shard=eval_shard(run))
     run.log(f"  val  step {step:>6} | loss {val:.4f} | ppl {perplexity(val):,.1f} | bpb {bpb(run, val):.4f}"
             f" | uniform ln V = {run.uniform:.4f}")
     return val
@@ -60,8 +64,7 @@ def run_tasks(run: Run, step: int) -> dict[str, Any]:
     e = run.cfg.eval
     results = evaluate_tasks(run.model, run.data.tokenizer, run.task_names, paths=run.task_paths,
                              limit=e.tasks_limit, device=run.device, batch_size=run.cfg.train.micro_batch_size,
-                             autocast=run.autocast, shard=(run.env.rank, run.world),
-                             reduce=lambda v: run.env.sum(v, run.device))
+                             autocast=run.autocast, shard=eval_shard(run))
     run.model.train()
     for name, r in results.items():
         run.log(f"  eval step {step:>6} | {name} acc {r['acc']:.4f} · acc_norm {r['acc_norm']:.4f}"
@@ -81,6 +84,11 @@ def validate_at_start(run: Run) -> None:
 
 # --------------------------------------------------------------------------- checkpoints
 
+def rank_parts(run: Run) -> RankParts:
+    """What this rank saves a checkpoint from and loads one into."""
+    return RankParts(run.env, run.strategy.name, run.state_model, run.optimizer, run.device, run.outer)
+
+
 def save(run: Run) -> Path:
     """A checkpoint of the current step (every rank writes its part), then retention."""
     p, t = run.progress, run.cfg.train
@@ -92,8 +100,7 @@ def save(run: Run) -> Path:
         state["lr_continuation"] = run.cont._asdict()
     if run.prec.scaler is not None:
         state["grad_scaler"] = run.prec.scaler.state_dict()
-    path = save_distributed(run.run_dir, p.step, run.env, run.strategy.name, run.state_model, run.optimizer, state,
-                            run.config_yaml, run.train_loader.state_dict(), run.device, run.outer)
+    path = save_distributed(run.run_dir, p.step, rank_parts(run), state, run.config_yaml)
     run.env.on_main(lambda: apply_retention(run.run_dir, t.keep_checkpoints, t.milestone_every))
     run.deadline.record_save(run.clock() - t0)
     p.last_saved = path
@@ -102,8 +109,7 @@ def save(run: Run) -> Path:
 
 def reload(run: Run, path: Path) -> dict[str, Any]:
     """A rollback: every rank reloads its part of ``path`` (weights, optimizer, RNG)."""
-    saved = load_distributed(path, run.env, run.strategy.name, run.state_model, run.optimizer, run.device,
-                             run.outer)
+    saved = load_distributed(path, rank_parts(run))
     if "rng" in saved:
         set_rng_state(saved["rng"], run.device)
     return saved
@@ -314,7 +320,7 @@ def write_sample(model: torch.nn.Module, data: DataDir, cfg, device: torch.devic
     # An FSDP2-sharded model computes in its MixedPrecisionPolicy's dtype, which a KV cache
     # sized from the (sharded, fp32) weights would not match: it recomputes the window instead.
     out = generate(model, torch.tensor([ids], device=device), e.sample_tokens, cfg.train.seq_len,
-                   temperature=e.temperature, top_k=e.top_k, generator=gen, eos_id=data.eos_id,
+                   Sampling(temperature=e.temperature, top_k=e.top_k, generator=gen), eos_id=data.eos_id,
                    use_cache=not isinstance(model, FSDPModule))
     text = tok.decode(out[0].tolist())
     if run_dir is None:

@@ -6,9 +6,10 @@ Muon (``optim.name=muon``): the 2-D weight matrices inside the transformer block
 attention and MLP projections) are updated with the orthogonalised Nesterov momentum of
 Muon; everything else -- token embedding, position table, LM head, MoE router, norms,
 biases and the 3-D stacked MoE expert tensors -- stays on AdamW with its usual groups.
-Muon is :class:`Muon`, written here: the algorithm, options, state (``momentum_buffer``) and
-group keys of torch's ``torch.optim.Muon`` (a test holds them equal), plus the skip on the
-device that torch's lacks (below).
+Muon is :class:`Muon`, written here: the algorithm, options (the Newton-Schulz ones grouped
+as a :class:`NewtonSchulz`), state (``momentum_buffer``) and group keys of torch's
+``torch.optim.Muon`` (a test holds them equal), plus the skip on the device that torch's
+lacks (below).
 
 A bad step is skipped on the device, with no host read (``train/train_step.py``): the
 optimizer is told through a 0-dim ``found_inf`` tensor, as ``torch.amp.GradScaler`` tells
@@ -36,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -136,25 +138,37 @@ def muon_lr_scale(shape: torch.Size | tuple[int, ...]) -> float:
     return math.sqrt(max(1.0, rows / cols))
 
 
+@dataclass(frozen=True)
+class NewtonSchulz:
+    """The settings of :func:`newton_schulz`: the quintic's coefficients, its number of steps,
+    and the floor of the norm it first divides by. The defaults are Keller Jordan's."""
+
+    coefficients: tuple[float, float, float] = NS_COEFFICIENTS
+    steps: int = NS_STEPS
+    eps: float = NS_EPS
+
+
 class Muon(torch.optim.Optimizer):
     """Muon for 2-D parameters.
 
     Per step: buf <- mu buf + (1 - mu) g; update = (1 - mu) g + mu buf with Nesterov
     (else buf); O = newton_schulz(update); p <- p (1 - lr wd) - lr * muon_lr_scale(p) * O.
-    The same algorithm, options, group keys and state as ``torch.optim.Muon`` (with
-    ``adjust_lr_fn="original"``), so a checkpoint loads into either. With ``found_inf`` set
-    (a 0-dim tensor, non-zero on a bad step) each parameter and its momentum keep their old
-    values where it is non-zero -- chosen on the device, the same numbers otherwise."""
+    The same algorithm, group keys and state as ``torch.optim.Muon`` (with
+    ``adjust_lr_fn="original"``), so a checkpoint loads into either, and the same options but
+    one: torch's ``ns_coefficients``, ``ns_steps`` and ``eps`` are given together as ``ns``, a
+    :class:`NewtonSchulz` (the group keys keep torch's names). With ``found_inf`` set (a 0-dim
+    tensor, non-zero on a bad step) each parameter and its momentum keep their old values
+    where it is non-zero -- chosen on the device, the same numbers otherwise."""
 
     def __init__(self, params, lr: float = 0.02, weight_decay: float = 0.0, momentum: float = 0.95,
-                 nesterov: bool = True, ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-                 eps: float = NS_EPS, ns_steps: int = NS_STEPS, adjust_lr_fn: str | None = "original"):
+                 nesterov: bool = True, ns: NewtonSchulz = NewtonSchulz(), adjust_lr_fn: str | None = "original"):
         if lr < 0 or weight_decay < 0 or momentum < 0:
             raise ValueError("Muon lr, weight_decay and momentum must be >= 0")
         if adjust_lr_fn not in (None, "original"):
             raise ValueError(f"flopwise's Muon supports adjust_lr_fn='original' only, got {adjust_lr_fn!r}")
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+                        ns_coefficients=tuple(ns.coefficients), eps=ns.eps, ns_steps=ns.steps,
+                        adjust_lr_fn=adjust_lr_fn)
         super().__init__(params, defaults)
         for group in self.param_groups:
             for p in group["params"]:

@@ -26,7 +26,7 @@ import torch
 
 from flopwise.config import ConfigError, RunConfig, batch_split_problems, recorded_paths, with_checksum
 from flopwise.data.datadir import DataDir, open_data_dir
-from flopwise.data.loader import fixed_windows, make_loader
+from flopwise.data.loader import LoaderOptions, fixed_windows, make_loader
 from flopwise.evaluate.loss import target_bytes
 from flopwise.fsio import write_file
 from flopwise.measure.meter import ThroughputMeter
@@ -49,7 +49,7 @@ from flopwise.plan.flops import (
 )
 from flopwise.train.checkpoint import RunStart, set_rng_state, start_run, truncate_metrics
 from flopwise.train.defaults import device_peak, resolve_speed
-from flopwise.train.dist_checkpoint import load_distributed
+from flopwise.train.dist_checkpoint import RankParts, load_distributed
 from flopwise.train.optim import CombinedOptimizer, build_optimizer
 from flopwise.train.precision import MasterWeights, Precision, apply_fp8, autocast_factory
 from flopwise.train.precision import resolve as resolve_precision
@@ -215,9 +215,10 @@ def train_loader(cfg: RunConfig, data: DataDir, device: torch.device, rank: int 
     ``data.pin_memory``, documents' boundaries for ``model.doc_mask``): the trainer's, a
     preflight trial's and ``--explain``'s."""
     t = cfg.train
-    return make_loader(cfg.data.loader, data, "train", t.seq_len, t.micro_batch_size, seed=t.seed, device=device,
-                       rank=rank, world_size=world_size, doc_boundaries=cfg.model.doc_mask,
-                       step_samples=step_samples, prefetch=cfg.data.prefetch, pin_memory=cfg.data.pin_memory)
+    opts = LoaderOptions(t.seq_len, t.micro_batch_size, seed=t.seed, device=device, rank=rank, world_size=world_size,
+                         doc_boundaries=cfg.model.doc_mask, prefetch=cfg.data.prefetch,
+                         pin_memory=cfg.data.pin_memory, step_samples=step_samples)
+    return make_loader(cfg.data.loader, data, "train", opts)
 
 
 @dataclass
@@ -308,7 +309,7 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
     # The planner's peak per rank against this rank's free memory: a step that cannot fit is
     # refused here, with the change that fits, not by the allocator after the model was built.
     plan = plan_for_run(cfg, torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                        prec.name, t.peak_tflops, loss=loss_impl, gpus=world, strategy=strategy.name,
+                        prec.name, loss=loss_impl, gpus=world, strategy=strategy.name,
                         gpus_per_node=local_rank_count(world))
     env.on_every_rank(lambda: check_memory_fit(cfg, plan, device, prec.name, loss_impl, strategy.name, world))
     # The data checks (each split long enough for a window) come before any allocation.
@@ -342,7 +343,7 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
         clip=grad_clip(cfg), loss_fn=loss_fn, train_loader=loader,
         val_windows=val_windows,
         val_bytes=0, task_names=task_names, task_paths=task_paths,
-        guard=NonFiniteGuard.from_config(t, uniform_loss=math.log(m.vocab_size)),  # the logits' uniform loss
+        guard=NonFiniteGuard(t, uniform_loss=math.log(m.vocab_size)),  # the logits' uniform loss
         deadline=deadline, fit=TimeFit(deadline, o.warmup_steps, clock) if o.fit_to_time else None,
         total_steps=total_steps, accum=accum, micro_tokens=micro_tokens, ramp=ramp, cont=None,
         flops=flops, config_yaml=recorded.to_yaml(), record={}, plan=plan,
@@ -370,8 +371,8 @@ def restore(run: Run, checkpoint: Path) -> None:
     """Continue from ``checkpoint``: weights, optimizer, loss scale, data position, held-out
     set, guard counts, RNG, and the learning rate's continuation if the run's length changed."""
     cfg, p = run.cfg, run.progress
-    saved = load_distributed(checkpoint, run.env, run.strategy.name, run.state_model, run.optimizer, run.device,
-                             run.outer)
+    saved = load_distributed(checkpoint, RankParts(run.env, run.strategy.name, run.state_model, run.optimizer,
+                                                   run.device, run.outer))
     if saved.get("diloco_note"):
         run.notes.setdefault("parallel", []).append(saved["diloco_note"])
     if run.master:

@@ -125,17 +125,18 @@ class NonFiniteGuard:
     COLLAPSE_GRAD_NORM = 1e-6  # "~0": below any healthy run's global norm (O(0.1-10)) by 5 orders
     COLLAPSE_LOSS_TOL = 1e-4  # "at ln V": the uniform prediction's loss, to this much
 
-    def __init__(self, policy: str, patience: int, spike_factor: float, warmup: int = 10, *,
-                 max_skips: int = 20, max_rollbacks: int = 5, max_rollbacks_per_checkpoint: int = 2,
-                 collapse_steps: int = 5, uniform_loss: float | None = None):
-        self.policy = policy
-        self.patience = patience
-        self.spike_factor = spike_factor
+    def __init__(self, t: TrainConfig, uniform_loss: float | None = None, warmup: int = 10):
+        """The guard of ``t``'s ``nonfinite*``, ``collapse_steps`` and ``spike_factor`` settings;
+        ``uniform_loss`` = ln(model vocabulary size); no spike or collapse is seen in the first
+        ``warmup`` steps."""
+        self.policy = t.nonfinite
+        self.patience = t.nonfinite_patience
+        self.spike_factor = t.spike_factor
         self.warmup = warmup
-        self.max_skips = max_skips
-        self.max_rollbacks = max_rollbacks
-        self.max_rollbacks_per_checkpoint = max_rollbacks_per_checkpoint
-        self.collapse_steps = collapse_steps
+        self.max_skips = t.nonfinite_max_skips
+        self.max_rollbacks = t.nonfinite_max_rollbacks
+        self.max_rollbacks_per_checkpoint = t.nonfinite_max_rollbacks_per_checkpoint
+        self.collapse_steps = t.collapse_steps
         self.uniform_loss = uniform_loss
         self.in_a_row = 0
         self.skipped = 0
@@ -144,14 +145,6 @@ class NonFiniteGuard:
         self.collapsed_in_a_row = 0
         self.mean: float | None = None  # running mean of the loss (EMA)
         self.seen = 0
-
-    @classmethod
-    def from_config(cls, t: TrainConfig, uniform_loss: float | None = None) -> "NonFiniteGuard":
-        """The guard of a ``TrainConfig``; ``uniform_loss`` = ln(model vocabulary size)."""
-        return cls(t.nonfinite, t.nonfinite_patience, t.spike_factor, max_skips=t.nonfinite_max_skips,
-                   max_rollbacks=t.nonfinite_max_rollbacks,
-                   max_rollbacks_per_checkpoint=t.nonfinite_max_rollbacks_per_checkpoint,
-                   collapse_steps=t.collapse_steps, uniform_loss=uniform_loss)
 
     def check(self, loss: float, grad_norm: float) -> bool:
         """True when the step is finite (and resets the streak)."""

@@ -90,7 +90,7 @@ def choose(trials: list[Trial], device_type: str = "cpu", min_noise: float = MIN
     """The trial to run and why, from the trials' medians and spreads alone (pure: no timing).
 
     The fastest median wins when it leads every other trial by more than the noise
-    (:func:`_noise`). Among those still within it (after :func:`remeasure`), a configuration
+    (:func:`noise`). Among those still within it (after :func:`remeasure`), a configuration
     without activation checkpointing wins first (it does not recompute the forward pass, and is
     one thing fewer that can go wrong); then, on a GPU (any device but the CPU), the larger
     micro-batch (fewer, larger kernels keep the device busier; the global batch, hence the

@@ -11,10 +11,10 @@ which the rungs that usually pay more (the micro-batch above all) should not wai
 With ``--nproc-per-node N`` the climbed configuration is then scaled out to N ranks on this
 machine, and the data-parallel strategy and the gradient bucket size are climbed there.
 
-Each option is measured on its own (``trial.measure``: a fresh model, optimizer and compiler;
-on CUDA an emptied allocator and a reset peak; with ``--isolation process``, the
-default on a GPU, in a fresh process, which is how N-rank options always run), and is
-**kept** only when
+Each option is measured on its own, as the micro-batch search's trials are (``trial.TrialRunner``
+around ``trial.measure``: a fresh model, optimizer and compiler; on CUDA an emptied allocator
+and a reset peak; with ``--isolation process``, the default on a GPU, in a fresh process,
+which is how N-rank options always run), and is **kept** only when
 
 - it is faster than the best so far by more than the noise (the two measurements' spreads
   added, never less than ``MIN_NOISE``) -- for a micro-batch or checkpointing row, it is the
@@ -31,20 +31,19 @@ default on a GPU, in a fresh process, which is how N-rank options always run), a
 The climb is greedy: a kept option becomes the configuration the next options must beat.
 At the end the climbed configuration is measured once more (``confirm``): the kept rate is
 the best of noisy measurements and reads high; the fresh one is the ladder's final rate.
-It stops trying options once ``budget_s`` is spent (those rows say so); each row records the
-seconds its trial took. Before the budget is spent, time is held back for the rows that end
-the climb -- the scale-out to N ranks and, once a rung is kept, the confirmation -- about one
-start trial each, so a slow option (a long compile) cannot leave the climb unconfirmed. The
-ladder is a preflight option rather than its own command because it ends where preflight
-ends: the tuned ``preflight.yaml`` that ``flopwise train --config`` runs, and the prediction
-the run's report compares with.
+It stops trying options once its budget (``--budget-minutes``) is spent (those rows say so);
+each row records the seconds its trial took. Before the budget is spent, time is held back
+for the rows that end the climb -- the scale-out to N ranks and, once a rung is kept, the
+confirmation -- about one start trial each, so a slow option (a long compile) cannot leave
+the climb unconfirmed. The ladder is a preflight option rather than its own command because
+it ends where preflight ends: the tuned ``preflight.yaml`` that ``flopwise train --config``
+runs, and the prediction the run's report compares with.
 """
 
 from __future__ import annotations
 
 import copy
 import os
-import time
 from typing import Any, Callable
 
 import torch
@@ -59,6 +58,7 @@ from flopwise.plan.memory import estimate
 from flopwise.train.precision import cpu_native_bf16, fp8_problem
 from flopwise.train.precision import resolve as resolve_precision
 from flopwise.tune.choice import Trial, choose
+from flopwise.tune.request import Bench, TuneRequest
 from flopwise.tune.trial import failure_status
 
 SAME_NUMERICS = 1e-3  # relative first-step loss difference for a change that should not change it
@@ -128,27 +128,25 @@ def data_parallel_rungs(cfg: RunConfig, precision: str, strategy: str) -> list[t
             ("buckets", [{"parallel.bucket_mb": mb} for mb in buckets], "same")]
 
 
-def climb(cfg: RunConfig, measure_one: Callable[..., dict[str, Any]], device: torch.device,
-          sizes: list[int], run_tokens: int, fpt: float, peak: float | None, memory_gb: float = 0.0,
-          headroom: float = 0.9, price_per_gpu_hour: float = 0.0, budget_s: float = 900.0, fp8: bool = False,
-          clock: Callable[[], float] = time.perf_counter, log: Callable[[str], None] = print,
-          world: int = 1, warm_up_process: bool = True) -> dict[str, Any]:
-    """Climb from ``cfg``; ``measure_one(cfg, world=1, timeout_s=None)`` times a configuration
-    on ``world`` ranks (``trial.measure``'s dict, with ``first_loss``), within ``timeout_s`` where
-    it can stop a trial (one in its own processes), or raises (an out-of-memory is a result).
-    The per-device rungs run on one rank; with ``world > 1`` the climbed configuration
-    is then scaled out to ``world`` ranks and the strategy and bucket rungs run there. Returns
+def climb(cfg: RunConfig, measure_one: Callable[..., dict[str, Any]], sizes: list[int], bench: Bench,
+          request: TuneRequest) -> dict[str, Any]:
+    """Climb from ``cfg`` on ``bench`` as ``request`` asks (its budget, ranks, fp8, run, clock
+    and log); ``measure_one(cfg, world=1, timeout_s=None)`` times a configuration on ``world``
+    ranks (``trial.measure``'s dict, with ``first_loss``: preflight gives a ``trial.TrialRunner``),
+    within ``timeout_s`` where it can stop a trial (one in its own processes), or raises (an
+    out-of-memory is a result). ``sizes``: the micro-batches the micro-batch rung may try.
+    The per-device rungs run on one rank; with ``request.world > 1`` the climbed configuration
+    is then scaled out to that many ranks and the strategy and bucket rungs run there. Returns
     the ladder as ``preflight.json`` records it (``report`` draws it) with the chosen settings.
-    ``warm_up_process``: measure the start once untimed first, for trials that share this process."""
-    c = Climb(measure_one, device, run_tokens, fpt, peak, memory_gb, headroom, price_per_gpu_hour, budget_s, fp8,
-              clock, log)
-    if warm_up_process:  # the first measurement in a process pays its warm-up (threads, allocator, caches)
+    Where trials share this process (not ``bench.fresh``), the start is measured once untimed first."""
+    c = Climb(measure_one, bench, request, request.tokens or cfg.total_steps() * cfg.tokens_per_step)
+    if not bench.fresh:  # the first measurement in a process pays its warm-up (threads, allocator, caches)
         measure_one(cfg)
-    t0 = clock()
+    t0 = c.clock()
     start = measure_one(cfg)
-    c.begin(cfg, start, world, seconds=clock() - t0)
+    c.begin(cfg, start, request.world, seconds=c.clock() - t0)
     too_big: list[int] = []  # micro-batches that did not fit without checkpointing
-    for name, options, numerics in rungs(cfg, device, sizes, fp8):
+    for name, options, numerics in rungs(cfg, bench.device, sizes, request.ladder_fp8):
         if name == "micro-batch":
             too_big = c.micro_batches(sizes)
         elif name == "checkpointing":
@@ -158,8 +156,8 @@ def climb(cfg: RunConfig, measure_one: Callable[..., dict[str, Any]], device: to
                 if name == "compile mode" and c.cfg.train.compile == "off":
                     continue  # a mode of a compiler that is not on
                 c.attempt(name, settings, numerics)
-    if world > 1:
-        c.scale_out(world)
+    if request.world > 1:
+        c.scale_out(request.world)
     c.confirm()
     c.ladder.update(chosen=c.chosen, final=c.best, spent_minutes=c.spent_s() / 60)
     return c.ladder
@@ -169,12 +167,12 @@ class Climb:
     """One climb's fixed setting (how an option is measured, judged and priced) and its state:
     the configuration so far, its figures, the settings kept and the rows."""
 
-    def __init__(self, measure_one: Callable[..., dict[str, Any]], device: torch.device, run_tokens: int,
-                 fpt: float, peak: float | None, memory_gb: float, headroom: float, price: float, budget_s: float,
-                 fp8: bool, clock: Callable[[], float], log: Callable[[str], None]):
-        self.measure_one, self.device, self.run_tokens, self.fpt, self.peak = measure_one, device, run_tokens, fpt, peak
-        self.memory_gb, self.headroom, self.price, self.budget_s, self.fp8 = memory_gb, headroom, price, budget_s, fp8
-        self.clock, self.log, self.t0 = clock, log, clock()
+    def __init__(self, measure_one: Callable[..., dict[str, Any]], bench: Bench, request: TuneRequest,
+                 run_tokens: int):
+        self.measure_one, self.bench, self.device, self.run_tokens = measure_one, bench, bench.device, run_tokens
+        self.budget_s, self.fp8 = request.budget_minutes * 60, request.ladder_fp8
+        self.price = request.price_per_gpu_hour
+        self.clock, self.log, self.t0 = request.clock, request.log, request.clock()
         self.world = 1  # ranks the options are measured on now
         self.chosen: Settings = {}
 
@@ -191,8 +189,14 @@ class Climb:
                  f"{seconds:.0f} s a trial")
 
     def summary(self, m: dict[str, Any], world: int = 1) -> dict[str, Any]:
-        """A measurement on ``world`` ranks as a ladder row's figures."""
-        return _summary(m, self.fpt, self.peak, self.run_tokens, self.price, world)
+        """A measurement on ``world`` ranks as a ladder row's figures: the rate is the global
+        batch's, MFU is per device and the cost counts every device's hours."""
+        rate = m["tok_per_s"]
+        hours = self.run_tokens / rate / 3600
+        return {"tok_per_s": rate, "spread": spread(m.get("tok_per_s_windows") or [rate]),
+                "mfu": self.bench.mfu(rate, world), "peak_gb": m.get("peak_gb"), "loss": m.get("first_loss"),
+                "data_share": m.get("data_share"), "hours": hours,
+                "cost": hours * self.price * world if self.price else None}
 
     def measure(self, row: dict[str, Any], cfg: RunConfig, world: int) -> tuple[dict[str, Any], dict[str, Any]]:
         """``row`` with ``cfg`` measured on ``world`` ranks: its figures and its change against the
@@ -251,11 +255,11 @@ class Climb:
         problems = validate(cand)
         if problems:
             return {**row, "status": "skipped", "why": "not a valid configuration: " + "; ".join(problems)}
-        memory, best = self.memory_gb, self.best
+        memory, headroom, best = self.bench.memory_gb, self.bench.headroom, self.best
         planned = planned_gb(cand, self.device) if memory and self.world == 1 else None
-        if planned is not None and planned > self.headroom * memory:  # not worth a compile to see it run out
+        if planned is not None and not self.bench.fits(planned):  # not worth a compile to see it run out
             return {**row, "status": "no-fit",
-                    "why": f"planner: {planned:.2f} GiB > {self.headroom:.0%} of {memory:.1f} GiB (not run)"}
+                    "why": f"planner: {planned:.2f} GiB > {headroom:.0%} of {memory:.1f} GiB (not run)"}
         row, _ = self.measure(row, cand, self.world)
         if row["status"] != "ok":
             return row
@@ -264,9 +268,9 @@ class Climb:
         drift = _drift(row["loss"], best["loss"])
         if drift is None:
             return {**row, "why": "no first-step loss measured: numerics cannot be checked"}
-        if memory and row["peak_gb"] is not None and row["peak_gb"] > self.headroom * memory:
+        if row["peak_gb"] is not None and not self.bench.fits(row["peak_gb"]):
             return {**row, "status": "no-fit",
-                    "why": f"peak {row['peak_gb']:.2f} GiB > {self.headroom:.0%} of {memory:.1f} GiB"}
+                    "why": f"peak {row['peak_gb']:.2f} GiB > {headroom:.0%} of {memory:.1f} GiB"}
         if drift > tol:
             return {**row, "why": f"first-step loss moved {drift:.1e} (tolerance {tol:.0e}): not the same training"}
         if name in ("micro-batch", "checkpointing"):  # the search's rule, between the best and this size
@@ -396,18 +400,6 @@ def planned_gb(cfg: RunConfig, device: torch.device) -> float:
 
 def _summary_keys() -> tuple[str, ...]:
     return ("tok_per_s", "spread", "mfu", "peak_gb", "loss", "data_share", "hours", "cost")
-
-
-def _summary(m: dict[str, Any], fpt: float, peak: float | None, run_tokens: int, price: float,
-             world: int = 1) -> dict[str, Any]:
-    """A measurement as a ladder row's figures; at ``world`` ranks the rate is the global batch's,
-    MFU is per device and the cost counts every device's hours."""
-    rate = m["tok_per_s"]
-    hours = run_tokens / rate / 3600
-    return {"tok_per_s": rate, "spread": spread(m.get("tok_per_s_windows") or [rate]),
-            "mfu": rate * fpt / (peak * world) if peak else None, "peak_gb": m.get("peak_gb"),
-            "loss": m.get("first_loss"), "data_share": m.get("data_share"), "hours": hours,
-            "cost": hours * price * world if price else None}
 
 
 def _empty() -> dict[str, Any]:

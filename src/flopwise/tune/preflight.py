@@ -8,24 +8,29 @@
    out-of-memory is caught and noted; sizes the memory model says cannot fit under the
    headroom are not run (on a CPU, ``--memory-gb`` simulates a device). Activation
    checkpointing is tried where it makes a larger micro-batch fit. Each trial times at least
-   ``MIN_WINDOWS`` windows (one optimizer step each) and keeps their median and spread; a line
-   is printed as each trial finishes. The trials within the noise of the fastest are then
-   re-measured in turn (:func:`remeasure`: A B A B ..., up to ``REMEASURE_ROUNDS`` rounds and
-   the ``--budget-minutes`` budget) until the fastest leads by more than the noise, and
+   ``request.MIN_WINDOWS`` windows (one optimizer step each) and keeps their median and
+   spread; a line is printed as each trial finishes. The trials within the noise of the
+   fastest are then re-measured in turn (:func:`remeasure`: A B A B ..., up to
+   ``request.REMEASURE_ROUNDS`` rounds and the ``--budget-minutes`` budget) until the fastest
+   leads by more than the noise, and
    :func:`choose` picks: the fastest, or of those still within its noise, one without
    activation checkpointing first, then on a GPU the larger micro-batch, on a CPU the faster median.
+   With ``--ladder`` the optimization ladder (``tune/ladder.py``) takes this step's place. Both
+   time a configuration one way, ``trial.TrialRunner``.
 4. **Data starvation**: the share of step time spent waiting for data, with a warning.
 5. **Prediction**: the full run's wall time, cost and final-checkpoint time from the
    measured throughput, next to the planner's from the nominal MFU.
 
 Writes ``preflight.json`` and ``preflight.yaml`` (the configuration with the chosen
-settings: ``flopwise train --config preflight.yaml`` runs it as is).
+settings: ``flopwise train --config preflight.yaml`` runs it as is). What was asked travels
+as one ``request.TuneRequest``, what it resolved to on this machine as one ``request.Bench``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import json
 import math
@@ -42,7 +47,7 @@ from flopwise.checkpoints import latest_checkpoint, load_checkpoint
 from flopwise.config import ActivationCheckpointing, ConfigError, RunConfig, batch_split_problems
 from flopwise.fsio import atomic_write
 from flopwise.measure.ceiling import measure_ceiling, step_gemms
-from flopwise.measure.meter import MIN_NOISE, median
+from flopwise.measure.meter import median
 from flopwise.measure.sinks import human
 from flopwise.model import build_model
 from flopwise.parallel.distributed import resolve_device
@@ -56,34 +61,29 @@ from flopwise.train.trainer import train
 from flopwise.tune.choice import Trial, choose, label, median_spread, rate, short, tied
 from flopwise.tune.explain import explain_run
 from flopwise.tune.ladder import climb, planned_gb, with_settings
-from flopwise.tune.trial import failure_status, measure, measure_in_processes, ready_processes
+from flopwise.tune.request import Bench, Log, TuneRequest
+from flopwise.tune.trial import TrialRunner, failure_status, ready_processes
 
-Log = Callable[[str], None]
 STARVATION_WARN = 0.05  # waiting for data above 5% of step time deserves a look
-MIN_WINDOWS = 3  # timed windows per trial: fewer give no spread
-# Rounds of re-measuring the trials still within the noise of the fastest (each round times
-# every one of them once more, as many windows as its trial did, in the same order: A B A B).
-# Three rounds quadruple those trials' windows, which narrows the median's interval (see
-# median_spread) by about a third (under normal noise, from about 0.85 to 0.54 standard
-# deviations, at a higher coverage); a tie left after that is within what this machine can tell
-# apart in a preflight, at most four times those trials' first cost, and the search's time stays
-# bounded by --budget-minutes as well.
-REMEASURE_ROUNDS = 3
-def remeasure(trials: list[Trial], measure_one: Callable[[Trial], dict[str, Any]],
-              rounds: int = REMEASURE_ROUNDS, budget_s: float = math.inf,
-              clock: Callable[[], float] = time.perf_counter, log: Log = print, min_noise: float = MIN_NOISE,
-              fpt: float = 0.0, peak: float | None = None, memory_gb: float = 0.0, headroom: float = 1.0) -> int:
+MeasureTrial = Callable[[Trial], dict[str, Any]]  # one trial's configuration timed: trial.measure's dict
+
+
+def remeasure(trials: list[Trial], measure_one: MeasureTrial, request: TuneRequest | None = None,
+              budget_s: float = math.inf, bench: Bench | None = None) -> int:
     """Measure the trials :func:`tied` with the fastest again, into their own samples, until
     the fastest leads by more than the noise; the rounds run. A round measures each of them
-    once more with ``measure_one`` (the trial's own measurement: ``trial.measure``'s step, its
+    once more with ``measure_one`` (the trial's own measurement, as the search took it: its
     warm-up and windows), in the same order every round -- A B A B -- so drift, heat and the
-    load of other processes fall on all of them alike. It stops after ``rounds`` rounds, or
-    before a round that would take longer (as long as their last measurements took) than
-    what is left of ``budget_s`` by ``clock``. A trial that fails on a re-measure (an
-    out-of-memory) is a failed trial: a size that fits only sometimes is not one to run."""
+    load of other processes fall on all of them alike. It stops after ``request.remeasure_rounds``
+    rounds, or before a round that would take longer (as long as their last measurements took)
+    than what is left of ``budget_s`` by ``request.clock``; ``bench`` judges the measurements
+    (MFU, fit; without one, a CPU without a memory limit or a peak). A trial that fails on a
+    re-measure (an out-of-memory) is a failed trial: a size that fits only sometimes is not one to run."""
+    request, bench = request or TuneRequest(), bench or Bench()
+    rounds, clock, log = request.remeasure_rounds, request.clock, request.log
     t0, done = clock(), 0
     while done < rounds:
-        group = tied(trials, min_noise)
+        group = tied(trials)
         if len(group) < 2:
             break
         need = sum(t.seconds / (1 + t.rounds) for t in group)
@@ -97,7 +97,7 @@ def remeasure(trials: list[Trial], measure_one: Callable[[Trial], dict[str, Any]
                 f"(up to {rounds} round(s), until the fastest leads by more than the noise)")
         for t in group:
             s0 = clock()
-            _run_trial(t, functools.partial(measure_one, t), fpt, peak, memory_gb, headroom)
+            _run_trial(t, functools.partial(measure_one, t), bench)
             t.seconds += clock() - s0
             t.rounds += 1
         done += 1
@@ -118,134 +118,119 @@ def candidates(cfg: RunConfig) -> list[int]:
     return out
 
 
-def preflight(cfg: RunConfig, tokens: int = 0, hours: float = 0.0, memory_gb: float = 0.0,
-              headroom: float = 0.9, warmup: int = 2, steps: int = 3, price_per_gpu_hour: float = 0.0,
-              out_dir: str | Path = "", measure_fn=measure, log: Log = print, ladder: bool = False,
-              budget_minutes: float = 15.0, ladder_fp8: bool = False,
-              clock: Callable[[], float] = time.perf_counter, world: int = 1, isolation: str = "auto",
-              spawn_fn=measure_in_processes, remeasure_rounds: int = REMEASURE_ROUNDS) -> dict[str, Any]:
-    """Preflight ``cfg`` on this machine (the module docstring lists the steps). With ``ladder``
-    the micro-batch search is replaced by the optimization ladder (``tune/ladder.py``), which
-    with ``world > 1`` also scales out to that many ranks here; ``isolation`` is how the
-    one-rank trials (of the search or of the ladder) are kept apart: ``reset`` (compiler and
-    allocator, in this process), ``process`` (a fresh process each: ``tune/trial.py``) or
-    ``auto`` (process on CUDA, where an out-of-memory or a crashed kernel must not take the
-    next trial's memory or the preflight with it; reset on a CPU, where a process costs more
-    than a tiny trial). The search re-measures the trials tied with the fastest
-    (:func:`remeasure`) for up to ``remeasure_rounds`` rounds, within ``budget_minutes`` of its start.
-    ``measure_fn`` (in this process) and ``spawn_fn`` (in fresh ones) are injectable for tests."""
+def preflight(cfg: RunConfig, request: TuneRequest) -> dict[str, Any]:
+    """Preflight ``cfg`` on this machine as ``request`` asks (the module docstring lists the
+    steps). With ``request.ladder`` the micro-batch search is replaced by the optimization
+    ladder (``tune/ladder.py``), which with ``request.world > 1`` also scales out to that many
+    ranks here; ``request.isolation`` is how the one-rank trials (of the search or of the
+    ladder) are kept apart: ``reset`` (compiler and allocator, in this process), ``process`` (a
+    fresh process each: ``tune/trial.py``) or ``auto`` (process on CUDA, where an out-of-memory
+    or a crashed kernel must not take the next trial's memory or the preflight with it; reset
+    on a CPU, where a process costs more than a tiny trial). The search re-measures the trials
+    tied with the fastest (:func:`remeasure`) for up to ``request.remeasure_rounds`` rounds,
+    within ``request.budget_minutes`` of its start. ``request.measure_fn`` (in this process) and
+    ``request.spawn_fn`` (in fresh ones) are injectable for tests."""
     device = resolve_device(cfg.train.device)
-    problems = _launch_problems(cfg, device, world, ladder, isolation, budget_minutes)
+    problems = _launch_problems(cfg, device, request)
     if problems:  # before any work
         raise ConfigError(problems)
-    out = Path(out_dir or f"runs/{cfg.preset or 'run'}-preflight")
+    out = request.out(cfg.preset)
     out.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {"preset": cfg.preset, "device": str(device)}
-    if device.type == "cuda":
-        report["device"] = torch.cuda.get_device_name(device)
-        memory_gb = memory_gb or torch.cuda.get_device_properties(device).total_memory / 2**30
-    precision = resolve(cfg.train.precision, device).name
-    cfg, speed_notes = resolve_speed(cfg, device, precision, 1)  # the trials time what the run will do
-    for name, note in speed_notes.items():
-        log(f"preflight: {name} {note}")
-    report["speed"] = speed_notes
-    peak, peak_note = device_peak(device, precision, cfg.train.peak_tflops)
-    fpt = flops_per_token(cfg.model, cfg.train.seq_len)
-
+    cfg, bench = _resolve(cfg, device, request, report)
+    log = request.log
     report["end_to_end"] = end_to_end(cfg, device, log)  # 1. four real steps and a checkpoint round trip
     if cfg.train.compile != "off":  # 2. graphs and breaks; recompiles seen after warm-up in the steps above
         report["compile"] = explain_run(_copy(cfg), log=log)
         for warning in report["end_to_end"]["recompiles"]:
             log(f"preflight: {warning}")
-    windows = max(steps, MIN_WINDOWS)
-    fresh = isolation == "process" or (isolation == "auto" and device.type == "cuda")
-    report["isolation"] = "process" if fresh else "reset"
-    if fresh and device.type == "cuda":
-        torch.cuda.empty_cache()  # the trials' processes share the GPU with this one: hold nothing cached
-    # On a GPU the next trial's process imports while one runs (on a CPU that would take the cores being timed)
-    ready = ready_processes() if fresh and device.type == "cuda" else contextlib.nullcontext()
-    if ladder:  # 3. every rung, one change at a time (tune/ladder.py), the micro-batch among them
-        with ready:
-            cfg, best = climb_ladder(cfg, report, device, world, fresh, tokens, warmup, windows, fpt, peak,
-                                     memory_gb, headroom, price_per_gpu_hour, budget_minutes, ladder_fp8, measure_fn,
-                                     spawn_fn, clock, log)
-        trials, reason = [best], "the ladder's last kept rung"
-    else:  # 3. the micro-batch search, each trial on a probe of the batch where memory bounds the micro-batch
-        settings = memory_settings_for_run(cfg, precision, cfg.train.loss)  # checkpointing: tried both below
-        probe = probe_sequences(cfg, candidates(cfg), device, memory_gb, headroom)
-        report["probe_sequences"] = probe or None
-        kw = {"probe_sequences": probe} if probe else {}
-
-        def measure_one(b: int, ckpt: str, w: int) -> dict[str, Any]:
-            if fresh:  # a fresh process per trial, as the ladder's
-                return spawn_fn(_copy(cfg), b, ckpt, warmup, w, device, world=1, timeout_s=None, probe_sequences=probe)
-            return measure_fn(_copy(cfg), b, ckpt, warmup, w, device, **kw)
-
-        with ready:
-            t0 = clock()
-            trials = search(cfg, settings, measure_one, warmup, windows, fpt, peak, memory_gb, headroom, log, clock)
-            remeasure(trials, lambda t: measure_one(t.micro_batch, t.checkpointing, windows), remeasure_rounds,
-                      budget_minutes * 60 - (clock() - t0), clock, log, fpt=fpt, peak=peak, memory_gb=memory_gb,
-                      headroom=headroom)
-        best, reason = choose(trials, device.type)
+    report["isolation"] = "process" if bench.fresh else "reset"
+    cfg, trials, best, reason = _search_or_climb(cfg, report, bench, request)  # 3. the search, or the ladder
     report["trials"] = [x.__dict__ for x in trials]
     report["chosen"] = {"micro_batch_size": best.micro_batch, "activation_checkpointing": best.checkpointing}
     report["choice_reason"] = reason
     for line in trials_table(trials, best):
         log(line)
     log(f"preflight: chose {label(best)}: {reason}")
-    report["ceiling"] = ceiling(cfg, best, device, fpt, peak, log)
-    native = cpu_native_bf16() if device.type == "cpu" else None
-    if native and resolve(cfg.train.precision, device).name == "float32":
-        report["native_bf16"] = native
-        log(f"preflight: note: this CPU multiplies bf16 natively ({native}), which the float32 ceiling above does "
-            "not use: --ladder measures train.precision=bf16 (kept only if its first loss agrees)")
-    # 4. data starvation
-    report["data_share"] = best.data_share
-    if best.data_share is not None and best.data_share > STARVATION_WARN:
-        remedies = (["data.loader=epoch (no random sampling)"] if cfg.data.loader == "random" else []) + [
-            "a faster disk", "data.prefetch=1 (the next batch assembled ahead)"]
-        log(f"preflight: WARNING: {100 * best.data_share:.1f}% of step time waits for data: try "
-            f"{', '.join(remedies[:-1])} or {remedies[-1]}")
-    # 5. the prediction, and the tuned configuration that `flopwise train --config` runs as is
-    tuned = _copy(cfg)
-    tuned.train.micro_batch_size = best.micro_batch
-    tuned.train.activation_checkpointing = cast(ActivationCheckpointing, best.checkpointing)  # a trial's own
-    predict(report, cfg, tuned, best, tokens, hours, price_per_gpu_hour, fpt, peak, peak_note, log)
-    _write(out, report, cfg, tuned, log)
+    _conclude(cfg, report, best, bench, request)  # the ceiling, 4. data starvation, 5. the prediction
     return report
 
 
-def climb_ladder(cfg: RunConfig, report: dict[str, Any], device: torch.device, world: int, fresh: bool,
-                 tokens: int, warmup: int, windows: int, fpt: float, peak: float | None, memory_gb: float,
-                 headroom: float, price_per_gpu_hour: float, budget_minutes: float, ladder_fp8: bool, measure_fn,
-                 spawn_fn, clock: Callable[[], float], log: Log) -> tuple[RunConfig, Trial]:
-    """Preflight's step 3 with ``--ladder``: the climb (``report["ladder"]``), its trials here or in
-    ``fresh`` processes, on a probe of the batch; the climbed configuration and its final rung as a trial."""
-    run_tokens = tokens or cfg.total_steps() * cfg.tokens_per_step
+def _resolve(cfg: RunConfig, device: torch.device, request: TuneRequest,
+             report: dict[str, Any]) -> tuple[RunConfig, Bench]:
+    """The configuration the trials time (its ``auto`` speed settings resolved: the trials time
+    what the run will do; each noted in ``report`` and logged) and the bench they run on."""
+    memory_gb = request.memory_gb
+    if device.type == "cuda":
+        report["device"] = torch.cuda.get_device_name(device)
+        memory_gb = memory_gb or torch.cuda.get_device_properties(device).total_memory / 2**30
+    precision = resolve(cfg.train.precision, device).name
+    cfg, speed_notes = resolve_speed(cfg, device, precision, 1)
+    for name, note in speed_notes.items():
+        request.log(f"preflight: {name} {note}")
+    report["speed"] = speed_notes
+    peak, peak_note = device_peak(device, precision, cfg.train.peak_tflops)
+    fresh = request.isolation == "process" or (request.isolation == "auto" and device.type == "cuda")
+    return cfg, Bench(device, memory_gb, request.headroom, fresh, flops_per_token(cfg.model, cfg.train.seq_len),
+                      peak, peak_note)
+
+
+def _search_or_climb(cfg: RunConfig, report: dict[str, Any], bench: Bench,
+                request: TuneRequest) -> tuple[RunConfig, list[Trial], Trial, str]:
+    """Preflight's step 3 -- every rung of the ladder, one change at a time, the micro-batch among
+    them, or the micro-batch search -- with one :class:`~flopwise.tune.trial.TrialRunner` for
+    both: the configuration that follows, the trials, the one chosen and why."""
+    device = bench.device
+    if bench.fresh and device.type == "cuda":
+        torch.cuda.empty_cache()  # the trials' processes share the GPU with this one: hold nothing cached
+    runner = TrialRunner(device, request.warmup, request.windows, bench.fresh, measure_fn=request.measure_fn,
+                         spawn_fn=request.spawn_fn)
+    # On a GPU the next trial's process imports while one runs (on a CPU that would take the cores being timed)
+    ready = ready_processes() if bench.fresh and device.type == "cuda" else contextlib.nullcontext()
+    with ready:
+        if request.ladder:
+            cfg, best = climb_ladder(cfg, report, runner, bench, request)
+            return cfg, [best], best, "the ladder's last kept rung"
+        trials = micro_batch_search(cfg, report, runner, bench, request)
+    best, reason = choose(trials, device.type)
+    return cfg, trials, best, reason
+
+
+def micro_batch_search(cfg: RunConfig, report: dict[str, Any], runner: TrialRunner, bench: Bench,
+                       request: TuneRequest) -> list[Trial]:
+    """Preflight's step 3 without ``--ladder``: every candidate (:func:`search`), each trial on a
+    probe of the batch where memory bounds the micro-batch (``report["probe_sequences"]``), then
+    the trials tied with the fastest re-measured (:func:`remeasure`) in what is left of
+    ``request.budget_minutes``."""
+    probe = probe_sequences(cfg, candidates(cfg), bench)
+    report["probe_sequences"] = probe or None
+    runner = dataclasses.replace(runner, probe_sequences=probe)
+
+    def measure_one(t: Trial) -> dict[str, Any]:
+        return runner(with_settings(cfg, {"train.micro_batch_size": t.micro_batch,
+                                          "train.activation_checkpointing": t.checkpointing}))
+
+    t0 = request.clock()
+    trials = search(cfg, measure_one, bench, request)
+    remeasure(trials, measure_one, request, request.budget_minutes * 60 - (request.clock() - t0), bench)
+    return trials
+
+
+def climb_ladder(cfg: RunConfig, report: dict[str, Any], runner: TrialRunner, bench: Bench,
+                 request: TuneRequest) -> tuple[RunConfig, Trial]:
+    """Preflight's step 3 with ``--ladder``: the climb (``report["ladder"]``), its trials by
+    ``runner`` on a probe of the batch (``report["ladder_probe_sequences"]``); the climbed
+    configuration and its final rung as a trial."""
     sizes = [b for b in candidates(cfg) if not batch_split_problems(with_settings(
-        cfg, {"train.micro_batch_size": b}).train, world)]  # micro-batches the N-rank launch can split into
-    probe = probe_sequences(cfg, sizes, device, memory_gb, headroom)
+        cfg, {"train.micro_batch_size": b}).train, request.world)]  # micro-batches the N-rank launch can split into
+    probe = probe_sequences(cfg, sizes, bench)
     report["ladder_probe_sequences"] = probe or None
-
-    def measure_one(c: RunConfig, world: int = 1, timeout_s: float | None = None) -> dict[str, Any]:
-        """One option: in fresh processes (stopped at ``timeout_s``) or here (not stoppable:
-        the climb checks its budget between options); each step accumulates ``probe`` sequences
-        per rank (all of the global batch when 0) and the run's step is extrapolated."""
-        args = (_copy(c), c.train.micro_batch_size, c.train.activation_checkpointing, warmup, windows, device)
-        if fresh or world > 1:
-            return spawn_fn(*args, world=world, timeout_s=timeout_s, probe_sequences=probe * world)
-        return measure_fn(*args, **({"probe_sequences": probe} if probe else {}))
-
-    report["ladder"] = climb(cfg, measure_one, device, sizes, run_tokens, fpt, peak, memory_gb, headroom,
-                             price_per_gpu_hour, budget_minutes * 60, ladder_fp8, clock, log, world,
-                             warm_up_process=not fresh)  # a fresh process per trial: nothing to warm here
+    report["ladder"] = climb(cfg, dataclasses.replace(runner, probe_sequences=probe), sizes, bench, request)
     cfg = with_settings(cfg, report["ladder"]["chosen"])
-    return cfg, _ladder_trial(cfg, report["ladder"]["final"], windows, device)
+    return cfg, _ladder_trial(cfg, report["ladder"]["final"], request.windows, bench.device)
 
 
-def probe_sequences(cfg: RunConfig, sizes: list[int], device: torch.device, memory_gb: float,
-                    headroom: float) -> int:
+def probe_sequences(cfg: RunConfig, sizes: list[int], bench: Bench) -> int:
     """Sequences per rank a trial's step accumulates (0: the whole global batch): a few of the
     largest micro-batch the memory model says fits as configured -- the prefetched head
     (``data.prefetch``, up to the 2 the ladder tries), a steady one and the last, each timed
@@ -256,22 +241,20 @@ def probe_sequences(cfg: RunConfig, sizes: list[int], device: torch.device, memo
     from a batch half its size on the tiny preset at 128 tokens a sequence; the ladder's
     tolerance is 1e-3). Without a memory size (a CPU) every size may fit and the probe is the
     whole batch."""
-    if not memory_gb:
+    if not bench.memory_gb:
         return 0
-    fit = [b for b in sizes if planned_gb(with_settings(cfg, {"train.micro_batch_size": b}), device)
-           <= headroom * memory_gb]
+    fit = [b for b in sizes if bench.fits(planned_gb(with_settings(cfg, {"train.micro_batch_size": b}), bench.device))]
     probe = (2 + max(2, cfg.data.prefetch)) * max(fit or sizes[:1] or [cfg.train.micro_batch_size])
     return probe if probe < cfg.train.global_batch_size else 0
 
 
-def _launch_problems(cfg: RunConfig, device: torch.device, world: int, ladder: bool, isolation: str,
-                     budget_minutes: float = 15.0) -> list[str]:
+def _launch_problems(cfg: RunConfig, device: torch.device, request: TuneRequest) -> list[str]:
     """What is wrong with preflight's own launch options, before any work."""
-    out = []
-    if ladder and not budget_minutes > 0:
-        out.append(f"--budget-minutes {budget_minutes:g}: the ladder needs a time budget above 0")
-    if isolation not in ("auto", "reset", "process"):
-        out.append(f"--isolation {isolation!r}: choose auto, reset or process")
+    out, world, ladder = [], request.world, request.ladder
+    if ladder and not request.budget_minutes > 0:
+        out.append(f"--budget-minutes {request.budget_minutes:g}: the ladder needs a time budget above 0")
+    if request.isolation not in ("auto", "reset", "process"):
+        out.append(f"--isolation {request.isolation!r}: choose auto, reset or process")
     if world < 1:
         out.append(f"--nproc-per-node {world}: must be at least 1")
     elif world > 1:
@@ -319,28 +302,28 @@ def end_to_end(cfg: RunConfig, device: torch.device, log: Log) -> dict[str, Any]
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def search(cfg: RunConfig, settings: MemorySettings, measure_one: Callable[[int, str, int], dict[str, Any]],
-           warmup: int, windows: int, fpt: float, peak: float | None, memory_gb: float, headroom: float,
-           log: Log, clock: Callable[[], float] = time.perf_counter) -> list[Trial]:
+def search(cfg: RunConfig, measure_one: MeasureTrial, bench: Bench, request: TuneRequest) -> list[Trial]:
     """Every candidate micro-batch without activation checkpointing, then with it where a
-    larger one does not fit without; a size the planner says cannot fit is not run."""
-    sizes = candidates(cfg)
+    larger one does not fit without; a size the planner says cannot fit on ``bench`` is not
+    run. ``measure_one`` times a trial's configuration (:func:`remeasure` takes the same)."""
+    sizes, log = candidates(cfg), request.log
     log(f"preflight: micro-batch search: {len(sizes)} sizes without activation checkpointing, then with it "
-        f"where a larger one does not fit; each {warmup} warm-up + {windows} timed steps")
+        f"where a larger one does not fit; each {request.warmup} warm-up + {request.windows} timed steps")
     trials: list[Trial] = []
     for ckpt in ("none", "full"):
         todo = [b for b in sizes if not (ckpt == "full" and any(
             x.status == "ok" and x.checkpointing == "none" and x.micro_batch >= b for x in trials))]
         for i, b in enumerate(todo, 1):
-            s = MemorySettings(**{**settings.__dict__, "activation_checkpointing": ckpt})
-            pred = estimate(cfg.model, b, cfg.train.seq_len, s).gb()["total"]
+            pred = planned_gb(with_settings(cfg, {"train.micro_batch_size": b, "train.activation_checkpointing": ckpt}),
+                              bench.device)
             trial = Trial(b, ckpt, "ok", predicted_gb=pred)
-            if memory_gb and pred > headroom * memory_gb:
-                trial.status, trial.note = "no-fit", f"planner: {pred:.2f} GiB > {headroom:.0%} of {memory_gb:g} GiB"
+            if not bench.fits(pred):
+                trial.status = "no-fit"
+                trial.note = f"planner: {pred:.2f} GiB > {bench.headroom:.0%} of {bench.memory_gb:g} GiB"
             else:
-                t0 = clock()
-                _run_trial(trial, functools.partial(measure_one, b, ckpt, windows), fpt, peak, memory_gb, headroom)
-                trial.seconds = clock() - t0
+                t0 = request.clock()
+                _run_trial(trial, functools.partial(measure_one, trial), bench)
+                trial.seconds = request.clock() - t0
             trials.append(trial)
             log(f"preflight: trial {i}/{len(todo)} {'without' if ckpt == 'none' else 'with'} checkpointing: "
                 + _trial_line(trial))
@@ -349,10 +332,33 @@ def search(cfg: RunConfig, settings: MemorySettings, measure_one: Callable[[int,
     return trials
 
 
-def ceiling(cfg: RunConfig, best: Trial, device: torch.device, fpt: float, peak: float | None,
-            log: Log) -> dict[str, Any]:
+def _conclude(cfg: RunConfig, report: dict[str, Any], best: Trial, bench: Bench, request: TuneRequest) -> None:
+    """After the choice: the measured ceiling, 4. data starvation, 5. the prediction; then the
+    tuned configuration that ``flopwise train --config`` runs as is, and the report, written."""
+    log = request.log
+    report["ceiling"] = ceiling(cfg, best, bench, log)
+    native = cpu_native_bf16() if bench.device.type == "cpu" else None
+    if native and resolve(cfg.train.precision, bench.device).name == "float32":
+        report["native_bf16"] = native
+        log(f"preflight: note: this CPU multiplies bf16 natively ({native}), which the float32 ceiling above does "
+            "not use: --ladder measures train.precision=bf16 (kept only if its first loss agrees)")
+    report["data_share"] = best.data_share
+    if best.data_share is not None and best.data_share > STARVATION_WARN:
+        remedies = (["data.loader=epoch (no random sampling)"] if cfg.data.loader == "random" else []) + [
+            "a faster disk", "data.prefetch=1 (the next batch assembled ahead)"]
+        log(f"preflight: WARNING: {100 * best.data_share:.1f}% of step time waits for data: try "
+            f"{', '.join(remedies[:-1])} or {remedies[-1]}")
+    tuned = _copy(cfg)
+    tuned.train.micro_batch_size = best.micro_batch
+    tuned.train.activation_checkpointing = cast(ActivationCheckpointing, best.checkpointing)  # a trial's own
+    predict(report, cfg, tuned, best, bench, request)
+    _write(request.out(cfg.preset), report, cfg, tuned, log)
+
+
+def ceiling(cfg: RunConfig, best: Trial, bench: Bench, log: Log) -> dict[str, Any]:
     """The measured GEMM ceiling at the chosen micro-batch (``measure/ceiling.py``), and the
     chosen trial's model FLOP/s as a share of it: what is left to win outside the matmuls."""
+    device, fpt, peak = bench.device, bench.fpt, bench.peak
     prec = resolve(cfg.train.precision, device)
     c = measure_ceiling(step_gemms(cfg.model, best.micro_batch * cfg.train.seq_len), device,
                         prec.autocast_dtype or prec.param_dtype)
@@ -390,10 +396,12 @@ def trials_table(trials: list[Trial], best: Trial) -> list[str]:
     return out
 
 
-def predict(report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, best: Trial, tokens: int, hours: float,
-            price_per_gpu_hour: float, fpt: float, peak: float | None, peak_note: str, log: Log) -> None:
-    """The full run at the chosen trial's rate: tokens, time, cost, against the planner's 40% MFU."""
-    hours = hours or (cfg.train.max_hours if not tokens else 0.0)  # a run bounded by train.max_hours
+def predict(report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, best: Trial, bench: Bench,
+            request: TuneRequest) -> None:
+    """The full run -- ``request``'s tokens or hours, else the configuration's -- at the chosen
+    trial's rate: tokens, time, cost, against the planner's 40% MFU of ``bench``'s peak."""
+    tokens, price_per_gpu_hour, fpt, peak = request.tokens, request.price_per_gpu_hour, bench.fpt, bench.peak
+    hours = request.hours or (cfg.train.max_hours if not tokens else 0.0)  # a run bounded by train.max_hours
     tok_per_s = rate(best)
     run_tokens = tuned.total_steps() * tuned.tokens_per_step
     budget_tokens = tokens or (int(hours * 3600 * tok_per_s) if hours else run_tokens)
@@ -412,13 +420,13 @@ def predict(report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, best: Tria
         "cost": wall_s / 3600 * price_per_gpu_hour if price_per_gpu_hour else None,
         "final_checkpoint_s": report["end_to_end"]["save_s"],
         "planner": {"mfu": 0.40, "hours": budget_tokens * fpt / (0.40 * peak) / 3600 if peak else None,
-                    "note": peak_note},
+                    "note": bench.peak_note},
     }
     if tokens:
         tuned.train.max_tokens, tuned.train.max_steps = tokens, 0
     planned = f"planner at 40% MFU: {p['planner']['hours']:.2f} h" if p["planner"]["hours"] else "planner: no peak"
     cost = f" · ${p['cost']:,.0f}" if p["cost"] else ""
-    log(f"preflight: {human(budget_tokens)} tokens at {human(tok_per_s)} tok/s = {p['hours']:.2f} h{cost}"
+    request.log(f"preflight: {human(budget_tokens)} tokens at {human(tok_per_s)} tok/s = {p['hours']:.2f} h{cost}"
         f" · {planned} · final checkpoint ~{p['final_checkpoint_s']:.2f}s")
 
 
@@ -436,11 +444,10 @@ def _write(out: Path, report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, 
         f"({launch} --config {out / 'preflight.yaml'})")
 
 
-def _run_trial(trial: Trial, run: Callable[[], dict[str, Any]], fpt: float, peak: float | None,
-               memory_gb: float, headroom: float) -> None:
+def _run_trial(trial: Trial, run: Callable[[], dict[str, Any]], bench: Bench) -> None:
     """Time one trial into ``trial``, or time it again (:func:`remeasure`): the windows are added
     to its samples, its median and spread are those of all of them, its peak memory the
-    highest seen; an out-of-memory (or any error) is a result, named."""
+    highest seen, judged against ``bench`` (MFU, fit); an out-of-memory (or any error) is a result, named."""
     again = bool(trial.rates)
     try:
         m = run()
@@ -460,9 +467,9 @@ def _run_trial(trial: Trial, run: Callable[[], dict[str, Any]], fpt: float, peak
     trial.rates = trial.rates + list(rates)
     trial.tok_per_s = median(trial.rates) if again else m["tok_per_s"]
     trial.spread, trial.windows, trial.data_share = median_spread(trial.rates), len(trial.rates), share
-    trial.mfu = trial.tok_per_s * fpt / peak if peak else None
-    if trial.peak_gb is not None and memory_gb and trial.peak_gb > headroom * memory_gb:
-        trial.status, trial.note = "no-fit", f"measured {trial.peak_gb:.2f} GiB > {headroom:.0%} headroom"
+    trial.mfu = bench.mfu(trial.tok_per_s)
+    if trial.peak_gb is not None and not bench.fits(trial.peak_gb):
+        trial.status, trial.note = "no-fit", f"measured {trial.peak_gb:.2f} GiB > {bench.headroom:.0%} headroom"
 
 
 def _trial_line(t: Trial) -> str:

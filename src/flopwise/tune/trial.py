@@ -21,17 +21,23 @@ a one-rank trial's process costs on this project's CPU). Inside :func:`ready_pro
 which preflight opens around its trials, the next one-rank trial's process is started while
 the current one runs and waits, imported, for its trial: still a process that has run
 nothing, so the isolation is the same, and its start is off the clock.
+
+:class:`TrialRunner` is how preflight times a configuration, the micro-batch search and the
+ladder alike: a :class:`TrialSpec` (micro-batch, checkpointing, steps, probe) from the
+configuration, measured here or in fresh processes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import socket
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, cast
 
@@ -64,9 +70,37 @@ def failure_status(e: BaseException) -> str:
     return "oom" if is_out_of_memory(e) else "error"
 
 
-def measure_in_processes(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, steps: int,
-                         device: torch.device, world: int = 1, timeout_s: float | None = None,
-                         probe_sequences: int = 0) -> dict[str, Any]:
+@dataclass(frozen=True)
+class TrialSpec:
+    """What one trial times: the configuration at ``micro_batch`` with ``checkpointing`` (its
+    other settings as they are), ``warmup`` untimed optimizer steps, then ``steps`` timed ones,
+    each accumulating ``probe_sequences`` sequences over all ranks (0: the whole global batch;
+    :func:`measure` says how the run's step is extrapolated from a probe)."""
+
+    micro_batch: int
+    checkpointing: str
+    warmup: int
+    steps: int
+    probe_sequences: int = 0
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A trial's orders to each of its processes (our own children, sent by pipe or by spawn):
+    the ranks and their rendezvous port, what to time and where, the result file rank 0 writes,
+    and the parent they end with."""
+
+    world: int
+    port: int
+    cfg: RunConfig
+    spec: TrialSpec
+    device: str
+    out: str
+    parent_pid: int
+
+
+def measure_in_processes(cfg: RunConfig, spec: TrialSpec, device: torch.device, world: int = 1,
+                         timeout_s: float | None = None) -> dict[str, Any]:
     """:func:`measure`'s result, measured in ``world`` fresh processes on this machine.
 
     ``timeout_s``: the trial's processes are killed when it has not finished by then (a
@@ -78,11 +112,10 @@ def measure_in_processes(cfg: RunConfig, micro_batch: int, checkpointing: str, w
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     with tempfile.TemporaryDirectory(prefix="flopwise-trial-") as tmp:
         out = Path(tmp) / "result.json"
-        args = (world, free_port(), cfg, micro_batch, checkpointing, warmup, steps, str(device), str(out),
-                os.getpid(), probe_sequences)
+        job = _Job(world, free_port(), cfg, spec, str(device), str(out), os.getpid())
         if world == 1:
-            return _in_one_process(args, out, deadline, timeout_s)
-        ctx = mp.start_processes(_rank, args=args, nprocs=world, join=False, start_method="spawn")
+            return _in_one_process(job, deadline, timeout_s)
+        ctx = mp.start_processes(_rank, args=(job,), nprocs=world, join=False, start_method="spawn")
         try:
             while not ctx.join(timeout=0.5):
                 if deadline is not None and time.monotonic() > deadline:
@@ -137,24 +170,25 @@ def ready_processes() -> Iterator[None]:
             _ready.pop().close()
 
 
-def _in_one_process(args: tuple, out: Path, deadline: float | None, timeout_s: float | None) -> dict[str, Any]:
+def _in_one_process(job: _Job, deadline: float | None, timeout_s: float | None) -> dict[str, Any]:
     """One trial in a process of its own (the one made ready for it, if any), its result or a TrialError."""
     worker = _ready.pop() if _ready else _Process()
     if _keep_ready:
         _ready.append(_Process())  # imports while this trial runs
     try:
         try:
-            worker.conn.send(args)  # to our own child, over a pipe: nothing read from a file
+            worker.conn.send(job)  # to our own child, over a pipe: nothing read from a file
         except OSError:  # it died while it waited (a broken pipe)
             worker.close()
             worker = _Process()
-            worker.conn.send(args)
+            worker.conn.send(job)
         while worker.proc.is_alive():
             worker.proc.join(timeout=0.5)
             if deadline is not None and time.monotonic() > deadline and worker.proc.is_alive():
                 raise TrialError(f"stopped after {timeout_s:.0f} s: the time budget ran out during this trial")
     finally:
         worker.close(waiting=False)
+    out = Path(job.out)
     error = out.with_name("error.txt")
     if out.exists():
         return json.loads(out.read_text())
@@ -168,15 +202,15 @@ def _standby(conn: Any, parent_pid: int) -> None:
     all), run it; an exception's last line goes to ``error.txt`` beside the result file."""
     die_with_parent(parent_pid)
     try:
-        args = conn.recv()
+        job = conn.recv()
     except (EOFError, OSError):
         return
     finally:
         conn.close()
     try:
-        _rank(0, *args)
+        _rank(0, job)
     except BaseException:  # noqa: BLE001 - the trial's failure is its result, told to the parent
-        atomic_write(Path(args[8]).with_name("error.txt"), _last_line(traceback.format_exc()))
+        atomic_write(Path(job.out).with_name("error.txt"), _last_line(traceback.format_exc()))
         raise SystemExit(1) from None
 
 
@@ -188,43 +222,43 @@ def _kill(ctx: "mp.ProcessContext") -> None:
         proc.join()
 
 
-def _rank(local_rank: int, world: int, port: int, cfg: RunConfig, micro_batch: int, checkpointing: str,
-          warmup: int, steps: int, device_name: str, out: str, parent_pid: int, probe_sequences: int) -> None:
+def _rank(local_rank: int, job: _Job) -> None:
     """One process of a trial (``mp.start_processes`` passes ``local_rank`` first). One rank
     measures on the parent's device (``cuda:1`` stays ``cuda:1``); N ranks on ``cuda:LOCAL_RANK``.
     It ends with the preflight that started it, however that ends (``kill -9`` included)."""
-    die_with_parent(parent_pid)
-    env, device = DistEnv(), torch.device(device_name)
+    die_with_parent(job.parent_pid)
+    cfg, world = job.cfg, job.world
+    env, device = DistEnv(), torch.device(job.device)
     if device.type == "cuda" and world == 1:
         torch.cuda.set_device(device)
     elif device.type == "cpu" and world > 1 and not cfg.train.threads:  # as torchrun does: ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if world > 1:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(local_rank),
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job.port), RANK=str(local_rank),
                           LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
         strategy = cfg.parallel.strategy if cfg.parallel.strategy != "single" else "auto"
         env, device = init_distributed(strategy, device.type, cfg.parallel.backend,
                                        min(cfg.parallel.timeout_min, TRIAL_TIMEOUT_MIN))
     try:
-        result = measure(cfg, micro_batch, checkpointing, warmup, steps, device, env, probe_sequences)
+        result = measure(cfg, job.spec, device, env)
         if env.is_main:
-            atomic_write(Path(out), json.dumps(result))
+            atomic_write(Path(job.out), json.dumps(result))
         env.barrier()  # ranks leave together: a group torn down under a rank still using it aborts (SIGABRT)
     finally:
         env.close()
 
 
-def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, steps: int,
-            device: torch.device, env: DistEnv | None = None, probe_sequences: int = 0) -> dict[str, Any]:
-    """Tokens/s, peak memory and data share of ``steps`` optimizer steps after ``warmup``, with
-    the trainer's own step at this micro-batch: ``train_step`` itself (loss function, wrappers,
-    precision, the guard's values and the skip on the device, the optimizer), each step's
-    values read one step late as the loop reads them -- a trial times what the run does.
+def measure(cfg: RunConfig, spec: TrialSpec, device: torch.device, env: DistEnv | None = None) -> dict[str, Any]:
+    """Tokens/s, peak memory and data share of ``spec.steps`` optimizer steps after
+    ``spec.warmup``, with the trainer's own step at ``spec``'s micro-batch and checkpointing:
+    ``train_step`` itself (loss function, wrappers, precision, the guard's values and the skip
+    on the device, the optimizer), each step's values read one step late as the loop reads
+    them -- a trial times what the run does. ``cfg`` is the trial's own: it is set to ``spec``.
 
     Each step is timed on its own (a window): ``tok_per_s`` is the median of the windows'
     rates (of the global batch), ``tok_per_s_windows`` lists them all.
 
-    ``probe_sequences`` (fewer than ``train.global_batch_size``): each step accumulates only
+    ``spec.probe_sequences`` (fewer than ``train.global_batch_size``): each step accumulates only
     that many sequences over all ranks (rounded up to whole micro-batches), and the run's step
     is extrapolated from its timed parts -- the prefetched first micro-batches, the steady ones,
     the last one (whose backward reduces gradients under data parallelism) and the optimizer
@@ -247,14 +281,11 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
     threads = torch.get_num_threads()  # a trial's train.threads must not outlive it
     if t.threads:
         torch.set_num_threads(t.threads)
-    t.micro_batch_size = micro_batch
-    t.activation_checkpointing = cast(ActivationCheckpointing, checkpointing)  # one of the rungs' names
+    t.micro_batch_size = spec.micro_batch
+    t.activation_checkpointing = cast(ActivationCheckpointing, spec.checkpointing)  # one of the rungs' names
     world = env.world_size
     run_accum, run_tokens = cfg.grad_accum_steps(world), cfg.tokens_per_step  # the run's step
-    unit = micro_batch * world  # a step is whole micro-batches on every rank
-    probe = -(-probe_sequences // unit) * unit  # a checkpointed size beyond the probe: its own, larger batch
-    if probe and probe < t.global_batch_size:
-        t.global_batch_size = probe
+    _probe_batch(cfg, spec.probe_sequences, world)
     accum = cfg.grad_accum_steps(world)
     prec = resolve(t.precision, device)
     # DiLoCo: its inner step, what each step of the run takes (the outer sync every H steps is not timed)
@@ -280,26 +311,21 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
             first.append(now)
 
     try:
-        for i in range(warmup):
+        for i in range(spec.warmup):
             one_step(i, step)
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         timer.reset()
         windows, wall = [], 0.0
-        for i in range(warmup, warmup + steps):
+        for i in range(spec.warmup, spec.warmup + spec.steps):
             t0 = time.perf_counter()
             one_step(i, step)
             if cuda:
                 torch.cuda.synchronize(device)
             wall += time.perf_counter() - t0
-            if accum == run_accum:  # the run's own step, timed whole
-                windows.append(time.perf_counter() - t0)
-            else:
-                marks = timer.marks
-                micro = [timer.seconds(marks[k], marks[k + 1]) for k in range(accum)]
-                windows.append(extrapolated_step_s(micro, timer.seconds(marks[-2], marks[-1]), run_accum,
-                                                   head=max(1, cfg.data.prefetch)))
+            windows.append(time.perf_counter() - t0 if accum == run_accum  # the run's own step, timed whole
+                           else timer.run_step_s(accum, run_accum, head=max(1, cfg.data.prefetch)))
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None
         first_loss = first[0].read().loss if first else None
         data_s = timer.host["data"]
@@ -315,6 +341,15 @@ def measure(cfg: RunConfig, micro_batch: int, checkpointing: str, warmup: int, s
     return {"tok_per_s": median(rates), "tok_per_s_windows": rates, "peak_gb": peak, "data_share": data_s / wall,
             "first_loss": first_loss, "strategy": strategy, "world": world,
             "probe_sequences": t.global_batch_size if accum != run_accum else None}
+
+
+def _probe_batch(cfg: RunConfig, probe_sequences: int, world: int) -> None:
+    """A probe's step: ``probe_sequences`` rounded up to whole micro-batches on every rank, when
+    that is fewer than the global batch (a checkpointed size beyond the probe: its own, larger batch)."""
+    unit = cfg.train.micro_batch_size * world
+    probe = -(-probe_sequences // unit) * unit
+    if probe and probe < cfg.train.global_batch_size:
+        cfg.train.global_batch_size = probe
 
 
 class _MarkingTimer(StepTimer):
@@ -335,6 +370,12 @@ class _MarkingTimer(StepTimer):
 
     def seconds(self, a: Any, b: Any) -> float:
         return a.elapsed_time(b) / 1000 if self.cuda else b - a
+
+    def run_step_s(self, accum: int, run_accum: int, head: int) -> float:
+        """The run's step of ``run_accum`` micro-batches, extrapolated from the stamps of the step
+        just timed (``accum`` micro-batches, then the optimizer): :func:`extrapolated_step_s`."""
+        micro = [self.seconds(self.marks[k], self.marks[k + 1]) for k in range(accum)]
+        return extrapolated_step_s(micro, self.seconds(self.marks[-2], self.marks[-1]), run_accum, head=head)
 
     @contextlib.contextmanager
     def part(self, name: str) -> Iterator[None]:
@@ -373,6 +414,34 @@ def extrapolated_step_s(micro_s: list[float], optimizer_s: float, accum: int, he
     head = max(1, min(head, k - 2, accum - 1)) if k > 2 else 1
     steady = micro_s[head:-1] or micro_s[:1]
     return sum(micro_s[:head]) + (accum - head - 1) * sum(steady) / len(steady) + micro_s[-1] + optimizer_s
+
+
+@dataclass(frozen=True)
+class TrialRunner:
+    """How a preflight times a configuration: the one path of the micro-batch search's trials
+    and re-measures and of every option the ladder tries (the micro-batch rung's included).
+    Called as ``runner(cfg, world=1, timeout_s=None)``, it times ``cfg`` at its own
+    ``train.micro_batch_size`` and ``train.activation_checkpointing``, ``warmup`` + ``steps``
+    steps, on a copy: here (``measure_fn``, not stoppable: the ladder checks its budget between
+    options), or in fresh processes (``spawn_fn``: with ``fresh``, and always on ``world > 1``
+    ranks; stopped at ``timeout_s``). Each step accumulates ``probe_sequences`` sequences per
+    rank (0: all of the global batch) and the run's step is extrapolated (:func:`measure`)."""
+
+    device: torch.device
+    warmup: int
+    steps: int
+    fresh: bool = False
+    probe_sequences: int = 0
+    measure_fn: Callable[..., dict[str, Any]] = measure
+    spawn_fn: Callable[..., dict[str, Any]] = measure_in_processes
+
+    def __call__(self, cfg: RunConfig, world: int = 1, timeout_s: float | None = None) -> dict[str, Any]:
+        t = cfg.train
+        spec = TrialSpec(t.micro_batch_size, t.activation_checkpointing, self.warmup, self.steps,
+                         self.probe_sequences * world)
+        if self.fresh or world > 1:
+            return self.spawn_fn(copy.deepcopy(cfg), spec, self.device, world=world, timeout_s=timeout_s)
+        return self.measure_fn(copy.deepcopy(cfg), spec, self.device)
 
 
 def free_port() -> int:

@@ -32,7 +32,7 @@ import sys
 import traceback
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -130,8 +130,11 @@ def run_request(request: dict[str, Any]) -> dict[str, Any]:
     if not request.get("fit", True):
         return out
     cap = int(request["headroom"] * gpu.memory_bytes)
-    out["fit"] = largest_fit(cfg, env, device, strategy.name, out["trace"], cap,
-                             int(request.get("max_micro_batch", 1024)))
+
+    def peak(b: int) -> float:  # bytes: the traced peak of the step at micro-batch b
+        return trace(cfg, env, device, strategy.name, b, full=False)["memory"]["peak_gib"] * GIB
+
+    out["fit"] = largest_fit(out["trace"], cap, int(request.get("max_micro_batch", 1024)), peak)
     return out
 
 
@@ -142,10 +145,9 @@ def planned(cfg: RunConfig, precision: str, strategy: str, world: int, micro_bat
     return {k: round(v, 3) for k, v in est.gb().items()}
 
 
-def _step_only(cfg: RunConfig, parts: Any, env: DistEnv, device: torch.device, prec: Any, strategy: str,
-               micro_batch: int) -> StepOnly:
-    """The run's step (:class:`StepOnly`, as a trial builds it), with batches of random token ids
-    made on the device (a run's come from its loader)."""
+def _random_batches(cfg: RunConfig, device: torch.device, micro_batch: int) -> Any:
+    """The batches the traced step takes: random token ids made on the device (a run's come from
+    its loader), in the loader's shapes."""
     V, T, m = cfg.model.vocab_size, cfg.train.seq_len, cfg.model
 
     class Batches:
@@ -159,7 +161,7 @@ def _step_only(cfg: RunConfig, parts: Any, env: DistEnv, device: torch.device, p
         def state_dict(self) -> dict[str, Any]:
             return {}
 
-    return StepOnly.of(cfg, parts, env, device, prec, strategy, Batches())
+    return Batches()
 
 
 def _in_forward(loss_fn: Any, memory: fake.LiveMemory) -> Any:
@@ -260,7 +262,7 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
     wraps = diloco_strategy(cfg, env.world_size).step if strategy == "diloco" else strategy
     with mode, fake.LiveMemory(mode) as memory, _collected_between_steps(), _no_copy_event():
         parts = build_step(cfg, wraps, env, device, prec)
-        run = _step_only(cfg, parts, env, device, prec, wraps, micro_batch)
+        run = StepOnly.of(cfg, parts, env, device, prec, wraps, _random_batches(cfg, device, micro_batch))
         run.loss_fn = _in_forward(parts.loss_fn, memory)
         params, _ = _states(parts)
         memory.mark(params, "parameters")
@@ -405,17 +407,14 @@ def _flops(counter: FlopCounterMode | None, cfg: RunConfig, accum: int, run_accu
 FIT_TRACES = 6  # traces the search may add after the first two
 
 
-def largest_fit(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str,
-                main: dict[str, Any], cap: int, limit: int) -> dict[str, Any]:
-    """The largest micro-batch whose traced peak -- of the step as the run takes it: compiled when
-    ``train.compile`` is on -- is within ``cap`` bytes. Memory is
+def largest_fit(main: dict[str, Any], cap: int, limit: int, peak: Callable[[int], float]) -> dict[str, Any]:
+    """The largest micro-batch up to ``limit`` whose traced peak (``peak(b)``, in bytes: of the
+    step as the run takes it, compiled when ``train.compile`` is on; ``main`` is the trace at the
+    configured size) is within ``cap`` bytes. Memory is
     states plus activations nearly linear in the micro-batch: a second trace gives a line, and
     each further one is placed where the line through the two traced sizes nearest ``cap`` crosses
     it (the secant method), kept strictly between the largest size known to fit and the smallest
     known not to, at most :data:`FIT_TRACES` of them. ``confirmed``: the next size up was traced and does not fit."""
-    def peak(b: int) -> float:
-        return trace(cfg, env, device, strategy, b, full=False)["memory"]["peak_gib"] * GIB
-
     b0 = main["micro_batch"]
     tried = {b0: main["memory"]["peak_gib"] * GIB}
     b1 = 2 * b0 if b0 < 2 else b0 // 2
