@@ -85,16 +85,35 @@ def test_one_group_with_outer_lr_1_and_no_momentum_trains_what_ddp_trains(common
         assert got[step][0] == pytest.approx(want[step][0], rel=1e-5), (step, got[step], want[step])
 
 
-@pytest.mark.parametrize("inner", ["ddp", "fsdp2"])
-def test_a_sigkill_mid_run_resumes_bit_identically_with_a_fragment_in_flight(common, inner, tmp_path):
+def streaming_args(common: list[str], inner: str) -> list[str]:
     # streaming: 2 fragments over H = 4 (sent after steps 2 and 4 of each 4, landing a step later);
     # a constant rate, so the killed run (asked for many steps) and the resumed one (asked for
     # 12) take every step at the same rate as the reference
-    args = common + [f"parallel.inner_strategy={inner}", "parallel.group_size=2", "parallel.inner_steps=4",
-                     "parallel.fragments=2",
-                     "parallel.overlap_steps=1", "optim.schedule=constant", "train.checkpoint_every=3",
-                     "train.keep_checkpoints=0"]
-    ok(torchrun(4, args + ["train.max_steps=12", f"train.run_dir={tmp_path / 'ref'}"]))
+    return common + [f"parallel.inner_strategy={inner}", "parallel.group_size=2", "parallel.inner_steps=4",
+                     "parallel.fragments=2", "parallel.overlap_steps=1", "optim.schedule=constant",
+                     "train.checkpoint_every=3", "train.keep_checkpoints=0"]
+
+
+@pytest.fixture(scope="module")
+def streamed(common, tmp_path_factory):
+    """The uninterrupted 12-step streaming run with ddp or fsdp2 inside the groups, run once each
+    and shared: the SIGKILL tests' reference, and the two sides of the fsdp2-vs-ddp comparison."""
+    done: dict[str, tuple[Path, str]] = {}
+
+    def get(inner: str) -> tuple[Path, str]:
+        if inner not in done:
+            run = tmp_path_factory.mktemp(f"streamed-{inner}") / "run"
+            proc = ok(torchrun(4, streaming_args(common, inner) + ["train.max_steps=12", f"train.run_dir={run}"]))
+            done[inner] = (run, proc.stdout)
+        return done[inner]
+
+    return get
+
+
+@pytest.mark.parametrize("inner", ["ddp", "fsdp2"])
+def test_a_sigkill_mid_run_resumes_bit_identically_with_a_fragment_in_flight(common, streamed, inner, tmp_path):
+    args = streaming_args(common, inner)
+    ref_dir, _ = streamed(inner)
     run = tmp_path / "killed"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m", "flopwise",
            "train", *args, "train.max_steps=100000", f"train.run_dir={run}"]
@@ -122,17 +141,17 @@ def test_a_sigkill_mid_run_resumes_bit_identically_with_a_fragment_in_flight(com
     assert [f["fragment"] for f in in_flight] == [0]  # step 6's checkpoint: fragment 0's all-reduce in flight
     proc = ok(torchrun(4, args + ["train.max_steps=12", f"train.run_dir={run}"]))
     assert "resuming from" in proc.stdout
-    ref, got = latest_checkpoint(tmp_path / "ref"), latest_checkpoint(run)
+    ref, got = latest_checkpoint(ref_dir), latest_checkpoint(run)
     assert ref.name == got.name == "step-0000012"
     names = (["diloco/outer-0.pt", "diloco/outer-1.pt", "diloco/group-1-1.pt"] if inner == "fsdp2" else
              ["model.pt", "optimizer.pt", "diloco/outer.pt", "diloco/group-1.pt"])
     for name in names:
         a, b = torch.load(ref / name, weights_only=True), torch.load(got / name, weights_only=True)
         assert _equal(a, b), f"{name} differs after the resume"
-    want, have = final_weights(tmp_path / "ref"), final_weights(run)  # group 0's, consolidated (DCP under FSDP2)
+    want, have = final_weights(ref_dir), final_weights(run)  # group 0's, consolidated (DCP under FSDP2)
     assert all(torch.equal(want[k], have[k]) for k in want)
     keys = ("loss", "grad_norm", "outer_steps", "outer_bytes_total", "pseudo_grad_norm", "drift")
-    ref_rows, got_rows = rows_by_step(tmp_path / "ref"), rows_by_step(run)
+    ref_rows, got_rows = rows_by_step(ref_dir), rows_by_step(run)
     for step in range(killed_at + 1, 13):  # the outer loop's measures too, not only the weights
         want_row, got_row = ({k: r.get(k) for k in keys} for r in (ref_rows[step], got_rows[step]))
         assert got_row == want_row, (step, got_row, want_row)
@@ -153,13 +172,12 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-def test_fsdp2_inside_the_groups_trains_what_ddp_inside_trains(common, tmp_path):
-    args = common + ["parallel.group_size=2", "parallel.inner_steps=3", "train.max_steps=7"]
-    ok(torchrun(4, args + [f"train.run_dir={tmp_path / 'ddp'}"]))
-    proc = ok(torchrun(4, args + ["parallel.inner_strategy=fsdp2", f"train.run_dir={tmp_path / 'fsdp2'}"]))
-    assert "2 group(s) of 2 rank(s) (fsdp2 inside)" in proc.stdout
-    assert (latest_checkpoint(tmp_path / "fsdp2") / "diloco" / "group-1").is_dir()  # group 1's own DCP shards
-    assert_weights_close(final_weights(tmp_path / "fsdp2"), final_weights(tmp_path / "ddp"), what="fsdp2 vs ddp inside")
+def test_fsdp2_inside_the_groups_trains_what_ddp_inside_trains(streamed):
+    # the SIGKILL tests' references: streaming, two fragments, one in flight at a time
+    (ddp, _), (fsdp2, out) = streamed("ddp"), streamed("fsdp2")
+    assert "2 group(s) of 2 rank(s) (fsdp2 inside)" in out
+    assert (latest_checkpoint(fsdp2) / "diloco" / "group-1").is_dir()  # group 1's own DCP shards
+    assert_weights_close(final_weights(fsdp2), final_weights(ddp), what="fsdp2 vs ddp inside")
 
 
 def test_groups_that_do_not_divide_the_ranks_are_refused_before_any_work(common, tmp_path):
