@@ -134,7 +134,6 @@ class _InFlight:
     delta: torch.Tensor  # this group's pseudo-gradient of the fragment (fp32, flat), as sent
     buffer: torch.Tensor | None = None  # what is all-reduced (outer dtype, padded to S slices)
     work: Any = None  # the async all-reduce
-    t_sent: float = 0.0
 
 
 @dataclass
@@ -152,7 +151,7 @@ class DiLoCo:
 
     def __init__(self, params: list[torch.nn.Parameter], pc: ParallelConfig, groups: Groups, device: torch.device,
                  on_sync: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter):
-        self.pc, self.g, self.device, self.on_sync, self.clock = pc, groups, device, on_sync, clock
+        self.g, self.device, self.on_sync, self.clock = groups, device, on_sync, clock
         self.H, self.tau = pc.inner_steps, pc.overlap_steps
         self.dtype = DTYPES[pc.outer_dtype]
         self.locals = [_local(p) for p in params]
@@ -206,7 +205,7 @@ class DiLoCo:
             n = self.anchor[i].numel()
             torch.sub(self.anchor[i], self.locals[i], out=delta[offset:offset + n].view_as(self.anchor[i]))
             offset += n
-        flight = _InFlight(f, step, step + self.tau, delta, t_sent=t0)
+        flight = _InFlight(f, step, step + self.tau, delta)
         self.last_sent[f] = step
         self.inflight.append(flight)
         self._issue(flight)

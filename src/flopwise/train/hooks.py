@@ -22,7 +22,7 @@ from flopwise.measure.meter import format_memory, memory_stats
 from flopwise.measure.sinks import format_mfu, human
 from flopwise.measure.timing import format_breakdown
 from flopwise.train.checkpoint import apply_retention, set_rng_state
-from flopwise.train.dist_checkpoint import RankParts, load_distributed, save_distributed
+from flopwise.train.dist_checkpoint import load_distributed, save_distributed
 from flopwise.train.record import TrainResult
 from flopwise.train.setup import Run
 from flopwise.train.stopping import Deadline
@@ -84,11 +84,6 @@ def validate_at_start(run: Run) -> None:
 
 # --------------------------------------------------------------------------- checkpoints
 
-def rank_parts(run: Run) -> RankParts:
-    """What this rank saves a checkpoint from and loads one into."""
-    return RankParts(run.env, run.strategy.name, run.state_model, run.optimizer, run.device, run.outer)
-
-
 def save(run: Run) -> Path:
     """A checkpoint of the current step (every rank writes its part), then retention."""
     p, t = run.progress, run.cfg.train
@@ -100,7 +95,7 @@ def save(run: Run) -> Path:
         state["lr_continuation"] = run.cont._asdict()
     if run.prec.scaler is not None:
         state["grad_scaler"] = run.prec.scaler.state_dict()
-    path = save_distributed(run.run_dir, p.step, rank_parts(run), state, run.config_yaml)
+    path = save_distributed(run.run_dir, p.step, run.parts, state, run.config_yaml)
     run.env.on_main(lambda: apply_retention(run.run_dir, t.keep_checkpoints, t.milestone_every))
     run.deadline.record_save(run.clock() - t0)
     p.last_saved = path
@@ -109,7 +104,7 @@ def save(run: Run) -> Path:
 
 def reload(run: Run, path: Path) -> dict[str, Any]:
     """A rollback: every rank reloads its part of ``path`` (weights, optimizer, RNG)."""
-    saved = load_distributed(path, rank_parts(run))
+    saved = load_distributed(path, run.parts)
     if "rng" in saved:
         set_rng_state(saved["rng"], run.device)
     return saved
@@ -220,7 +215,7 @@ def log_step(run: Run, out: StepOutcome, lr: float, is_last: bool, do_val: bool)
             f" | gnorm {out.grad_norm:.3f} | {human(rates['tok_per_s'])} tok/s{per_gpu}"
             f" | mfu {format_mfu(rates['mfu'])}"
             f" | {format_memory(mem)} | {1000 * rates['step_time_s']:.0f} ms/step"
-            f" | {format_breakdown(parts, rates['step_time_s'])}{outer_text(outer, rates['step_time_s'])}"
+            f" | {format_breakdown(parts, rates['step_time_s'])}{outer_text(outer)}"
             f" | ETA {eta_text(row, run.deadline)}")
     if do_val:
         p.val_end = validate(run, p.step)
@@ -234,7 +229,7 @@ def log_step(run: Run, out: StepOutcome, lr: float, is_last: bool, do_val: bool)
     run.timer.host["log"] += run.clock() - t_log
 
 
-def outer_text(outer: dict[str, Any] | None, step_s: float) -> str:
+def outer_text(outer: dict[str, Any] | None) -> str:
     """DiLoCo's part of the log line: outer steps, their traffic and time, the groups' drift."""
     if outer is None:
         return ""

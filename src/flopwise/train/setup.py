@@ -145,6 +145,11 @@ class Run:
         return self.start.run_dir
 
     @property
+    def parts(self) -> RankParts:
+        """What this rank saves a checkpoint from and loads one into."""
+        return RankParts(self.env, self.strategy.name, self.state_model, self.optimizer, self.device, self.outer)
+
+    @property
     def world(self) -> int:
         return self.env.world_size
 
@@ -371,8 +376,7 @@ def restore(run: Run, checkpoint: Path) -> None:
     """Continue from ``checkpoint``: weights, optimizer, loss scale, data position, held-out
     set, guard counts, RNG, and the learning rate's continuation if the run's length changed."""
     cfg, p = run.cfg, run.progress
-    saved = load_distributed(checkpoint, RankParts(run.env, run.strategy.name, run.state_model, run.optimizer,
-                                                   run.device, run.outer))
+    saved = load_distributed(checkpoint, run.parts)
     if saved.get("diloco_note"):
         run.notes.setdefault("parallel", []).append(saved["diloco_note"])
     if run.master:
