@@ -15,7 +15,7 @@ import yaml
 
 from flopwise.report import ReportError, build_report
 from flopwise.report import png as png_out
-from flopwise.report.svg import LineChart, Series, fmt_tick, line_chart_svg, linear_ticks, log_ticks
+from flopwise.report.svg import HLine, LineChart, Marker, Series, fmt_tick, line_chart_svg, linear_ticks, log_ticks
 
 TOKENS_PER_STEP = 1024
 STEPS = 40
@@ -318,6 +318,21 @@ def test_missing_values_break_the_line_and_labels_are_escaped():
     assert d.count("M") == 2  # (0,1)-(1,2), then (3,4) alone
     assert svg.count("<circle") == 1  # the lone point is drawn as a dot
     assert "a &lt;title&gt;" in svg and "x &amp; y" in svg and "s&lt;1&gt;" in svg and "<1>" not in svg
+
+
+@pytest.mark.parametrize("log_y", [False, True])
+def test_no_nan_or_infinity_reaches_a_coordinate(log_y):
+    """A diverged run's NaN or inf, in a value, an error bar, a reference line or a marker, is
+    left out of the chart; the finite points are still drawn, on axes they alone set."""
+    nan, inf = float("nan"), float("inf")
+    chart = LineChart("c", "t", "x", "y", [Series("s", [1, 2, 3, 4], [1.0, nan, 2.0, inf], "#000", points=True,
+                                                  err=[0.1, 0.1, nan, 0.1])],
+                      log_y=log_y, hlines=[HLine(nan, "h"), HLine(inf, "i")],
+                      markers=[Marker(nan, 1.0, "at no step"), Marker(2, nan, "diverged")])
+    svg = line_chart_svg(chart)
+    coords = re.findall(r'(?:x|y|x1|y1|x2|y2|cx|cy)="([^"]*)"', svg) + re.findall(r' d="([^"]*)"', svg)
+    assert coords and not [c for c in coords if re.search(r"nan|inf", c, re.I)], svg
+    assert svg.count("<title>s: ") == 2 and svg.count('class="errorbar"') == 1 and svg.count('class="marker"') == 1
 
 
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)

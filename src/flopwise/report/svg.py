@@ -209,11 +209,16 @@ def _thin(points: list[tuple[float, float]], limit: int = MAX_POINTS) -> list[tu
     return out
 
 
+def _finite(v: Num | None) -> bool:
+    """A value a chart can place: not missing, not NaN, not infinite."""
+    return v is not None and math.isfinite(v)
+
+
 def _segments(xs: Sequence[Num], ys: Sequence[Num], ok) -> list[list[tuple[float, float]]]:
     """Runs of consecutive valid points; a missing value ends a segment."""
     segs: list[list[tuple[float, float]]] = [[]]
     for x, y in zip(xs, ys):
-        if x is None or y is None or not math.isfinite(x) or not math.isfinite(y) or not ok(y):
+        if not _finite(x) or not ok(y):
             if segs[-1]:
                 segs.append([])
             continue
@@ -276,7 +281,8 @@ class _Plot:
 
 
 def line_chart_svg(c: LineChart, width: float = 600, plot_height: float = 270) -> str:
-    ok = (lambda y: y > 0) if c.log_y else (lambda y: True)
+    # what a y must be to be drawn (NaN and infinities, e.g. a diverged loss, never reach a coordinate)
+    ok = (lambda y: _finite(y) and y > 0) if c.log_y else _finite
     segs_by_series = [_segments(s.x, s.y, ok) for s in c.series]
     xs_all, ys_all = _line_extent(c, segs_by_series, ok)
     if not xs_all or not ys_all:
@@ -332,10 +338,10 @@ def _line_extent(c: LineChart, segs_by_series: list[list[list[tuple[float, float
             ys_all.extend(p[1] for p in seg)
         if s.err:
             for x, y, e in zip(s.x, s.y, s.err):
-                if x is not None and y is not None and e is not None and math.isfinite(e):
+                if _finite(x) and _finite(y) and _finite(e):
                     ys_all.extend(v for v in (y - e, y + e) if ok(v))
     ys_all += [h.y for h in c.hlines if ok(h.y)]
-    xs_all += [m.x for m in c.markers]  # markers above the data sit on the top edge rather than squash it
+    xs_all += [m.x for m in c.markers if _finite(m.x)]  # markers above the data sit on the top edge rather than squash it
     return xs_all, ys_all
 
 
@@ -394,13 +400,15 @@ def _line_data(c: LineChart, plot: _Plot, segs_by_series: list[list[list[tuple[f
                        f'</circle>')
         if s.err:
             for xi, yi, e in zip(s.x, s.y, s.err):
-                if xi is None or yi is None or e is None or not ok(yi - e if c.log_y else yi):
+                if not (_finite(xi) and _finite(yi) and _finite(e)) or not ok(yi - e if c.log_y else yi):
                     continue
                 px, y0, y1 = sx(xi), sy(yi - e), sy(yi + e)
                 out.append(f'<path class="errorbar" d="M{px:.1f},{y0:.1f} L{px:.1f},{y1:.1f} M{px - 3:.1f},{y0:.1f} '
                            f'L{px + 3:.1f},{y0:.1f} M{px - 3:.1f},{y1:.1f} L{px + 3:.1f},{y1:.1f}" '
                            f'stroke="{esc(s.color)}" stroke-width="1" fill="none"/>')
     for m in c.markers:
+        if not _finite(m.x):
+            continue
         px = sx(m.x)
         py = top + 8 if m.y is None or not ok(m.y) or m.y > plot.y_hi else max(top + 8, sy(m.y) - 6)
         out.append(f'<path class="marker" d="M{px - 5:.1f},{py - 7:.1f} L{px + 5:.1f},{py - 7:.1f} '
