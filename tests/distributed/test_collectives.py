@@ -61,6 +61,53 @@ def test_close_frees_the_group_even_after_torch_dynamo_was_imported(tmp_path):
 
 
 
+def _train_owning_the_group(rank: int, port: int, out_dir: str, overrides: list[str]) -> None:
+    """A rank as torchrun starts it: train() creates the group and tears it down; what DDP
+    wrappers are still alive when it does is recorded."""
+    import gc
+    import json
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from flopwise.train.trainer import train
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    real, alive = dist.destroy_process_group, []
+
+    def destroy(*args, **kwargs):
+        alive.append(sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects()))
+        return real(*args, **kwargs)
+
+    dist.destroy_process_group = destroy
+    try:
+        train(build_config(overrides=overrides), log=lambda s: None)
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(alive))
+    except Exception:  # noqa: BLE001 - reported by the parent
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+
+
+@pytest.mark.slow
+def test_the_group_is_torn_down_after_the_ddp_wrapper_is_gone(tiny_overrides, tmp_path):
+    """Regression: the group torn down while the run's DDP wrapper lived left the wrapper's
+    reducer its last holder; freed later with the GIL held, its destructor joined gloo's threads
+    while one waited for the GIL (rank 0 of a 4-process ddp run hung after its last line)."""
+    import json
+
+    out = tmp_path / "out"
+    out.mkdir()
+    overrides = tiny_overrides + ["parallel.strategy=ddp", "train.max_steps=2", "train.micro_batch_size=2",
+                                  "train.global_batch_size=4", "eval.every=0", "eval.sample_tokens=0",
+                                  "tracking.tensorboard=false"]
+    mp.spawn(_train_owning_the_group, args=(free_port(), str(out), overrides), nprocs=WORLD, join=True)
+    errors = [p.read_text() for p in sorted(out.glob("rank*.err"))]
+    assert not errors, "\n".join(errors)
+    alive = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert alive == [[0], [0]], f"DDP wrappers alive when each rank destroyed its group: {alive}"
+
+
 def test_launch_environment_half_set_is_refused_by_name():
     assert read_launch_env({}) is None
     with pytest.raises(ConfigError, match="RANK, WORLD_SIZE set but LOCAL_RANK, MASTER_ADDR, MASTER_PORT not"):

@@ -17,6 +17,7 @@ batch -- are reduced across ranks so all of them stop (or skip) together.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 from dataclasses import dataclass, field
@@ -193,7 +194,17 @@ class DistEnv:
         return device if self.backend == "nccl" else torch.device("cpu")
 
     def close(self) -> None:
+        """Tear down the process group this rank joined (a no-op for one it did not create).
+
+        A DDP wrapper's reducer is a C++ object holding the group; freed while holding the GIL,
+        if it holds the group's last reference, the group's destructor joins gloo's worker
+        threads while one of them waits for the GIL to release a finished collective's tensor:
+        a rank that hangs after its run succeeded (seen on a loaded 2-core CPU, rank 0 of 4,
+        ddp). So the wrappers go first -- the caller has dropped its model, and the collection
+        frees what only reference cycles still hold -- and the group is destroyed here, where
+        torch releases the GIL while it joins those threads."""
         if self._owns_group and dist.is_initialized():
+            gc.collect()
             dist.destroy_process_group()
             self._owns_group = False
 

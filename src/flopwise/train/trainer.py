@@ -48,14 +48,21 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False,
     env, device = init_distributed(cfg.parallel.strategy, cfg.train.device, cfg.parallel.backend,
                                    cfg.parallel.timeout_min)
     try:
-        with _peer_failures(env, cfg):  # another rank died: this one stops with one line, not gloo's traceback
-            with contextlib.ExitStack() as locks:  # rank 0 holds the run directory's lock until the run ends
-                run = setup(cfg, log if env.is_main else _quiet, fresh, env, device, t_start, locks, clock)
-                result = run if isinstance(run, TrainResult) else _train(run)
-            env.barrier()  # ranks leave together: tearing the group down under a rank still using it aborts
-        return result
+        # the Run (its model, and under ddp the DDP wrapper's reducer) ends with _train_in's frame,
+        # before close() tears the group down: see DistEnv.close
+        return _train_in(env, device, cfg, log, fresh, t_start, clock)
     finally:
         env.close()
+
+
+def _train_in(env: DistEnv, device: torch.device, cfg: RunConfig, log: Log, fresh: bool, t_start: float,
+              clock: Callable[[], float]) -> TrainResult:
+    with _peer_failures(env, cfg):  # another rank died: this one stops with one line, not gloo's traceback
+        with contextlib.ExitStack() as locks:  # rank 0 holds the run directory's lock until the run ends
+            run = setup(cfg, log if env.is_main else _quiet, fresh, env, device, t_start, locks, clock)
+            result = run if isinstance(run, TrainResult) else _train(run)
+        env.barrier()  # ranks leave together: tearing the group down under a rank still using it aborts
+    return result
 
 
 def _quiet(_: str) -> None:
