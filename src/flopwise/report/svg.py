@@ -17,7 +17,7 @@ import html
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Union
+from typing import TypeGuard, Union
 
 # Colour-blind-friendly run colours (Okabe-Ito, then Tableau), one per run, cycled after that.
 PALETTE = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000", "#8C564B",
@@ -209,7 +209,7 @@ def _thin(points: list[tuple[float, float]], limit: int = MAX_POINTS) -> list[tu
     return out
 
 
-def _finite(v: Num | None) -> bool:
+def _finite(v: Num) -> TypeGuard[float]:
     """A value a chart can place: not missing, not NaN, not infinite."""
     return v is not None and math.isfinite(v)
 
@@ -218,7 +218,7 @@ def _segments(xs: Sequence[Num], ys: Sequence[Num], ok) -> list[list[tuple[float
     """Runs of consecutive valid points; a missing value ends a segment."""
     segs: list[list[tuple[float, float]]] = [[]]
     for x, y in zip(xs, ys):
-        if not _finite(x) or not ok(y):
+        if not (_finite(x) and _finite(y)) or not ok(y):
             if segs[-1]:
                 segs.append([])
             continue
@@ -341,7 +341,8 @@ def _line_extent(c: LineChart, segs_by_series: list[list[list[tuple[float, float
                 if _finite(x) and _finite(y) and _finite(e):
                     ys_all.extend(v for v in (y - e, y + e) if ok(v))
     ys_all += [h.y for h in c.hlines if ok(h.y)]
-    xs_all += [m.x for m in c.markers if _finite(m.x)]  # markers above the data sit on the top edge rather than squash it
+    # markers above the data sit on the top edge rather than squash it
+    xs_all += [m.x for m in c.markers if _finite(m.x)]
     return xs_all, ys_all
 
 
