@@ -18,10 +18,23 @@ from flopwise.tune.trial import free_port
 WORLD = 2
 
 
-def _worker(rank: int, port: int, fn_name: str, out_dir: str, arg) -> None:
+def _as_rank(rank: int, port: int) -> None:
+    """This spawned process as torchrun would start rank ``rank`` of WORLD (one thread)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
+
+
+def _spawn(fn, out_dir: Path, *args) -> None:
+    """``fn(rank, port, out_dir, *args)`` on WORLD processes; the traceback of any rank that
+    wrote ``rank*.err`` fails the test."""
+    mp.spawn(fn, args=(free_port(), str(out_dir), *args), nprocs=WORLD, join=True)
+    errors = [p.read_text() for p in sorted(out_dir.glob("rank*.err"))]
+    assert not errors, "\n".join(errors)
+
+
+def _worker(rank: int, port: int, out_dir: str, fn_name: str, arg) -> None:
+    _as_rank(rank, port)
     try:
         env, device = init_distributed("auto", "cpu")
         try:
@@ -36,9 +49,7 @@ def _worker(rank: int, port: int, fn_name: str, out_dir: str, arg) -> None:
 
 
 def spawn(fn_name: str, tmp_path: Path, arg=None) -> list:
-    mp.spawn(_worker, args=(free_port(), fn_name, str(tmp_path), arg), nprocs=WORLD, join=True)
-    errors = [p.read_text() for p in sorted(tmp_path.glob("rank*.err"))]
-    assert not errors, "\n".join(errors)
+    _spawn(_worker, tmp_path, fn_name, arg)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
@@ -60,7 +71,6 @@ def test_close_frees_the_group_even_after_torch_dynamo_was_imported(tmp_path):
         assert not [t for t in threads if t.startswith(("pt_gloo", "gloo_"))], threads
 
 
-
 def _train_owning_the_group(rank: int, port: int, out_dir: str, overrides: list[str]) -> None:
     """A rank as torchrun starts it: train() creates the group and tears it down; what DDP
     wrappers are still alive when it does is recorded."""
@@ -72,9 +82,7 @@ def _train_owning_the_group(rank: int, port: int, out_dir: str, overrides: list[
 
     from flopwise.train.trainer import train
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+    _as_rank(rank, port)
     real, alive = dist.destroy_process_group, []
 
     def destroy(*args, **kwargs):
@@ -101,9 +109,7 @@ def test_the_group_is_torn_down_after_the_ddp_wrapper_is_gone(tiny_overrides, tm
     overrides = tiny_overrides + ["parallel.strategy=ddp", "train.max_steps=2", "train.micro_batch_size=2",
                                   "train.global_batch_size=4", "eval.every=0", "eval.sample_tokens=0",
                                   "tracking.tensorboard=false"]
-    mp.spawn(_train_owning_the_group, args=(free_port(), str(out), overrides), nprocs=WORLD, join=True)
-    errors = [p.read_text() for p in sorted(out.glob("rank*.err"))]
-    assert not errors, "\n".join(errors)
+    _spawn(_train_owning_the_group, out, overrides)
     alive = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert alive == [[0], [0]], f"DDP wrappers alive when each rank destroyed its group: {alive}"
 
