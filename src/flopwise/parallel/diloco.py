@@ -170,7 +170,6 @@ class DiLoCo:
         shards = groups.size if groups.inner is not None and self.slices == 1 else 1  # FSDP2: S shards of it
         self.round_bytes = sum(t.numel() for t in self.locals) * self.dtype.itemsize * shards
         self.outer_steps = 0  # rounds completed: every fragment synced once more
-        self.fragment_syncs = 0
         self.bytes_sent = 0  # cross-group payload this rank all-reduced, over the run
         # this rank's parts of the squared norms of the round being synced and of the last one:
         # [|d_group - d_mean|^2, |d_mean|^2] over what it holds
@@ -260,7 +259,6 @@ class DiLoCo:
             new = self.anchor[i] if not progress else self.anchor[i] + progress[k]
             self.locals[i].copy_(new)
             self.anchor[i].grad = None
-        self.fragment_syncs += 1
         if flight.fragment == len(self.frags) - 1:  # a round ends with its last fragment
             self.outer_steps += 1
             self._last_round.copy_(self._round)
@@ -311,8 +309,7 @@ class DiLoCo:
         """What every group shares: the anchor, the outer momentum, the counters."""
         return {"anchor": self.anchor, "outer": self.outer.state_dict(), "groups": self.g.count,
                 "group_size": self.g.size, "fragments": len(self.frags), "last_sent": list(self.last_sent),
-                "outer_steps": self.outer_steps, "fragment_syncs": self.fragment_syncs,
-                "bytes_sent": self.bytes_sent}
+                "outer_steps": self.outer_steps, "bytes_sent": self.bytes_sent}
 
     def group_state(self) -> dict[str, Any]:
         """What is this group's own besides its weights and optimizer: the fragments in flight and
@@ -341,7 +338,7 @@ class DiLoCo:
                 mine.copy_(saved)
         self.outer.load_state_dict(state["outer"])
         self.last_sent = list(state["last_sent"])
-        self.outer_steps, self.fragment_syncs = state["outer_steps"], state["fragment_syncs"]
+        self.outer_steps = state["outer_steps"]
         self.bytes_sent = state["bytes_sent"]
         self._last_round.copy_(group["last_round"])
         self._round.copy_(group["round"])
