@@ -24,8 +24,13 @@ Reported: final validation loss and its ratio to ddp's, cross-group bytes and th
 ddp/diloco, tokens/s (``run.json``: after warm-up). On a 2-core CPU the 4-process runs share
 2 cores, so their tokens/s says little about a real cluster; the loss and the bytes do.
 
+``--global-batch`` and ``--lr`` (the inner AdamW's, ddp's alike) take several values and run
+every combination. A fair verdict compares each method at its best learning rate for the batch:
+ddp's best rises with the batch, and a baseline left at the preset's rate flatters DiLoCo.
+
     python benchmarks/diloco.py                       # CPU: tiny preset, 300 steps, N = 2 and 4
     python benchmarks/diloco.py --steps 600 --contenders 50:0.7:0.9 100:0.7:0.9
+    python benchmarks/diloco.py --nproc 4 --global-batch 32 128 --lr 3e-3 6e-3 --contenders 50:0.7:0.5
 
 Writes benchmarks/results/diloco-<device>-<date>.json.
 """
@@ -50,6 +55,51 @@ def last_row(run: Path) -> dict:
     return [r for r in rows if "loss" in r][-1]
 
 
+def compare(args, tmp: Path, n: int, batch: int, lr: float, n_params: int) -> list[dict]:
+    """ddp and every contender at N processes, one global batch and one inner learning rate."""
+    micro = batch // n
+    tag = f"{n}-b{batch}-lr{lr:g}"
+
+    def launch_run(name: str, *extra: str) -> tuple[dict, float]:
+        tps = launch(n, ["--preset", args.preset, *args.overrides, f"train.max_steps={args.steps}",
+                         f"train.micro_batch_size={micro}", f"train.global_batch_size={batch}",
+                         f"optim.lr={lr}",
+                         "eval.every=0", "eval.sample_tokens=0", f"eval.batches={VAL_WINDOWS // micro}",
+                         "tracking.tensorboard=false", "train.log_every=10", "train.checkpoint_every=0",
+                         f"train.run_dir={tmp / name}", *extra], args.threads)
+        return json.loads((tmp / name / "run.json").read_text()), tps
+
+    run, tps = launch_run(f"ddp-{tag}", "parallel.strategy=ddp")
+    base = run["result"]
+    same = {"nproc": n, "global_batch": batch, "inner_lr": lr, "steps": args.steps}
+    ddp_bytes = n * 4 * n_params * args.steps
+    rows = [{"strategy": "ddp", **same, "val_loss": base["val_loss_end"], "tok_per_s": tps, "tokens": base["tokens"],
+             "cross_group_bytes": ddp_bytes, "cross_group_bytes_per_token": ddp_bytes / base["tokens"],
+             "bytes_counted": "N x 4 x P per step (DDP's gradient all-reduce)"}]
+    print(f"ddp    N={n} batch {batch} lr {lr:g}: val {base['val_loss_end']:.4f} · "
+          f"{ddp_bytes / 2**20:,.1f} MiB across · {tps:,.0f} tok/s")
+    for contender in args.contenders:
+        h, olr, mu = int(contender.split(":")[0]), *map(float, contender.split(":")[1:])
+        name = f"diloco-{tag}-h{h}-lr{olr:g}-m{mu:g}"
+        run, tps = launch_run(name, "parallel.strategy=diloco", f"parallel.group_size={n // 2}",
+                              f"parallel.inner_steps={h}", f"parallel.outer_lr={olr}", f"parallel.outer_momentum={mu}")
+        res, last = run["result"], last_row(tmp / name)
+        sent = last["outer_bytes_total"]
+        in_group = n * 4 * n_params * args.steps if n > 2 else 0  # DDP inside each group of N/2
+        assert res["tokens"] == base["tokens"], (res["tokens"], base["tokens"])
+        rows.append({"strategy": "diloco", **same, "groups": 2, "group_size": n // 2, "inner_steps": h,
+                     "outer_lr": olr, "outer_momentum": mu, "val_loss": res["val_loss_end"],
+                     "val_loss_vs_ddp": res["val_loss_end"] / base["val_loss_end"], "tok_per_s": tps,
+                     "tokens": res["tokens"], "outer_steps": last["outer_steps"], "cross_group_bytes": sent,
+                     "cross_group_bytes_per_token": sent / res["tokens"], "fewer_bytes_than_ddp": ddp_bytes / sent,
+                     "in_group_bytes": in_group, "bytes_counted": "the run's outer_bytes_total (metrics.jsonl)"})
+        off = 100 * (res["val_loss_end"] / base["val_loss_end"] - 1)
+        print(f"diloco N={n} batch {batch} lr {lr:g} H={h} outer {olr:g}/{mu:g}: val {res['val_loss_end']:.4f} "
+              f"({off:+.2f}% vs ddp) · {sent / 2**20:,.2f} MiB across ({ddp_bytes / sent:.0f}x fewer) · "
+              f"{tps:,.0f} tok/s")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="tiny")
@@ -57,7 +107,9 @@ def main() -> None:
     ap.add_argument("--contenders", nargs="+", default=["10:0.7:0.9", "50:0.7:0.9", "50:0.7:0.5"],
                     help="DiLoCo runs as H:outer_lr:outer_momentum")
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--global-batch", type=int, default=32, help="sequences per step over all ranks")
+    ap.add_argument("--global-batch", type=int, nargs="+", default=[32], help="sequences per step over all ranks")
+    ap.add_argument("--lr", type=float, nargs="+", default=None,
+                    help="inner (AdamW) learning rates, each for ddp and DiLoCo alike (default: the preset's)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per process")
     ap.add_argument("overrides", nargs="*", help="more section.key=value overrides (e.g. data.path=...)")
     args = ap.parse_args()
@@ -70,51 +122,15 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.nproc:
-            def overrides(name: str, *extra: str, micro: int = args.global_batch // n) -> list[str]:
-                return ["--preset", args.preset, *args.overrides, f"train.max_steps={args.steps}",
-                        f"train.micro_batch_size={micro}", f"train.global_batch_size={args.global_batch}",
-                        "eval.every=0", "eval.sample_tokens=0", f"eval.batches={VAL_WINDOWS // micro}",
-                        "tracking.tensorboard=false", "train.log_every=10", "train.checkpoint_every=0",
-                        f"train.run_dir={Path(tmp) / name}", *extra]
-
-            base_dir = Path(tmp) / f"ddp-{n}"
-            tps = launch(n, overrides(f"ddp-{n}", "parallel.strategy=ddp"), args.threads)
-            base = json.loads((base_dir / "run.json").read_text())["result"]
-            tokens = base["tokens"]
-            ddp_bytes = n * 4 * n_params * args.steps
-            rows.append({"strategy": "ddp", "nproc": n, "val_loss": base["val_loss_end"], "tok_per_s": tps,
-                         "tokens": tokens, "cross_group_bytes": ddp_bytes, "cross_group_bytes_per_token":
-                         ddp_bytes / tokens, "bytes_counted": "N x 4 x P per step (DDP's gradient all-reduce)"})
-            print(f"ddp    N={n}: val {base['val_loss_end']:.4f} · {ddp_bytes / 2**20:,.1f} MiB across · "
-                  f"{tps:,.0f} tok/s")
-            for contender in args.contenders:
-                h, lr, mu = int(contender.split(":")[0]), *map(float, contender.split(":")[1:])
-                name = f"diloco-{n}-h{h}-lr{lr:g}-m{mu:g}"
-                tps = launch(n, overrides(name, "parallel.strategy=diloco", f"parallel.group_size={n // 2}",
-                                          f"parallel.inner_steps={h}", f"parallel.outer_lr={lr}",
-                                          f"parallel.outer_momentum={mu}"), args.threads)
-                res = json.loads((Path(tmp) / name / "run.json").read_text())["result"]
-                last = last_row(Path(tmp) / name)
-                sent = last["outer_bytes_total"]
-                in_group = n * 4 * n_params * args.steps if n > 2 else 0  # DDP inside each group of N/2
-                rows.append({"strategy": "diloco", "nproc": n, "groups": 2, "group_size": n // 2, "inner_steps": h,
-                             "outer_lr": lr, "outer_momentum": mu,
-                             "val_loss": res["val_loss_end"],
-                             "val_loss_vs_ddp": res["val_loss_end"] / base["val_loss_end"],
-                             "tok_per_s": tps, "tokens": res["tokens"], "outer_steps": last["outer_steps"],
-                             "cross_group_bytes": sent, "cross_group_bytes_per_token": sent / res["tokens"],
-                             "fewer_bytes_than_ddp": ddp_bytes / sent, "in_group_bytes": in_group,
-                             "bytes_counted": "the run's outer_bytes_total (metrics.jsonl)"})
-                assert res["tokens"] == tokens, (res["tokens"], tokens)
-                off = 100 * (res["val_loss_end"] / base["val_loss_end"] - 1)
-                print(f"diloco N={n} H={h} lr {lr:g} m {mu:g}: val {res['val_loss_end']:.4f} ({off:+.2f}% vs ddp) · "
-                      f"{sent / 2**20:,.2f} MiB across ({ddp_bytes / sent:.0f}x fewer) · {tps:,.0f} tok/s")
+            for batch in args.global_batch:
+                for lr in args.lr or [cfg.optim.lr]:
+                    rows += compare(args, Path(tmp), n, batch, lr, n_params)
     cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name(0) if cuda else f"{cpu_label()}, {args.threads} thread(s) per rank"
     tag = torch.cuda.get_device_name(0).split()[-1].lower() if cuda else f"cpu{n_cores()}"
     save_result("diloco", tag, device, {
-        "preset": args.preset, "params": n_params, "steps": args.steps, "global_batch": args.global_batch,
-        "overrides": args.overrides, "outer_dtype": "fp32", "rows": rows})
+        "preset": args.preset, "params": n_params, "steps": args.steps, "overrides": args.overrides,
+        "outer_dtype": "fp32", "rows": rows})
 
 
 if __name__ == "__main__":
