@@ -22,6 +22,13 @@ from helpers import tiny_model_overrides
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): a worker per core, at most 8. The tests start
+    torchrun and trial processes of their own (up to 8 ranks), and the preflight tests time
+    real steps, which stretch on an oversubscribed machine."""
+    return max(1, min(os.cpu_count() or 1, 8))
+
+
 def _run_cli(*args, cwd=None):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, "-m", "flopwise", *args], capture_output=True, text=True,
