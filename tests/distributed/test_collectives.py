@@ -71,9 +71,10 @@ def test_close_frees_the_group_even_after_torch_dynamo_was_imported(tmp_path):
         assert not [t for t in threads if t.startswith(("pt_gloo", "gloo_"))], threads
 
 
-def _train_owning_the_group(rank: int, port: int, out_dir: str, overrides: list[str]) -> None:
+def _train_owning_the_group(rank: int, port: int, out_dir: str, overrides: list[str], fail: bool) -> None:
     """A rank as torchrun starts it: train() creates the group and tears it down; what DDP
-    wrappers are still alive when it does is recorded."""
+    wrappers are still alive when it does is recorded. ``fail``: every rank's run raises after
+    its last step, as an error at the end of a run would."""
     import gc
     import json
 
@@ -90,18 +91,31 @@ def _train_owning_the_group(rank: int, port: int, out_dir: str, overrides: list[
         return real(*args, **kwargs)
 
     dist.destroy_process_group = destroy
+    if fail:
+        import flopwise.train.hooks
+
+        def finish(*args, **kwargs):
+            raise ValueError("the end of the run failed")
+
+        flopwise.train.hooks.finish = finish
     try:
-        train(build_config(overrides=overrides), log=lambda s: None)
+        try:
+            train(build_config(overrides=overrides), log=lambda s: None)
+        except ValueError as err:
+            if not fail or "the end of the run failed" not in str(err):
+                raise
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(alive))
     except Exception:  # noqa: BLE001 - reported by the parent
         (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
 
 
 @pytest.mark.slow
-def test_the_group_is_torn_down_after_the_ddp_wrapper_is_gone(tiny_overrides, tmp_path):
+@pytest.mark.parametrize("ending", ["success", "error"])
+def test_the_group_is_torn_down_after_the_ddp_wrapper_is_gone(tiny_overrides, tmp_path, ending):
     """Regression: the group torn down while the run's DDP wrapper lived left the wrapper's
     reducer its last holder; freed later with the GIL held, its destructor joined gloo's threads
-    while one waited for the GIL (rank 0 of a 4-process ddp run hung after its last line)."""
+    while one waited for the GIL (rank 0 of a 4-process ddp run hung after its last line). On
+    an error the traceback's frames held the wrapper past the teardown."""
     import json
 
     out = tmp_path / "out"
@@ -109,7 +123,7 @@ def test_the_group_is_torn_down_after_the_ddp_wrapper_is_gone(tiny_overrides, tm
     overrides = tiny_overrides + ["parallel.strategy=ddp", "train.max_steps=2", "train.micro_batch_size=2",
                                   "train.global_batch_size=4", "eval.every=0", "eval.sample_tokens=0",
                                   "tracking.tensorboard=false"]
-    _spawn(_train_owning_the_group, out, overrides)
+    _spawn(_train_owning_the_group, out, overrides, ending == "error")
     alive = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert alive == [[0], [0]], f"DDP wrappers alive when each rank destroyed its group: {alive}"
 

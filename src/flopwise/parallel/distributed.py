@@ -17,12 +17,14 @@ batch -- are reduced across ranks so all of them stop (or skip) together.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
+import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, TypeVar, cast
+from typing import Any, Callable, Iterator, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -207,6 +209,20 @@ class DistEnv:
             gc.collect()
             dist.destroy_process_group()
             self._owns_group = False
+
+    @contextlib.contextmanager
+    def closing(self) -> Iterator[None]:
+        """:meth:`close` after the block, however it ends. The block's calls should own the
+        model (a DDP wrapper) in their frames, which end before the close. An error's traceback
+        would keep those frames and their locals past it: they are cleared first (their lines
+        stay, for a traceback), so the wrapper goes before the group on that path too."""
+        try:
+            yield
+        except BaseException as err:
+            traceback.clear_frames(err.__traceback__)
+            raise
+        finally:
+            self.close()
 
 
 def read_launch_env(environ: dict[str, str] | None = None) -> tuple[int, int, int] | None:

@@ -47,12 +47,10 @@ def train(cfg: RunConfig, log: Log = print, fresh: bool = False,
     t_start = clock()
     env, device = init_distributed(cfg.parallel.strategy, cfg.train.device, cfg.parallel.backend,
                                    cfg.parallel.timeout_min)
-    try:
+    with env.closing():
         # the Run (its model, and under ddp the DDP wrapper's reducer) ends with _train_in's frame,
-        # before close() tears the group down: see DistEnv.close
+        # before the group is torn down: see DistEnv.close
         return _train_in(env, device, cfg, log, fresh, t_start, clock)
-    finally:
-        env.close()
 
 
 def _train_in(env: DistEnv, device: torch.device, cfg: RunConfig, log: Log, fresh: bool, t_start: float,

@@ -239,13 +239,11 @@ def _rank(local_rank: int, job: _Job) -> None:
         strategy = cfg.parallel.strategy if cfg.parallel.strategy != "single" else "auto"
         env, device = init_distributed(strategy, device.type, cfg.parallel.backend,
                                        min(cfg.parallel.timeout_min, TRIAL_TIMEOUT_MIN))
-    try:
+    with env.closing():  # the trial's model (a DDP wrapper) ends with measure's frame, before the group
         result = measure(cfg, job.spec, device, env)
         if env.is_main:
             atomic_write(Path(job.out), json.dumps(result))
         env.barrier()  # ranks leave together: a group torn down under a rank still using it aborts (SIGABRT)
-    finally:
-        env.close()
 
 
 def measure(cfg: RunConfig, spec: TrialSpec, device: torch.device, env: DistEnv | None = None) -> dict[str, Any]:
