@@ -292,11 +292,11 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
                 del parts, run
                 return out
         watch = fake.StepWatch()
-        # Step 1 makes the optimizer state; step 2 is the one reported (memory, syncs, collectives,
-        # kernels); step 3, under FlopCounterMode, counts FLOPs (its module tracking holds tensors
-        # of checkpointed blocks alive: it is kept off the step whose memory is reported).
-        counter = None
-        for i in range(3 if full else 2):
+        # Step 1 makes the optimizer state and, under FlopCounterMode, counts FLOPs (its module
+        # tracking holds tensors of checkpointed blocks alive: it is kept off the step whose memory
+        # is reported, and let go before it); step 2 is the one reported (memory, syncs,
+        # collectives, kernels).
+        for i in range(2):
             gc.collect()
             if i == 1:
                 memory.mark(_states(parts)[1], "optimizer")
@@ -305,26 +305,24 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
                 watch.collectives.clear()
                 watch.collective_bytes.clear()
                 fake.SDPA_CHOICES.clear()
-            if i == 2:
-                out["eager_memory"] = _memory(memory, "eager", "")
-                reported = (list(watch.syncs), dict(watch.collectives), dict(watch.collective_bytes),
-                            dict(fake.SDPA_CHOICES))
             with contextlib.ExitStack() as modes:
-                if i == 2:
+                counter = None
+                if i == 0 and full:
                     counter = modes.enter_context(FlopCounterMode(display=False, custom_mapping=GROUPED_MM_FLOPS))
                 modes.enter_context(watch)
                 _step(run, outer, step, accum, step_tokens)
+            if counter is not None:
+                out["flops"] = _flops(counter, cfg, accum, run_accum, micro_batch)
+                del counter
             watch.step_done()
             step += 1
-        if not full:
-            out["eager_memory"] = _memory(memory, "eager", "")
+        out["eager_memory"] = _memory(memory, "eager", "")
         out.setdefault("memory", out["eager_memory"])
         if full:
-            syncs, calls, nbytes, kernels = reported
-            out["syncs"] = [{"op": op, "source": where} for op, where in syncs]
-            out["collectives"] = {op: {"calls": n, "bytes": nbytes[op]} for op, n in sorted(calls.items())}
-            out["flops"] = _flops(counter, cfg, accum, run_accum, micro_batch)
-            out["sdpa_kernels"] = kernels
+            out["syncs"] = [{"op": op, "source": where} for op, where in watch.syncs]
+            out["collectives"] = {op: {"calls": n, "bytes": watch.collective_bytes[op]}
+                                  for op, n in sorted(watch.collectives.items())}
+            out["sdpa_kernels"] = dict(fake.SDPA_CHOICES)
             out["notes"] = parts.notes
             out["dtypes"] = {"parameters": sorted({str(p.dtype) for p in parts.model.parameters()}),
                              "optimizer_state": sorted({str(v.dtype) for v in _states(parts)[1]})}
