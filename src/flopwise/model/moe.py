@@ -52,6 +52,8 @@ both layouts; :func:`moe_to_hf` writes the fused one by default (what a 5.x mode
 from __future__ import annotations
 
 import math
+import sys
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -76,7 +78,6 @@ except ImportError:  # pragma: no cover - very old torch
     _disable_current_modes = contextlib.nullcontext  # type: ignore[assignment]  # same use: a no-op context
 
 
-@torch.compiler.disable
 def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
     """Run the grouped kernel once, forward and backward, on tiny tensors with an empty
     group, and compare with per-group ``mm``. Any exception or mismatch means "no".
@@ -125,8 +126,15 @@ def grouped_mm_supported(device: torch.device | str, dtype: torch.dtype) -> bool
     key = (device.type, device.index, dtype)
     ok = _GROUPED_MM_OK.get(key)
     if ok is None:
-        ok = _GROUPED_MM_OK[key] = _probe_grouped_mm(device, dtype)
+        ok = _GROUPED_MM_OK[key] = _outside_any_graph(_probe_grouped_mm)(device, dtype)
     return ok
+
+
+def _outside_any_graph(fn: Callable[..., bool]) -> Callable[..., bool]:
+    """``fn``, kept out of a graph torch.compile traces (``torch.compiler.disable``) when dynamo is
+    loaded; when it is not, nothing is being compiled, and importing it (about 2 s of CPU, at
+    every start of a process that imports the model) is left to the processes that compile."""
+    return torch.compiler.disable(fn) if "torch._dynamo" in sys.modules else fn
 
 
 for _dt in (torch.float32, torch.bfloat16, torch.float16):

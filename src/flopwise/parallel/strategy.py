@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, cast
 
@@ -49,6 +50,13 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 HEADROOM = 0.9  # share of the GPU the memory model's peak may take for auto to pick a strategy
+
+
+def is_fsdp_module(model: torch.nn.Module) -> bool:
+    """Whether ``fully_shard`` made ``model`` an FSDP2 module. FSDP is not imported to ask (about
+    1 s of CPU at the start of every process): a process that never imported it has none."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 @dataclass

@@ -42,14 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from flopwise.checkpoints import (
     SHARDED,
@@ -134,6 +126,8 @@ def _save_prewritten(run_dir: Path, step: int, env: DistEnv, write: Callable[[Pa
     directory, every rank runs ``write(directory)``, which returns the manifest entries of the
     files it wrote and fails on every rank or on none; then rank 0 ``finish``-es the checkpoint
     with all ranks' entries. A failed write discards the directory and raises on every rank."""
+    from torch.distributed.checkpoint import CheckpointException  # lazy: see _write_shards
+
     tmp = env.on_main(lambda: begin_save(run_dir, step))
     try:
         mine = write(tmp)
@@ -152,10 +146,15 @@ def _save_prewritten(run_dir: Path, step: int, env: DistEnv, write: Callable[[Pa
 def _write_shards(tmp: Path, parts: RankParts) -> Entries:
     """fsdp2: this rank's shards of the model and optimizer into ``sharded/``, by DCP, which
     gathers every rank's outcome (a full disk on one rank raises on all of them)."""
+    # lazy, as in checkpoints.load_sharded: DCP brings DTensor, about 1.3 s of CPU at the start of
+    # every process that never writes a sharded checkpoint (a single-process or ddp run, an eval)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
     env = parts.env
     model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
     out = tmp / SHARDED
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=FileSystemWriter(out, sync_files=True))
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(out, sync_files=True))
     env.barrier()  # every rank's files are written (and .metadata, by rank 0) before they are listed
     return {f"{SHARDED}/{p.name}": file_entry(p) for p in sorted(out.iterdir())
             if p.name.startswith(f"__{env.rank}_") or (env.is_main and not p.name.startswith("__"))}
@@ -172,9 +171,12 @@ def _write_diloco(tmp: Path, parts: RankParts, outer: DiLoCo) -> Entries:
     (tmp / DILOCO).mkdir(exist_ok=True)
     if sharded:  # the group's weights and optimizer: DCP over the group's ranks
         target = SHARDED if g.index == 0 else f"{DILOCO}/group-{g.index}"
+        import torch.distributed.checkpoint as dcp  # lazy: see _write_shards
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
         model_sd, optim_sd = get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd},
-                 storage_writer=FileSystemWriter(tmp / target, sync_files=True), process_group=parts.env.group)
+                 storage_writer=dcp.FileSystemWriter(tmp / target, sync_files=True), process_group=parts.env.group)
         for p in sorted((tmp / target).iterdir()):  # DCP names files by the rank within the group
             if p.name.startswith(f"__{g.inner_rank}_") or (g.inner_rank == 0 and not p.name.startswith("__")):
                 files[f"{target}/{p.name}"] = file_entry(p)
@@ -247,6 +249,12 @@ def load_distributed(path: Path, parts: RankParts) -> dict[str, Any]:
 def _load_full_into_fsdp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """A full checkpoint (model.pt, index-keyed optimizer.pt) into an FSDP2-sharded model:
     every rank reads the whole files and keeps its shards."""
+    from torch.distributed.checkpoint.state_dict import (  # lazy: see _write_shards
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
     full = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, load_tensors(path / "model.pt"), options=full)
     saved_optim = load_tensors(path / "optimizer.pt")

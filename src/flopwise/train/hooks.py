@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from flopwise.data.datadir import DataDir
 from flopwise.evaluate.generate import Sampling, generate
@@ -21,6 +20,7 @@ from flopwise.fsio import AppendFile, write_file
 from flopwise.measure.meter import format_memory, memory_stats
 from flopwise.measure.sinks import format_mfu, human
 from flopwise.measure.timing import format_breakdown
+from flopwise.parallel.strategy import is_fsdp_module
 from flopwise.train.checkpoint import apply_retention, set_rng_state
 from flopwise.train.dist_checkpoint import load_distributed, save_distributed
 from flopwise.train.record import TrainResult
@@ -316,7 +316,7 @@ def write_sample(model: torch.nn.Module, data: DataDir, cfg, device: torch.devic
     # sized from the (sharded, fp32) weights would not match: it recomputes the window instead.
     out = generate(model, torch.tensor([ids], device=device), e.sample_tokens, cfg.train.seq_len,
                    Sampling(temperature=e.temperature, top_k=e.top_k, generator=gen), eos_id=data.eos_id,
-                   use_cache=not isinstance(model, FSDPModule))
+                   use_cache=not is_fsdp_module(model))
     text = tok.decode(out[0].tolist())
     if run_dir is None:
         return text
