@@ -214,11 +214,17 @@ def _finite(v: Num) -> TypeGuard[float]:
     return v is not None and math.isfinite(v)
 
 
-def _segments(xs: Sequence[Num], ys: Sequence[Num], ok) -> list[list[tuple[float, float]]]:
-    """Runs of consecutive valid points; a missing value ends a segment."""
+def _positive(v: Num) -> TypeGuard[float]:
+    """A value a log-scale chart can place: finite and above 0."""
+    return _finite(v) and v > 0
+
+
+def _segments(xs: Sequence[Num], ys: Sequence[Num],
+              ok: Callable[[Num], TypeGuard[float]]) -> list[list[tuple[float, float]]]:
+    """Runs of consecutive points whose y passes ``ok``; a point that does not ends a segment."""
     segs: list[list[tuple[float, float]]] = [[]]
     for x, y in zip(xs, ys):
-        if not (_finite(x) and _finite(y)) or not ok(y):
+        if not _finite(x) or not ok(y):
             if segs[-1]:
                 segs.append([])
             continue
@@ -282,7 +288,7 @@ class _Plot:
 
 def line_chart_svg(c: LineChart, width: float = 600, plot_height: float = 270) -> str:
     # what a y must be to be drawn (NaN and infinities, e.g. a diverged loss, never reach a coordinate)
-    ok = (lambda y: _finite(y) and y > 0) if c.log_y else _finite
+    ok = _positive if c.log_y else _finite
     segs_by_series = [_segments(s.x, s.y, ok) for s in c.series]
     xs_all, ys_all = _line_extent(c, segs_by_series, ok)
     if not xs_all or not ys_all:
