@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch._dynamo  # noqa: F401 - loaded before anything is patched or built (see below)
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
@@ -70,7 +71,13 @@ _installed = False
 
 
 def install(gpu: FakeGpu) -> None:
-    """Make this process trace for ``gpu``, before building anything; once (a second call is a no-op)."""
+    """Make this process trace for ``gpu``, before building anything; once (a second call is a no-op).
+
+    dynamo is imported with this module, before anything is patched or built: the patches below
+    set its and functorch's configs, and a training process has it loaded before its model's
+    parameters are made (torch's initialisers import it). Left to load on first use, inside
+    the first trace, that trace failed ("Couldn't swap Embedding.weight": a weak reference to
+    it) and the next ones found no ``torch._functorch.config``."""
     global _installed
     if _installed:
         return
