@@ -132,8 +132,8 @@ def grouped_mm_supported(device: torch.device | str, dtype: torch.dtype) -> bool
 
 def _outside_any_graph(fn: Callable[..., bool]) -> Callable[..., bool]:
     """``fn``, kept out of a graph torch.compile traces (``torch.compiler.disable``) when dynamo is
-    loaded; when it is not, nothing is being compiled, and importing it (about 2 s of CPU, at
-    every start of a process that imports the model) is left to the processes that compile."""
+    loaded; when it is not, nothing is being compiled, and importing it (about 2 s of CPU) is
+    left to what needs it (torch.compile; torch's optimizers and meta-device init load it too)."""
     return torch.compiler.disable(fn) if "torch._dynamo" in sys.modules else fn
 
 

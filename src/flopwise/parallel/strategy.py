@@ -54,7 +54,7 @@ HEADROOM = 0.9  # share of the GPU the memory model's peak may take for auto to 
 
 def is_fsdp_module(model: torch.nn.Module) -> bool:
     """Whether ``fully_shard`` made ``model`` an FSDP2 module. FSDP is not imported to ask (about
-    1 s of CPU at the start of every process): a process that never imported it has none."""
+    1 s of CPU in a process that has not loaded it): a process that never imported it has none."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 

@@ -146,8 +146,8 @@ def _save_prewritten(run_dir: Path, step: int, env: DistEnv, write: Callable[[Pa
 def _write_shards(tmp: Path, parts: RankParts) -> Entries:
     """fsdp2: this rank's shards of the model and optimizer into ``sharded/``, by DCP, which
     gathers every rank's outcome (a full disk on one rank raises on all of them)."""
-    # lazy, as in checkpoints.load_sharded: DCP brings DTensor, about 1.3 s of CPU at the start of
-    # every process that never writes a sharded checkpoint (a single-process or ddp run, an eval)
+    # lazy, as in checkpoints.load_sharded: DCP with the DTensor it brings costs up to 1.3 s of CPU
+    # to import, paid by a process that never writes a sharded checkpoint unless it loaded them already
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
