@@ -128,3 +128,21 @@ def tiny_model_overrides(cache) -> list[str]:
         "train.seq_len=64", "train.micro_batch_size=8", "train.global_batch_size=16",
         "eval.batches=2", "optim.warmup_steps=5",
     ]
+
+
+# What a spawned rank imports anyway (torch, its compiler -- an optimizer step imports dynamo --,
+# torch.distributed and the trainer's modules), imported once per test worker by the forkserver.
+RANK_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "flopwise.parallel.distributed",
+                "flopwise.train.trainer"]
+
+
+def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)``, the processes forked from a forkserver
+    that has imported :data:`RANK_PRELOAD` once, instead of each one importing torch for itself
+    (about 5 s of CPU a process here: most of what these tests spend). Each rank is still a new
+    process with its own torch state -- nothing ran in the forkserver but imports -- and its own
+    process group; the test function is imported from its module as with spawn."""
+    import torch.multiprocessing as mp
+
+    mp.set_forkserver_preload(RANK_PRELOAD)  # read when the forkserver starts: the first call in this worker
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from helpers import spawn_ranks
 
 from flopwise.config import ConfigError, build_config
 from flopwise.parallel.distributed import init_distributed, read_launch_env
@@ -28,7 +28,7 @@ def _as_rank(rank: int, port: int) -> None:
 def _spawn(fn, out_dir: Path, *args) -> None:
     """``fn(rank, port, out_dir, *args)`` on WORLD processes; the traceback of any rank that
     wrote ``rank*.err`` fails the test."""
-    mp.spawn(fn, args=(free_port(), str(out_dir), *args), nprocs=WORLD, join=True)
+    spawn_ranks(fn, (free_port(), str(out_dir), *args), WORLD)
     errors = [p.read_text() for p in sorted(out_dir.glob("rank*.err"))]
     assert not errors, "\n".join(errors)
 

@@ -15,7 +15,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers import spawn_ranks
 
 from flopwise.config import ParallelConfig
 from flopwise.parallel.diloco import DiLoCo, fragments, make_groups
@@ -74,7 +74,7 @@ def hand_reference(groups: int, dtype: torch.dtype) -> list[list[torch.Tensor]]:
 
 def run(world: int, size: int, dtype: str = "fp32") -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_rounds, args=(world, os.path.join(d, "store"), size, d, dtype), nprocs=world, join=True)
+        spawn_ranks(_rounds, (world, os.path.join(d, "store"), size, d, dtype), world)
         return [torch.load(f"{d}/{r}.pt") for r in range(world)]
 
 
@@ -136,7 +136,7 @@ def _streaming(rank: int, world: int, store_file: str, out: str) -> None:
 
 def test_streaming_sends_fragments_at_staggered_steps_and_keeps_the_progress_made_in_flight():
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_streaming, args=(2, os.path.join(d, "store"), d), nprocs=2, join=True)
+        spawn_ranks(_streaming, (2, os.path.join(d, "store"), d), 2)
         logs = [torch.load(f"{d}/{r}.pt") for r in range(2)]
     log = logs[0]
     assert log["frags"] == [[0], [1, 2]]  # 30 | 7 + 12 values: contiguous, about even
