@@ -130,10 +130,11 @@ def tiny_model_overrides(cache) -> list[str]:
     ]
 
 
-# What a spawned rank imports anyway (torch, its compiler -- an optimizer step imports dynamo --,
-# torch.distributed and the trainer's modules), imported once per test worker by the forkserver.
-RANK_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "flopwise.parallel.distributed",
-                "flopwise.train.trainer"]
+# What a spawned rank imports anyway (torch, its compiler -- an optimizer step imports dynamo --
+# and torch.distributed), imported once per test worker by the forkserver. Nothing that runs a
+# tensor op at import (flopwise.model probes SDPA): that starts libgomp's thread pool, and a
+# process forked after it hangs in its first parallel region with more than one thread.
+RANK_PRELOAD = ["torch", "torch._dynamo", "torch.distributed"]
 
 
 def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
