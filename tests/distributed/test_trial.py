@@ -2,6 +2,12 @@
 2 gloo processes for an N-rank one -- real spawned processes, a tiny model on CPU."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,3 +102,65 @@ def test_the_next_trials_process_is_made_ready_while_one_runs_and_closed_at_the_
     for there in (first, second):
         assert there["first_loss"] == pytest.approx(here["first_loss"], rel=1e-6)
     assert trial_mod._ready == [] and multiprocessing.active_children() == []
+
+
+PREFLIGHT = """
+import sys, torch
+from flopwise.config import build_config
+from flopwise.tune.trial import TrialSpec, measure_in_processes
+cfg = build_config(overrides=sys.argv[2:])
+measure_in_processes(cfg, TrialSpec(8, "none", warmup=100_000, steps=3), torch.device("cpu"), world=int(sys.argv[1]))
+"""
+
+
+def _marked(mark: str) -> dict[int, tuple[int, str]]:
+    """``{pid: (ppid, cmdline)}`` of the live processes whose environment holds ``mark``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or mark.encode() not in (entry / "environ").read_bytes():
+                continue
+            stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if stat[0] not in "ZX":
+                found[int(entry.name)] = (int(stat[1]), (entry / "cmdline").read_bytes().decode(errors="replace"))
+        except OSError:
+            continue
+    return found
+
+
+def _wait_until(condition, what: str, limit_s: float = 120.0) -> None:
+    """A guard against a hang, not a timing check: ``condition`` is polled until it holds."""
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the trial's processes in /proc")
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_killed_preflight_takes_its_trial_processes_and_forkserver_with_it(cfg, tiny_overrides, world):
+    """kill -9 of the preflight mid-trial: the trial's processes (forked by the forkserver, so
+    not the preflight's children: prctl's death signal cannot reach them) end, and then the
+    forkserver, whose pipe they held open."""
+    mark = f"flopwise-trial-test-{os.getpid()}-{world}"
+    overrides = tiny_overrides + ["train.compile=off", "train.threads=1", "data.loader=epoch", "train.global_batch_size=32"]
+    preflight = subprocess.Popen([sys.executable, "-c", PREFLIGHT, str(world), *overrides],
+                                 env={**os.environ, "FLOPWISE_TEST_MARK": mark})
+    try:
+        def trials() -> list[int]:
+            procs = _marked(mark)
+            servers = [pid for pid, (ppid, cmd) in procs.items() if ppid == preflight.pid and "forkserver" in cmd]
+            return [pid for pid, (ppid, _) in procs.items() if ppid in servers]
+
+        _wait_until(lambda: len(trials()) == world or preflight.poll() is not None, "the trial never started")
+        assert preflight.poll() is None, f"the preflight ended first: exit {preflight.returncode}"
+        started = trials()
+        preflight.kill()
+        preflight.wait()
+        _wait_until(lambda: not _marked(mark), "left running after the preflight was killed (the trial's were "
+                    f"{started}): " + "; ".join(f"{pid} {cmd[:70]!r}" for pid, (_, cmd) in _marked(mark).items()))
+    finally:
+        if preflight.poll() is None:
+            preflight.kill()
+        for pid in _marked(mark):
+            os.kill(pid, signal.SIGKILL)

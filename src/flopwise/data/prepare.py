@@ -70,6 +70,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import select
 import shutil
 import signal
 import sys
@@ -344,6 +345,42 @@ def _watch_parent(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(PARENT_POLL_S)
     os._exit(1)
+
+
+def die_with(pid: int) -> None:
+    """End this process when process ``pid`` ends, however it ends, where ``pid`` is not its
+    parent: a process forked by a forkserver (its parent) for a client (``pid``).
+
+    prctl's death signal follows the parent, and a forkserver outlives a killed client for as
+    long as any process it forked holds the client's pipe open -- so not before they end. A
+    daemon thread waits instead on a pidfd of ``pid``, which is readable once ``pid`` has exited
+    (a reused pid cannot fool it); where there is no pidfd it polls ``pid`` once a second."""
+    try:
+        fd: int | None = os.pidfd_open(pid)
+    except ProcessLookupError:  # gone already
+        os._exit(1)
+    except (AttributeError, OSError):  # no pidfd_open: not Linux 5.3+
+        fd = None
+    threading.Thread(target=_wait_for_exit, args=(pid, fd), name="flopwise-client-watch", daemon=True).start()
+
+
+def _wait_for_exit(pid: int, fd: int | None) -> None:
+    if fd is not None:
+        select.select([fd], [], [])
+    else:
+        while _alive(pid):
+            time.sleep(PARENT_POLL_S)
+    os._exit(1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 def _worker_init(tokenizer_json: str, bos: int | None, eos: int, dtype: str, parent_pid: int) -> None:

@@ -6,9 +6,9 @@ and resets the peak) before it times, but a process keeps more than that between
 graph pools of ``reduce-overhead``, the allocator's reserved segments and their fragmentation,
 cuBLAS and cuDNN workspaces, threads, autotuning choices held in memory.
 :func:`measure_in_processes` runs the same ``measure`` in processes started for it alone
-(``spawn``), so what one rung left behind cannot speed up or slow down the next, and a rung
-that crashes its process (a CUDA error, an abort inside a kernel library) is a failed row
-instead of the end of the ladder.
+(forked by a forkserver, see below), so what one rung left behind cannot speed up or slow
+down the next, and a rung that crashes its process (a CUDA error, an abort inside a kernel
+library) is a failed row instead of the end of the ladder.
 
 With ``world > 1`` it starts ``world`` ranks on this machine (``cuda:0`` .. ``cuda:N-1`` with
 NCCL, or CPU processes with gloo), joined into a process group as ``torchrun`` would; each
@@ -16,11 +16,20 @@ rank runs ``measure`` under the strategy of the configuration, and rank 0's resu
 global batch's tokens/s, the ranks' mean first-step loss -- comes back as JSON through a
 file in a private temporary directory (nothing is unpickled from it).
 
-A fresh process first pays its imports (torch, the model, the loader: about 2.5 s of the 3.5 s
-a one-rank trial's process costs on this project's CPU). Inside :func:`ready_processes`,
-which preflight opens around its trials, the next one-rank trial's process is started while
-the current one runs and waits, imported, for its trial: still a process that has run
-nothing, so the isolation is the same, and its start is off the clock.
+A process started with ``spawn`` first imports torch and its compiler (an optimizer step
+imports dynamo): about 5 s of CPU on this project's 2-core CPU, for every rank of every trial.
+So the trials' processes are forked by a **forkserver** (multiprocessing's, which PyTorch
+supports with CUDA) that has imported :data:`FORKSERVER_PRELOAD` once, in a process of its own
+that runs nothing else: no tensor op (a process forked after libgomp's thread pool started
+hangs in its first parallel region), no CUDA (initialised only in the trial). A trial's process
+therefore still starts with nothing run, and imports only flopwise. Two consequences: its
+environment is the one preflight had when its first trial started the forkserver (nothing
+sets variables between trials), and its parent is the forkserver, so it ends with the
+preflight through :func:`~flopwise.data.prepare.die_with` rather than prctl's death signal.
+Inside :func:`ready_processes`, which preflight opens around its trials, the next one-rank
+trial's process is started while the current one runs and waits, imported, for its trial:
+still a process that has run nothing, so the isolation is the same, and its start is off the
+clock.
 
 :class:`TrialRunner` is how preflight times a configuration, the micro-batch search and the
 ladder alike: a :class:`TrialSpec` (micro-batch, checkpointing, steps, probe) from the
@@ -39,14 +48,14 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, cast
+from typing import Any, Callable, Iterator, Literal, cast
 
 import torch
 import torch.multiprocessing as mp
 
 from flopwise.config import ActivationCheckpointing, ConfigError, RunConfig
 from flopwise.data.datadir import open_data_dir
-from flopwise.data.prepare import die_with_parent
+from flopwise.data.prepare import die_with
 from flopwise.errors import FlopwiseError, is_out_of_memory
 from flopwise.fsio import atomic_write
 from flopwise.measure.meter import median
@@ -86,9 +95,9 @@ class TrialSpec:
 
 @dataclass(frozen=True)
 class _Job:
-    """A trial's orders to each of its processes (our own children, sent by pipe or by spawn):
-    the ranks and their rendezvous port, what to time and where, the result file rank 0 writes,
-    and the parent they end with."""
+    """A trial's orders to each of its processes (started for this preflight, sent over a pipe
+    or as ``start_processes``' argument): the ranks and their rendezvous port, what to time and
+    where, the result file rank 0 writes, and the preflight they end with."""
 
     world: int
     port: int
@@ -115,7 +124,7 @@ def measure_in_processes(cfg: RunConfig, spec: TrialSpec, device: torch.device, 
         job = _Job(world, free_port(), cfg, spec, str(device), str(out), os.getpid())
         if world == 1:
             return _in_one_process(job, deadline, timeout_s)
-        ctx = mp.start_processes(_rank, args=(job,), nprocs=world, join=False, start_method="spawn")
+        ctx = mp.start_processes(_rank, args=(job,), nprocs=world, join=False, start_method=_forkserver())
         try:
             while not ctx.join(timeout=0.5):
                 if deadline is not None and time.monotonic() > deadline:
@@ -129,12 +138,21 @@ def measure_in_processes(cfg: RunConfig, spec: TrialSpec, device: torch.device, 
         return json.loads(out.read_text())
 
 
+FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed"]  # imports only: see the module's doc
+
+
+def _forkserver() -> Literal["forkserver"]:
+    """The start method of trial processes, the forkserver's imports set (read when it starts)."""
+    mp.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return "forkserver"
+
+
 class _Process:
-    """A spawned process that imports what a trial needs (spawning imports this module: torch,
-    the model, the loader), then waits on a pipe for one trial and runs it as rank 0 of 1."""
+    """A forked process that imports what a trial needs (unpickling its target imports this
+    module: the model, the loader), then waits on a pipe for one trial and runs it as rank 0 of 1."""
 
     def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(_forkserver())
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_standby, args=(child, os.getpid()), name="flopwise-trial")
         self.proc.start()
@@ -177,7 +195,7 @@ def _in_one_process(job: _Job, deadline: float | None, timeout_s: float | None) 
         _ready.append(_Process())  # imports while this trial runs
     try:
         try:
-            worker.conn.send(job)  # to our own child, over a pipe: nothing read from a file
+            worker.conn.send(job)  # to the process started for us, over a pipe: nothing read from a file
         except OSError:  # it died while it waited (a broken pipe)
             worker.close()
             worker = _Process()
@@ -200,7 +218,7 @@ def _in_one_process(job: _Job, deadline: float | None, timeout_s: float | None) 
 def _standby(conn: Any, parent_pid: int) -> None:
     """A one-rank trial's process: wait for the trial (or for the pipe to close: not needed after
     all), run it; an exception's last line goes to ``error.txt`` beside the result file."""
-    die_with_parent(parent_pid)
+    die_with(parent_pid)
     try:
         job = conn.recv()
     except (EOFError, OSError):
@@ -226,7 +244,7 @@ def _rank(local_rank: int, job: _Job) -> None:
     """One process of a trial (``mp.start_processes`` passes ``local_rank`` first). One rank
     measures on the parent's device (``cuda:1`` stays ``cuda:1``); N ranks on ``cuda:LOCAL_RANK``.
     It ends with the preflight that started it, however that ends (``kill -9`` included)."""
-    die_with_parent(job.parent_pid)
+    die_with(job.parent_pid)
     cfg, world = job.cfg, job.world
     env, device = DistEnv(), torch.device(job.device)
     if device.type == "cuda" and world == 1:
