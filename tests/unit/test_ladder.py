@@ -296,7 +296,9 @@ def scaling(efficiency):
 def test_at_n_ranks_the_ladder_scales_out_then_climbs_strategy_and_buckets():
     eff = {("ddp", 25.0): 0.80, ("zero1", 25.0): 0.88, ("zero1", 50.0): 0.95, ("fsdp2", 25.0): 0.70}
     lines = []
-    lad = climb(base(["train.threads=2", "train.global_batch_size=64"]), scripted({}, extra=scaling(eff)), [16],
+    # 121 MB of gradients (d_model 512, 20 layers): every bucket size tried makes buckets of its own
+    big = ["model.d_model=512", "model.n_layers=20"]
+    lad = climb(base(["train.threads=2", "train.global_batch_size=64", *big]), scripted({}, extra=scaling(eff)), [16],
                 bench(peak=1e12), ask(log=lines.append, price_per_gpu_hour=2.0, world=4))
     rows = [r for r in lad["rungs"] if r["rung"] in ("ranks", "strategy", "buckets")]
     assert [(r["rung"], r["change"], r["kept"]) for r in rows] == [
@@ -313,6 +315,22 @@ def test_at_n_ranks_the_ladder_scales_out_then_climbs_strategy_and_buckets():
     assert final["tok_per_s"] == pytest.approx(4 * 0.95 * 1000)
     assert final["mfu"] == pytest.approx(final["tok_per_s"] * 1e7 / (1e12 * 4))  # per device
     assert final["cost"] == pytest.approx(final["hours"] * 2.0 * 4)  # every device's hours
+
+
+def test_bucket_sizes_that_make_the_same_buckets_are_measured_once():
+    """DDP fills a first 1 MB bucket, then buckets of bucket_mb: every size at least as large as
+    the gradients makes the same two, so only the first such size (the configured 25 MB counts)
+    is measured and the others say why they were not."""
+    def buckets(overrides):
+        lad = climb(base(["train.threads=2", *overrides]), scripted({}, extra=scaling({})), [16], bench(), ask(world=2))
+        return [(r["change"].split("=")[1], r["status"], r["why"]) for r in lad["rungs"] if r["rung"] == "buckets"]
+
+    tiny = buckets([])  # 7.0 MB of gradients: 10, 50 and 100 MB make the buckets 25 MB makes
+    assert [(mb, status) for mb, status, _ in tiny] == [("10.0", "skipped"), ("50.0", "skipped"), ("100.0", "skipped")]
+    assert "the buckets of 25 MB: the gradients (7.0 MB) fit in one bucket of either size" in tiny[0][2], tiny
+    mid = buckets(["model.d_model=512", "model.n_layers=4"])  # 37.0 MB: 50 is the first size to hold them all
+    assert [(mb, status) for mb, status, _ in mid] == [("10.0", "ok"), ("50.0", "ok"), ("100.0", "skipped")]
+    assert "the buckets of 50 MB" in mid[2][2], mid
 
 
 def test_buckets_are_not_climbed_under_fsdp2_nor_strategies_that_cannot_run_this_config():

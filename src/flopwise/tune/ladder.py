@@ -54,7 +54,8 @@ from flopwise.model.attention import available_backends, select_backend
 from flopwise.model.loss import fused_linear_cross_entropy_available
 from flopwise.parallel.strategy import incompatibilities
 from flopwise.plan.budget import memory_settings_for_run
-from flopwise.plan.memory import estimate
+from flopwise.plan.flops import param_counts
+from flopwise.plan.memory import estimate, state_bytes
 from flopwise.train.precision import cpu_native_bf16, fp8_problem
 from flopwise.train.precision import resolve as resolve_precision
 from flopwise.tune.choice import Trial, choose
@@ -378,11 +379,28 @@ class Climb:
         self.ladder["scaling_efficiency"] = scaling
         self.record(row, {"parallel.strategy": strategy})
         precision = resolve_precision(cfg.train.precision, self.device).name
+        grads_mb = gradient_mb(cfg, precision)
+        # DDP fills a first 1 MB bucket, then buckets of bucket_mb: every size at least the gradients' own
+        # makes the same two buckets, so one such size is measured (the configuration's, or the first tried)
+        one_bucket = cfg.parallel.bucket_mb if cfg.parallel.bucket_mb >= grads_mb else None
         for name, options, numerics in data_parallel_rungs(self.cfg, precision, strategy):
             for settings in options:
                 if name == "buckets" and self.cfg.parallel.strategy not in ("ddp", "zero1"):
                     continue  # FSDP2 reduce-scatters per block: no bucket size
+                if name == "buckets" and settings["parallel.bucket_mb"] >= grads_mb:
+                    if one_bucket is not None:
+                        self.skip(name, settings, f"the buckets of {one_bucket:g} MB: the gradients "
+                                                  f"({grads_mb:.1f} MB) fit in one bucket of either size")
+                        continue
+                    one_bucket = settings["parallel.bucket_mb"]
                 self.attempt(name, settings, numerics)
+
+
+def gradient_mb(cfg: RunConfig, precision: str) -> float:
+    """The gradients DDP's buckets hold -- every trainable parameter's, in the parameters' dtype
+    under ``precision`` -- in ``parallel.bucket_mb``'s unit (2**20 bytes)."""
+    settings = memory_settings_for_run(cfg, precision, cfg.train.loss)
+    return state_bytes(param_counts(cfg.model)["total"], settings)["grads"] / 2**20
 
 
 def _drift(loss: float | None, ref: float | None) -> float | None:
