@@ -130,20 +130,17 @@ def tiny_model_overrides(cache) -> list[str]:
     ]
 
 
-# What a spawned rank imports anyway (torch, its compiler -- an optimizer step imports dynamo --
-# and torch.distributed), imported once per test worker by the forkserver. Nothing that runs a
-# tensor op at import (flopwise.model probes SDPA): that starts libgomp's thread pool, and a
-# process forked after it hangs in its first parallel region with more than one thread.
-RANK_PRELOAD = ["torch", "torch._dynamo", "torch.distributed"]
-
-
 def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
     """``torch.multiprocessing.spawn(fn, args, nprocs)``, the processes forked from a forkserver
-    that has imported :data:`RANK_PRELOAD` once, instead of each one importing torch for itself
-    (about 5 s of CPU a process here: most of what these tests spend). Each rank is still a new
-    process with its own torch state -- nothing ran in the forkserver but imports -- and its own
-    process group; the test function is imported from its module as with spawn."""
+    that imported torch once, instead of each one importing it for itself (about 5 s of CPU a
+    process here: most of what these tests spend). It is the forkserver preflight's trials use,
+    with the same imports (``flopwise.tune.trial.FORKSERVER_PRELOAD``; that module's doc says
+    why nothing else). Each rank is still a new process with its own torch state -- nothing ran
+    in the forkserver but imports -- and its own process group; the test function is imported
+    from its module as with spawn."""
     import torch.multiprocessing as mp
 
-    mp.set_forkserver_preload(RANK_PRELOAD)  # read when the forkserver starts: the first call in this worker
+    from flopwise.tune.trial import FORKSERVER_PRELOAD
+
+    mp.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the forkserver starts: the first call in this worker
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")

@@ -126,7 +126,7 @@ def _save_prewritten(run_dir: Path, step: int, env: DistEnv, write: Callable[[Pa
     directory, every rank runs ``write(directory)``, which returns the manifest entries of the
     files it wrote and fails on every rank or on none; then rank 0 ``finish``-es the checkpoint
     with all ranks' entries. A failed write discards the directory and raises on every rank."""
-    from torch.distributed.checkpoint import CheckpointException  # lazy: see _write_shards
+    from torch.distributed.checkpoint import CheckpointException  # lazy: see _dcp_save
 
     tmp = env.on_main(lambda: begin_save(run_dir, step))
     try:
@@ -143,18 +143,25 @@ def _save_prewritten(run_dir: Path, step: int, env: DistEnv, write: Callable[[Pa
     return env.on_main(complete)
 
 
-def _write_shards(tmp: Path, parts: RankParts) -> Entries:
-    """fsdp2: this rank's shards of the model and optimizer into ``sharded/``, by DCP, which
-    gathers every rank's outcome (a full disk on one rank raises on all of them)."""
+def _dcp_save(model: torch.nn.Module, optimizer: torch.optim.Optimizer, out: Path, group: Any = None) -> None:
+    """This rank's shards of ``model`` and ``optimizer`` into ``out``, by DCP over ``group`` (None:
+    every rank), its files synced."""
     # lazy, as in checkpoints.load_sharded: DCP with the DTensor it brings costs up to 1.3 s of CPU
     # to import, paid by a process that never writes a sharded checkpoint unless it loaded them already
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(out, sync_files=True),
+             process_group=group)
+
+
+def _write_shards(tmp: Path, parts: RankParts) -> Entries:
+    """fsdp2: this rank's shards of the model and optimizer into ``sharded/``, by DCP, which
+    gathers every rank's outcome (a full disk on one rank raises on all of them)."""
     env = parts.env
-    model_sd, optim_sd = get_state_dict(parts.model, parts.optimizer)
     out = tmp / SHARDED
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp.FileSystemWriter(out, sync_files=True))
+    _dcp_save(parts.model, parts.optimizer, out)
     env.barrier()  # every rank's files are written (and .metadata, by rank 0) before they are listed
     return {f"{SHARDED}/{p.name}": file_entry(p) for p in sorted(out.iterdir())
             if p.name.startswith(f"__{env.rank}_") or (env.is_main and not p.name.startswith("__"))}
@@ -171,12 +178,7 @@ def _write_diloco(tmp: Path, parts: RankParts, outer: DiLoCo) -> Entries:
     (tmp / DILOCO).mkdir(exist_ok=True)
     if sharded:  # the group's weights and optimizer: DCP over the group's ranks
         target = SHARDED if g.index == 0 else f"{DILOCO}/group-{g.index}"
-        import torch.distributed.checkpoint as dcp  # lazy: see _write_shards
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd},
-                 storage_writer=dcp.FileSystemWriter(tmp / target, sync_files=True), process_group=parts.env.group)
+        _dcp_save(model, optimizer, tmp / target, group=parts.env.group)
         for p in sorted((tmp / target).iterdir()):  # DCP names files by the rank within the group
             if p.name.startswith(f"__{g.inner_rank}_") or (g.inner_rank == 0 and not p.name.startswith("__")):
                 files[f"{target}/{p.name}"] = file_entry(p)
@@ -249,7 +251,7 @@ def load_distributed(path: Path, parts: RankParts) -> dict[str, Any]:
 def _load_full_into_fsdp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """A full checkpoint (model.pt, index-keyed optimizer.pt) into an FSDP2-sharded model:
     every rank reads the whole files and keeps its shards."""
-    from torch.distributed.checkpoint.state_dict import (  # lazy: see _write_shards
+    from torch.distributed.checkpoint.state_dict import (  # lazy: see _dcp_save
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
