@@ -175,6 +175,18 @@ def test_a_timeout_also_ends_a_command_that_its_command_ran_through_the_runner(b
     assert _gone(int(pid_file.read_text()))
 
 
-def _gone(pid: int) -> bool:
-    stat = Path(f"/proc/{pid}/stat")
-    return not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+def _gone(pid: int, within_s: float = 60.0) -> bool:
+    """Whether ``pid`` has ended (gone, or a zombie), waiting for it up to ``within_s``: SIGKILL is
+    delivered when the process is next scheduled, so on a loaded machine it can still be listed as
+    running just after ``killpg`` returned. A process that outlives the wait fails the test."""
+    deadline = time.monotonic() + within_s
+    while True:
+        stat = Path(f"/proc/{pid}/stat")
+        try:
+            if stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
