@@ -869,6 +869,8 @@ def build_config(
     if file_data:
         _apply_mapping(cfg, file_data, str(config_file), loading)
         cfg.preset = str(name)
+    # A run's own config.yaml: its directory is the run (the overrides below may still name another)
+    own_run_dir, moved_note = run_dir_of_file(cfg, config_file)
     for text in overrides or []:
         try:
             section, key, value = parse_override(text)
@@ -881,6 +883,8 @@ def build_config(
             )
             continue
         _set(cfg, section, key, value, f"override {shown(text)}", loading)
+    if moved_note and cfg.train.run_dir == own_run_dir:
+        loading.note(moved_note)
 
     problems = loading.problems
     if cfg.model.hf_config and not problems:
@@ -890,6 +894,40 @@ def build_config(
         raise ConfigError(problems)
     cfg.notes = loading.notes
     return cfg
+
+
+# What ``flopwise train`` writes beside a run's config.yaml (``checkpoints`` is
+# ``flopwise.checkpoints.CHECKPOINT_DIR``, a layer above): a config.yaml next to one of them is a run's own.
+RUN_DIR_MARKS = ("checkpoints", "run.json", "metrics.jsonl")
+
+
+def run_directory(config_file: str | Path) -> Path | None:
+    """The run directory whose ``config.yaml`` (or whose checkpoint's copy of it,
+    ``RUN/checkpoints/step-N/config.yaml``) ``config_file`` is; None for any other file."""
+    path = Path(config_file)
+    if path.name != "config.yaml":
+        return None
+    candidates = [path.parent]
+    if path.parent.parent.name == RUN_DIR_MARKS[0]:  # RUN/checkpoints/step-N/config.yaml
+        candidates.append(path.parent.parent.parent)
+    return next((d for d in candidates if any((d / mark).exists() for mark in RUN_DIR_MARKS)), None)
+
+
+def run_dir_of_file(cfg: RunConfig, config_file: str | Path | None) -> tuple[str, str]:
+    """Point ``cfg.train.run_dir`` at the run directory ``config_file`` sits in, when it is a
+    run's own config.yaml: a copied or moved run is trained where it is now, never at the path
+    its config recorded (that run would get the copy's edits, or a moved run would start
+    again at step 0 at its old place). Returns the directory set ("" when none) and a note
+    when the recorded one differed."""
+    run_dir = run_directory(config_file) if config_file is not None else None
+    if run_dir is None:
+        return "", ""
+    recorded, here = cfg.train.run_dir, str(run_dir.resolve())
+    cfg.train.run_dir = here
+    if recorded and Path(recorded).expanduser().resolve() != Path(here):
+        return here, (f"{config_file} records train.run_dir {recorded}; this run is at {here} (copied or moved): "
+                      f"using {here}")
+    return here, ""
 
 
 # Fields a Hugging Face config.json decides (``model.hf_config``); the rest stay the run's.

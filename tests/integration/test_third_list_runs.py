@@ -1,0 +1,121 @@
+"""Issue 44, a run's config and resume: a copied or moved run directory trains where it is,
+a hand-edited ``config.yaml`` is checked against the checkpoint's own copy and the resume says
+what trains, ``train.preflight`` takes only a preflight result, and a run stopped before its
+first logged step says so instead of printing a loss it did not measure.
+
+Through the real command (``flopwise.cli.main``, and ``python -m flopwise`` where the process
+matters), on real copies made with ``cp -r`` and real moves with ``mv``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flopwise.checkpoints import latest_checkpoint
+from flopwise.cli import main
+from flopwise.config import CHECKSUM_MARK, build_config
+from flopwise.train.trainer import train
+
+QUIET = ["eval.every=0", "eval.sample_tokens=0", "train.checkpoint_every=2"]
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Every file under ``root``: its SHA-256, by its path relative to ``root``."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def train_original(tiny_overrides, steps: int = 2) -> Path:
+    """A real run of ``steps`` steps, made by ``flopwise train``; its directory."""
+    assert main(["train", *tiny_overrides, *QUIET, f"train.max_steps={steps}"]) == 0
+    run = Path(build_config(overrides=tiny_overrides).train.run_dir)
+    assert latest_checkpoint(run).name == f"step-{steps:07d}"
+    return run
+
+
+def edit(config: Path, old: str, new: str, keep_checksum: bool = True) -> None:
+    """A hand edit of a run's config.yaml: ``old`` replaced by ``new`` (once); with
+    ``keep_checksum=False`` the checksum line goes too, as a user who tidies the file would do."""
+    text = config.read_text()
+    assert text.count(old) == 1, (old, text)
+    text = text.replace(old, new)
+    if not keep_checksum:
+        text = "".join(line for line in text.splitlines(keepends=True) if not line.startswith(CHECKSUM_MARK))
+    config.write_text(text)
+
+
+# --------------------------------------------------------------------------- item 1: a copied or moved run
+
+def test_a_copied_run_trains_the_copy_and_leaves_the_original_untouched(tiny_overrides, tmp_path, capsys):
+    original = train_original(tiny_overrides)
+    before = tree_digest(original)
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-r", str(original), str(copy)], check=True)
+    edit(copy / "config.yaml", "max_steps: 2\n", "max_steps: 4\n")  # train the copy longer
+    capsys.readouterr()
+
+    assert main(["train", "--config", str(copy / "config.yaml")]) == 0
+    out = capsys.readouterr()
+    assert latest_checkpoint(copy) == copy / "checkpoints" / "step-0000004", out.out[-2000:]
+    assert f"resuming from {copy / 'checkpoints' / 'step-0000002'}" in out.out
+    assert (f"config.yaml records train.run_dir {original}; this run is at {copy} (copied or moved): "
+            f"using {copy}") in out.err, out.err
+    assert tree_digest(original) == before  # not a byte of the original changed
+    assert json.loads((copy / "run.json").read_text())["result"]["steps"] == 4
+
+
+def test_a_moved_run_resumes_from_its_last_step_where_it_now_is(tiny_overrides, tmp_path, capsys):
+    original = train_original(tiny_overrides)
+    moved = tmp_path / "elsewhere" / "moved"
+    moved.parent.mkdir()
+    subprocess.run(["mv", str(original), str(moved)], check=True)
+    capsys.readouterr()
+
+    assert main(["train", "--config", str(moved / "config.yaml"), "train.max_steps=4"]) == 0
+    out = capsys.readouterr()
+    assert f"resuming from {moved / 'checkpoints' / 'step-0000002'} (step 2 of 4" in out.out, out.out[-2000:]
+    assert not original.exists()  # nothing was started at the old path
+    assert latest_checkpoint(moved).name == "step-0000004"
+    starts = json.loads((moved / "run.json").read_text())["starts"]
+    assert [s["at_step"] for s in starts] == [0, 2]
+    assert f"run_dir: {moved}\n" in (moved / "config.yaml").read_text()  # recorded where it is now
+
+
+def test_a_run_dir_on_the_command_line_wins_over_the_config_files_directory(tiny_overrides, tmp_path):
+    run = tmp_path / "a-run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("train:\n  run_dir: /somewhere/else\n")
+    (run / "run.json").write_text("{}")
+    assert build_config(config_file=run / "config.yaml").train.run_dir == str(run)
+    assert "copied or moved" in " ".join(build_config(config_file=run / "config.yaml").notes)
+    other = tmp_path / "other"
+    chosen = build_config(config_file=run / "config.yaml", overrides=[f"train.run_dir={other}"])
+    assert chosen.train.run_dir == str(other) and not any("copied or moved" in n for n in chosen.notes)
+    step = run / "checkpoints" / "step-0000002"  # a checkpoint's own copy is its run's
+    step.mkdir()
+    (step / "config.yaml").write_text("train:\n  run_dir: /somewhere/else\n")
+    assert build_config(config_file=step / "config.yaml").train.run_dir == str(run)
+    # a config file of one's own, outside a run directory, is taken as written
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.yaml").write_text("train:\n  run_dir: /somewhere/else\n")
+    assert build_config(config_file=tmp_path / "mine" / "config.yaml").train.run_dir == "/somewhere/else"
+
+
+@pytest.mark.slow
+def test_a_copied_run_is_trained_in_the_copy_by_a_separate_process(tiny_overrides, tmp_path):
+    """The same as a user types it: ``python -m flopwise train --config COPY/config.yaml``."""
+    original = train_original(tiny_overrides)
+    before = tree_digest(original)
+    copy = tmp_path / "copy-cli"
+    subprocess.run(["cp", "-r", str(original), str(copy)], check=True)
+    done = subprocess.run([sys.executable, "-m", "flopwise", "train", "--config", str(copy / "config.yaml"),
+                           "train.max_steps=4"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "copied or moved" in done.stderr and latest_checkpoint(copy).name == "step-0000004"
+    assert tree_digest(original) == before
