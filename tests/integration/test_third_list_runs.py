@@ -26,9 +26,10 @@ QUIET = ["eval.every=0", "eval.sample_tokens=0", "train.checkpoint_every=2"]
 
 
 def tree_digest(root: Path) -> dict[str, str]:
-    """Every file under ``root``: its SHA-256, by its path relative to ``root``."""
+    """Every file under ``root``: its SHA-256, by its path relative to ``root``. Not the lock
+    file, which says who last held the directory: a refused command holds it too."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".lock"}
 
 
 def train_original(tiny_overrides, steps: int = 2) -> Path:
@@ -119,3 +120,40 @@ def test_a_copied_run_is_trained_in_the_copy_by_a_separate_process(tiny_override
     assert done.returncode == 0, done.stderr[-2000:]
     assert "copied or moved" in done.stderr and latest_checkpoint(copy).name == "step-0000004"
     assert tree_digest(original) == before
+
+
+# --------------------------------------------------------------------------- item 10: a hand-edited config.yaml
+
+def test_an_architecture_edit_without_the_checksum_line_is_refused_by_the_checkpoints_copy(
+        tiny_overrides, capsys):
+    run = train_original(tiny_overrides)
+    config = run / "config.yaml"
+    edit(config, "d_model: 64\n", "d_model: 96\n", keep_checksum=False)
+    edited = config.read_text()
+    before = tree_digest(run)
+    capsys.readouterr()
+
+    assert main(["train", "--config", str(config), "train.max_steps=4"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert ("model.d_model is 96 in this configuration but 64 in the checkpoint "
+            f"{run / 'checkpoints' / 'step-0000002'}") in err, err
+    assert config.read_text() == edited and tree_digest(run) == before  # refused before anything was written
+
+
+def test_the_resume_note_says_what_trains_after_a_hand_edit(tiny_overrides, capsys):
+    run = train_original(tiny_overrides)
+    config = run / "config.yaml"
+    edit(config, "lr: 0.003\n", "lr: 0.002\n")  # the checksum line stays: it no longer matches
+    capsys.readouterr()
+
+    assert main(["train", "--config", str(config), "train.max_steps=4"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith("resume"))
+    resume = " ".join(lines[at:at + 2])  # the resume line and the one under it
+    assert f"{config} was changed since the run wrote it" in resume, resume
+    assert "training this configuration" in resume and "optim.lr: 0.003 -> 0.002" in resume, resume
+    assert "train.max_steps: 2 -> 4" in resume, resume
+    assert "using" not in resume  # the checkpoint's copy is what it is checked against, not what trains
+    assert "lr: 0.002\n" in config.read_text()  # and config.yaml records what trained

@@ -9,10 +9,13 @@ data is read or a model is built. One writer per run: :func:`start_run` takes th
 directory's lock (``fsio.DirLock``) before it looks inside, and the caller holds it until the
 run ends. A second ``flopwise train`` on the same directory is refused with the holder's pid
 and command; the lock of a killed run dies with its process, so resuming after ``kill -9``
-just works. The run's ``config.yaml`` is written atomically with its checksum in a last
-comment line; if it is unreadable anyway or no longer matches its checksum (a copy edited by
-hand, a file from an older version written in place), the latest checkpoint's own copy
-decides, with a note.
+just works. What a resume is checked against is the configuration its latest checkpoint was
+trained with -- the copy saved with the weights -- whatever became of the run's ``config.yaml``
+(written atomically with its checksum in a last comment line, yet perhaps edited by hand,
+checksum line and all, or cut): a refusal names the field, the checkpoint's value and this
+configuration's, and the resume note lists every setting that trains differently from the
+checkpoint's (:func:`config_changes`). Only a run with no checkpoint yet is checked against its
+``config.yaml``, if that is still the file the run wrote.
 
 **Saves.**
 
@@ -59,7 +62,8 @@ from flopwise.checkpoints import (
     unmarked_checkpoints,
     write_checksummed,
 )
-from flopwise.config import ConfigError, RunConfig, checksum_problem, load_run_config
+from flopwise.config import SECTIONS, ConfigError, RunConfig, checksum_problem, load_run_config, recorded_paths
+from flopwise.errors import shown
 from flopwise.fsio import DirLock, LockedError, describe_write_error, fsync_dir, write_file, write_reason
 
 # --------------------------------------------------------------------------- RNG
@@ -221,23 +225,43 @@ class RunStart:
     checkpoint: Path | None  # resume from here; None = step 0
     resumed_run: bool  # the directory held this run before (resumed, or restarted without a checkpoint)
     note: str
+    changes: str = ""  # a resume: the settings this configuration changes from the checkpoint's
 
 
-def resume_conflicts(old: RunConfig, new: RunConfig) -> list[str]:
-    """Fields whose change breaks an exact continuation, as 'field: old -> new'."""
+def resume_conflicts(old: RunConfig, new: RunConfig) -> list[tuple[str, Any, Any]]:
+    """Fields whose change breaks an exact continuation: ``(field, old value, new value)``."""
     out = []
     for f in dataclasses.fields(old.model):
         if f.name in RESUMABLE_MODEL_FIELDS:
             continue
         a, b = getattr(old.model, f.name), getattr(new.model, f.name)
         if a != b:
-            out.append(f"model.{f.name}: {a!r} -> {b!r}")
+            out.append((f"model.{f.name}", a, b))
     for section, name in BREAKING_FIELDS:
         a, b = getattr(getattr(old, section), name), getattr(getattr(new, section), name)
         if a != b:
-            hint = (" (the default became epoch: add data.loader=random to continue this run)"
-                    if (section, name) == ("data", "loader") and a == "random" else "")
-            out.append(f"{section}.{name}: {a!r} -> {b!r}{hint}")
+            out.append((f"{section}.{name}", a, b))
+    return out
+
+
+def _conflict_message(run_dir: Path, conflict: tuple[str, Any, Any], source: str) -> str:
+    name, old, new = conflict
+    hint = (" (the default became epoch: add data.loader=random to continue this run)"
+            if name == "data.loader" and old == "random" else "")
+    return (f"train.run_dir {str(run_dir)!r}: {name} is {shown(new)} in this configuration but {shown(old)} in "
+            f"{source}{hint}: this configuration cannot continue that run; pass --fresh to start over (the old "
+            "run is kept, renamed aside)")
+
+
+def config_changes(old: RunConfig, new: RunConfig) -> list[str]:
+    """Every setting in which ``new`` differs from ``old``, as 'field: old -> new' (``new``'s
+    relative paths resolved, as its config.yaml will record them; where the run is, aside)."""
+    recorded, _ = recorded_paths(new)
+    out = []
+    for section in SECTIONS:
+        a, b = dataclasses.asdict(getattr(old, section)), dataclasses.asdict(getattr(recorded, section))
+        out += [f"{section}.{k}: {shown(a[k])} -> {shown(b[k])}" for k in a
+                if a[k] != b.get(k) and f"{section}.{k}" != "train.run_dir"]
     return out
 
 
@@ -293,14 +317,12 @@ def _decide(cfg: RunConfig, run_dir: Path, fresh: bool, held: contextlib.ExitSta
     if not holds_run:
         _check_writable(run_dir)
         return RunStart(run_dir, None, False, "new run")
-    old, note = _previous_config(run_dir)
+    ckpt = latest_checkpoint(run_dir)
+    old, source, note = _previous_config(run_dir, ckpt)
     conflicts = resume_conflicts(old, cfg)
     if conflicts:
-        raise ConfigError([f"train.run_dir {str(run_dir)!r} holds a run that this configuration cannot "
-                           f"continue ({c}); pass --fresh to start over (the old run is kept, renamed aside)"
-                           for c in conflicts])
+        raise ConfigError([_conflict_message(run_dir, c, source) for c in conflicts])
     _check_writable(run_dir)
-    ckpt = latest_checkpoint(run_dir)
     unmarked = [p for p in unmarked_checkpoints(run_dir) if ckpt is None or int(p.name[5:]) > int(ckpt.name[5:])]
     if unmarked:  # resuming from an older step (or step 0) would silently train over them
         raise ConfigError([f"train.run_dir {str(run_dir)!r}: {unmarked[-1]} has no COMPLETE marker, so it is "
@@ -309,29 +331,43 @@ def _decide(cfg: RunConfig, run_dir: Path, fresh: bool, held: contextlib.ExitSta
                            "or pass --fresh"])
     if ckpt is None:
         return RunStart(run_dir, None, True, note + "the run directory has no complete checkpoint: starting at step 0")
-    return RunStart(run_dir, ckpt, True, f"{note}resuming from {ckpt}")
+    changes = config_changes(old, cfg)
+    shown_changes = ", ".join(changes[:MAX_CHANGES_SHOWN]) + (
+        f" and {len(changes) - MAX_CHANGES_SHOWN} more" if len(changes) > MAX_CHANGES_SHOWN else "")
+    trains = (f"training this configuration, which differs from the checkpoint's ({ckpt / 'config.yaml'}) in "
+              f"{shown_changes}" if changes else "")
+    return RunStart(run_dir, ckpt, True, f"{note}resuming from {ckpt}", trains)
 
 
-def _previous_config(run_dir: Path) -> tuple[RunConfig, str]:
-    """The configuration the run was trained with: its ``config.yaml``, or when that cannot be
-    read, the copy inside its latest checkpoint (written with the checkpoint, so it is what the
-    weights were trained with). Returns it and a note for the log ("" when the run's own copy served)."""
+MAX_CHANGES_SHOWN = 8  # settings the resume note lists; the rest are counted
+
+
+def _previous_config(run_dir: Path, ckpt: Path | None) -> tuple[RunConfig, str, str]:
+    """What a resume must agree with: the configuration the latest checkpoint ``ckpt`` was trained
+    with (its own copy, written with its weights), whatever became of the run's ``config.yaml``
+    -- edited by hand, checksum line and all, or cut. Without a checkpoint (or one whose copy
+    cannot be read) the run's ``config.yaml``, if it is the one the run wrote. Returns it, where
+    it came from (for an error), and a note on the run's config.yaml ("" when it is as written)."""
+    own = run_dir / "config.yaml"
     try:
-        changed = checksum_problem(run_dir / "config.yaml")
-        if changed:
-            raise ConfigError([changed])
-        return load_run_config(run_dir / "config.yaml"), ""
+        edited = checksum_problem(own)  # an edited file is not read: nothing it says is trusted
+        own_cfg, problem = (None, f"was {edited}") if edited else (load_run_config(own), "")
     except (ConfigError, OSError) as e:
-        problem = "; ".join(e.problems) if isinstance(e, ConfigError) else describe_write_error(e)
-    ckpt = latest_checkpoint(run_dir)
+        own_cfg = None
+        problem = "is unreadable (" + ("; ".join(e.problems) if isinstance(e, ConfigError)
+                                       else describe_write_error(e)) + ")"
     if ckpt is not None:
         try:
-            return load_run_config(ckpt / "config.yaml"), (f"{run_dir / 'config.yaml'} is unreadable ({problem}): "
-                                                           f"using {ckpt / 'config.yaml'}; ")
-        except ConfigError:
-            pass
-    raise ConfigError([f"train.run_dir {str(run_dir)!r} holds a run whose config.yaml cannot be read "
-                       f"({problem}) and no checkpoint with a readable one; pass --fresh to start over"])
+            recorded = load_run_config(ckpt / "config.yaml")
+        except (ConfigError, OSError):
+            recorded = None
+        if recorded is not None:
+            note = f"{own} {problem}: checked against {ckpt / 'config.yaml'} instead; " if problem else ""
+            return recorded, f"the checkpoint {ckpt} (what its weights were trained with)", note
+    if own_cfg is not None:
+        return own_cfg, str(own), ""
+    raise ConfigError([f"train.run_dir {str(run_dir)!r} holds a run whose config.yaml {problem} and no checkpoint "
+                       "with a readable copy of it; pass --fresh to start over"])
 
 
 def truncate_metrics(path: Path, step: int) -> None:

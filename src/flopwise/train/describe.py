@@ -26,6 +26,8 @@ def describe(run: Run) -> list[str]:
     if run.start.resumed_run or run.start.note.startswith("--fresh"):
         lines.append(f"  resume     {run.start.note}" + (f" (step {p.step:,} of {total:,}, {human(p.tokens)} tokens)"
                                                        if run.start.checkpoint else ""))
+        if run.start.changes:  # what trains from here on, where it is not what the checkpoint was trained with
+            lines.append(f"  {'':<10} {run.start.changes}")
     lines.append(f"  device     {device_label(run.device)} · precision {run.prec.name} · peak {run.flops.peak_note}")
     native = cpu_native_bf16() if run.device.type == "cpu" and t.precision == "auto" else None
     if native and run.prec.name == "float32":
