@@ -157,3 +157,38 @@ def test_the_resume_note_says_what_trains_after_a_hand_edit(tiny_overrides, caps
     assert "train.max_steps: 2 -> 4" in resume, resume
     assert "using" not in resume  # the checkpoint's copy is what it is checked against, not what trains
     assert "lr: 0.002\n" in config.read_text()  # and config.yaml records what trained
+
+
+# --------------------------------------------------------------------------- item 19: train.preflight
+
+@pytest.mark.parametrize("content", ["just some text\n", '{"a": 1}', "[1, 2]", '{"chosen": 1, "prediction": {}}'],
+                         ids=["text", "other-json", "a-list", "wrong-shape"])
+def test_train_preflight_takes_only_a_preflight_result(tiny_overrides, tmp_path, capsys, content):
+    fake = tmp_path / "notes.txt"
+    fake.write_text(content)
+    run = Path(build_config(overrides=tiny_overrides).train.run_dir)
+    assert main(["train", *tiny_overrides, *QUIET, "train.max_steps=1", f"train.preflight={fake}"]) == 2
+    err = capsys.readouterr().err
+    assert f"train.preflight {str(fake)!r}" in err and "not a preflight result" in err, err
+    assert "Traceback" not in err
+    assert not run.exists()  # refused before the run directory was made
+
+
+def test_train_preflight_missing_is_refused(tiny_overrides, tmp_path, capsys):
+    run = Path(build_config(overrides=tiny_overrides).train.run_dir)
+    gone = tmp_path / "gone" / "preflight.json"
+    assert main(["train", *tiny_overrides, *QUIET, "train.max_steps=1", f"train.preflight={gone}"]) == 2
+    err = capsys.readouterr().err
+    assert f"train.preflight {str(gone)!r}" in err and "no such file" in err, err
+    assert not run.exists()
+
+
+def test_a_preflight_result_is_copied_into_the_run(tiny_overrides, tmp_path):
+    result = {"preset": "tiny", "device": "cpu", "chosen": {"micro_batch_size": 8, "activation_checkpointing": "none"},
+              "prediction": {"tok_per_s": 1000.0, "mfu": None, "memory_gb": 0.1}}
+    path = tmp_path / "pf" / "preflight.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(result))
+    assert main(["train", *tiny_overrides, *QUIET, "train.max_steps=1", f"train.preflight={path}"]) == 0
+    run = Path(build_config(overrides=tiny_overrides).train.run_dir)
+    assert json.loads((run / "preflight.json").read_text()) == result

@@ -28,7 +28,7 @@ from flopwise.config import ConfigError, RunConfig, batch_split_problems, record
 from flopwise.data.datadir import DataDir, open_data_dir
 from flopwise.data.loader import LoaderOptions, fixed_windows, make_loader
 from flopwise.evaluate.loss import target_bytes
-from flopwise.fsio import write_file
+from flopwise.fsio import MAX_JSON_BYTES, FileFormatError, loads_json, read_bytes, write_file
 from flopwise.measure.meter import ThroughputMeter
 from flopwise.measure.timing import StepTimer
 from flopwise.measure.tracking import NullTracker, Tracker
@@ -137,6 +137,7 @@ class Run:
     recompiles: RecompileWatch  # compiles after the warm-up steps, told as recompiles
     outer: DiLoCo | None = None  # parallel.strategy=diloco: the outer loop across worker groups
     notes: dict[str, list[str]] = field(default_factory=dict)  # what was chosen and why, for the summary
+    preflight: bytes | None = None  # train.preflight's preflight.json, checked: the run keeps a copy
     sink: Any = field(default_factory=NullTracker)
     progress: Progress = field(default_factory=Progress)
 
@@ -176,6 +177,39 @@ def open_data(cfg: RunConfig, log: Log, resuming: bool = False) -> DataDir:
         ])
     dd.num_tokens("val")  # a missing validation split is an error here, naming the splits there are
     return dd
+
+
+PREFLIGHT_PARTS = ("chosen", "prediction")  # objects every preflight.json `flopwise preflight` writes holds
+
+
+def preflight_result(path: str, run_dir: str) -> bytes | None:
+    """The bytes of ``train.preflight``, read once (bounded) and checked to be a preflight
+    result -- a JSON object holding the :data:`PREFLIGHT_PARTS` objects -- before the run
+    directory is made: the run keeps a copy for the report, which would refuse the run over
+    any other file. None when none is given, or when a resumed run keeps the copy it has and
+    the file is not here (the run moved to another machine)."""
+    if not path:
+        return None
+    where = f"train.preflight {path!r}"
+    file = Path(path).expanduser()
+    if not file.exists() and run_dir and (Path(run_dir).expanduser() / "preflight.json").is_file():
+        return None
+    try:
+        data = read_bytes(file, MAX_JSON_BYTES)
+        doc = loads_json(data, str(file))
+    except FileNotFoundError:
+        raise ConfigError([f"{where}: no such file (give the preflight.json `flopwise preflight` wrote, "
+                           "or leave train.preflight empty)"]) from None
+    except IsADirectoryError:
+        raise ConfigError([f"{where} is a directory: give the preflight.json in it"]) from None
+    except FileFormatError as e:
+        raise ConfigError([f"{where}: not a preflight result: {e.reason}"]) from None
+    except OSError as e:
+        raise ConfigError([f"{where}: cannot be read: {e.strerror or e}"]) from None
+    if not isinstance(doc, dict) or not all(isinstance(doc.get(key), dict) for key in PREFLIGHT_PARTS):
+        raise ConfigError([f"{where}: not a preflight result (the preflight.json `flopwise preflight` writes is "
+                           f"a JSON object holding {' and '.join(map(repr, PREFLIGHT_PARTS))} objects)"])
+    return data
 
 
 def task_files(task_dir: str, names: list[str]) -> dict[str, str]:
@@ -291,6 +325,7 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
     m, t, o, e = cfg.model, cfg.train, cfg.optim, cfg.eval
     loss_impl = t.loss
     strategy = resolve_strategy(cfg, env, device, prec.name, loss_impl)  # refusals before any work
+    preflight = env.on_main(lambda: preflight_result(t.preflight, t.run_dir))  # before the run directory is made
     start = env.on_main(lambda: start_run(asked, fresh, locks))
     asked.train.run_dir = t.run_dir = str(start.run_dir)  # rank 0 named it (a timestamp): every rank uses it
     # config.yaml records every path resolved, so the run reads the same from any directory
@@ -360,6 +395,7 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
         run.outer = DiLoCo(run.opt_params, cfg.parallel, groups, device,
                            on_sync=master.master_to_model if master else None, clock=clock)
     run.progress.last_saved = start.checkpoint
+    run.preflight = preflight
     if start.checkpoint is not None:
         restore(run, start.checkpoint)
     run.val_bytes = target_bytes(run.val_windows, data.tokenizer)  # for bits per byte, across tokenizers
@@ -407,7 +443,7 @@ def restore(run: Run, checkpoint: Path) -> None:
 
 def write_run_files(run: Run) -> None:
     """Rank 0: config.yaml, plan.json, run.json (with this start), the tokenizer, the preflight."""
-    run_dir, t, step = run.run_dir, run.cfg.train, run.progress.step
+    run_dir, step = run.run_dir, run.progress.step
     if run.start.resumed_run:
         truncate_metrics(run_dir / "metrics.jsonl", step)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -420,8 +456,8 @@ def write_run_files(run: Run) -> None:
     write_file(run_dir / "run.json", json.dumps(run.record, indent=2))
     # the run is self-contained; replaced whole (a full disk never leaves the resumed run half a tokenizer)
     write_file(run_dir / "tokenizer.json", (run.data.path / "tokenizer.json").read_bytes())
-    if t.preflight and Path(t.preflight).is_file():  # plan vs preflight vs actual, in the report
-        write_file(run_dir / "preflight.json", Path(t.preflight).read_bytes())
+    if run.preflight is not None:  # plan vs preflight vs actual, in the report
+        write_file(run_dir / "preflight.json", run.preflight)
 
 
 def open_tracker(run: Run):
