@@ -506,7 +506,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     if args.gpu or args.nnodes != 1 or args.json:
         raise ConfigError(["--gpu, --nnodes and --json go with --dry-run (a preflight without it measures the "
                            "device at hand)"])
-    from flopwise.tune.preflight import preflight  # lazy: torch
+    from flopwise.tune.preflight import Interrupted, preflight  # lazy: torch
     from flopwise.tune.request import TuneRequest  # lazy: torch
 
     request = TuneRequest(ladder=args.ladder, ladder_fp8=args.ladder_fp8, tokens=args.tokens, hours=args.hours,
@@ -514,7 +514,12 @@ def cmd_preflight(args: argparse.Namespace) -> int:
                           headroom=args.headroom, warmup=args.warmup, steps=args.steps,
                           budget_minutes=args.budget_minutes, isolation=args.isolation, world=args.nproc_per_node,
                           out_dir=args.out, log=lambda s: print(s, flush=True))
-    preflight(cfg, request)
+    try:
+        preflight(cfg, request)
+    except Interrupted as e:  # its scratch run and trials are cleaned up by now
+        print(f"flopwise preflight: stopped by {e.name}: nothing written (its scratch run and trial directories "
+              "are removed)", file=sys.stderr)
+        return 128 + e.signum  # as a shell reports a process ended by the signal: 130, 143
     return 0
 
 

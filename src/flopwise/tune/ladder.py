@@ -160,7 +160,10 @@ def climb(cfg: RunConfig, measure_one: Callable[..., dict[str, Any]], sizes: lis
     if request.world > 1:
         c.scale_out(request.world)
     c.confirm()
-    c.ladder.update(chosen=c.chosen, final=c.best, spent_minutes=c.spent_s() / 60)
+    # world: the ranks the final configuration was measured on -- the launch that was measured, which
+    # preflight writes and predicts; one rank when the scale-out was skipped or failed
+    c.ladder.update(chosen=c.chosen, final=c.best, spent_minutes=c.spent_s() / 60, world=c.world,
+                    world_asked=request.world)
     return c.ladder
 
 

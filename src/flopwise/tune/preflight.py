@@ -24,6 +24,10 @@
 Writes ``preflight.json`` and ``preflight.yaml`` (the configuration with the chosen
 settings: ``flopwise train --config preflight.yaml`` runs it as is). What was asked travels
 as one ``request.TuneRequest``, what it resolved to on this machine as one ``request.Bench``.
+
+A SIGINT or SIGTERM in any phase stops it (:class:`Interrupted`): its scratch run, a trial's
+directory and processes are removed on the way out, nothing is written, and the command exits
+128 + the signal's number.
 """
 
 from __future__ import annotations
@@ -34,17 +38,21 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, cast
+from typing import Any, Callable, Iterator, cast
 
 import torch
 import yaml
 
 from flopwise.checkpoints import latest_checkpoint, load_checkpoint
 from flopwise.config import ActivationCheckpointing, ConfigError, RunConfig, batch_split_problems
+from flopwise.errors import FlopwiseError
 from flopwise.fsio import atomic_write
 from flopwise.measure.ceiling import measure_ceiling, step_gemms
 from flopwise.measure.meter import median
@@ -66,6 +74,52 @@ from flopwise.tune.trial import TrialRunner, failure_status, ready_processes
 
 STARVATION_WARN = 0.05  # waiting for data above 5% of step time deserves a look
 MeasureTrial = Callable[[Trial], dict[str, Any]]  # one trial's configuration timed: trial.measure's dict
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class PreflightError(FlopwiseError, RuntimeError):
+    """Preflight cannot measure this configuration on this device (no micro-batch fits, the
+    end-to-end check stopped early): the message says what and why."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A SIGINT or SIGTERM during a preflight (:func:`stopping_on_signals`), raised where it
+    lands so that every phase's clean-up runs on the way out. A KeyboardInterrupt, not an
+    Exception: the trials' ``except Exception`` (a failed trial is a result) lets it pass."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+@contextlib.contextmanager
+def stopping_on_signals() -> Iterator[None]:
+    """Within it, the first SIGINT or SIGTERM raises :class:`Interrupted`; a second one, while
+    that unwinds, exits at once (``train``'s convention, train/stopping.py). The end-to-end
+    check's trainer stops on a signal after its step, as a run does: :func:`end_to_end` turns
+    that stop into the same exception."""
+    if threading.current_thread() is not threading.main_thread():  # handlers can only be set there
+        yield
+        return
+    seen: list[int] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        if seen:
+            os.write(2, f"\nflopwise preflight: {signal.Signals(signum).name} again: exiting now\n".encode())
+            os._exit(128 + signum)
+        seen.append(signum)
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def remeasure(trials: list[Trial], measure_one: MeasureTrial, request: TuneRequest | None = None,
@@ -134,11 +188,16 @@ def preflight(cfg: RunConfig, request: TuneRequest) -> dict[str, Any]:
     problems = _launch_problems(cfg, device, request)
     if problems:  # before any work
         raise ConfigError(problems)
-    out = request.out(cfg.preset)
-    out.mkdir(parents=True, exist_ok=True)
+    with stopping_on_signals(), _output_dir(request.out(cfg.preset)):
+        return _preflight(cfg, device, request)
+
+
+def _preflight(cfg: RunConfig, device: torch.device, request: TuneRequest) -> dict[str, Any]:
+    """:func:`preflight`'s steps, its launch options checked."""
     report: dict[str, Any] = {"preset": cfg.preset, "device": str(device)}
     cfg, bench = _resolve(cfg, device, request, report)
     log = request.log
+    _refuse_what_cannot_fit(cfg, bench, request)  # before the end-to-end check and any trial
     report["end_to_end"] = end_to_end(cfg, device, log)  # 1. four real steps and a checkpoint round trip
     if cfg.train.compile != "off":  # 2. graphs and breaks; recompiles seen after warm-up in the steps above
         report["compile"] = explain_run(_copy(cfg), log=log)
@@ -154,6 +213,37 @@ def preflight(cfg: RunConfig, request: TuneRequest) -> dict[str, Any]:
     log(f"preflight: chose {label(best)}: {reason}")
     _conclude(cfg, report, best, bench, request)  # the ceiling, 4. data starvation, 5. the prediction
     return report
+
+
+@contextlib.contextmanager
+def _output_dir(out: Path) -> Iterator[None]:
+    """``out`` made for preflight.json and preflight.yaml (first: a directory that cannot be
+    made fails before any work); one made here is removed again, if still empty, when the
+    preflight does not finish."""
+    made = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        if made:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only an empty one
+        raise
+
+
+def _refuse_what_cannot_fit(cfg: RunConfig, bench: Bench, request: TuneRequest) -> None:
+    """A PreflightError when by the memory model not even micro-batch 1 with full activation
+    checkpointing (the least memory a trial can take; the model's needs grow with the
+    micro-batch) fits ``bench``: no trial, of the search or the ladder, could."""
+    least = planned_gb(with_settings(cfg, {"train.micro_batch_size": 1, "train.activation_checkpointing": "full"}),
+                       bench.device)
+    if bench.fits(least):
+        return
+    memory = f"--memory-gb {request.memory_gb:g}" if request.memory_gb else f"the device's {bench.memory_gb:.3g} GiB"
+    raise PreflightError(
+        f"no micro-batch fits: micro-batch 1 with full activation checkpointing needs {least:.3g} GiB by the memory "
+        f"model, more than --headroom {bench.headroom:g} of {memory}; a device with more memory, a smaller model or "
+        "a shorter train.seq_len")
 
 
 def _resolve(cfg: RunConfig, device: torch.device, request: TuneRequest,
@@ -225,8 +315,13 @@ def climb_ladder(cfg: RunConfig, report: dict[str, Any], runner: TrialRunner, be
         cfg, {"train.micro_batch_size": b}).train, request.world)]  # micro-batches the N-rank launch can split into
     probe = probe_sequences(cfg, sizes, bench)
     report["ladder_probe_sequences"] = probe or None
-    report["ladder"] = climb(cfg, dataclasses.replace(runner, probe_sequences=probe), sizes, bench, request)
-    cfg = with_settings(cfg, report["ladder"]["chosen"])
+    report["ladder"] = lad = climb(cfg, dataclasses.replace(runner, probe_sequences=probe), sizes, bench, request)
+    if lad["world"] < request.world:  # the N-rank launch was not measured: nothing is said of it
+        ranks = next((r for r in lad["rungs"] if r["rung"] == "ranks"), {"status": "not tried", "why": ""})
+        request.log(f"preflight: the {request.world}-rank launch was not measured (ranks {ranks['status']}: "
+                    f"{ranks['why']}): no {request.world}-rank prediction; the prediction and preflight.yaml are "
+                    "one rank's")
+    cfg = with_settings(cfg, lad["chosen"])
     return cfg, _ladder_trial(cfg, report["ladder"]["final"], request.windows, bench.device)
 
 
@@ -253,6 +348,9 @@ def _launch_problems(cfg: RunConfig, device: torch.device, request: TuneRequest)
     out, world, ladder = [], request.world, request.ladder
     if ladder and not request.budget_minutes > 0:
         out.append(f"--budget-minutes {request.budget_minutes:g}: the ladder needs a time budget above 0")
+    if not 0 < request.headroom <= 1:  # NaN fails both comparisons
+        out.append(f"--headroom {request.headroom:g}: the share of the device's memory a trial may use must be "
+                   "in (0, 1]")
     if request.isolation not in ("auto", "reset", "process"):
         out.append(f"--isolation {request.isolation!r}: choose auto, reset or process")
     if world < 1:
@@ -288,6 +386,7 @@ def end_to_end(cfg: RunConfig, device: torch.device, log: Log) -> dict[str, Any]
         check.train.checkpoint_every, check.train.log_every, check.eval.every = 2, 1, 0
         check.eval.sample_tokens, check.eval.tasks, check.tracking.tensorboard = 0, "", "false"
         result = train(check, log=lambda s: None)
+        _stopped_early(result.stopped)
         rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
         losses = [r["loss"] for r in rows if r.get("loss") is not None]
         e2e = _check_checkpoint(result.run_dir, check, device)
@@ -300,6 +399,18 @@ def end_to_end(cfg: RunConfig, device: torch.device, log: Log) -> dict[str, Any]
         return e2e
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _stopped_early(stopped: str | None) -> None:
+    """The end-to-end check's trainer stopped before its fourth step: a signal (the trainer
+    handles it in its loop, saves and returns, train/stopping.py: "SIGTERM received") is an
+    :class:`Interrupted`, as anywhere else in preflight; any other stop, a PreflightError."""
+    if not stopped:
+        return
+    name = stopped.split(" ", 1)[0]
+    if name in {s.name for s in STOP_SIGNALS}:
+        raise Interrupted(signal.Signals[name])
+    raise PreflightError(f"the end-to-end check stopped before its fourth step: {stopped}")
 
 
 def search(cfg: RunConfig, measure_one: MeasureTrial, bench: Bench, request: TuneRequest) -> list[Trial]:
@@ -328,7 +439,8 @@ def search(cfg: RunConfig, measure_one: MeasureTrial, bench: Bench, request: Tun
             log(f"preflight: trial {i}/{len(todo)} {'without' if ckpt == 'none' else 'with'} checkpointing: "
                 + _trial_line(trial))
     if not any(x.status == "ok" for x in trials):
-        raise RuntimeError("preflight: no micro-batch fits: " + "; ".join(f"{x.micro_batch}: {x.note}" for x in trials))
+        raise PreflightError("no micro-batch fits: " + "; ".join(
+            f"{label(x)}: {x.status}" + (f" ({x.note[:120]})" if x.note else "") for x in trials))
     return trials
 
 
@@ -336,7 +448,8 @@ def _conclude(cfg: RunConfig, report: dict[str, Any], best: Trial, bench: Bench,
     """After the choice: the measured ceiling, 4. data starvation, 5. the prediction; then the
     tuned configuration that ``flopwise train --config`` runs as is, and the report, written."""
     log = request.log
-    report["ceiling"] = ceiling(cfg, best, bench, log)
+    world = (report.get("ladder") or {}).get("world", 1)  # ranks the chosen rate was measured on
+    report["ceiling"] = ceiling(cfg, best, bench, log, world)
     native = cpu_native_bf16() if bench.device.type == "cpu" else None
     if native and resolve(cfg.train.precision, bench.device).name == "float32":
         report["native_bf16"] = native
@@ -355,25 +468,39 @@ def _conclude(cfg: RunConfig, report: dict[str, Any], best: Trial, bench: Bench,
     _write(request.out(cfg.preset), report, cfg, tuned, log)
 
 
-def ceiling(cfg: RunConfig, best: Trial, bench: Bench, log: Log) -> dict[str, Any]:
-    """The measured GEMM ceiling at the chosen micro-batch (``measure/ceiling.py``), and the
-    chosen trial's model FLOP/s as a share of it: what is left to win outside the matmuls."""
+def ceiling(cfg: RunConfig, best: Trial, bench: Bench, log: Log, world: int = 1) -> dict[str, Any]:
+    """The measured GEMM ceiling of one device at the chosen micro-batch (``measure/ceiling.py``),
+    and one device's model FLOP/s at the chosen rate (of ``world`` ranks) as a share of it: what
+    is left to win outside the matmuls. A share above 1 cannot be: a step of more than matmuls
+    ran faster than its matmuls alone, so the ceiling's timing or the trial's was disturbed
+    (other work on the machine, a cold start). It is flagged (``disturbed``; the share seen
+    is ``share_of_ceiling_measured``), not given as ``share_of_ceiling``, and the ceiling is
+    not offered to plan with."""
     device, fpt, peak = bench.device, bench.fpt, bench.peak
     prec = resolve(cfg.train.precision, device)
     c = measure_ceiling(step_gemms(cfg.model, best.micro_batch * cfg.train.seq_len), device,
                         prec.autocast_dtype or prec.param_dtype)
-    achieved = best.tok_per_s * fpt if best.tok_per_s else None
+    achieved = best.tok_per_s * fpt / world if best.tok_per_s else None
+    share = achieved / c.flops_per_s if achieved else None
+    disturbed = share is not None and share > 1
     out: dict[str, Any] = {
         "tflops": c.flops_per_s / 1e12, "dtype": c.dtype, "micro_batch": best.micro_batch, "fpt": fpt,
         "gemm_seconds_per_micro_batch": c.seconds_per_step, "shapes": c.shapes,
         "datasheet_tflops": peak / 1e12 if peak else None,
         "ceiling_share_of_datasheet": c.flops_per_s / peak if peak else None,
-        "mfu": best.mfu, "share_of_ceiling": achieved / c.flops_per_s if achieved else None}
+        "mfu": best.mfu, "share_of_ceiling": None if disturbed else share, "share_of_ceiling_measured": share,
+        "disturbed": disturbed}
     vs_sheet = (f": {100 * out['ceiling_share_of_datasheet']:.0f}% of the datasheet's {peak / 1e12:g}"
                 if peak else " (no datasheet peak here)")
-    reached = (f"; {label(best)} reaches {100 * out['share_of_ceiling']:.0f}% of it"
-               + (f" (MFU {100 * best.mfu:.1f}% of the datasheet)" if best.mfu is not None else "")
-               if out["share_of_ceiling"] is not None else "")
+    mfu = f" (MFU {100 * best.mfu:.1f}% of the datasheet)" if best.mfu is not None else ""
+    per_device = " per device" if world > 1 else ""
+    if share is not None and disturbed:
+        log(f"preflight: measured ceiling {human(c.flops_per_s)}FLOP/s ({c.dtype}) on this model's GEMMs at "
+            f"micro-batch {best.micro_batch}{vs_sheet}; {label(best)} measured {100 * share:.0f}% of it{per_device}, "
+            "above the ceiling: a disturbed measurement (other work on this machine, a cold start), not a result "
+            "-- run preflight again on a quiet machine")
+        return out
+    reached = f"; {label(best)} reaches {100 * share:.0f}% of it{per_device}{mfu}" if share is not None else ""
     log(f"preflight: measured ceiling {human(c.flops_per_s)}FLOP/s ({c.dtype}) on this model's GEMMs at micro-batch "
         f"{best.micro_batch}{vs_sheet}{reached}; "
         f"`flopwise plan --peak-tflops {c.flops_per_s / 1e12:.3g}` plans with it")
@@ -401,6 +528,7 @@ def predict(report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, best: Tria
     """The full run -- ``request``'s tokens or hours, else the configuration's -- at the chosen
     trial's rate: tokens, time, cost, against the planner's 40% MFU of ``bench``'s peak."""
     tokens, price_per_gpu_hour, fpt, peak = request.tokens, request.price_per_gpu_hour, bench.fpt, bench.peak
+    world = (report.get("ladder") or {}).get("world", 1)  # the launch measured: its rate is the N ranks' together
     hours = request.hours or (cfg.train.max_hours if not tokens else 0.0)  # a run bounded by train.max_hours
     tok_per_s = rate(best)
     run_tokens = tuned.total_steps() * tuned.tokens_per_step
@@ -416,18 +544,19 @@ def predict(report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, best: Tria
         "tokens": budget_tokens, "tok_per_s": tok_per_s, "tok_per_s_spread": best.spread, "mfu": best.mfu,
         "memory_gb": best.peak_gb if best.peak_gb is not None else best.predicted_gb,
         "memory_basis": "measured" if best.peak_gb is not None else "assumed",
-        "wall_time_s": wall_s, "hours": wall_s / 3600,
-        "cost": wall_s / 3600 * price_per_gpu_hour if price_per_gpu_hour else None,
+        "wall_time_s": wall_s, "hours": wall_s / 3600, "world": world,
+        "cost": wall_s / 3600 * price_per_gpu_hour * world if price_per_gpu_hour else None,  # every GPU's hours
         "final_checkpoint_s": report["end_to_end"]["save_s"],
-        "planner": {"mfu": 0.40, "hours": budget_tokens * fpt / (0.40 * peak) / 3600 if peak else None,
+        "planner": {"mfu": 0.40, "hours": budget_tokens * fpt / (0.40 * peak * world) / 3600 if peak else None,
                     "note": bench.peak_note},
     }
     if tokens:
         tuned.train.max_tokens, tuned.train.max_steps = tokens, 0
     planned = f"planner at 40% MFU: {p['planner']['hours']:.2f} h" if p["planner"]["hours"] else "planner: no peak"
     cost = f" · ${p['cost']:,.0f}" if p["cost"] else ""
-    request.log(f"preflight: {human(budget_tokens)} tokens at {human(tok_per_s)} tok/s = {p['hours']:.2f} h{cost}"
-        f" · {planned} · final checkpoint ~{p['final_checkpoint_s']:.2f}s")
+    ranks = f" on {world} ranks" if world > 1 else ""
+    request.log(f"preflight: {human(budget_tokens)} tokens at {human(tok_per_s)} tok/s{ranks} = {p['hours']:.2f} h"
+                f"{cost} · {planned} · final checkpoint ~{p['final_checkpoint_s']:.2f}s")
 
 
 def _write(out: Path, report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, log: Log) -> None:
