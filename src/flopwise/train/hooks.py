@@ -6,6 +6,7 @@ the closing lines). Each hook reads and updates the :class:`~flopwise.train.setu
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from flopwise.parallel.strategy import is_fsdp_module
 from flopwise.train.checkpoint import apply_retention, set_rng_state
 from flopwise.train.dist_checkpoint import load_distributed, save_distributed
 from flopwise.train.record import TrainResult
-from flopwise.train.setup import Run
+from flopwise.train.setup import Progress, Run
 from flopwise.train.stopping import Deadline
 from flopwise.train.train_step import StepOutcome
 
@@ -271,14 +272,27 @@ def finish(run: Run, stopped: str, train_time: float) -> TrainResult:
     avg_tps = "n/a" if avg["tok_per_s"] is None else f"{human(avg['tok_per_s'])} tok/s"
     log(f"{'stopped' if stopped else 'done'}: {p.step:,} steps · {human(p.tokens)} tokens · train "
         f"{fmt_time(train_time)} · wall {fmt_time(wall)} · {avg_tps} (after warm-up) · mfu {format_mfu(avg['mfu'])}")
-    log(f"  val loss {p.val_start:.4f} -> {p.val_end:.4f} (uniform ln V = {run.uniform:.4f}) · final train loss "
-        f"{p.last_loss:.4f}")
+    log(f"  {losses_text(p)} (uniform ln V = {run.uniform:.4f}) · {train_loss_text(p)}")
     log(f"  checkpoint {p.last_saved}")
     if sample:
         log(f"  sample ({run.run_dir / 'samples.txt'}):")
         for line in sample.splitlines()[:12]:
             log(f"    {line}")
     return result
+
+
+def losses_text(p: Progress) -> str:
+    """The validation losses of the closing line: at the start and at the end, where measured."""
+    end = f" -> {p.val_end:.4f}" if math.isfinite(p.val_end) else " (no validation since)"
+    return f"val loss {p.val_start:.4f}{end}" if math.isfinite(p.val_start) else "val loss not measured"
+
+
+def train_loss_text(p: Progress) -> str:
+    """The last logged training loss; a run stopped before its first logged step measured none
+    (a NaN here would read as a diverged run)."""
+    if math.isfinite(p.last_loss):
+        return f"final train loss {p.last_loss:.4f}"
+    return "no train step logged" + (f" since step {p.first_step:,}" if p.first_step else "")
 
 
 SAMPLE_PROMPT_TOKENS = 12  # the default prompt: this many tokens from the start of a validation document
