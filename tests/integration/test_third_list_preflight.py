@@ -24,7 +24,7 @@ from flopwise.cli import main as cli_main
 from flopwise.cli import user_error
 from flopwise.config import build_config
 from flopwise.errors import FlopwiseError
-from flopwise.tune.preflight import preflight
+from flopwise.tune.preflight import end_to_end, preflight
 from flopwise.tune.request import TuneRequest
 
 WAIT_S = 600.0  # a generous bound on waiting for a phase's marker or the process's end (a loaded machine)
@@ -207,3 +207,13 @@ def test_every_trial_out_of_memory_is_a_clear_error_not_a_traceback(tiny_overrid
     line = user_error(e.value)  # what the command line prints, exit 2
     assert line is not None and line.startswith("no micro-batch fits"), line
     assert "micro-batch 1 without checkpointing: oom" in line and "\n" not in line, line
+
+
+def test_the_end_to_end_check_takes_its_four_steps_whatever_the_runs_time_budget(tiny_overrides):
+    """The run's train.max_hours is the run's: under it the check's trainer stopped before its
+    first step (a deadline shorter than a step and a save), and the check read no loss."""
+    import torch
+
+    cfg = build_config(overrides=tiny_overrides + ["train.max_hours=1e-7", "train.compile=off"])
+    e2e = end_to_end(cfg, torch.device("cpu"), lambda s: None)
+    assert e2e["finite"] and e2e["checkpoint_identical"]

@@ -385,6 +385,9 @@ def end_to_end(cfg: RunConfig, device: torch.device, log: Log) -> dict[str, Any]
         check.train.run_dir, check.train.max_steps, check.train.max_tokens = str(scratch / "run"), 4, 0
         check.train.checkpoint_every, check.train.log_every, check.eval.every = 2, 1, 0
         check.eval.sample_tokens, check.eval.tasks, check.tracking.tensorboard = 0, "", "false"
+        # four steps whatever the run's time budget: its deadline (a large model's first save is
+        # estimated from its bytes) would stop the check before a step, as a stop of its own
+        check.train.max_hours, check.optim.fit_to_time = 0.0, False
         result = train(check, log=lambda s: None)
         _stopped_early(result.stopped)
         rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
