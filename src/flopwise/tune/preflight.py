@@ -118,8 +118,8 @@ def stopping_on_signals() -> Iterator[None]:
     try:
         yield
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        for s, handler in previous.items():  # None: one set outside Python, which cannot be put back
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
 def remeasure(trials: list[Trial], measure_one: MeasureTrial, request: TuneRequest | None = None,
