@@ -29,6 +29,12 @@ from flopwise.tune.shim import DryRunUnavailable
 
 DEBUG_ENV = "FLOPWISE_DEBUG"  # set (not 0): errors show their traceback too, as --debug
 OVERRIDE_HELP = "section.key=value overrides, e.g. model.n_layers=4 optim.lr=1e-3 data.path=DIR"
+# The least --shard-tokens: the loader memory-maps every shard of a split at once (one mapping
+# each, of the 65,530 a Linux process has by default) and every shard is a file with its own
+# header, checksum and manifest entry. Below a million tokens (2 MB of uint16) a shard only adds
+# files and mappings; `--shard-tokens 1` made a file per token. (PrepareOptions takes any size:
+# tests roll shards over on corpora of a few thousand tokens.)
+MIN_SHARD_TOKENS = 1_000_000
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -106,26 +112,30 @@ def _prepare_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--verify", metavar="DIR", help="check every shard of DIR (checksums, id range) and exit")
     g = p.add_argument_group("tokenizer (one of)")
     g.add_argument("--tokenizer", default="", help="a tokenizer.json to load (e.g. SmolLM's, Llama-3's, Qwen's)")
-    g.add_argument("--vocab-size", type=count, default=0, help="train a byte-level BPE of this size on the source")
-    g.add_argument("--tokenizer-sample-mb", type=float, default=100.0, help="text to train the BPE on (default 100)")
+    g.add_argument("--vocab-size", type=count(), default=0,
+                   help="train a byte-level BPE of this size on the source")
+    g.add_argument("--tokenizer-sample-mb", type=number(0, low_open=True), default=100.0,
+                   help="text to train the BPE on (default 100)")
     g = p.add_argument_group("budget (tokens; 0 = the whole source)")
-    g.add_argument("--train-tokens", type=count, default=0)
-    g.add_argument("--val-tokens", type=count, default=0,
+    g.add_argument("--train-tokens", type=count(), default=0)
+    g.add_argument("--val-tokens", type=count(), default=0,
                    help="default: --val-fraction of the train tokens (or of the source, without --train-tokens)")
-    g.add_argument("--test-tokens", type=count, default=0)
-    g.add_argument("--val-fraction", type=float, default=None,
+    g.add_argument("--test-tokens", type=count(), default=0)
+    g.add_argument("--val-fraction", type=number(0, 1, high_open=True), default=None,
                    help="validation's share (default 0.005, raised to what the default eval needs, see docs/data.md)")
     g = p.add_argument_group("source options")
     g.add_argument("--text-field", default="text", help="field of .jsonl/.json/.parquet/hf records (default text)")
     g.add_argument("--hf-split", default="train", help="split of a Hugging Face dataset (default train)")
     g.add_argument("--data-files", nargs="*", default=[], help="hf: data files (e.g. hf:json --data-files a.jsonl)")
-    g.add_argument("--shuffle-buffer", type=count, default=0, help="hf: streaming shuffle buffer (default off)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--shuffle-buffer", type=count(), default=0, help="hf: streaming shuffle buffer (default off)")
+    g.add_argument("--seed", type=whole(0, 2**32 - 1), default=0)  # numpy and datasets seeds
     g.add_argument("--follow-links", action="store_true",
                    help="also read symbolic links that lead out of a SOURCE folder (default: skipped and listed)")
     g = p.add_argument_group("performance and output")
-    g.add_argument("--workers", type=int, default=0, help="tokenizer processes (default: from cores and memory)")
-    g.add_argument("--shard-tokens", type=count, default=100_000_000, help="tokens per shard (default 100M)")
+    g.add_argument("--workers", type=whole(0, 4096), default=0,
+                   help="tokenizer processes (default: from cores and memory)")
+    g.add_argument("--shard-tokens", type=count(MIN_SHARD_TOKENS), default=100_000_000,
+                   help=f"tokens per shard (default 100M, at least {MIN_SHARD_TOKENS:,})")
     g.add_argument("--overwrite", action="store_true", help="replace --out if it holds other data")
     p.set_defaults(func=cmd_prepare)
 
@@ -141,21 +151,22 @@ def _preflight_parser(sub: "argparse._SubParsersAction") -> None:
     )
     _add_config_args(p)
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--tokens", type=count, default=0, help="the run's token budget (default: the config's)")
-    g.add_argument("--hours", type=float, default=0.0, help="the run's time budget instead")
-    p.add_argument("--memory-gb", type=float, default=0.0,
+    g.add_argument("--tokens", type=count(), default=0, help="the run's token budget (default: the config's)")
+    g.add_argument("--hours", type=number(0), default=0.0, help="the run's time budget instead")
+    p.add_argument("--memory-gb", type=number(0), default=0.0,
                    help="device memory to fit into (default: the GPU's; on a CPU, simulates one)")
-    p.add_argument("--headroom", type=float, default=0.9, help="fraction of the memory a micro-batch may use")
-    p.add_argument("--warmup", type=int, default=2, help="steps before timing each micro-batch")
-    p.add_argument("--steps", type=int, default=3,
+    p.add_argument("--headroom", type=number(0, 1, low_open=True), default=0.9,
+                   help="fraction of the memory a micro-batch may use")
+    p.add_argument("--warmup", type=whole(0), default=2, help="steps before timing each micro-batch")
+    p.add_argument("--steps", type=whole(1), default=3,
                    help="timed steps per micro-batch (at least 3, each timed on its own)")
-    p.add_argument("--price-per-gpu-hour", type=float, default=0.0)
+    p.add_argument("--price-per-gpu-hour", type=number(0), default=0.0)
     p.add_argument("--out", default="", help="where preflight.json/.yaml go (default runs/PRESET-preflight)")
     p.add_argument("--ladder", action="store_true",
                    help="climb the optimization ladder instead of the micro-batch search: precision, attention, "
                         "compile, loss, micro-batch, checkpointing, loader, one change at a time, each kept only when "
                         "faster beyond the noise with the same first-step loss")
-    p.add_argument("--budget-minutes", type=float, default=15.0,
+    p.add_argument("--budget-minutes", type=number(0, low_open=True), default=15.0,
                    help="time the micro-batch search (with its re-measures of tied sizes) or the ladder may spend "
                         "(default 15)")
     p.add_argument("--ladder-fp8", action="store_true", help="let the ladder keep fp8 (it changes numerics)")
@@ -163,7 +174,7 @@ def _preflight_parser(sub: "argparse._SubParsersAction") -> None:
                    default="auto",
                    help="how trials (of the search or the ladder) are kept apart: a reset compiler and allocator in "
                         "this process, or a fresh process each (auto: process on a GPU, reset on a CPU)")
-    p.add_argument("--nproc-per-node", type=int, default=1,
+    p.add_argument("--nproc-per-node", type=whole(1, 4096), default=1,
                    help="with --ladder: scale the climbed configuration out to N ranks on this machine and climb "
                         "the data-parallel strategy and bucket size there; with --dry-run: the GPUs per node traced "
                         "(default 1)")
@@ -175,7 +186,7 @@ def _preflight_parser(sub: "argparse._SubParsersAction") -> None:
                         "none measured)")
     g.add_argument("--gpu", default=None, help=f"the GPU to trace for, from flopwise plan --list-gpus "
                                                f"(default {DEFAULT_GPU})")
-    g.add_argument("--nnodes", type=int, default=1, help="nodes to trace for (default 1)")
+    g.add_argument("--nnodes", type=whole(1, 4096), default=1, help="nodes to trace for (default 1)")
     g.add_argument("--json", action="store_true", help="print the dry run's result as JSON")
     p.set_defaults(func=cmd_preflight)
 
@@ -291,31 +302,32 @@ def _plan_parser(sub: "argparse._SubParsersAction") -> None:
     g.add_argument("--config", help="a run config YAML or a run directory (its config.yaml): plans that run as "
                    "configured -- model, seq_len, micro-batch, global batch, token budget, precision, loss, "
                    "activation checkpointing, attention, strategy; the flags below override it")
-    g.add_argument("--params", type=count, default=0, help="a raw parameter count, e.g. 8e9 or 8B (6N FLOPs only)")
+    g.add_argument("--params", type=count(), default=0, help="a raw parameter count, e.g. 8e9 or 8B (6N FLOPs only)")
     g = p.add_argument_group("hardware")
     g.add_argument("--gpu", help="a GPU from the table (--list-gpus), e.g. h100, 'h100 pcie', 'a100 40gb', l4, "
                    "'rtx 4090'; matched exactly (case, spaces, dashes, 'GB' ignored), unknown names are refused")
-    g.add_argument("--peak-tflops", type=float, default=0.0, help="dense peak TFLOP/s of one GPU (overrides --gpu)")
-    g.add_argument("--memory-gb", type=float, default=0.0, help="memory of one GPU in GiB (overrides --gpu)")
+    g.add_argument("--peak-tflops", type=number(0), default=0.0, help="dense peak TFLOP/s of one GPU (overrides --gpu)")
+    g.add_argument("--memory-gb", type=number(0), default=0.0, help="memory of one GPU in GiB (overrides --gpu)")
     g.add_argument("--dtype", default=None,
                    help="which peak: bf16, fp16, fp8, tf32, fp32 (default: the precision's; fp32 for float32)")
-    g.add_argument("--gpus", type=int, default=1, help="number of GPUs (default 1)")
-    g.add_argument("--gpus-per-node", type=int, default=8)
-    g.add_argument("--mfu", type=float, default=0.40, help="assumed MFU, 0-1 (default 0.40)")
+    g.add_argument("--gpus", type=whole(1), default=1, help="number of GPUs (default 1)")
+    g.add_argument("--gpus-per-node", type=whole(1), default=8)
+    g.add_argument("--mfu", type=number(0, 1, low_open=True), default=0.40, help="assumed MFU, 0-1 (default 0.40)")
     g.add_argument("--list-gpus", action="store_true", help="print the hardware table and exit")
     g = p.add_argument_group("budget (one of)")
-    g.add_argument("--tokens", type=count, default=0, help="training tokens, e.g. 6e9 or 6B")
-    g.add_argument("--hours", type=float, default=0.0, help="wall-clock hours available")
+    g.add_argument("--tokens", type=count(), default=0, help="training tokens, e.g. 6e9 or 6B")
+    g.add_argument("--hours", type=number(0), default=0.0, help="wall-clock hours available")
     g.add_argument("--chinchilla", action="store_true", help="20 tokens per parameter")
-    p.add_argument("--price-per-gpu-hour", type=float, default=0.0, help="$ per GPU-hour for the cost")
+    p.add_argument("--price-per-gpu-hour", type=number(0), default=0.0, help="$ per GPU-hour for the cost")
     p.add_argument("--flops-formula", default=None,
                    help="palm (6·N_matmul + attention; the default with a model) or 6n (the default with --params)")
     g = p.add_argument_group("memory and batch")
-    g.add_argument("--seq-len", type=int, default=0, help="sequence length (default: the preset's or 2048)")
-    g.add_argument("--micro-batch", type=int, default=0, help="micro-batch per GPU (default: largest that fits)")
-    g.add_argument("--grad-accum", type=int, default=0, help="accumulation steps (default: to reach the target)")
-    g.add_argument("--target-batch-tokens", type=count, default=524_288, help="tokens per step to aim for")
-    g.add_argument("--headroom", type=float, default=0.9, help="fraction of GPU memory to plan for (default 0.9)")
+    g.add_argument("--seq-len", type=whole(0), default=0, help="sequence length (default: the preset's or 2048)")
+    g.add_argument("--micro-batch", type=whole(0), default=0, help="micro-batch per GPU (default: largest that fits)")
+    g.add_argument("--grad-accum", type=whole(0), default=0, help="accumulation steps (default: to reach the target)")
+    g.add_argument("--target-batch-tokens", type=count(1), default=524_288, help="tokens per step to aim for")
+    g.add_argument("--headroom", type=number(0, 1, low_open=True), default=0.9,
+                   help="fraction of GPU memory to plan for (default 0.9)")
     g.add_argument("--precision", default=None,
                    help="as train.precision: bf16 (autocast over fp32 weights, the default), bf16-pure (bf16 "
                         "weights), fp16 (autocast over fp32 weights), float32")
@@ -324,7 +336,7 @@ def _plan_parser(sub: "argparse._SubParsersAction") -> None:
                    "(no score matrix), or eager (S×S scores)")
     g.add_argument("--checkpointing", default=None,
                    help="as train.activation_checkpointing: none (default), full, or selective (blocks 0, k, 2k, ...)")
-    g.add_argument("--checkpointing-every", type=int, default=0,
+    g.add_argument("--checkpointing-every", type=whole(0), default=0,
                    help="k of --checkpointing selective, as train.activation_checkpointing_every (default 2)")
     g.add_argument("--loss", default=None, help="as train.loss: plain (full logits, the default), chunked, or fused "
                    "(Liger's kernel: no full logits, planned as chunked)")
@@ -336,15 +348,16 @@ def _plan_parser(sub: "argparse._SubParsersAction") -> None:
     g.add_argument("--network", default="ib-ndr", help="link between nodes (default ib-ndr): a name from --list-gpus "
                    "or <N>gbit, N Gbit/s (25gbit is eth-25g)")
     g = p.add_argument_group("DiLoCo (--strategy diloco: worker groups sync every H inner steps)")
-    g.add_argument("--inner-steps", type=int, default=None, help="H, inner steps between outer syncs, as "
+    g.add_argument("--inner-steps", type=whole(1), default=None, help="H, inner steps between outer syncs, as "
                    "parallel.inner_steps (default 50)")
     g.add_argument("--outer-dtype", default=None, help="fp32 or bf16: the pseudo-gradient's all-reduce dtype, as "
                    "parallel.outer_dtype (default fp32)")
     g.add_argument("--inner-strategy", default=None, help="ddp or fsdp2 inside a worker group, as "
                    "parallel.inner_strategy (default ddp)")
-    g.add_argument("--group-size", type=int, default=None, help="GPUs per worker group, as parallel.group_size "
+    g.add_argument("--group-size", type=whole(0), default=None, help="GPUs per worker group, as parallel.group_size "
                    "(default: --gpus-per-node)")
-    g.add_argument("--comm-share", type=float, default=None, help="the share of step time communication should stay "
+    g.add_argument("--comm-share", type=number(0, 1, low_open=True, high_open=True), default=None,
+                   help="the share of step time communication should stay "
                    "under: the plan names the smallest H that does (default 0.05)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--trace", action="store_true",
@@ -424,8 +437,16 @@ def _one_process_only(what: str) -> None:
                            "on one GPU; its micro-batch holds per GPU under DDP, ZeRO-1 and (more) FSDP2"])
 
 
+def _bounded(parse, low: float, high: float, low_open: bool = False, high_open: bool = False):
+    """``parse`` with its range attached as ``bounds``: every number flag has one (a test walks the
+    parser and fails on a flag without it)."""
+    parse.bounds = (low, high, low_open, high_open)
+    return parse
+
+
 def whole(low: int, high: int = 2**63 - 1):
-    """An argparse type: an integer in [low, high], refused in one line before any work."""
+    """An argparse type: an integer in [low, high], refused in one line before any work (argparse
+    names the flag: "argument --steps: -1 is out of range ...")."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -435,21 +456,25 @@ def whole(low: int, high: int = 2**63 - 1):
             bound = f"{low} to {high:,}" if high < 2**63 - 1 else f"a whole number >= {low}"
             raise argparse.ArgumentTypeError(f"{value} is out of range: give {bound}")
         return value
-    return parse
+    return _bounded(parse, low, high)
 
 
-def number(low: float, high: float = math.inf, low_open: bool = False):
-    """An argparse type: a finite number >= low (> low with ``low_open``) and <= high."""
+def number(low: float, high: float = math.inf, low_open: bool = False, high_open: bool = False):
+    """An argparse type: a finite number >= low (> low with ``low_open``) and <= high (< high with
+    ``high_open``): NaN and the infinities never pass, whatever the bounds."""
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text[:80]!r} is not a number") from None
-        if not math.isfinite(value) or value < low or (low_open and value == low) or value > high:
-            bound = f"{'>' if low_open else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
+        if (not math.isfinite(value) or value < low or (low_open and value == low) or value > high
+                or (high_open and value == high)):
+            bound = f"{'>' if low_open else '>='} {low:g}"
+            if high < math.inf:
+                bound += f" and {'<' if high_open else '<='} {high:g}"
             raise argparse.ArgumentTypeError(f"{value} is out of range: give a finite number {bound}")
         return value
-    return parse
+    return _bounded(parse, low, high, low_open, high_open)
 
 
 def device_name(text: str) -> str:
@@ -459,19 +484,23 @@ def device_name(text: str) -> str:
     return text
 
 
-def count(text: str) -> int:
-    """An integer count written as 6e9, 6_000_000_000, 6B, 360M, 1.5T or 250K."""
-    t = text.strip().replace("_", "").replace(",", "")
-    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(t[-1:].lower(), 1)
-    if scale != 1:
-        t = t[:-1]
-    try:
-        value = float(t) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 6e9, 6B, 360M)") from None
-    if value != int(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
-    return int(value)
+def count(low: int = 0):
+    """An argparse type: a whole count >= ``low``, written as 6e9, 6_000_000_000, 6B, 360M, 1.5T or 250K."""
+    def parse(text: str) -> int:
+        t = text.strip().replace("_", "").replace(",", "")
+        scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(t[-1:].lower(), 1)
+        if scale != 1:
+            t = t[:-1]
+        try:
+            value = float(t) * scale
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text[:80]!r} is not a number (e.g. 6e9, 6B, 360M)") from None
+        if not math.isfinite(value) or value < low:  # int() of NaN or inf would raise, not refuse
+            raise argparse.ArgumentTypeError(f"{text[:80]} is out of range: give a whole number >= {low:,}")
+        if value != int(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+        return int(value)
+    return _bounded(parse, low, math.inf)
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

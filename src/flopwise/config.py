@@ -381,6 +381,7 @@ class OptimConfig:
         if not 0 < self.decay_fraction <= 1:
             p.append(f"optim.decay_fraction must be in (0, 1], got {self.decay_fraction}")
         p.positive("optim.muon_lr", self.muon_lr)
+        p.positive("optim.muon_weight_decay", self.muon_weight_decay, allow_zero=True)
         if not 0 <= self.muon_momentum < 1:
             p.append(f"optim.muon_momentum must be in [0, 1), got {self.muon_momentum}")
         return list(p)

@@ -43,8 +43,9 @@ def test_plan_raw_params_uses_6n(cli):
 
 def test_plan_errors_name_the_flag(cli):
     cases = [
-        (["--model", "smollm-360m", "--hours", "-1"], "--hours must be > 0"),
-        (["--model", "smollm-360m", "--mfu", "1.2"], "--mfu must be in (0, 1]"),
+        (["--model", "smollm-360m", "--hours", "-1"], "argument --hours: -1.0 is out of range"),
+        (["--model", "smollm-360m", "--mfu", "1.2"], "argument --mfu: 1.2 is out of range"),
+        (["--model", "smollm-360m", "--hours", "nan"], "argument --hours: nan is out of range"),
         (["--model", "smollm-360m", "--gpu", "h1000"], "--gpu 'h1000' is not in the hardware table"),
         (["--model", "smollm-360m", "--tokens", "1e9", "--hours", "3"], "--tokens and --hours were both given"),
         (["--model", "smollm-36m"], "did you mean 'smollm-360m'"),

@@ -59,9 +59,13 @@ def test_bad_flags_are_named_and_nothing_is_written(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("some text")
     out = tmp_path / "data"
     assert cli_main(["prepare", str(tmp_path / "a.txt"), "--out", str(out), "--vocab-size", "300",
-                     "--tokenizer", str(tmp_path / "missing.json"), "--val-fraction", "2"]) == 2
+                     "--tokenizer", str(tmp_path / "missing.json"), "--val-fraction", "0.1"]) == 2
     err = capsys.readouterr().err
-    assert "exactly one of --tokenizer" in err and "--val-fraction must be in [0, 1), got 2" in err
+    assert "exactly one of --tokenizer" in err and "--tokenizer" in err and "missing.json" in err
+    with pytest.raises(SystemExit) as stop:  # out of range: refused by the parser
+        cli_main(["prepare", str(tmp_path / "a.txt"), "--out", str(out), "--vocab-size", "300", "--val-fraction", "2"])
+    assert stop.value.code == 2
+    assert "argument --val-fraction: 2.0 is out of range" in capsys.readouterr().err
     assert not out.exists() and not list(tmp_path.glob(".data*"))
     assert cli_main(["prepare", str(tmp_path / "nope"), "--out", str(out), "--vocab-size", "300"]) == 2
     assert "nope" in capsys.readouterr().err and not out.exists()
