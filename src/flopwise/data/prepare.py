@@ -116,6 +116,9 @@ DEFAULT_VAL_FRACTION = 0.005  # validation's share when neither --val-tokens nor
 # (the 90/10 split of small corpora, nanoGPT's shakespeare among them). Past that a corpus
 # is too small for the default eval without overlap, and more validation would starve train.
 VAL_FLOOR_MAX_SHARE = 0.1
+# Validation's share is met a whole document at a time, so it is overshot by up to a document;
+# past this many times the share asked, the summary says what validation got and why.
+OVER_SHARE = 2
 
 
 class PrepareError(FlopwiseError, ValueError):
@@ -196,10 +199,13 @@ class PrepareOptions:
                 p.append(f"{flag} must be >= 0, got {v}")
         if self.val_fraction is not None and not 0 <= self.val_fraction < 1:
             p.append(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if self.val_tokens and self.val_fraction is not None:  # one of them would be ignored
+            p.append(f"--val-tokens {self.val_tokens} and --val-fraction {self.val_fraction} both size validation: "
+                     "give one (--val-tokens holds out exactly that many tokens, --val-fraction a share)")
         if self.val_tokens == 0 and self.fraction == 0:
             p.append("no validation split: give --val-tokens or a --val-fraction above 0")
-        if self.tokenizer_sample_mb <= 0:
-            p.append(f"--tokenizer-sample-mb must be > 0, got {self.tokenizer_sample_mb}")
+        if not self.tokenizer_sample_mb > 0 or self.tokenizer_sample_mb == float("inf"):  # NaN fails the first
+            p.append(f"--tokenizer-sample-mb must be a finite number > 0, got {self.tokenizer_sample_mb}")
         if self.shard_tokens <= 0:
             p.append(f"--shard-tokens must be > 0, got {self.shard_tokens}")
         if self.tokenizer and not Path(self.tokenizer).is_file():
@@ -710,6 +716,27 @@ def val_floor_note(opts: PrepareOptions, floor: ValFloor | None, splits: dict) -
             f"{floor.describe()}, so they overlap on a source this small (--val-tokens sets validation); {base}")
 
 
+def val_share_note(opts: PrepareOptions, floor: ValFloor | None, splits: dict) -> str:
+    """The summary's line where validation got more than ``OVER_SHARE`` times the share it was
+    given (its real share, and why); "" elsewhere. Only a share can be overshot: budgets
+    (--train-tokens, --val-tokens) are met exactly, the last document cut. A share is met a
+    whole document at a time, the first document to validation, so a source of a few
+    documents holds out far more: two give validation half of the tokens."""
+    if opts.train_tokens or opts.val_tokens:
+        return ""
+    val = splits["val"]["tokens"]
+    shared = val + splits["train"]["tokens"]  # what the share is of (as the floor's cap)
+    asked = opts.fraction if floor is None else max(opts.fraction, min(floor.tokens / shared, floor.max_share))
+    if val <= OVER_SHARE * asked * shared:
+        return ""
+    documents = sum(info["documents"] for info in splits.values())
+    what = (f"the {asked:.1%} a default split holds out here (at most {floor.max_share:.0%})" if floor is not None
+            else f"the {asked:.1%} asked")
+    return (f"val: {val:,} tokens, {val / shared:.0%} of validation's and train's {shared:,}, not {what}: documents "
+            f"go whole to one split (the first to validation) and the source has {documents:,} documents; "
+            "--val-tokens N holds out exactly N tokens")
+
+
 def _existing_meta(out: Path) -> dict:
     """The ``meta.json`` of the data directory at ``out``; {} when there is none readable."""
     try:
@@ -940,7 +967,8 @@ def _log_splits(opts: PrepareOptions, out: Path, splits: dict[str, dict], floor:
         more = f" (+{cont:,} continued from another split)" if cont else ""
         log(f"  {s:<5} {info['tokens']:>14,} tokens · {info['documents']:>10,} documents{more} · "
             f"{len(info['shards'])} shard(s)")
-    note = val_floor_note(opts, floor, splits)
+    # where validation holds far more than its share, that is the line (a floor's "at most" would be wrong)
+    note = val_share_note(opts, floor, splits) or val_floor_note(opts, floor, splits)
     if note:
         log(f"  {note}")
     log(f"  {out} ({total * dtype.itemsize / 1e6:,.1f} MB of {dtype.name} tokens)")
