@@ -69,11 +69,17 @@ def shim_path(install: TorchInstall, cache: Path = CACHE) -> Path:
 
 
 def ensure_shim(install: TorchInstall | None = None, cache: Path = CACHE, log=lambda s: None) -> Path:
-    """The shim for this torch, built on first use (seconds; about 15 on 2 cores)."""
+    """The shim for this torch, built on first use (seconds; about 15 on 2 cores) and again
+    when the cached library is not the one built (its checksum, written beside it, differs)."""
     install = install or torch_install()
     path = shim_path(install, cache)
+    if path.is_dir():
+        raise DryRunUnavailable(f"{path} is a directory where the fake-CUDA shim's library goes: remove it "
+                                "(the dry run builds the library there)")
     if path.is_file():
-        return path
+        if intact(path):
+            return path
+        log(f"  the cached fake-CUDA shim {path} is not the library built there (checksum): rebuilding it")
     cxx = compiler()
     if cxx is None:
         raise DryRunUnavailable("the dry run compiles a small C++ library against torch and no C++ compiler was "
@@ -82,7 +88,7 @@ def ensure_shim(install: TorchInstall | None = None, cache: Path = CACHE, log=la
     if not (include / "c10" / "core" / "impl" / "DeviceGuardImplInterface.h").is_file():
         raise DryRunUnavailable(f"torch {install.version} at {install.root} has no C++ headers (include/): "
                                 "reinstall torch from its wheel (./install.sh)")
-    path.parent.mkdir(parents=True, exist_ok=True)
+    _make_cache_dir(path.parent)
     log(f"  building the fake-CUDA shim for torch {install.version} (once; about 15 s) ...")
     lib = install.root / "lib"
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
@@ -98,8 +104,49 @@ def ensure_shim(install: TorchInstall | None = None, cache: Path = CACHE, log=la
             errors = [ln for ln in done.stderr.splitlines() if "error" in ln] or done.stderr.splitlines() or ["?"]
             raise DryRunUnavailable(f"building the fake-CUDA shim for torch {install.version} failed "
                                     f"({errors[0].strip()[:200]}); the dry run is tested with torch 2.13")
+        if not _is_library(out):
+            raise DryRunUnavailable(f"the C++ compiler {cxx} exited 0 but wrote no library at {out} (an ELF shared "
+                                    "object was expected): set CXX to a working g++ or clang++")
+        checksum = Path(tmp) / CHECKSUM.format(path.name)
+        checksum.write_text(_sha256(out))
+        # the checksum first: a library beside a checksum that is not its own is rebuilt, never trusted
+        os.replace(checksum, path.with_name(checksum.name))
         os.replace(out, path)  # whole or not at all: a second process building at once is harmless
     return path
+
+
+CHECKSUM = "{}.sha256"  # beside the library: the sha256 of the library as built
+
+
+def intact(path: Path) -> bool:
+    """Whether the library at ``path`` is the one built there: its checksum matches (a library cut
+    short by a full disk, or overwritten, is not; nor one cached before checksums were kept)."""
+    try:
+        return path.with_name(CHECKSUM.format(path.name)).read_text().strip() == _sha256(path)
+    except OSError:
+        return False
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _is_library(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"\x7fELF"
+    except OSError:
+        return False
+
+
+def _make_cache_dir(where: Path) -> None:
+    """``where`` and its parents, or one line naming the file that stands in their way."""
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        blocking = next((p for p in (where, *where.parents) if p.exists() and not p.is_dir()), where)
+        raise DryRunUnavailable(f"{blocking} is not a directory, and the fake-CUDA shim is cached under it "
+                                f"({where}): move it away, or set FLOPWISE_CACHE to another directory") from None
 
 
 def _cxx11_abi(install: TorchInstall) -> int:
