@@ -47,6 +47,7 @@ import tempfile
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing import forkserver as mp_forkserver
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, cast
 
@@ -142,9 +143,31 @@ FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed"]  # imports 
 
 
 def _forkserver() -> Literal["forkserver"]:
-    """The start method of trial processes, the forkserver's imports set (read when it starts)."""
+    """The start method of trial processes, the forkserver's imports set (read when it starts)
+    and the forkserver started away from the current directory."""
     mp.set_forkserver_preload(FORKSERVER_PRELOAD)
+    _start_forkserver_elsewhere()
     return "forkserver"
+
+
+def _start_forkserver_elsewhere() -> None:
+    """Start the forkserver (and multiprocessing's resource tracker) in ``/``, once. Both are
+    ``python -c`` processes, whose sys.path begins with their current directory, and the
+    forkserver imports FORKSERVER_PRELOAD before anything else: started where preflight runs, a
+    ``torch/`` or ``multiprocessing/`` folder there would be what they import. The processes
+    it forks take preflight's directory and sys.path back (multiprocessing sends both with
+    each). ``/`` rather than an empty directory of flopwise's: one removed while the forkserver
+    still imports torch fails that import (MKL cannot load libtorch_cpu)."""
+    try:
+        here = os.getcwd()
+    except FileNotFoundError:  # preflight's own directory is gone: nothing there to import
+        here = None
+    os.chdir("/")
+    try:
+        mp_forkserver.ensure_running()  # returns at once when it runs already
+    finally:
+        if here is not None:
+            os.chdir(here)
 
 
 class _Process:
