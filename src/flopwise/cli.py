@@ -532,7 +532,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     _one_process_only("preflight")
     if args.dry_run:
         return _dry_run(cfg, args)
-    if args.gpu or args.nnodes != 1 or args.json:
+    if args.gpu is not None or args.nnodes != 1 or args.json:
         raise ConfigError(["--gpu, --nnodes and --json go with --dry-run (a preflight without it measures the "
                            "device at hand)"])
     from flopwise.tune.preflight import Interrupted, preflight  # lazy: torch
@@ -691,7 +691,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         strategy, note = current_name("strategy", args.strategy, "--strategy")
         notes += [note] if note else []
     gpu = None
-    if args.gpu:
+    if args.gpu is not None:  # given, if empty: an error, never no GPU
         gpu = hardware.find(args.gpu)  # exact on the normalised name: never a similar card
         if gpu is None:
             raise PlanError(hardware.unknown_gpu_message(args.gpu))

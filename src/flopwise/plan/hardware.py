@@ -178,7 +178,8 @@ def unknown_gpu_message(name: str, flag: str = "--gpu") -> str:
     close = difflib.get_close_matches(compact(name), list(candidates), n=1, cutoff=0.5)
     hint = f" (did you mean {candidates[close[0]]!r}?)" if close else ""
     known = ", ".join(spec.name for spec in DEVICES)
-    return (f"{flag} {name!r} is not in the hardware table{hint}; known GPUs: {known} (see --list-gpus for "
+    what = "names no GPU" if not name.strip() else "is not in the hardware table"
+    return (f"{flag} {name!r} {what}{hint}; known GPUs: {known} (see --list-gpus for "
             "the accepted spellings), or give --peak-tflops and --memory-gb")
 
 
