@@ -81,6 +81,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -353,9 +354,10 @@ def _watch_parent(parent_pid: int) -> None:
     os._exit(1)
 
 
-def die_with(pid: int) -> None:
+def die_with(pid: int, before_exit: Callable[[], None] | None = None) -> None:
     """End this process when process ``pid`` ends, however it ends, where ``pid`` is not its
-    parent: a process forked by a forkserver (its parent) for a client (``pid``).
+    parent: a process forked by a forkserver (its parent) for a client (``pid``); or where this
+    process must clean up first (``before_exit``, called on the watching thread).
 
     prctl's death signal follows the parent, and a forkserver outlives a killed client for as
     long as any process it forked holds the client's pipe open -- so not before they end. A
@@ -364,19 +366,28 @@ def die_with(pid: int) -> None:
     try:
         fd: int | None = os.pidfd_open(pid)
     except ProcessLookupError:  # gone already
-        os._exit(1)
+        _exit_after(before_exit)
     except (AttributeError, OSError):  # no pidfd_open: not Linux 5.3+
         fd = None
-    threading.Thread(target=_wait_for_exit, args=(pid, fd), name="flopwise-client-watch", daemon=True).start()
+    threading.Thread(target=_wait_for_exit, args=(pid, fd, before_exit), name="flopwise-client-watch",
+                     daemon=True).start()
 
 
-def _wait_for_exit(pid: int, fd: int | None) -> None:
+def _wait_for_exit(pid: int, fd: int | None, before_exit: Callable[[], None] | None = None) -> None:
     if fd is not None:
         select.select([fd], [], [])
     else:
         while _alive(pid):
             time.sleep(PARENT_POLL_S)
-    os._exit(1)
+    _exit_after(before_exit)
+
+
+def _exit_after(before_exit: Callable[[], None] | None) -> NoReturn:
+    try:
+        if before_exit is not None:
+            before_exit()
+    finally:
+        os._exit(1)
 
 
 def _alive(pid: int) -> bool:

@@ -12,12 +12,16 @@ graphs, breaks and recompiles under compile, and the collectives per step. Every
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,7 +53,8 @@ class DryRunFailed(FlopwiseError, RuntimeError):
 
 
 def gpu_spec(name: str | None) -> hardware.DeviceSpec:
-    spec = hardware.find(name or DEFAULT_GPU)
+    """``name``'s entry, :data:`DEFAULT_GPU`'s when no name was given (an empty one is unknown)."""
+    spec = hardware.find(DEFAULT_GPU if name is None else name)
     if spec is None:
         raise PlanError(hardware.unknown_gpu_message(name or ""))
     return spec
@@ -93,18 +98,20 @@ def dry_run(cfg: RunConfig, gpu: str | None = None, nproc_per_node: int = 1, nno
     request = {"gpu": {"name": torch_name(spec), "capability": list(hardware.CAPABILITY[spec.name]),
                        "memory_bytes": memory_bytes},
                "world": world, "nproc_per_node": nproc_per_node, "nnodes": nnodes, "headroom": headroom}
-    with tempfile.TemporaryDirectory(prefix="flopwise-dryrun-") as tmp:
+    with _sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="flopwise-dryrun-") as tmp:
         config_path, request_path, result_path = (Path(tmp) / n for n in ("config.yaml", "request.json", "result.json"))
         config_path.write_text(cfg.to_yaml())
         request["config_path"] = str(config_path)
         request_path.write_text(json.dumps(request))
         env = dict(os.environ, LD_PRELOAD=":".join(filter(None, [str(shim), os.environ.get("LD_PRELOAD", "")])),
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                   PYTHONSAFEPATH="1",  # Python 3.11+: no current directory on sys.path (WORKER_START for 3.10)
                    PYTHONHASHSEED="0")  # ZeRO-1's traced peak moves by ~1% with the order of sets: reproducible
         env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)  # not a launched rank
         log(f"  tracing the step on {world} × {spec.name} (fake tensors; about a minute for a 2B model) ...")
         try:
-            done = subprocess.run([sys.executable, "-m", "flopwise.tune.worker", str(request_path), str(result_path)],
+            done = subprocess.run([sys.executable, "-c", WORKER_START, str(PACKAGE_ROOT), str(request_path),
+                                   str(result_path), str(os.getpid())],
                                   env=env, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             raise DryRunFailed(f"the trace did not finish in {timeout_s:.0f} s") from None
@@ -115,10 +122,74 @@ def dry_run(cfg: RunConfig, gpu: str | None = None, nproc_per_node: int = 1, nno
     result["request"]["gpu"]["spec"] = spec.name
     if "error" in result:
         where = f" at {result['where']}" if result.get("where") and result["where"] != "config" else ""
-        if result.get("where") == "config":
-            raise ConfigError([result["error"]])
+        if result.get("where") == "config":  # the problems themselves, as the run would list them
+            raise ConfigError(result.get("problems") or [result["error"]])
         raise DryRunFailed(f"the step fails on {world} × {spec.name}: {result['error']}{where}")
     return result
+
+
+# The tracing process is started as ``python -c WORKER_START ROOT REQUEST RESULT PID``, never as
+# ``python -m``: that puts the current directory first on sys.path, so a ``flopwise/`` (or
+# ``torch/``) folder where the user stands would run in it. These lines take the current
+# directory off sys.path before anything is imported (``-P`` and PYTHONSAFEPATH, which the
+# environment sets too, are Python 3.11+), keep ROOT -- where this process imported flopwise from,
+# so the worker runs the same code -- and hand over to :func:`worker_main`.
+WORKER_START = (
+    "import os, sys\n"
+    "here = os.path.realpath(os.getcwd())\n"
+    "root = sys.argv.pop(1)\n"
+    "sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != here]\n"
+    "if os.path.realpath(root) not in map(os.path.realpath, sys.path):\n"
+    "    sys.path.append(root)\n"
+    "from flopwise.tune.dryrun import worker_main\n"
+    "worker_main(sys.argv[1:])\n")
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]  # the directory holding flopwise/
+
+
+def worker_main(argv: list[str]) -> None:
+    """The tracing process, after WORKER_START: it ends with the dry run (``PID``), however
+    that ends -- ``kill -9`` included -- and then removes the dry run's temporary directory,
+    which the dry run, killed, could not; then it traces (``tune/worker.py``)."""
+    request, result, parent = argv[0], argv[1], int(argv[2])
+    tmp = Path(request).parent
+
+    def remove_tmp() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    from flopwise.data.prepare import die_with  # lazy: numpy and tokenizers, only in the tracing process
+
+    die_with(parent, before_exit=remove_tmp)
+    if os.getppid() != parent:  # the dry run ended before the watch began (its pid may be another's now)
+        remove_tmp()
+        os._exit(1)
+    from flopwise.tune import worker  # lazy: torch, only in the tracing process
+
+    worker.main([request, result])
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM, while the trace runs, unwinds the dry run -- the tracing process killed, the
+    temporary directory removed -- and exits with status 143, where Python's default would end
+    this process on the spot and leave both behind. A handler someone else set stays."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def unwind(signum: int, frame: Any) -> None:
+        signal.signal(signum, signal.SIG_IGN)  # a second SIGTERM cannot cut the clean-up short (SIGKILL can)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    except SystemExit as e:
+        if e.code == 128 + signal.SIGTERM:
+            print("flopwise: terminated (SIGTERM): the trace stopped, its temporary directory removed",
+                  file=sys.stderr, flush=True)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _crash_line(done: subprocess.CompletedProcess) -> str:
@@ -175,8 +246,12 @@ def render(result: dict[str, Any]) -> list[str]:
     if fit.get("micro_batch"):
         peak = fit["tried_gib"].get(str(fit["micro_batch"]), fit["tried_gib"].get(fit["micro_batch"]))
         how = "compiled" if compiled else "eager"
-        lines.append(f"  fits       largest micro-batch by trace ({how}): {fit['micro_batch']} ({_gib(peak)} within "
-                     f"{fit['cap_gib']:.1f} GiB = {100 * r['headroom']:.0f}% of {mem_gib:.0f})")
+        within = f"({_gib(peak)} within {fit['cap_gib']:.1f} GiB = {100 * r['headroom']:.0f}% of {mem_gib:.0f})"
+        if fit.get("capped"):  # the search stops at its cap: the largest that fits is not known
+            lines.append(f"  fits       up to the search's cap of {fit['micro_batch']} by trace ({how}) {within}; "
+                         "larger not tried")
+        else:
+            lines.append(f"  fits       largest micro-batch by trace ({how}): {fit['micro_batch']} {within}")
     else:
         lines.append(f"  fits       no micro-batch fits within {fit['cap_gib']:.1f} GiB by trace")
     syncs = t["syncs"]

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from flopwise.config import ConfigError, RunConfig, batch_split_problems, load_run_config
-from flopwise.parallel.diloco import DiLoCo, Groups
+from flopwise.parallel.diloco import DiLoCo, Groups, fragments
 from flopwise.parallel.distributed import DistEnv
 from flopwise.parallel.strategy import diloco_strategy, resolve_strategy
 from flopwise.plan.budget import memory_settings_for_run
@@ -79,7 +79,7 @@ def _answer(request: dict[str, Any]) -> dict[str, Any]:
     try:
         return run_request(request)
     except ConfigError as e:
-        return {"error": str(e), "where": "config"}
+        return {"error": str(e), "problems": e.problems, "where": "config"}
     except Exception as e:  # noqa: BLE001 - the step failing is the answer: what and where
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return {"error": f"{type(e).__name__}: {first}", "where": _where(e),
@@ -134,7 +134,7 @@ def run_request(request: dict[str, Any]) -> dict[str, Any]:
     def peak(b: int) -> float:  # bytes: the traced peak of the step at micro-batch b
         return trace(cfg, env, device, strategy.name, b, full=False)["memory"]["peak_gib"] * GIB
 
-    out["fit"] = largest_fit(out["trace"], cap, int(request.get("max_micro_batch", 1024)), peak)
+    out["fit"] = largest_fit(out["trace"], cap, int(request.get("max_micro_batch", MAX_MICRO_BATCH)), peak)
     return out
 
 
@@ -264,6 +264,8 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
         parts = build_step(cfg, wraps, env, device, prec)
         run = StepOnly.of(cfg, parts, env, device, prec, wraps, _random_batches(cfg, device, micro_batch))
         run.loss_fn = _in_forward(parts.loss_fn, memory)
+        if strategy == "diloco":  # the run cuts what its optimizer steps into the fragments: refused as it refuses
+            fragments([p.numel() for p in run.opt_params], cfg.parallel.fragments)
         params, _ = _states(parts)
         memory.mark(params, "parameters")
         grads = _GradMarker(run.opt_params, memory)
@@ -403,6 +405,7 @@ def _flops(counter: FlopCounterMode | None, cfg: RunConfig, accum: int, run_accu
 
 
 FIT_TRACES = 6  # traces the search may add after the first two
+MAX_MICRO_BATCH = 1024  # the search's cap: a size that fits there is reported as the cap, never as the largest
 
 
 def largest_fit(main: dict[str, Any], cap: int, limit: int, peak: Callable[[int], float]) -> dict[str, Any]:
@@ -412,7 +415,8 @@ def largest_fit(main: dict[str, Any], cap: int, limit: int, peak: Callable[[int]
     states plus activations nearly linear in the micro-batch: a second trace gives a line, and
     each further one is placed where the line through the two traced sizes nearest ``cap`` crosses
     it (the secant method), kept strictly between the largest size known to fit and the smallest
-    known not to, at most :data:`FIT_TRACES` of them. ``confirmed``: the next size up was traced and does not fit."""
+    known not to, at most :data:`FIT_TRACES` of them. ``confirmed``: the next size up was traced and does not
+    fit; ``capped``: ``limit`` fits, and larger sizes were not tried (``limit`` is then no largest)."""
     b0 = main["micro_batch"]
     tried = {b0: main["memory"]["peak_gib"] * GIB}
     b1 = 2 * b0 if b0 < 2 else b0 // 2
@@ -431,8 +435,9 @@ def largest_fit(main: dict[str, Any], cap: int, limit: int, peak: Callable[[int]
         tried[guess] = peak(guess)
     fits = [b for b, p in tried.items() if p <= cap]
     best = max(fits) if fits else None
-    confirmed = best is not None and (best == limit or tried.get(best + 1, 0.0) > cap)
-    return {"micro_batch": best, "confirmed": confirmed, "cap_gib": cap / GIB, "per_sequence_gib": per / GIB,
+    confirmed = best is not None and tried.get(best + 1, 0.0) > cap
+    return {"micro_batch": best, "confirmed": confirmed, "capped": best is not None and best >= limit,
+            "limit": limit, "cap_gib": cap / GIB, "per_sequence_gib": per / GIB,
             "tried_gib": {str(b): round(p / GIB, 3) for b, p in sorted(tried.items())}}
 
 
