@@ -897,9 +897,15 @@ def build_config(
     return cfg
 
 
-# What ``flopwise train`` writes beside a run's config.yaml (``checkpoints`` is
-# ``flopwise.checkpoints.CHECKPOINT_DIR``, a layer above): a config.yaml next to one of them is a run's own.
-RUN_DIR_MARKS = ("checkpoints", "run.json", "metrics.jsonl")
+# What ``flopwise train`` writes beside a run's config.yaml: a config.yaml next to one of them is
+# a run's own. ``checkpoints`` is ``flopwise.checkpoints.CHECKPOINT_DIR`` (a layer above); it
+# counts only holding a ``step-*`` entry, as another tool's checkpoints/ folder would not.
+RUN_FILES = ("run.json", "metrics.jsonl")
+CHECKPOINTS = "checkpoints"
+
+
+def _holds_run(d: Path) -> bool:
+    return any((d / name).is_file() for name in RUN_FILES) or any((d / CHECKPOINTS).glob("step-*"))
 
 
 def run_directory(config_file: str | Path) -> Path | None:
@@ -909,9 +915,9 @@ def run_directory(config_file: str | Path) -> Path | None:
     if path.name != "config.yaml":
         return None
     candidates = [path.parent]
-    if path.parent.parent.name == RUN_DIR_MARKS[0]:  # RUN/checkpoints/step-N/config.yaml
+    if path.parent.parent.name == CHECKPOINTS:  # RUN/checkpoints/step-N/config.yaml
         candidates.append(path.parent.parent.parent)
-    return next((d for d in candidates if any((d / mark).exists() for mark in RUN_DIR_MARKS)), None)
+    return next((d for d in candidates if _holds_run(d)), None)
 
 
 def run_dir_of_file(cfg: RunConfig, config_file: str | Path | None) -> tuple[str, str]:

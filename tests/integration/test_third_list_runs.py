@@ -92,6 +92,8 @@ def test_a_run_dir_on_the_command_line_wins_over_the_config_files_directory(tiny
     run = tmp_path / "a-run"
     (run / "checkpoints").mkdir(parents=True)
     (run / "config.yaml").write_text("train:\n  run_dir: /somewhere/else\n")
+    # another tool's checkpoints/ folder does not make a directory a run
+    assert build_config(config_file=run / "config.yaml").train.run_dir == "/somewhere/else"
     (run / "run.json").write_text("{}")
     assert build_config(config_file=run / "config.yaml").train.run_dir == str(run)
     assert "copied or moved" in " ".join(build_config(config_file=run / "config.yaml").notes)
@@ -101,7 +103,9 @@ def test_a_run_dir_on_the_command_line_wins_over_the_config_files_directory(tiny
     step = run / "checkpoints" / "step-0000002"  # a checkpoint's own copy is its run's
     step.mkdir()
     (step / "config.yaml").write_text("train:\n  run_dir: /somewhere/else\n")
+    (run / "run.json").unlink()  # its checkpoint marks the directory a run
     assert build_config(config_file=step / "config.yaml").train.run_dir == str(run)
+    assert build_config(config_file=run / "config.yaml").train.run_dir == str(run)
     # a config file of one's own, outside a run directory, is taken as written
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "config.yaml").write_text("train:\n  run_dir: /somewhere/else\n")
