@@ -174,10 +174,10 @@ if "fake_cuda_guard" in os.environ.get("LD_PRELOAD", ""):  # the dry run's traci
 """
 
 
-def _start_held_dry_run(tmp: Path, command: list[str]) -> tuple[subprocess.Popen, int, Path]:
+def _start_held_dry_run(tmp: Path, command: list[str], hold_in: str = "hold") -> tuple[subprocess.Popen, int, Path]:
     """The dry run started, and its worker held before it imports torch: (the dry run, the
-    worker's pid, the dry run's temporary directory)."""
-    hold = tmp / "hold"
+    worker's pid, the dry run's temporary directory, the only one there)."""
+    hold = tmp / hold_in
     hold.mkdir()
     (hold / "sitecustomize.py").write_text(HOLD.format(hold=str(hold)))
     env = _env(tmp, PYTHONPATH=os.pathsep.join(filter(None, [str(hold), os.environ.get("PYTHONPATH", "")])))
@@ -187,12 +187,12 @@ def _start_held_dry_run(tmp: Path, command: list[str]) -> tuple[subprocess.Popen
     assert proc.poll() is None, f"the dry run ended before its worker was held: {proc.stderr.read()[-2000:]}"
     worker = int(held[0].name.split("-")[1])
     dirs = list((tmp / "tmpdir").glob("flopwise-dryrun-*"))
-    assert len(dirs) == 1, dirs
+    assert len(dirs) == 1, f"{dirs}: another dry run's directory is left"
     return proc, worker, dirs[0]
 
 
-def _release_and_kill(tmp: Path, *pids: int) -> None:
-    (tmp / "hold" / "release").write_text("")
+def _release_and_kill(tmp: Path, *pids: int, hold_in: str = "hold") -> None:
+    (tmp / hold_in / "release").write_text("")
     for pid in pids:
         if not _gone(pid):
             os.kill(pid, signal.SIGKILL)
@@ -221,6 +221,27 @@ def test_sigkill_ends_the_worker_which_removes_the_temporary_directory(shim, tmp
         _wait_for(lambda: not tmp.exists(), f"{tmp} to be removed", GONE_S)
     finally:
         _release_and_kill(tmp_path, proc.pid, worker)
+
+
+def test_the_next_dry_run_removes_what_a_dry_run_killed_with_its_worker_left(shim, tmp_path):
+    command = ["preflight", "--dry-run", "--gpu", "l4", *TINY]
+    proc, worker, tmp = _start_held_dry_run(tmp_path, command)
+    try:  # both killed, the dry run first stopped so that it cannot clean up when its worker dies
+        proc.send_signal(signal.SIGSTOP)
+        os.kill(worker, signal.SIGKILL)
+        _wait_for(lambda: _gone(worker), f"the tracing process {worker} to end", GONE_S)
+        proc.kill()
+        proc.wait(timeout=WAIT_S)
+        assert tmp.is_dir(), "nothing should have removed it yet"
+    finally:
+        _release_and_kill(tmp_path, proc.pid, worker)
+    proc, worker, mine = _start_held_dry_run(tmp_path, command, hold_in="hold-next")  # one directory: its own
+    try:
+        assert not tmp.exists() and mine.is_dir()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=WAIT_S)
+        _release_and_kill(tmp_path, proc.pid, worker, hold_in="hold-next")
 
 
 # --------------------------------------------------------------------------- item 14

@@ -13,6 +13,7 @@ graphs, breaks and recompiles under compile, and the collectives per step. Every
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -98,8 +99,8 @@ def dry_run(cfg: RunConfig, gpu: str | None = None, nproc_per_node: int = 1, nno
     request = {"gpu": {"name": torch_name(spec), "capability": list(hardware.CAPABILITY[spec.name]),
                        "memory_bytes": memory_bytes},
                "world": world, "nproc_per_node": nproc_per_node, "nnodes": nnodes, "headroom": headroom}
-    with _sigterm_unwinds(), tempfile.TemporaryDirectory(prefix="flopwise-dryrun-") as tmp:
-        config_path, request_path, result_path = (Path(tmp) / n for n in ("config.yaml", "request.json", "result.json"))
+    with _sigterm_unwinds(), _trace_dir() as tmp:
+        config_path, request_path, result_path = (tmp / n for n in ("config.yaml", "request.json", "result.json"))
         config_path.write_text(cfg.to_yaml())
         request["config_path"] = str(config_path)
         request_path.write_text(json.dumps(request))
@@ -165,6 +166,37 @@ def worker_main(argv: list[str]) -> None:
     from flopwise.tune import worker  # lazy: torch, only in the tracing process
 
     worker.main([request, result])
+
+
+TMP_PREFIX = "flopwise-dryrun-"
+OWNER = "owner.lock"  # in a dry run's temporary directory: locked (flock) for as long as that dry run lives
+
+
+@contextlib.contextmanager
+def _trace_dir() -> Iterator[Path]:
+    """A temporary directory for one trace, removed at the end. First, those of ended dry runs
+    are removed: where a dry run and its tracing process were both killed (``kill -9`` of the
+    two), nothing else does. A dry run holds a lock on its directory's OWNER file while it
+    lives, so a directory whose lock can be taken is an ended dry run's."""
+    _remove_ended_trace_dirs()
+    tmp = Path(tempfile.mkdtemp(prefix=TMP_PREFIX))
+    try:
+        with open(tmp / f"{OWNER}.new", "w") as owner:
+            fcntl.flock(owner, fcntl.LOCK_EX)
+            os.replace(tmp / f"{OWNER}.new", tmp / OWNER)  # locked before it has its name: never taken for ended
+            yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove_ended_trace_dirs() -> None:
+    for old in Path(tempfile.gettempdir()).glob(f"{TMP_PREFIX}*"):
+        try:
+            with open(old / OWNER) as owner:
+                fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # locked (its dry run lives), someone else's, or no lock yet (one being made)
+            continue
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
