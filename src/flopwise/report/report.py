@@ -22,6 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from flopwise.errors import MAX_VALUE_CHARS, shown
 from flopwise.fsio import WriteError, is_write_fault, write_error, write_file
 from flopwise.measure.sinks import human
 from flopwise.report import png as png_out
@@ -141,10 +142,7 @@ def loss_chart(runs: list[Run]) -> LineChart:
         vx, vy = run.series("tokens", "val_loss")
         if vx:
             series.append(Series(f"{run.name} · val", vx, vy, run.color, "dashed", points=True, run=run.name))
-        ex, ey = _eval_file_series(run, "val_loss")
-        if ex:
-            series.append(Series(f"{run.name} · val (flopwise eval)", ex, ey, run.color, "dotted", points=True,
-                                 run=run.name))
+        series.extend(_eval_file_series(run, "val_loss"))
         for ev in run.events:
             step = number(ev.get("step"))
             tokens = number(ev.get("tokens")) if number(ev.get("tokens")) is not None else run.tokens_at(step)
@@ -158,24 +156,54 @@ def loss_chart(runs: list[Run]) -> LineChart:
             uniform.setdefault(round(u, 4), u)
     ys = [v for s in series for v in s.y]
     hlines = [HLine(u, f"uniform ln V = {u:.3f}", "#888888") for u in uniform.values()]
-    note = "Solid: training loss (mean over each logging window); dashed with dots: validation loss."
+    note = ("Solid: training loss (mean over each logging window); dashed with dots: validation loss; dotted: "
+            "flopwise eval on the same validation windows; dash-dot: flopwise eval on other data or windows.")
     if markers:
         note += " Triangles: events (loss spikes, non-finite steps), listed under Events."
     return LineChart("loss", "Loss vs tokens", "tokens", "loss (nats/token)", series, log_y=_log_if_wide(ys, 2.0),
                      hlines=hlines, markers=markers, note=note)
 
 
-def _eval_file_series(run: Run, key: str) -> tuple[list[float], list[float]]:
-    """(tokens, value) from evals.jsonl rows (``flopwise eval``), tokens interpolated when missing."""
-    pts = []
+def _eval_file_series(run: Run, key: str) -> list[Series]:
+    """The evals.jsonl rows (``flopwise eval``) of ``key`` as series against tokens (interpolated
+    when a row has none), like with like: rows on the run's own validation data and windows
+    (``val_set`` "run") are one series, beside the trainer's validation curve; each other data
+    directory or window set is a series of its own, labelled with both, so a loss on other data
+    is never read as the run's. A row from before eval recorded its data (no ``val_data``)
+    could be of any data (``--other-data``): its own series too, labelled so, never on the curve."""
+    groups: dict[tuple[Any, ...], list[tuple[float, float]]] = {}
     for r in run.eval_rows:
         y = number(r.get(key))
         x = number(r.get("tokens"))
         x = x if x is not None else run.tokens_at(number(r.get("step")))
-        if x is not None and y is not None:
-            pts.append((x, y))
-    pts.sort()
-    return [p[0] for p in pts], [p[1] for p in pts]
+        if x is None or y is None:
+            continue
+        data = r.get("val_data")
+        if r.get("val_set") == "run" and isinstance(data, dict):
+            group: tuple[Any, ...] = ("run",)
+        else:
+            what = "data not recorded" if not isinstance(data, dict) else \
+                "the run's data" if data.get("runs") is True else _data_name(data)
+            group = (what, r.get("val_windows"), r.get("val_seq_len"))
+        groups.setdefault(group, []).append((x, y))
+    series = []
+    for group, pts in sorted(groups.items(), key=lambda g: (g[0] != ("run",), str(g[0]))):
+        pts.sort()
+        if group == ("run",):
+            label, dash = f"{run.name} · val (flopwise eval)", "dotted"
+        else:
+            what, n, T = group
+            label, dash = f"{run.name} · flopwise eval on {what}, {_text(n)} windows x {_text(T)} tokens", "dashdot"
+        series.append(Series(label, [p[0] for p in pts], [p[1] for p in pts], run.color, dash, points=True,
+                             run=run.name))
+    return series
+
+
+def _data_name(data: dict[str, Any]) -> str:
+    """A data directory of an evals.jsonl row: its folder's name and the start of its fingerprint."""
+    name = Path(str(data.get("path") or "?")).name
+    fp = data.get("fingerprint")
+    return _text(name) + (f" ({fp[:8]})" if isinstance(fp, str) else "")
 
 
 def bpb_chart(runs: list[Run]) -> LineChart:
@@ -183,10 +211,7 @@ def bpb_chart(runs: list[Run]) -> LineChart:
     for run in runs:
         x, y = run.series("tokens", "val_bpb")
         series.append(Series(f"{run.name} · val", x, y, run.color, "dashed", points=True, run=run.name))
-        ex, ey = _eval_file_series(run, "val_bpb")
-        if ex:
-            series.append(Series(f"{run.name} · flopwise eval", ex, ey, run.color, "dotted", points=True,
-                                 run=run.name))
+        series.extend(_eval_file_series(run, "val_bpb"))
     return LineChart("bpb", "Validation bits per byte vs tokens", "tokens", "bits per byte", series,
                      note="Bits per byte do not depend on the tokenizer: runs with different vocabularies compare.")
 
@@ -487,7 +512,8 @@ def config_summary(run: Run) -> list[tuple[str, str]]:
         return [("config", "no config.yaml")]
 
     def g(key: str, default: Any = "?") -> Any:
-        return flat.get(key, default)
+        value = flat.get(key, default)
+        return value if isinstance(value, (float, bool)) or _small_int(value) else _text(value)
 
     params = number((run.plan or {}).get("params"))
     model = (f"{g('model.arch')} · {g('model.n_layers')} layers · d_model {g('model.d_model')} · heads "
@@ -677,6 +703,19 @@ def events_table(runs: list[Run]) -> str:
 IGNORED_IN_DIFF = {"train.run_dir"}
 
 
+def _small_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) < 10**18
+
+
+def _text(value: Any) -> str:
+    """A config value as the page shows it: text as written, anything else as Python writes it,
+    at most ``MAX_VALUE_CHARS`` characters either way (its length said when cut). A config.yaml
+    is the user's file: a value of megabytes would otherwise be copied into every cell."""
+    if isinstance(value, str):
+        return value if len(value) <= MAX_VALUE_CHARS else f"{value[:MAX_VALUE_CHARS]}... ({len(value):,} characters)"
+    return shown(value)
+
+
 def config_diff(runs: list[Run]) -> str:
     if len(runs) < 2:
         return ""
@@ -693,7 +732,7 @@ def config_diff(runs: list[Run]) -> str:
     head = "<tr><th>key</th>" + "".join(f"<th>{_swatch(r)}{esc(r.name)}</th>" for r in runs) + "</tr>"
     rows = []
     for k in differ:
-        cells = "".join(f"<td>{esc(f[k]) if k in f else '<i>absent</i>'}</td>" for f in flats)
+        cells = "".join(f"<td>{esc(_text(f[k])) if k in f else '<i>absent</i>'}</td>" for f in flats)
         rows.append(f'<tr data-key="{esc(k)}"><td><code>{esc(k)}</code></td>{cells}</tr>')
     return note + f'<table class="config-diff">{head}{"".join(rows)}</table>'
 

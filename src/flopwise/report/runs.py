@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from flopwise.config import ConfigError, read_yaml
 from flopwise.errors import FlopwiseError
 from flopwise.fsio import FileFormatError, loads_json, read_json
 
@@ -171,13 +170,19 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 
 
 def _read_yaml(path: Path) -> dict[str, Any] | None:
+    """A run's ``config.yaml``, read by the bounded reader every other command uses (its size,
+    nesting and alias expansion capped): a 600-byte alias bomb expands to billions of values,
+    which the configuration table would walk and print."""
     if not path.is_file():
         return None
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as e:
-        reason = "nested too deeply to read" if isinstance(e, RecursionError) else " ".join(str(e).split())
-        raise ReportError(f"{path}: not valid YAML ({reason[:300]})") from None
+        data = read_yaml(path, str(path))
+    except ConfigError as e:
+        raise ReportError(" ".join(str(e).split())) from None
+    except OSError as e:
+        raise ReportError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except ValueError as e:  # PyYAML's int() of a number longer than Python converts
+        raise ReportError(f"{path}: not valid YAML ({' '.join(str(e).split())[:300]})") from None
     if data is None:
         return None
     if not isinstance(data, dict):
