@@ -27,7 +27,9 @@ group made since it sent. With τ = 0 every group holds the anchor itself right 
 Every run ends on a sync of whatever changed since its last one, so the model a run leaves
 is the groups' common one. Checkpoints hold the anchor, the outer momentum, each group's
 weights and inner optimizer state and any fragment in flight (``dist_checkpoint.py``), so a
-resume at any step is exact at the same number of groups.
+resume at any step is exact at the same number of groups (and, with a fragment in flight,
+the same H and τ: :meth:`DiLoCo.load_state_dict` refuses others). Another strategy resumes a
+DiLoCo checkpoint only from an outer sync (:func:`leave_diloco`).
 
 Measured (:meth:`DiLoCo.window`, into metrics.jsonl): outer steps, the bytes all-reduced
 across groups, the seconds the step waited on that communication, the pseudo-gradient's
@@ -39,6 +41,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -122,6 +125,28 @@ def fragments(sizes: list[int], count: int) -> list[list[int]]:
         out[-1].append(i)
         acc += n
     return out
+
+
+def leave_diloco(state: dict[str, Any], group: dict[str, Any], step: int, where: str, strategy: str) -> str:
+    """A DiLoCo checkpoint (``state``: its outer state, ``group``: group 0's part) resumed under
+    another ``strategy``, which reads group 0's weights only: refused between outer syncs,
+    where the other groups' weights, the anchor and the outer momentum are still the run's
+    (ConfigError naming what would be dropped); at a sync point -- every fragment synced after
+    step ``step`` with none in flight, so every group holds the anchor -- the note for the log:
+    only the outer momentum is left behind."""
+    flights = group.get("inflight") or []
+    last_sent = list(state.get("last_sent") or [])
+    if flights or not last_sent or any(s != step for s in last_sent):
+        why = (f"fragment(s) {', '.join(str(f['fragment']) for f in flights)} in flight" if flights else
+               f"its fragments last synced after step(s) {', '.join(map(str, sorted(set(last_sent))))}")
+        raise ConfigError([f"{where}: saved by DiLoCo between outer syncs (step {step}; {why}): its "
+                           f"{state.get('groups')} worker group(s) hold their own weights beside the anchor and the "
+                           f"outer momentum, and parallel.strategy={strategy} would keep group 0's weights only. "
+                           "Resume it with parallel.strategy=diloco and the launch that saved it, or from a "
+                           "checkpoint taken at a sync point (every fragment synced, none in flight: with "
+                           "parallel.fragments=1 and overlap_steps=0 every parallel.inner_steps steps; a run's last)"])
+    return (f"{Path(where).name} was saved by DiLoCo at an outer sync (every group held these weights): it "
+            f"continues under {strategy}; the outer momentum is left behind")
 
 
 @dataclass
@@ -309,7 +334,8 @@ class DiLoCo:
         """What every group shares: the anchor, the outer momentum, the counters."""
         return {"anchor": self.anchor, "outer": self.outer.state_dict(), "groups": self.g.count,
                 "group_size": self.g.size, "fragments": len(self.frags), "last_sent": list(self.last_sent),
-                "outer_steps": self.outer_steps, "bytes_sent": self.bytes_sent}
+                "outer_steps": self.outer_steps, "bytes_sent": self.bytes_sent,
+                "inner_steps": self.H, "overlap_steps": self.tau}
 
     def group_state(self) -> dict[str, Any]:
         """What is this group's own besides its weights and optimizer: the fragments in flight and
@@ -324,6 +350,26 @@ class DiLoCo:
         for mine, now in zip(self.anchor, self.locals):
             mine.copy_(now)
 
+    def _check_schedule(self, state: dict[str, Any], group: dict[str, Any], where: str) -> None:
+        """Refuse another H or τ while fragments are in flight: they were sent, and land, on the
+        old schedule, and the new one may send the same fragment again before the first copy
+        lands (its pseudo-gradient then counted twice). Without one in flight the next sync
+        simply follows the new schedule. Every group has the same fragments in flight, so every
+        rank decides alike. A checkpoint from before these were recorded gives τ by its flights."""
+        flights = group.get("inflight") or []
+        if not flights:
+            return
+        saved_tau = state.get("overlap_steps", flights[0]["land"] - flights[0]["sent"])
+        changed = [f"parallel.{name}={old} (this launch: parallel.{name}={new})"
+                   for name, old, new in (("inner_steps", state.get("inner_steps", self.H), self.H),
+                                          ("overlap_steps", saved_tau, self.tau)) if old != new]
+        if changed:
+            sent = ", ".join(f"fragment {f['fragment']} sent after step {f['sent']}" for f in flights)
+            raise ConfigError([f"{where}: saved with {' and '.join(changed)} while fragments were in flight "
+                               f"({sent}); they would sync twice under the new schedule. Resume with the recorded "
+                               "values, or from a checkpoint taken while no fragment was in flight (a run's last "
+                               "checkpoint is one)"])
+
     def load_state_dict(self, state: dict[str, Any], group: dict[str, Any], where: str) -> None:
         """Continue from a checkpoint's ``state`` and this group's ``group`` part; the fragments
         that were in flight are sent again, exactly as they were."""
@@ -333,6 +379,7 @@ class DiLoCo:
                                f"{state.get('group_size')} rank(s) and {state.get('fragments')} fragment(s); this "
                                f"launch has {self.g.count} of {self.g.size} and {len(self.frags)}: resume with the "
                                "same launch and parallel.group_size, parallel.fragments"])
+        self._check_schedule(state, group, where)
         with torch.no_grad():
             for mine, saved in zip(self.anchor, state["anchor"]):
                 mine.copy_(saved)

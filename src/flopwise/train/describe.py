@@ -37,6 +37,8 @@ def describe(run: Run) -> list[str]:
         lines.append(f"  parallel   {run.strategy.name} · {world} rank(s), {env.launched} · {env.backend} · "
                      f"{run.strategy.why}")
         lines += [f"  {'':<10} {note}" for note in run.notes.get("parallel", [])]
+    else:  # one process: a note only where it continues a DiLoCo checkpoint (what it leaves behind)
+        lines += [f"  parallel   {note}" for note in run.notes.get("parallel", [])]
     data = run.data
     epochs = ""
     if cfg.data.loader == "epoch":

@@ -21,7 +21,8 @@ Two formats, one directory protocol (``checkpoint.py``: hidden directory, CRC32 
   inner optimizer state (under FSDP2 those are DCP's ``diloco/group-K/``, and both ``.pt``
   files are per rank of the group: ``outer-I.pt``, ``group-K-I.pt``). It resumes at the same
   groups and inner strategy; another strategy's checkpoint resumes under diloco with the
-  anchor at its weights.
+  anchor at its weights, and a DiLoCo one under another strategy only from an outer sync
+  (:func:`flopwise.parallel.diloco.leave_diloco`: between syncs it is refused).
 
 Around all: ``rng.pt`` holds rank 0's generator states at the top (what one process
 reads) and every rank's under ``"ranks"``; ``state.json`` holds the loader position --
@@ -55,7 +56,7 @@ from flopwise.checkpoints import (
     write_checksummed,
 )
 from flopwise.config import ConfigError
-from flopwise.parallel.diloco import DiLoCo
+from flopwise.parallel.diloco import DiLoCo, leave_diloco
 from flopwise.parallel.distributed import DistEnv
 from flopwise.train.checkpoint import begin_save, discard_save, rng_state, save_checkpoint, save_failed
 
@@ -229,6 +230,8 @@ def load_distributed(path: Path, parts: RankParts) -> dict[str, Any]:
         raise ConfigError([f"{path} is a sharded (fsdp2) checkpoint: resume it with parallel.strategy=fsdp2, ddp "
                            "or single; zero1's optimizer shards are laid out differently"])
     env.on_main(lambda: verify_checkpoint(path))  # once, not N times; an unmarked directory is refused
+    # a DiLoCo checkpoint under another strategy: refused between syncs, before any weights load
+    leaving = _leave_diloco(path, strategy) if outer is None and (path / DILOCO).is_dir() else ""
     if outer is not None and outer.sharded and sharded:  # DiLoCo, FSDP2 inside: each group reads its own
         own = path / DILOCO / f"group-{outer.g.index}"
         saved = read_state(path)
@@ -245,7 +248,17 @@ def load_distributed(path: Path, parts: RankParts) -> dict[str, Any]:
         saved["loader"] = loaders[env.rank]
     if outer is not None:
         saved["diloco_note"] = _load_diloco(path, parts, outer)
+    elif leaving:
+        saved["diloco_note"] = leaving
     return saved
+
+
+def _leave_diloco(path: Path, strategy: str) -> str:
+    """A DiLoCo checkpoint resumed under ``strategy``: its outer state and group 0's part (one
+    rank's, under FSDP2 inside: every rank's agree on the schedule) to :func:`leave_diloco`."""
+    tag = "" if (path / DILOCO / "outer.pt").is_file() else "-0"
+    state, group = (load_tensors(path / DILOCO / name, "cpu") for name in (f"outer{tag}.pt", f"group-0{tag}.pt"))
+    return leave_diloco(state, group, int(read_state(path)["step"]), str(path), strategy)
 
 
 def _load_full_into_fsdp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
