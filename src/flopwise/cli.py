@@ -210,10 +210,10 @@ def _eval_parser(sub: "argparse._SubParsersAction") -> None:
                    "copy elsewhere, e.g. on another machine, is checked against the run's data fingerprint)")
     p.add_argument("--other-data", action="store_true",
                    help="with --data: evaluate on a data directory that is not the one the run trained on")
-    p.add_argument("--windows", type=int, default=0,
+    p.add_argument("--windows", type=whole(0, 1 << 20), default=0,  # runner.MAX_WINDOWS (runner imports torch)
                    help="validation windows (default: the run's eval.batches x train.micro_batch_size, also for a "
                         "Hugging Face directory flopwise exported; else 64)")
-    p.add_argument("--seq-len", type=int, default=0,
+    p.add_argument("--seq-len", type=whole(0, 1 << 20), default=0,
                    help="validation window length (default: the run's train.seq_len; else min(max_seq_len, 1024))")
     p.add_argument("--batch-size", type=whole(1, 65536), default=8)
     p.add_argument("--device", type=device_name, default="auto",
@@ -597,6 +597,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
             close = difflib.get_close_matches(name, list(TASKS), n=1, cutoff=0.8)
             if name not in TASKS and close:
                 log(f"eval: {name!r} is a custom task (read from {task_paths[name]}); did you mean {close[0]!r}?")
+    if args.other_data and not args.data:  # before the model is loaded, and before --watch waits for one
+        raise ConfigError(["--other-data: only with --data DIR (it allows evaluating on a data directory that is "
+                           "not the one the run trained on)"])
     options = runner.EvalOptions(data=args.data, other_data=args.other_data, tasks=tasks, task_paths=task_paths,
                                  limit=args.limit, windows=args.windows, seq_len=args.seq_len,
                                  batch_size=args.batch_size, device=args.device)
@@ -607,10 +610,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     src = resolve(args.source)
     log(f"eval: {src.kind} {src.path}")
     result = runner.evaluate(args.source, options, log=log)
-    if src.kind != "hf":
-        run_dir = src.path.parent.parent
+    run_dir = runner.run_of(src.path) if src.kind != "hf" else None
+    if run_dir is not None:
         runner.record(run_dir, result)
         log(f"eval: appended to {run_dir / runner.EVALS_FILE}")
+    elif src.kind != "hf":  # an export or a copied checkpoint: the folder two up is not its run's
+        log(f"eval: not recorded: {src.path} is not a checkpoint inside a run directory (RUN/checkpoints/step-N), "
+            "so there is no evals.jsonl of its run to append to; the scores are the lines above")
     return 0
 
 

@@ -29,11 +29,12 @@ from typing import Any
 
 import torch
 
-from flopwise.checkpoints import latest_checkpoint, list_checkpoints
-from flopwise.config import DataConfig, RunConfig, load_run_config
-from flopwise.data.datadir import DataDir, DataDirError, check_cache_path, open_data_dir
+from flopwise.checkpoints import latest_checkpoint, list_checkpoints, read_state
+from flopwise.config import ConfigError, DataConfig, RunConfig, load_run_config
+from flopwise.data.datadir import DataDir, DataDirError, check_cache_path, resolve_data_dir
 from flopwise.data.loader import fixed_windows, overlap_note
 from flopwise.data.tokenizer import load_tokenizer
+from flopwise.errors import shown
 from flopwise.evaluate.loss import bits_per_byte, evaluate_loss, perplexity, target_bytes
 from flopwise.evaluate.tasks import evaluate_tasks
 from flopwise.fsio import AppendFile, FileFormatError, WriteError, loads_json, read_json
@@ -41,6 +42,10 @@ from flopwise.model.io import EXPORT_RECORD, ModelSource, ModelSourceError, load
 
 Log = Callable[[str], None]
 EVALS_FILE = "evals.jsonl"
+MAX_WINDOWS = 1 << 20  # validation windows asked for (--windows, flopwise.json): more is a typo, not an eval
+MAX_VAL_TOKENS = 1 << 27  # tokens of the windows, held at once as int64 (1 GiB); 20M windows asked for 19 GiB
+MAX_SEQ_LEN = 1 << 20  # a window length flopwise.json may give (the model's max_seq_len is checked too)
+MAX_BUILTIN_VOCAB = 1 << 20  # the embedded corpus' BPE size flopwise.json may ask for
 
 
 def _device(name: str) -> torch.device:
@@ -73,58 +78,43 @@ class EvalOptions:
 
 def evaluate(path: str | os.PathLike, options: EvalOptions = EvalOptions(), log: Log = print) -> dict[str, Any]:
     """Evaluate the model at ``path``; return ``{"step", "tokens", "checkpoint", "val_loss",
-    "val_ppl", "val_bpb", "val_windows", "val_seq_len", "eval": {task: scores}}`` (keys
-    present when measured). Which windows: the module docstring."""
+    "val_ppl", "val_bpb", "val_windows", "val_seq_len", "val_data", "val_set", "eval": {task:
+    scores}}`` (keys present when measured). Which windows: the module docstring. Everything
+    that can be refused (the data, the windows, a malformed ``flopwise.json``) is refused
+    before the model is loaded or a shard is read."""
     dev = _device(options.device)
     src = resolve(path)
+    out: dict[str, Any] = {"checkpoint": str(src.path)}
+    run_cfg, trained_on = None, None
+    if src.kind != "hf":
+        state = read_state(src.path)  # checked field by field
+        out.update(step=state["step"], tokens=state.get("tokens"))
+        run_cfg = load_run_config(src.path / "config.yaml")
+        trained_on = state.get("data_fingerprint")
+    geometry = _run_geometry(run_cfg, src)
+    if run_cfg is None and geometry is not None:
+        trained_on = geometry["fingerprint"]
+    dd, said = _validation_data(options, run_cfg, geometry, trained_on, src, log)
+    if dd is not None:
+        n, T, why = _windows(options.windows, options.seq_len, geometry, src.cfg.max_seq_len)
+        _check_readable(dd, n, T, src, options, geometry)
+        dd.check_shards(check_cache_path((run_cfg.data if run_cfg else DataConfig()).cache_dir, dd.path))
     model, src = load_model(src.path, device=dev)
     amp = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else None
     autocast = (lambda: torch.autocast(dev.type, dtype=amp)) if amp else contextlib.nullcontext
-    out: dict[str, Any] = {"checkpoint": str(src.path)}
-    run_cfg = None
-    if src.kind != "hf":
-        state = read_json(src.path / "state.json")  # checked by load_model (read_state)
-        out.update(step=state["step"], tokens=state.get("tokens"))
-        run_cfg = load_run_config(src.path / "config.yaml")
-    geometry = _run_geometry(run_cfg, src)
-    dd: DataDir | None = None
-    said = False  # why validation is skipped, once said
-    trained_on = state.get("data_fingerprint") if run_cfg is not None else (geometry or {}).get("fingerprint")
-    if options.data:  # checked like a run's own data: checksums and id range, remembered per shard
-        dd = DataDir(options.data)
-        found = dd.meta.get("fingerprint")
-        if trained_on and found != trained_on and not options.other_data:
-            raise DataDirError(f"--data {options.data}: not the data the run trained on (fingerprint "
-                               f"{str(found)[:12]}, the run's {trained_on[:12]}): point at a copy of the run's data, "
-                               "or pass --other-data to evaluate on this one")
-        dd.check_shards(check_cache_path((run_cfg.data if run_cfg else DataConfig()).cache_dir, dd.path))
-    elif run_cfg is not None:
-        recorded = run_cfg.data.path
-        if recorded and not Path(recorded).expanduser().is_dir():
-            typed = _typed_path(src.path, "data.path")
-            as_typed = f" (typed as {typed!r})" if typed and typed != recorded else ""
-            raise DataDirError(f"the run's data directory {recorded}{as_typed} is not here: give --data DIR where "
-                               f"it is now (the run's data has fingerprint {str(trained_on)[:12]}; another "
-                               "directory is refused unless --other-data)")
-        dd = open_data_dir(run_cfg.data, log=lambda s: None)
-    elif geometry is not None and geometry["data"] is not None:  # an export of a run: the run's data
-        try:
-            dd = open_data_dir(geometry["data"], log=lambda s: None)
-        except (OSError, ValueError) as e:
-            log(f"  val        skipped: the run's data directory (from {EXPORT_RECORD}) is not usable here: {e}; "
-                "give --data DIR")
-            said = True
     if dd is not None:
-        n, T, why = _windows(options.windows, options.seq_len, geometry, model.cfg.max_seq_len)
-        if geometry is not None and geometry["fingerprint"] and \
-                dd.meta.get("fingerprint") not in (None, geometry["fingerprint"]):
-            log(f"  val        note: {dd.path} is not the data the run was validated on (fingerprint "
-                f"{dd.meta.get('fingerprint', '')[:12]}, the run's {geometry['fingerprint'][:12]})")
         w = fixed_windows(dd, "val", T, n)
         loss = evaluate_loss(model, w, options.batch_size, dev, autocast, dd.eos_id, dd.bos_id)
+        found = dd.meta.get("fingerprint")
+        # The run's own data: its fingerprint is the one the run trained on, or (a checkpoint from
+        # before state.json recorded one) it is the directory the run's config names.
+        runs = bool(trained_on and found == trained_on) or (not trained_on and not options.data and run_cfg is not None)
+        own_set = geometry is not None and (n, T) == (geometry["windows"], geometry["seq_len"])
         out.update(val_loss=loss, val_ppl=perplexity(loss),
                    val_bpb=bits_per_byte(loss, w[:, 1:].numel(), target_bytes(w, dd.tokenizer)),
-                   val_windows=n, val_seq_len=T)
+                   val_windows=n, val_seq_len=T,
+                   val_data={"path": str(dd.path), "fingerprint": found, "runs": runs},
+                   val_set="run" if runs and own_set else "other")
         overlap = overlap_note(n, T, dd.num_tokens("val"))
         log(f"  val        loss {loss:.4f} · ppl {out['val_ppl']:,.1f} · bpb {out['val_bpb']:.4f} "
             f"({n} windows x {T} tokens: {why}; {dd.path}{'; ' + overlap if overlap else ''})")
@@ -141,6 +131,68 @@ def evaluate(path: str | os.PathLike, options: EvalOptions = EvalOptions(), log:
             log(f"  {name:<14} acc {r['acc']:.4f} · acc_norm {r['acc_norm']:.4f} · acc_token {r['acc_token']:.4f}"
                 f" (± {r['stderr']['acc']:.4f}; random {r['random']:.4f}; n {r['n']})")
     return out
+
+
+def _validation_data(options: EvalOptions, run_cfg: RunConfig | None, geometry: dict[str, Any] | None,
+                     trained_on: str | None, src: ModelSource, log: Log) -> tuple[DataDir | None, bool]:
+    """``(data directory, said)``: the validation data, opened (headers only: its shards are
+    read later, once nothing else can be refused) and checked to be the data the run trained
+    on -- on every path, not only ``--data``: a directory prepared again since (``prepare
+    --overwrite``) is refused as another one is. ``said``: why there is none was logged."""
+    if options.other_data and not options.data:
+        raise ConfigError(["--other-data: only with --data DIR (it allows evaluating on a data directory that is "
+                           "not the one the run trained on)"])
+    for flag, value, high in (("--windows", options.windows, MAX_WINDOWS), ("--seq-len", options.seq_len, MAX_SEQ_LEN)):
+        if not 0 <= value <= high:
+            raise ConfigError([f"{flag} {value}: give a whole number from 1 to {high:,} (0: the run's)"])
+    if options.data:
+        dd, where = DataDir(options.data), f"--data {options.data}"
+    elif run_cfg is not None:
+        recorded = run_cfg.data.path
+        if recorded and not Path(recorded).expanduser().is_dir():
+            typed = _typed_path(src.path, "data.path")
+            as_typed = f" (typed as {typed!r})" if typed and typed != recorded else ""
+            raise DataDirError(f"the run's data directory {recorded}{as_typed} is not here: give --data DIR where "
+                               f"it is now (the run's data has fingerprint {str(trained_on)[:12]}; another "
+                               "directory is refused unless --other-data)")
+        dd = DataDir(resolve_data_dir(run_cfg.data, log=lambda s: None))
+        where = f"{dd.path} (the run's data.path)" if recorded else f"{dd.path} (the run's embedded corpus)"
+    elif geometry is not None and geometry["data"] is not None:  # an export of a run: the run's data
+        try:
+            dd = DataDir(resolve_data_dir(geometry["data"], log=lambda s: None))
+        except (OSError, ValueError) as e:
+            log(f"  val        skipped: the run's data directory (from {EXPORT_RECORD}) is not usable here: {e}; "
+                "give --data DIR")
+            return None, True
+        where = f"{dd.path} (the run's data, from {geometry['origin']})"
+    else:
+        return None, False
+    found = dd.meta.get("fingerprint")
+    if trained_on and found != trained_on and not options.other_data:
+        again = "" if options.data else " (prepared again since the run trained on it?)"
+        raise DataDirError(f"{where}: not the data the run trained on{again} (fingerprint {str(found)[:12]}, the "
+                           f"run's {trained_on[:12]}): give --data DIR with a copy of the run's data, or --data DIR "
+                           "--other-data to evaluate on other data knowingly")
+    return dd, False
+
+
+def _check_readable(dd: DataDir, n: int, T: int, src: ModelSource, options: EvalOptions,
+                    geometry: dict[str, Any] | None) -> None:
+    """Refuse, before any work, windows the model cannot read: ids beyond its vocabulary (an
+    IndexError in the embedding), more positions than it has, more tokens than memory holds."""
+    cfg = src.cfg
+    if dd.vocab_size > cfg.vocab_size:
+        raise DataDirError(f"{dd.path}: its vocabulary ({dd.vocab_size:,} tokens) is larger than the model's "
+                           f"({cfg.vocab_size:,}): not data tokenized for this model; give --data DIR with data "
+                           "of the model's tokenizer")
+    if T > cfg.max_seq_len:
+        given = f"--seq-len {T}" if options.seq_len else \
+            f"validation windows of {T} tokens (train.seq_len, from {(geometry or {}).get('origin', 'the run')})"
+        raise ConfigError([f"{given}: longer than the model reads (max_seq_len {cfg.max_seq_len:,}); give "
+                           f"--seq-len {cfg.max_seq_len} or less"])
+    if n * (T + 1) > MAX_VAL_TOKENS:
+        raise ConfigError([f"{n:,} validation windows x {T + 1:,} tokens: more than {MAX_VAL_TOKENS:,} tokens held "
+                           "at once; give fewer --windows"])
 
 
 def _typed_path(source: Path, name: str) -> str | None:
@@ -165,14 +217,49 @@ def _run_geometry(run_cfg: RunConfig | None, src: ModelSource) -> dict[str, Any]
     if run_cfg is not None:
         return {"windows": run_cfg.eval.batches * run_cfg.train.micro_batch_size, "seq_len": run_cfg.train.seq_len,
                 "data": run_cfg.data, "fingerprint": None, "origin": "the run's config"}
-    val = (read_export_record(src.path) or {}).get("validation")
-    if not isinstance(val, dict):
+    record = read_export_record(src.path)
+    val = (record or {}).get("validation")
+    if val is None:
         return None
-    known = {f.name for f in dataclasses.fields(DataConfig)}
+    where = src.path / EXPORT_RECORD
+    if not isinstance(val, dict):
+        raise ModelSourceError(f"{where}: validation: expected an object, got {shown(val)}")
     data_rec = val.get("data")
-    data_cfg = DataConfig(**{k: v for k, v in data_rec.items() if k in known}) if isinstance(data_rec, dict) else None
-    return {"windows": int(val["windows"]), "seq_len": int(val["seq_len"]), "data": data_cfg,
-            "fingerprint": val.get("data_fingerprint"), "origin": f"{src.path / EXPORT_RECORD}"}
+    if data_rec is not None and not isinstance(data_rec, dict):
+        raise ModelSourceError(f"{where}: validation.data: expected an object, got {shown(data_rec)}")
+    fingerprint = val.get("data_fingerprint")
+    if fingerprint is not None and not isinstance(fingerprint, str):
+        raise ModelSourceError(f"{where}: validation.data_fingerprint: expected text, got {shown(fingerprint)}")
+    return {"windows": _whole(val, "windows", 1, MAX_WINDOWS, where), "seq_len": _whole(val, "seq_len", 1,
+                                                                                         MAX_SEQ_LEN, where),
+            "data": _export_data(data_rec, where) if data_rec is not None else None,
+            "fingerprint": fingerprint, "origin": f"{where}"}
+
+
+def _whole(record: dict[str, Any], key: str, low: int, high: int, where: Path, prefix: str = "validation.") -> int:
+    """``record[key]``, a whole number in [low, high], else an error naming the file, field and value."""
+    value = record.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        shown_value = f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else shown(value)
+        raise ModelSourceError(f"{where}: {prefix}{key}: {shown_value} is not a whole number from {low:,} to "
+                               f"{high:,}")
+    return value
+
+
+def _export_data(rec: dict[str, Any], where: Path) -> DataConfig:
+    """The run's data as ``flopwise.json`` records it -- where the data is and which embedded
+    corpus, each checked -- and nothing else: the record is a file anyone can send, so it never
+    chooses where eval writes (``data.cache_dir`` is the reader's own default) nor how the data
+    is loaded."""
+    path = rec.get("path", "")
+    if not isinstance(path, str):
+        raise ModelSourceError(f"{where}: validation.data.path: expected a directory name, got {shown(path)}")
+    vocab = _whole(rec, "builtin_vocab_size", 1, MAX_BUILTIN_VOCAB, where, "validation.data.") \
+        if "builtin_vocab_size" in rec else DataConfig.builtin_vocab_size
+    max_mb = rec.get("builtin_max_mb", DataConfig.builtin_max_mb)
+    if isinstance(max_mb, bool) or not isinstance(max_mb, (int, float)) or not 0 <= max_mb < float("inf"):
+        raise ModelSourceError(f"{where}: validation.data.builtin_max_mb: {shown(max_mb)} is not a number >= 0")
+    return DataConfig(path=path, builtin_vocab_size=vocab, builtin_max_mb=float(max_mb))
 
 
 def _windows(windows: int, seq_len: int, geometry: dict[str, Any] | None, max_seq_len: int) -> tuple[int, int, str]:
@@ -190,6 +277,15 @@ def _windows(windows: int, seq_len: int, geometry: dict[str, Any] | None, max_se
     parts = ["--windows" if windows else "64 windows by default",
              "--seq-len" if seq_len else "min(model max_seq_len, 1024) tokens by default"]
     return n, T, ", ".join(parts) + " (a Hugging Face directory without flopwise.json: no run to take them from)"
+
+
+def run_of(checkpoint: Path) -> Path | None:
+    """The run directory ``checkpoint`` is a checkpoint of, or None: a ``--format pt`` export, a
+    checkpoint copied out of its run (the folder two levels up is then somebody else's)."""
+    run = checkpoint.parent.parent
+    if checkpoint.parent.name != "checkpoints" or not (run / "config.yaml").is_file():
+        return None
+    return run if (run / "run.json").is_file() or (run / "metrics.jsonl").is_file() else None
 
 
 def record(run_dir: Path, result: dict[str, Any]) -> None:
