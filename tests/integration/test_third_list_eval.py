@@ -253,12 +253,19 @@ def test_a_checkpoint_inside_its_run_is_still_recorded(run_copy, capsys):
 
 # --------------------------------------------------------------------------- item 15 and "also noticed"
 
-def test_data_with_a_larger_vocabulary_than_the_model_is_refused_before_work(trained, tmp_path, capsys):
-    _, run, _, _ = trained
-    corpus = tmp_path / "c.jsonl"  # many distinct words: a BPE of 2,000 tokens uses ids far beyond the model's 512
+@pytest.fixture(scope="module")
+def big_vocab(tmp_path_factory) -> Path:
+    """A data directory whose BPE has more tokens than the tiny model's 512, its ids used."""
+    root = tmp_path_factory.mktemp("big-vocab")
+    corpus = root / "c.jsonl"  # many distinct words: a BPE of 2,000 tokens uses ids far beyond 512
     corpus.write_text("".join(json.dumps({"text": " ".join(f"w{(i * 7919 + j * 104729) % 99991:x}q"
                                                            for j in range(60))}) + "\n" for i in range(400)))
-    big = prepare(corpus, tmp_path / "big", 2000)
+    return prepare(corpus, root / "big", 2000)
+
+
+def test_data_with_a_larger_vocabulary_than_the_model_is_refused_before_work(trained, big_vocab, capsys):
+    _, run, _, _ = trained
+    big = big_vocab
     vocab = json.loads((big / "meta.json").read_text())["vocab_size"]
     assert vocab > 512
     capsys.readouterr()
@@ -279,3 +286,14 @@ def test_other_data_without_data_is_an_error_naming_the_flag(trained, capsys):
     assert cli_main(["eval", str(run), "--other-data"]) == 2
     err = capsys.readouterr().err
     assert "--other-data" in err and "--data" in err, err
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_before_the_tasks(hf_export, big_vocab, tmp_path, capsys):
+    hf, _ = hf_export
+    shutil.copyfile(big_vocab / "tokenizer.json", hf / "tokenizer.json")  # another model's tokenizer
+    quiz = tmp_path / "quiz.jsonl"
+    quiz.write_text("".join(json.dumps({"context": f"w{i:x}q w{i * 31:x}q", "choices": [" w1q", " wffq"],
+                                        "label": 0}) + "\n" for i in range(40)))
+    assert cli_main(["eval", str(hf), "--task-data", f"quiz={quiz}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{hf / 'tokenizer.json'}" in err and "vocabulary" in err and "512" in err, err

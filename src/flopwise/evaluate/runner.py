@@ -5,13 +5,23 @@ directory and evaluating each checkpoint as it lands.
 Results of runs and checkpoints are appended to the run's ``evals.jsonl`` (one JSON object
 per evaluated checkpoint, keyed by step), which ``flopwise report`` shows next to the
 training metrics. A separate file from ``metrics.jsonl``: the evaluator may run on another
-machine sharing the run directory, and a resumed training run rewrites its own file.
+machine sharing the run directory, and a resumed training run rewrites its own file. Each
+row says what it measured -- ``val_data`` (path, fingerprint, ``runs``: the run's own data)
+and ``val_windows`` x ``val_seq_len``, ``val_set`` "run" when both are the run's own
+validation set -- so the report puts only those beside the run's validation curve. Only a
+checkpoint inside its run (:func:`run_of`) is recorded: an export or a checkpoint copied
+out of its run has no run to record into.
+
+The data is checked to be the data the run trained on (the fingerprint its checkpoint, or
+the export's ``flopwise.json``, recorded) on every path, ``--data`` or not, and everything
+that can be refused is refused before the model is loaded or a shard is read.
 
 Validation windows (count x length) are chosen, in this order, by ``--windows`` /
 ``--seq-len``; the run's own (``eval.batches * train.micro_batch_size`` windows of
 ``train.seq_len`` tokens, the set the trainer validates on) for a run or checkpoint; the
 same, read from ``flopwise.json``, for a Hugging Face directory flopwise exported (whose
-data directory is then the run's too, unless ``--data`` names one); else 64 windows of
+data directory is then the run's too, unless ``--data`` names one; the file is checked field
+by field and never chooses a cache folder); else 64 windows of
 ``min(max_seq_len, 1024)`` tokens. The log line says which, and where each came from, so a
 loss is never compared across different windows unknowingly.
 """
@@ -99,6 +109,7 @@ def evaluate(path: str | os.PathLike, options: EvalOptions = EvalOptions(), log:
         n, T, why = _windows(options.windows, options.seq_len, geometry, src.cfg.max_seq_len)
         _check_readable(dd, n, T, src, options, geometry)
         dd.check_shards(check_cache_path((run_cfg.data if run_cfg else DataConfig()).cache_dir, dd.path))
+    tok = _task_tokenizer(src, path) if options.tasks else None
     model, src = load_model(src.path, device=dev)
     amp = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else None
     autocast = (lambda: torch.autocast(dev.type, dtype=amp)) if amp else contextlib.nullcontext
@@ -120,10 +131,7 @@ def evaluate(path: str | os.PathLike, options: EvalOptions = EvalOptions(), log:
             f"({n} windows x {T} tokens: {why}; {dd.path}{'; ' + overlap if overlap else ''})")
     elif not options.tasks and not said:
         log("  val        skipped: no data directory (give --data DIR)")
-    if options.tasks:
-        if src.tokenizer_path is None:
-            raise ModelSourceError(f"{path}: no tokenizer.json to score the tasks with")
-        tok = load_tokenizer(src.tokenizer_path)  # a malformed file: an error naming it
+    if tok is not None:
         results = evaluate_tasks(model, tok, options.tasks, paths=options.task_paths, limit=options.limit,
                                  device=dev, batch_size=options.batch_size, autocast=autocast)
         out["eval"] = results
@@ -131,6 +139,20 @@ def evaluate(path: str | os.PathLike, options: EvalOptions = EvalOptions(), log:
             log(f"  {name:<14} acc {r['acc']:.4f} · acc_norm {r['acc_norm']:.4f} · acc_token {r['acc_token']:.4f}"
                 f" (± {r['stderr']['acc']:.4f}; random {r['random']:.4f}; n {r['n']})")
     return out
+
+
+def _task_tokenizer(src: ModelSource, path: str | os.PathLike) -> Any:
+    """The tokenizer the tasks are scored with, refused before any work when it has ids the
+    model has no embedding for (a Hugging Face directory with another model's tokenizer.json:
+    an IndexError in the middle of the first task)."""
+    if src.tokenizer_path is None:
+        raise ModelSourceError(f"{path}: no tokenizer.json to score the tasks with")
+    tok = load_tokenizer(src.tokenizer_path)  # a malformed file: an error naming it
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size > src.cfg.vocab_size:
+        raise ModelSourceError(f"{src.tokenizer_path}: its vocabulary ({size:,} tokens) is larger than the model's "
+                               f"({src.cfg.vocab_size:,}): not the model's tokenizer")
+    return tok
 
 
 def _validation_data(options: EvalOptions, run_cfg: RunConfig | None, geometry: dict[str, Any] | None,
