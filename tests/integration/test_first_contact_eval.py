@@ -31,8 +31,12 @@ def _val(out: str):
     return float(m[1]), int(m[2]), int(m[3]), m[4]
 
 
-def test_run_and_its_export_give_the_same_validation_loss(run_and_export, small_builtin, capsys):
+def test_run_and_its_export_give_the_same_validation_loss(run_and_export, small_builtin, capsys, tmp_path,
+                                                           monkeypatch):
     cfg, run, hf = run_and_export
+    # eval of the export prepares the embedded corpus in the user's own cache (an export's record never
+    # chooses the folder): a home of the test's, not the machine's
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
     want = (cfg.eval.batches * cfg.train.micro_batch_size, cfg.train.seq_len)  # 16 x 64, the trainer's set
     assert cli_main(["eval", str(run)]) == 0
     loss_run, *geo_run, why_run = _val(capsys.readouterr().out)
