@@ -30,7 +30,10 @@ which is how N-rank options always run), and is **kept** only when
 
 The climb is greedy: a kept option becomes the configuration the next options must beat.
 At the end the climbed configuration is measured once more (``confirm``): the kept rate is
-the best of noisy measurements and reads high; the fresh one is the ladder's final rate.
+the best of noisy measurements and reads high; the fresh one is the ladder's final rate. When
+that fresh rate is below the start's by more than the noise (the spreads added, as above), the
+kept rungs did not hold up: the climb falls back to the starting configuration (at N ranks, to
+the scale-out's), says so, and ``preflight.yaml`` ships that (``ladder["fell_back"]``).
 It stops trying options once its budget (``--budget-minutes``) is spent (those rows say so);
 each row records the seconds its trial took. Before the budget is spent, time is held back
 for the rows that end the climb -- the scale-out to N ranks and, once a rung is kept, the
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import os
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -167,6 +171,17 @@ def climb(cfg: RunConfig, measure_one: Callable[..., dict[str, Any]], sizes: lis
     return c.ladder
 
 
+@dataclass(frozen=True)
+class Fallback:
+    """Where a climb whose confirmation measures slower ends instead (``Climb.fell_back``):
+    what it is called, its configuration, the settings it keeps and its figures."""
+
+    what: str
+    cfg: RunConfig
+    chosen: Settings
+    best: dict[str, Any]
+
+
 class Climb:
     """One climb's fixed setting (how an option is measured, judged and priced) and its state:
     the configuration so far, its figures, the settings kept and the rows."""
@@ -191,6 +206,7 @@ class Climb:
         loss = "not measured" if self.best["loss"] is None else f"{self.best['loss']:.6g}"
         self.log(f"ladder: start {self.best['tok_per_s']:,.0f} tok/s · first-step loss {loss} · "
                  f"{seconds:.0f} s a trial")
+        self.fallback = Fallback("the starting configuration", cfg, {}, self.best)
 
     def summary(self, m: dict[str, Any], world: int = 1) -> dict[str, Any]:
         """A measurement on ``world`` ranks as a ladder row's figures: the rate is the global
@@ -341,7 +357,8 @@ class Climb:
         """The climbed configuration measured once more, as the ladder's final rate. A kept rung's
         rate is the best of several noisy measurements, so it reads high (the winner's curse);
         a fresh measurement of the same configuration does not, and is what the run that follows
-        is predicted from. Its row says how far the kept rate was above it. Nothing to confirm
+        is predicted from. Its row says how far the kept rate was above it. Slower than the start
+        beyond the noise, the climb falls back to the start (:meth:`fell_back`). Nothing to confirm
         when no rung was kept (the start was measured once, unselected) or on the scale-out's
         own measurement (the ranks row: no choice was made on it)."""
         kept = [r for r in self.ladder["rungs"] if r["kept"]]
@@ -352,11 +369,37 @@ class Climb:
         if row["status"] == "skipped":
             row["why"] += ": the final rate is the kept rung's, the best of its measurements (it may read high)"
         if row["status"] == "ok":
+            self.ladder["selection_bias"] = self.best["tok_per_s"] / row["tok_per_s"] - 1
+            if self.fell_back(row):
+                return
             row["kept"] = True
             row["why"] = (f"the climbed configuration measured again: {row['delta_prev']:+.1%} against its kept "
                           "rate (the best of several measurements reads high); the run is predicted from this one")
-            self.ladder["selection_bias"] = self.best["tok_per_s"] / row["tok_per_s"] - 1
         self.record(row, {})
+
+    def fell_back(self, row: dict[str, Any]) -> bool:
+        """Whether the confirmation ``row`` measured the climbed configuration slower than where
+        the climb started (``self.fallback``) by more than the two measurements' noise (the
+        rule an option is kept by, reversed): then the kept rungs did not hold up when measured
+        again, and the climb ends on the start -- its configuration, settings and rate, a
+        measurement taken once and not selected -- with a row and a line that say so."""
+        back = self.fallback
+        noise = max(MIN_NOISE, (back.best.get("spread") or 0.0) + (row["spread"] or 0.0))
+        behind = row["tok_per_s"] / back.best["tok_per_s"] - 1
+        if behind >= -noise:
+            return False
+        row["why"] = (f"the climbed configuration measured again: {row['tok_per_s']:,.0f} tok/s, {behind:+.1%} "
+                      f"against {back.what} ({back.best['tok_per_s']:,.0f}; noise {noise:.1%}): its kept rungs did "
+                      f"not hold up -- falling back to {back.what}")
+        self.record(row, {})
+        self.log(f"ladder: the climbed configuration measured slower than {back.what} ({behind:+.1%}, "
+                 f"{row['tok_per_s']:,.0f} against {back.best['tok_per_s']:,.0f} tok/s): preflight.yaml gets "
+                 f"{back.what}, not {_changes(self.chosen) or 'the climb'}")
+        self.ladder["fell_back"] = {"to": back.what, "confirmed_tok_per_s": row["tok_per_s"], "behind": behind,
+                                    "noise": noise, "dropped": {k: v for k, v in self.chosen.items()
+                                                                if k not in back.chosen}}
+        self.cfg, self.chosen, self.best = back.cfg, dict(back.chosen), dict(back.best)
+        return True
 
     def scale_out(self, world: int) -> None:
         """The climbed configuration on ``world`` ranks (kept: it is the launch being planned),
@@ -381,6 +424,8 @@ class Climb:
                       + (f"; first-step loss {drift:.1e} from one rank's" if drift is not None else ""))
         self.ladder["scaling_efficiency"] = scaling
         self.record(row, {"parallel.strategy": strategy})
+        # what the N-rank rungs are confirmed against: one rank's start was measured on other ranks
+        self.fallback = Fallback(f"the {world}-rank launch of the one-rank climb", self.cfg, self.chosen, self.best)
         precision = resolve_precision(cfg.train.precision, self.device).name
         grads_mb = gradient_mb(cfg, precision)
         # DDP fills a first 1 MB bucket, then buckets of bucket_mb: every size at least the gradients' own
