@@ -39,6 +39,7 @@ import functools
 import json
 import math
 import os
+import shlex
 import shutil
 import signal
 import tempfile
@@ -51,7 +52,7 @@ import torch
 import yaml
 
 from flopwise.checkpoints import latest_checkpoint, load_checkpoint
-from flopwise.config import ActivationCheckpointing, ConfigError, RunConfig, batch_split_problems
+from flopwise.config import ActivationCheckpointing, ConfigError, RunConfig, batch_split_problems, recorded_paths
 from flopwise.errors import FlopwiseError
 from flopwise.fsio import atomic_write
 from flopwise.measure.ceiling import measure_ceiling, step_gemms
@@ -585,16 +586,21 @@ def predict(report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, best: Tria
 
 def _write(out: Path, report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, log: Log) -> None:
     """preflight.json and preflight.yaml, each replaced whole (an earlier preflight's stay intact
-    until then), and the command that runs the tuned configuration as it was measured."""
-    atomic_write(out / "preflight.json", json.dumps(report, indent=2, default=str) + "\n")
+    until then), and the command that runs the tuned configuration as it was measured.
+    preflight.yaml is written for a later command, from wherever it is run: its paths are
+    resolved as a run's config.yaml holds them (``config.recorded_paths``; what was typed is
+    ``paths`` in preflight.json), and so is the path in the command printed."""
+    out = out.resolve()
     tuned.train.run_dir = ""
+    tuned.train.preflight = str(out / "preflight.json")
+    tuned, report["paths"] = recorded_paths(tuned)
+    atomic_write(out / "preflight.json", json.dumps(report, indent=2, default=str) + "\n")
     data = tuned.to_dict()
-    data["train"]["preflight"] = str((out / "preflight.json").resolve())
     atomic_write(out / "preflight.yaml", yaml.safe_dump({"preset": cfg.preset, **data}, sort_keys=False))
     world = (report.get("ladder") or {}).get("world", 1)
     launch = f"torchrun --nproc-per-node {world} -m flopwise train" if world > 1 else "flopwise train"
     log(f"preflight: wrote {out / 'preflight.json'} and {out / 'preflight.yaml'} "
-        f"({launch} --config {out / 'preflight.yaml'})")
+        f"({launch} --config {shlex.quote(str(out / 'preflight.yaml'))})")
 
 
 def _run_trial(trial: Trial, run: Callable[[], dict[str, Any]], bench: Bench) -> None:
