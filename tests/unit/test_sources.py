@@ -129,12 +129,13 @@ def test_folder_mixed_nested_sorted_hidden_skipped(tmp_path):
     (tmp_path / "c.json").write_text('[{"text": "C"}]')
     (tmp_path / ".secret.txt").write_text("hidden file")
     (tmp_path / ".hidden" / "h.txt").write_text("hidden folder")
-    (tmp_path / "README.md").write_text("not a recognised extension")
+    (tmp_path / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")  # binary: skipped, named in a note
     src = open_source(str(tmp_path))
     # sorted by relative path: a.txt < b/c/p.parquet < b/x.jsonl < b/y.jsonl.gz < c.json
     assert docs(src) == ["A", "BCP", "BX1", "BX2", "BY", "C"]
     assert [f[0] for f in src.identity["files"]] == ["a.txt", "b/c/p.parquet", "b/x.jsonl", "b/y.jsonl.gz", "c.json"]
-    assert "5 files" in src.description and "1 other file(s) skipped" in src.description
+    assert "5 files" in src.description and "1 file(s) skipped" in src.description
+    assert "logo.png (binary" in " ".join(src.notes)
     json.dumps(src.identity)  # JSON-able
     assert docs(open_source(str(tmp_path))) == docs(src)  # deterministic
 
@@ -189,18 +190,22 @@ def test_nonexistent_path(tmp_path):
 def test_empty_folder_and_no_recognised_file(tmp_path):
     with pytest.raises(SourceError, match=r"is empty; accepted extensions: \.txt"):
         open_source(str(tmp_path))
-    (tmp_path / "notes.md").write_text("x")
+    (tmp_path / "notes.bin").write_bytes(b"\x00x")
     (tmp_path / ".hidden.txt").write_text("x")
     with pytest.raises(SourceError) as e:
         open_source(str(tmp_path))
-    assert str(tmp_path) in str(e.value) and "no recognised file" in str(e.value) and ".parquet" in str(e.value)
+    assert str(tmp_path) in str(e.value) and "no text file: notes.bin (binary" in str(e.value)
+    assert ".parquet" in str(e.value)
 
 
 def test_unrecognised_file_extension(tmp_path):
     p = tmp_path / "a.csv"
-    p.write_text("x")
-    with pytest.raises(SourceError, match=r"a\.csv: unrecognised extension; accepted: \.txt"):
+    p.write_bytes(b"x\xff")
+    with pytest.raises(SourceError, match=r"a\.csv: not text \(not UTF-8 text: byte 0xff at offset 1\); "
+                                          r"accepted: \.txt"):
         open_source(str(p))
+    p.write_text("x")  # plain text under another extension is read as text
+    assert list(open_source(str(p)).documents()) == ["x"]
 
 
 def test_missing_field_first_record_is_eager(tmp_path):

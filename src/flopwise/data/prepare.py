@@ -310,8 +310,9 @@ def resolve_tokenizer(opts: PrepareOptions, documents: Iterator[str], log: Log):
 
     t = time.perf_counter()
     tok = train_bpe(sample(), opts.vocab_size)
-    log(f"prepare: trained a byte-level BPE of vocab {tok.get_vocab_size():,} on {taken / 1e6:.1f} MB "
-        f"in {time.perf_counter() - t:.1f}s")
+    # counted in characters of text: beside a compressed source's size, "MB" read as the same unit
+    log(f"prepare: trained a byte-level BPE of vocab {tok.get_vocab_size():,} on {taken / 1e6:.1f}M characters "
+        f"of text in {time.perf_counter() - t:.1f}s")
     return tok
 
 

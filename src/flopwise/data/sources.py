@@ -10,8 +10,13 @@ SOURCE is one of:
 - ``builtin``: the Python standard library's ``.py`` files (the embedded corpus of
   :mod:`flopwise.data.builtin`), one document per file, sorted by relative path.
 - a file or a folder. Folders are walked recursively, files sorted by relative path
-  (``/`` separators), hidden files and folders (names starting with ``.``) skipped,
-  files with other extensions skipped (and counted in the description). Symbolic
+  (``/`` separators), hidden files and folders (names starting with ``.``) skipped.
+  A file with none of the extensions below is read as ``.txt`` when its content is plain
+  text (its first ``SNIFF_BYTES``, decompressed for ``.gz``/``.zst``, are UTF-8 without a
+  NUL byte: a ``README.md``, a man page, a ``LICENSE``), and skipped otherwise; both are
+  named in :attr:`Source.notes` (a binary file, text in another encoding, a pipe, each
+  with the reason) and the skipped ones counted in the description, whose size is said to
+  be compressed where it is. Symbolic
   links are followed only while they stay inside the folder (each folder read once);
   a link that leads out of it -- to ``/etc/hostname``, to ``..``, to a home directory --
   is not read unless ``follow_links=True`` (``--follow-links``): a folder of text is
@@ -61,6 +66,7 @@ and the value at fault.
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import gzip
 import hashlib
@@ -84,6 +90,8 @@ SOURCES_VERSION = 1  # bump when the documents a given input yields change
 TXT_DOC_CHARS = 1_000_000  # a .txt document ends at the first blank line after this many characters
 TXT_MAX_DOC_CHARS = 4_000_000  # ... and at a line break (or hard) before this many
 READ_CHARS = 1 << 20  # characters per read of text and JSON-array files
+SNIFF_BYTES = 8192  # a file without a known extension is text when these first bytes are UTF-8 without NUL
+SHOWN_NAMES = 10  # file names a note lists before it gives the count
 PARQUET_BATCH_ROWS = 1024
 INSTALL_HINT = "pip install 'flopwise[data]'"
 
@@ -277,11 +285,13 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def _list_folder(root: Path, follow_links: bool = False) -> tuple[list[_File], int, list[str]]:
-    """Recognised files under ``root`` (sorted by relative path), the count of skipped ones,
-    and the links not followed because they lead out of ``root`` ("rel -> target")."""
+def _list_folder(root: Path, follow_links: bool = False) -> tuple[list[_File], list[str], list[str], list[str]]:
+    """Files to read under ``root`` (sorted by relative path), the ones skipped ("rel (why)"),
+    the ones read as plain text by their content (no known extension), and the links not
+    followed because they lead out of ``root`` ("rel -> target")."""
     files: list[_File] = []
-    skipped = 0
+    skipped: list[str] = []
+    by_content: list[str] = []
     outside: list[str] = []
     seen_dirs: set[str] = set()
     root_real = os.path.realpath(root)
@@ -309,46 +319,101 @@ def _list_folder(root: Path, follow_links: bool = False) -> tuple[list[_File], i
             if name.startswith(".") or leads_out(os.path.join(dirpath, name)):
                 continue
             p = Path(dirpath) / name
-            kind = _classify(name)
-            if kind is None or not p.is_file():
-                skipped += 1
+            rel = p.relative_to(root).as_posix()
+            kind, why = _kind_of(p)
+            if kind is None:
+                skipped.append(f"{rel} ({why})")
                 continue
-            files.append(_stat_file(p, p.relative_to(root).as_posix(), kind))
+            if why:
+                by_content.append(rel)
+            files.append(_stat_file(p, rel, kind))
     files.sort(key=lambda f: f.rel)
-    return files, skipped, sorted(outside)
+    return files, sorted(skipped), sorted(by_content), sorted(outside)
+
+
+def _kind_of(path: Path) -> tuple[tuple[str, str] | None, str]:
+    """(format, compression) of a file and, when it is not taken by its extension, why: the
+    reason it is skipped (kind None), or "by content" for plain text with another name (a
+    ``.md`` file, a man page, a ``LICENSE``)."""
+    if not path.is_file():
+        return None, "not a regular file"
+    kind = _classify(path.name)
+    if kind is not None:
+        return kind, ""
+    comp = next((c for ext, c in _COMPRESSIONS.items() if path.name.lower().endswith(ext)), "")
+    why = _not_text(path, comp)
+    return (None, why) if why else (("txt", comp), "by content")
+
+
+def _not_text(path: Path, comp: str) -> str:
+    """Why the start of a file (decompressed) is not plain text, or "" when it is: UTF-8 without
+    NUL bytes in its first ``SNIFF_BYTES``, as text editors and ``grep`` tell text from binary."""
+    try:
+        with _open_binary(_File(path.name, path, 0, 0, "txt", comp)) as raw:
+            head = raw.read(SNIFF_BYTES)
+    except Exception as e:  # noqa: BLE001 - any failure to read or decompress is the reason it is skipped
+        how = f"cannot decompress ({'gzip' if comp == 'gz' else 'zstd'})" if comp else "cannot read"
+        return f"{how}: {getattr(e, 'strerror', None) or e}"
+    if b"\0" in head:
+        return f"binary: a NUL byte in its first {_human_bytes(SNIFF_BYTES)}"
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at the end is fine
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 text: byte 0x{head[e.start]:02x} at offset {e.start}"
+    return ""
+
+
+def _shown_names(names: list[str], limit: int = SHOWN_NAMES) -> str:
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def _size_text(files: list[_File]) -> str:
+    """The files' size on disk, said to be compressed where it is (it is not the text's size)."""
+    total = sum(f.size for f in files)
+    packed = sum(f.size for f in files if f.comp)
+    if not packed:
+        return _human_bytes(total)
+    if packed == total:
+        return f"{_human_bytes(total)} compressed"
+    return f"{_human_bytes(total)} on disk, {_human_bytes(packed)} of it compressed"
 
 
 def _open_files(spec: str, path: Path, text_field: str, follow_links: bool = False) -> Source:
+    skipped: list[str] = []
+    by_content: list[str] = []
     outside: list[str] = []
     if path.is_dir():
-        files, skipped, outside = _list_folder(path, follow_links)
+        files, skipped, by_content, outside = _list_folder(path, follow_links)
         if not files:
-            what = "is empty" if not skipped else f"has no recognised file ({skipped} other file(s))"
+            what = "is empty" if not skipped else f"has no text file: {_shown_names(skipped)}"
             if outside:
                 what += f" ({len(outside)} link(s) leading out of it not followed; --follow-links reads them)"
-            raise SourceError(f"SOURCE folder {path} {what}; accepted extensions: {ACCEPTED}")
+            raise SourceError(f"SOURCE folder {path} {what}; accepted extensions: {ACCEPTED}, or plain UTF-8 text")
     else:
-        kind = _classify(path.name)
+        kind, why = _kind_of(path)
         if kind is None:
-            raise SourceError(f"SOURCE file {path}: unrecognised extension; accepted: {ACCEPTED}")
-        files, skipped = [_stat_file(path, path.name, kind)], 0
+            raise SourceError(f"SOURCE file {path}: not text ({why}); accepted: {ACCEPTED}, or plain UTF-8 text")
+        files = [_stat_file(path, path.name, kind)]
 
     for f in files:  # before any expensive work: every file opens and its first record is good
         check = _file_documents(f, text_field, check_only=True)
         next(check, None)
         check.close()
 
-    nbytes = sum(f.size for f in files)
-    desc = f"files:{path.resolve()} ({len(files)} file{'s' if len(files) != 1 else ''}, {_human_bytes(nbytes)}"
-    extra = [f"{skipped} other file(s) skipped"] if skipped else []
+    desc = f"files:{path.resolve()} ({len(files)} file{'s' if len(files) != 1 else ''}, {_size_text(files)}"
+    extra = [f"{len(skipped)} file(s) skipped"] if skipped else []
     if outside:
         extra.append(f"{len(outside)} link(s) leading out of the folder not followed")
     desc += f"; {'; '.join(extra)})" if extra else ")"
     notes = []
+    if by_content:
+        notes.append(f"reading {len(by_content)} file(s) without a known extension as plain text by their "
+                     f"content (UTF-8, no NUL byte): {_shown_names(by_content)}")
+    if skipped:
+        notes.append(f"skipping {len(skipped)} file(s) that are not text: {_shown_names(skipped)}")
     if outside:
-        shown = ", ".join(outside[:10]) + (f", ... ({len(outside)} in all)" if len(outside) > 10 else "")
-        notes.append(f"not following {len(outside)} symbolic link(s) that lead out of {path}: {shown} "
-                     "(--follow-links reads them)")
+        notes.append(f"not following {len(outside)} symbolic link(s) that lead out of {path}: "
+                     f"{_shown_names(outside)} (--follow-links reads them)")
     identity = {
         "kind": "files",
         "recipe": SOURCES_VERSION,
