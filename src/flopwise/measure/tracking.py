@@ -7,18 +7,26 @@ norm) become slash-separated names (``eval/arc_easy/acc``). Non-numeric values a
 ``tensorboard`` package is installed; W&B only when asked (``tracking.wandb=true``),
 ``tracking.wandb_mode=offline`` writing locally for a later ``wandb sync``. A sink asked
 for explicitly whose package is missing is refused with the install command
-(:mod:`flopwise.deps`; ``flopwise train`` checks before it creates the run directory).
+(:mod:`flopwise.deps`; ``flopwise train`` checks before it creates the run directory), and W&B
+online without an API key where wandb looks for one is refused there too
+(:func:`wandb_login_problem`), not wandb's traceback after the run directory was made.
 """
 
 from __future__ import annotations
 
+import configparser
 import contextlib
 import math
+import netrc
+import os
 import threading
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+from flopwise.config import ConfigError
 from flopwise.deps import available, missing_for_tracking, require
 from flopwise.fsio import WriteError, is_write_fault, write_error
 from flopwise.measure.sinks import JsonlSink
@@ -96,6 +104,76 @@ def _quiet_writer_thread_faults() -> None:
     threading.excepthook = hook
 
 
+WANDB_BASE_URL = "https://api.wandb.ai"  # wandb's server unless WANDB_BASE_URL names another
+
+
+class WandbLoginError(ConfigError):
+    """W&B online asked for with no API key to log in with: one line, before any work."""
+
+    def __init__(self, problem: str):
+        super().__init__([problem])
+        ValueError.__init__(self, problem)  # one line, as a missing package is
+
+
+def wandb_login_problem(tracking, environ: Mapping[str, str] | None = None) -> str:
+    """Why ``tracking`` (a ``TrackingConfig``) cannot log to W&B online, or "": online with no
+    API key where wandb itself looks, without importing it or touching the network --
+    ``WANDB_API_KEY`` (or ``WANDB_IDENTITY_TOKEN_FILE``), the netrc file (``$NETRC``, else
+    ``~/.netrc`` or ``~/_netrc``) for the server of ``WANDB_BASE_URL`` (``wandb login`` writes that
+    entry), the ``api_key`` of wandb's settings file. Without a key wandb's ``init`` fails (or,
+    at a terminal, waits on a prompt) after the run directory was made."""
+    env = os.environ if environ is None else environ
+    if not tracking.wandb or tracking.wandb_mode != "online":
+        return ""
+    if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE") or _settings_has_key(env):
+        return ""
+    server = urlsplit(env.get("WANDB_BASE_URL") or WANDB_BASE_URL)
+    path = _netrc_path(env)
+    fix = ("run `wandb login` (or set WANDB_API_KEY), or set tracking.wandb_mode=offline to log "
+           "locally for a later `wandb sync`")
+    try:
+        found = netrc.netrc(str(path)) if path.is_file() else None
+    except (netrc.NetrcParseError, OSError, UnicodeDecodeError) as e:  # wandb finds no key in it either
+        why = (f"line {e.lineno}: {e.msg}" if isinstance(e, netrc.NetrcParseError)
+               else getattr(e, "strerror", None) or str(e))
+        return f"tracking.wandb_mode=online: WANDB_API_KEY is unset and {path} cannot be read ({why}): {fix}"
+    # wandb looks the server up with its port (wandb >= 0.2x), requests without: either entry serves
+    entries = [found.authenticators(name) for name in (server.netloc, server.hostname or "")] if found else []
+    if any(e and e[2] for e in entries):
+        return ""
+    return (f"tracking.wandb_mode=online needs a W&B API key: WANDB_API_KEY is unset and {path} has no "
+            f"entry for {server.netloc}: {fix}")
+
+
+def _netrc_path(env: Mapping[str, str]) -> Path:
+    """The netrc file wandb reads: ``$NETRC``, else the first of ``~/.netrc`` and ``~/_netrc``
+    that exists (``~/.netrc`` when neither does)."""
+    if env.get("NETRC"):
+        return Path(os.path.expanduser(env["NETRC"]))
+    home = Path(env.get("HOME") or Path.home())
+    return next((home / n for n in (".netrc", "_netrc") if (home / n).exists()), home / ".netrc")
+
+
+def _settings_has_key(env: Mapping[str, str]) -> bool:
+    """Whether wandb's global settings file (``$WANDB_CONFIG_DIR/settings``, else
+    ``~/.config/wandb/settings``) holds an ``api_key``; one it cannot parse holds none."""
+    home = Path(env.get("HOME") or Path.home())
+    folder = Path(env["WANDB_CONFIG_DIR"]) if env.get("WANDB_CONFIG_DIR") else home / ".config" / "wandb"
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        parser.read(folder / "settings", encoding="utf-8")
+    except (configparser.Error, OSError, UnicodeDecodeError):
+        return False
+    return bool(parser.get("default", "api_key", fallback=""))
+
+
+def check_wandb_login(tracking) -> None:
+    """Raise :class:`WandbLoginError` when W&B online has no key (:func:`wandb_login_problem`)."""
+    problem = wandb_login_problem(tracking)
+    if problem:
+        raise WandbLoginError(problem)
+
+
 class WandbSink:
     def __init__(self, run_dir: Path, project: str, mode: str, config: dict[str, Any], name: str):
         import wandb  # lazy: wandb is optional
@@ -127,6 +205,7 @@ class Tracker:
 
     def __init__(self, run_dir: Path, tracking, config: dict[str, Any], name: str):
         require(missing_for_tracking(tracking))  # before metrics.jsonl is opened (train checks earlier still)
+        check_wandb_login(tracking)
         self.sinks: list[Any] = [JsonlSink(run_dir / "metrics.jsonl")]
         tb = tracking.tensorboard
         if tb == "true" or (tb == "auto" and available("tensorboard")):

@@ -31,7 +31,7 @@ from flopwise.evaluate.loss import target_bytes
 from flopwise.fsio import MAX_JSON_BYTES, FileFormatError, loads_json, read_bytes, write_file
 from flopwise.measure.meter import ThroughputMeter
 from flopwise.measure.timing import StepTimer
-from flopwise.measure.tracking import NullTracker, Tracker
+from flopwise.measure.tracking import NullTracker, Tracker, check_wandb_login
 from flopwise.model import Transformer, build_model, configure_attention
 from flopwise.model.io import load_hf_weights
 from flopwise.model.loss import make_loss_fn
@@ -182,6 +182,13 @@ def open_data(cfg: RunConfig, log: Log, resuming: bool = False) -> DataDir:
 PREFLIGHT_PARTS = ("chosen", "prediction")  # objects every preflight.json `flopwise preflight` writes holds
 
 
+def checked_before_run_dir(cfg: RunConfig) -> bytes | None:
+    """Rank 0's checks that need neither model nor data, before the run directory is made:
+    W&B's API key (rank 0 logs to W&B), and the preflight result the config came from (returned)."""
+    check_wandb_login(cfg.tracking)
+    return preflight_result(cfg.train.preflight, cfg.train.run_dir)
+
+
 def preflight_result(path: str, run_dir: str) -> bytes | None:
     """The bytes of ``train.preflight``, read once (bounded) and checked to be a preflight
     result -- a JSON object holding the :data:`PREFLIGHT_PARTS` objects -- before the run
@@ -325,7 +332,7 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
     m, t, o, e = cfg.model, cfg.train, cfg.optim, cfg.eval
     loss_impl = t.loss
     strategy = resolve_strategy(cfg, env, device, prec.name, loss_impl)  # refusals before any work
-    preflight = env.on_main(lambda: preflight_result(t.preflight, t.run_dir))  # before the run directory is made
+    preflight = env.on_main(lambda: checked_before_run_dir(cfg))  # before the run directory is made
     start = env.on_main(lambda: start_run(asked, fresh, locks))
     asked.train.run_dir = t.run_dir = str(start.run_dir)  # rank 0 named it (a timestamp): every rank uses it
     # config.yaml records every path resolved, so the run reads the same from any directory
