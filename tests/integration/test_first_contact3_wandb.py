@@ -9,6 +9,7 @@ stand-in whose ``init`` fails as wandb's does without a key in a process with no
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,7 @@ import pytest
 
 from flopwise.config import TrackingConfig
 from flopwise.deps import available
-from flopwise.measure.tracking import wandb_login_problem
+from flopwise.measure.tracking import WandbLoginError, check_wandb_login, wandb_login_problem
 
 # wandb.init(mode="online") in a process without a terminal and without a key (wandb 0.2x)
 STAND_IN = '''
@@ -72,6 +73,18 @@ def test_a_key_where_wandb_looks_is_enough(tmp_path):
     netrc = _netrc(other, "wandb.corp.example")
     assert wandb_login_problem(_online(), _env(tmp_path, WANDB_BASE_URL="https://wandb.corp.example:8443",
                                                NETRC=str(netrc))) == ""
+
+
+def test_the_refusal_travels_to_every_rank_as_one_line(tmp_path, monkeypatch):
+    """Rank 0 checks; DistEnv.on_main hands its exception to the other ranks pickled."""
+    for name in [k for k in os.environ if k.startswith("WANDB_")] + ["NETRC"]:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(WandbLoginError) as e:
+        check_wandb_login(_online())
+    again = pickle.loads(pickle.dumps(e.value))
+    assert type(again) is WandbLoginError and str(again) == str(e.value) == again.problems[0]
+    assert "\n" not in str(again) and "`wandb login`" in str(again)
 
 
 def test_offline_or_no_wandb_needs_no_key(tmp_path):

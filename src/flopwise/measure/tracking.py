@@ -114,6 +114,9 @@ class WandbLoginError(ConfigError):
         super().__init__([problem])
         ValueError.__init__(self, problem)  # one line, as a missing package is
 
+    def __reduce__(self):  # rank 0's refusal is pickled to every rank (DistEnv.on_main)
+        return (type(self), (self.problems[0],))
+
 
 def wandb_login_problem(tracking, environ: Mapping[str, str] | None = None) -> str:
     """Why ``tracking`` (a ``TrackingConfig``) cannot log to W&B online, or "": online with no
