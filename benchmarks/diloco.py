@@ -8,7 +8,7 @@ baseline is ``parallel.strategy=ddp`` over N ranks; the contenders are
 Nesterov SGD (lr 0.7, momentum 0.9), and H = 50 with momentum 0.5, which did better on this
 small model. Every run takes the same number of steps of the same global batch from the
 same loader positions (ranks draw by their global rank), so the tokens are equal; the held-out
-set is the same (``eval.batches`` x micro-batch windows, held constant).
+set is the same (``eval.windows``, held constant).
 
 Bytes are the **payload all-reduced across groups, summed over ranks** -- what a slow link
 between the groups carries (a ring all-reduce sends 2(n-1)/n of its payload):
@@ -64,7 +64,7 @@ def compare(args, tmp: Path, n: int, batch: int, lr: float, n_params: int) -> li
         tps = launch(n, ["--preset", args.preset, *args.overrides, f"train.max_steps={args.steps}",
                          f"train.micro_batch_size={micro}", f"train.global_batch_size={batch}",
                          f"optim.lr={lr}",
-                         "eval.every=0", "eval.sample_tokens=0", f"eval.batches={VAL_WINDOWS // micro}",
+                         "eval.every=0", "eval.sample_tokens=0", f"eval.windows={VAL_WINDOWS}",
                          "tracking.tensorboard=false", "train.log_every=10", "train.checkpoint_every=0",
                          f"train.run_dir={tmp / name}", *extra], args.threads)
         return json.loads((tmp / name / "run.json").read_text()), tps

@@ -75,7 +75,7 @@ def main() -> None:
         def overrides(name: str, strategy: str, n: int) -> list[str]:
             return ["--preset", args.preset, *args.overrides, f"train.max_steps={args.steps}", f"train.micro_batch_size={micro}",
                     f"train.global_batch_size={micro * args.accum * n}", f"parallel.strategy={strategy}",
-                    "eval.every=0", "eval.sample_tokens=0", "eval.batches=1", "tracking.tensorboard=false",
+                    "eval.every=0", "eval.sample_tokens=0", f"eval.windows={micro}", "tracking.tensorboard=false",
                     "train.log_every=5", f"train.run_dir={Path(tmp) / name}"]
 
         rows: dict[tuple[str, int], list[float]] = {}

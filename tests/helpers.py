@@ -126,7 +126,7 @@ def tiny_model_overrides(cache) -> list[str]:
         "model.vocab_size=512", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
         "model.n_kv_heads=2", "model.ffn_hidden=192", "model.max_seq_len=64",
         "train.seq_len=64", "train.micro_batch_size=8", "train.global_batch_size=16",
-        "eval.batches=2", "optim.warmup_steps=5",
+        "eval.windows=16", "optim.warmup_steps=5",
     ]
 
 

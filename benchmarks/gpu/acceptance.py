@@ -51,7 +51,7 @@ STEP_LIMIT_S = 9 * 60  # each step: a device call is at most 10 minutes
 SEQ = 2048
 MODEL_PRESETS = ("gpt2-124m", "smollm-360m", "llama3.2-1b", "qwen3-moe-500m-a330m")
 TRAIN_STEPS = 20  # metrics rows at 5, 10, 15, 20; warm-up (compile) is excluded
-QUIET = ["eval.every=0", "eval.sample_tokens=0", "eval.batches=2", "train.log_every=5",
+QUIET = ["eval.every=0", "eval.sample_tokens=0", "eval.windows=16", "train.log_every=5",
          "tracking.tensorboard=false"]
 
 
@@ -239,7 +239,7 @@ def steps(work: Path) -> list[Step]:
                     [sys.executable, "-m", "flopwise", "train", "--config", str(pf_dir / "preflight.yaml"), "--fresh",
                      *pft], 90, parse_preflight_train, "gpt2-124m", pft,
                     what="a short run of preflight.yaml: predicted vs measured tok/s"))
-    sy = [cache, "data.builtin_max_mb=8", "eval.every=0", "eval.sample_tokens=0", "eval.batches=1",
+    sy = [cache, "data.builtin_max_mb=8", "eval.every=0", "eval.sample_tokens=0", "eval.windows=16",
           "tracking.tensorboard=false"]
     out.append(Step("host-syncs", 6, [sys.executable, "benchmarks/gpu/sync_probe.py", "--short", "10", "--long", "30",
                                       "--run-dir", str(work / "runs" / "host-syncs"), "--", "--preset", "tiny", *sy],

@@ -211,8 +211,8 @@ def _eval_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--other-data", action="store_true",
                    help="with --data: evaluate on a data directory that is not the one the run trained on")
     p.add_argument("--windows", type=whole(0, 1 << 20), default=0,  # runner.MAX_WINDOWS (runner imports torch)
-                   help="validation windows (default: the run's eval.batches x train.micro_batch_size, also for a "
-                        "Hugging Face directory flopwise exported; else 64)")
+                   help="validation windows (default: the run's, eval.windows or what its checkpoint validated on, "
+                        "also for a Hugging Face directory flopwise exported; else 64)")
     p.add_argument("--seq-len", type=whole(0, 1 << 20), default=0,
                    help="validation window length (default: the run's train.seq_len; else min(max_seq_len, 1024))")
     p.add_argument("--batch-size", type=whole(1, 65536), default=8)

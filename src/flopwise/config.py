@@ -99,6 +99,7 @@ PRECISIONS = typing.get_args(Precision)
 ACTIVATION_CHECKPOINTING = typing.get_args(ActivationCheckpointing)
 STRATEGIES = typing.get_args(StrategyChoice)
 TASKS = ("arc_easy", "arc_challenge", "openbookqa", "hellaswag", "piqa")
+MAX_VAL_TOKENS = 1 << 27  # tokens of the validation windows, held at once as int64 (1 GiB)
 
 
 def choices(tp: Any) -> tuple[str, ...]:
@@ -474,7 +475,9 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     every: int = 50  # validation every N steps (and at the end); 0 = only at the end
-    batches: int = 8  # fixed held-out subset: batches x micro_batch_size windows
+    # The fixed held-out set, in windows of train.seq_len + 1 tokens: never a speed setting's
+    # multiple (the micro-batch only batches its forwards), so runs at any micro-batch compare.
+    windows: int = 128
     sample_tokens: int = 120  # length of the text sample written at the end; 0 = none
     sample_prompt: str = ""  # "" = the first tokens of a validation document (in the corpus's language)
     temperature: float = 0.8
@@ -490,7 +493,7 @@ class EvalConfig:
         p = _Problems(_choice_problems(self, "eval"))
         for name in ("every", "sample_tokens"):
             p.positive(f"eval.{name}", getattr(self, name), allow_zero=True)
-        p.positive("eval.batches", self.batches)
+        p.positive("eval.windows", self.windows)
         p.positive("eval.temperature", self.temperature, allow_zero=True)
         p.positive("eval.top_k", self.top_k, allow_zero=True)
         for name in ("tasks_every", "tasks_limit"):
@@ -751,11 +754,14 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 
 
 class _Loading:
-    """Problems and notes collected while one configuration is loaded."""
+    """Problems and notes collected while one configuration is loaded; ``eval_batches``: a
+    legacy ``eval.batches`` of the layer being applied (:func:`_settle_eval_batches`)."""
 
     def __init__(self) -> None:
         self.problems: list[str] = []
         self.notes: list[str] = []
+        self.eval_batches: tuple[int, str] | None = None  # (value, source)
+        self.windows_from = ""  # the source that set eval.windows in the layer being applied
 
     def note(self, text: str) -> None:
         if text not in self.notes:  # once per load, however many layers use the old name
@@ -780,6 +786,7 @@ def _apply_mapping(cfg: RunConfig, mapping: dict[str, Any], source: str, loading
             continue
         for key, value in values.items():
             _set(cfg, section, str(key), value, source, loading)
+    _settle_eval_batches(cfg, loading)
 
 
 # Keys that were renamed: configs written by earlier versions (a run's config.yaml, a user's
@@ -791,6 +798,14 @@ RENAMED_KEYS = {
 
 
 def _set(cfg: RunConfig, section: str, key: str, value: Any, source: str, loading: _Loading) -> None:
+    if (section, key) == ("eval", "batches"):  # read with the layer's micro-batch: _settle_eval_batches
+        try:
+            loading.eval_batches = (_coerce(value, int, f"{source}: eval.batches"), source)
+        except ValueError as e:
+            loading.problems.append(str(e))
+        return
+    if (section, key) == ("eval", "windows"):
+        loading.windows_from = source
     new = RENAMED_KEYS.get((section, key))
     if new is not None:
         loading.note(f"{section}.{key} is now {section}.{new}")
@@ -804,6 +819,32 @@ def _set(cfg: RunConfig, section: str, key: str, value: Any, source: str, loadin
         setattr(obj, key, _coerce(value, types_[key], f"{source}: {section}.{key}"))
     except ValueError as e:
         loading.problems.append(str(e))
+
+
+def _settle_eval_batches(cfg: RunConfig, loading: _Loading) -> None:
+    """A layer's legacy ``eval.batches`` (validation batches of ``train.micro_batch_size``
+    windows, before ``eval.windows``) as the windows it meant: times the micro-batch of the
+    same layer (the one written beside it, or the layers' below), so an old run's config.yaml
+    keeps the set it validated on and a later micro-batch (an override, preflight's choice)
+    no longer moves it. Mapped rather than refused: old runs resume, evaluate and report from
+    their config.yaml unedited. With ``eval.windows`` in the same layer it is ambiguous."""
+    legacy, windows_from = loading.eval_batches, loading.windows_from
+    loading.eval_batches, loading.windows_from = None, ""
+    if legacy is None:
+        return
+    batches, source = legacy
+    if windows_from:
+        loading.problems.append(f"{source}: eval.batches ({batches}) and eval.windows ({cfg.eval.windows}, "
+                                f"{windows_from}) both set: keep eval.windows, the validation set in windows")
+        return
+    if batches <= 0:
+        loading.problems.append(f"{source}: eval.batches must be > 0, got {batches} (it is now eval.windows)")
+        return
+    micro = cfg.train.micro_batch_size
+    cfg.eval.windows = batches * micro
+    loading.note(f"eval.batches ({batches}, {source}) is now eval.windows: {cfg.eval.windows} "
+                 f"({batches} x train.micro_batch_size {micro} as written there); the validation set no longer "
+                 "follows the micro-batch")
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:
@@ -884,6 +925,7 @@ def build_config(
             )
             continue
         _set(cfg, section, key, value, f"override {shown(text)}", loading)
+    _settle_eval_batches(cfg, loading)  # the overrides are one layer
     if moved_note and cfg.train.run_dir == own_run_dir:
         loading.note(moved_note)
 
@@ -1149,6 +1191,9 @@ def validate(cfg: RunConfig) -> list[str]:
     m, t, o, d = cfg.model, cfg.train, cfg.optim, cfg.data
     if t.seq_len > m.max_seq_len > 0:
         p.append(f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len})")
+    if cfg.eval.windows * (t.seq_len + 1) > MAX_VAL_TOKENS:
+        p.append(f"eval.windows ({cfg.eval.windows:,}) x train.seq_len + 1 ({t.seq_len + 1:,}) tokens: more than "
+                 f"{MAX_VAL_TOKENS:,} held at once for validation; give fewer eval.windows")
     if o.fit_to_time and (o.schedule != "wsd" or t.max_hours <= 0):
         p.append("optim.fit_to_time needs optim.schedule=wsd and train.max_hours > 0")
     if not d.path and d.builtin_vocab_size > m.vocab_size > 0:

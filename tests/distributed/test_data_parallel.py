@@ -99,7 +99,7 @@ def base(small_builtin, tmp_path_factory):
         f"data.path={data}", "data.loader=epoch", "model.vocab_size=512", "model.d_model=64", "model.n_layers=2",
         "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=192", "model.max_seq_len=64",
         "train.seq_len=64", "train.global_batch_size=16", f"train.max_steps={STEPS}", "train.checkpoint_every=4",
-        "train.log_every=1", "eval.every=4", "eval.batches=2", "eval.sample_tokens=8", "optim.warmup_steps=2",
+        "train.log_every=1", "eval.every=4", "eval.windows=16", "eval.sample_tokens=8", "optim.warmup_steps=2",
         "tracking.tensorboard=false",
     ]
     return root, common
@@ -121,7 +121,7 @@ def two_ranks(base):
     runs = {}
     for s in STRATEGIES:
         run = root / f"two-{s}"
-        proc = ok(torchrun(2, common + ["train.micro_batch_size=4", "eval.batches=4",  # the same 16 val windows
+        proc = ok(torchrun(2, common + ["train.micro_batch_size=4",  # the same 16 val windows at any micro-batch
                                         f"parallel.strategy={s}", f"train.run_dir={run}"]))
         runs[s] = (run, proc)
     return runs
@@ -202,7 +202,7 @@ def test_a_batch_ramp_under_ddp_trains_what_one_process_trains(base, tmp_path):
         "train.max_tokens=8192", "train.batch_ramp_tokens=4096", "train.batch_ramp_start=1"]
     one, two = tmp_path / "one", tmp_path / "two"
     ok(one_process(ramp + ["train.micro_batch_size=8", f"train.run_dir={one}"]))
-    proc = ok(torchrun(2, ramp + ["train.micro_batch_size=4", "eval.batches=4", "parallel.strategy=ddp",
+    proc = ok(torchrun(2, ramp + ["train.micro_batch_size=4", "parallel.strategy=ddp",
                                   f"train.run_dir={two}"]))
     assert "batch ramp 1 -> 2 micro-batches per step" in proc.stdout
     steps = sorted(curve(one))

@@ -37,7 +37,7 @@ def common(small_builtin):
         f"data.path={data}", "data.loader=epoch", "model.vocab_size=512", "model.d_model=64", "model.n_layers=2",
         "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=192", "model.max_seq_len=64",
         "train.seq_len=64", "train.global_batch_size=16", "train.micro_batch_size=4", "train.log_every=1",
-        "eval.every=0", "eval.batches=4", "eval.sample_tokens=0", "optim.warmup_steps=2",
+        "eval.every=0", "eval.windows=16", "eval.sample_tokens=0", "optim.warmup_steps=2",
         "tracking.tensorboard=false", "parallel.strategy=diloco",
     ]
 

@@ -33,7 +33,7 @@ def diloco_run(small_builtin, tmp_path_factory):
         f"data.path={data}", "data.loader=epoch", "model.vocab_size=512", "model.d_model=32", "model.n_layers=1",
         "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_hidden=64", "model.max_seq_len=32",
         "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2", "train.log_every=1",
-        "eval.every=0", "eval.batches=1", "eval.sample_tokens=0", "optim.warmup_steps=1",
+        "eval.every=0", "eval.windows=2", "eval.sample_tokens=0", "optim.warmup_steps=1",
         "tracking.tensorboard=false", "train.checkpoint_every=1", "train.keep_checkpoints=0",
     ]
     diloco = ["parallel.strategy=diloco", "parallel.group_size=1", "parallel.inner_steps=2",

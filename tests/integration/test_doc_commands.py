@@ -52,7 +52,7 @@ SUBSTITUTE: list[tuple[str, str]] = [
 ]
 SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=192",
          "model.max_seq_len=64", "train.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8",
-         "train.max_tokens=1024", "eval.every=0", "eval.batches=2", "eval.sample_tokens=8",
+         "train.max_tokens=1024", "eval.every=0", "eval.windows=8", "eval.sample_tokens=8",
          "data.builtin_vocab_size=512", "data.builtin_max_mb=0.6"]
 # a fragment of the command -> why it is only parsed
 PARSE_ONLY: dict[str, str] = {

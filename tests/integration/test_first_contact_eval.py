@@ -37,10 +37,10 @@ def test_run_and_its_export_give_the_same_validation_loss(run_and_export, small_
     # eval of the export prepares the embedded corpus in the user's own cache (an export's record never
     # chooses the folder): a home of the test's, not the machine's
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    want = (cfg.eval.batches * cfg.train.micro_batch_size, cfg.train.seq_len)  # 16 x 64, the trainer's set
+    want = (cfg.eval.windows, cfg.train.seq_len)  # 16 x 64, the trainer's set
     assert cli_main(["eval", str(run)]) == 0
     loss_run, *geo_run, why_run = _val(capsys.readouterr().out)
-    assert tuple(geo_run) == want and "eval.batches x train.micro_batch_size" in why_run
+    assert tuple(geo_run) == want and "the run's eval.windows and train.seq_len" in why_run
     assert cli_main(["eval", str(hf)]) == 0
     loss_hf, *geo_hf, why_hf = _val(capsys.readouterr().out)
     assert tuple(geo_hf) == want and "flopwise.json" in why_hf

@@ -144,19 +144,19 @@ def test_a_model_vocabulary_larger_than_the_datas_is_noted_at_the_start(tiny_ove
 
 
 def test_validation_windows_that_overlap_are_said_to(tiny_overrides, tmp_path, cli):
-    """eval.batches x micro-batch windows on a validation split smaller than they need: the
+    """eval.windows windows on a validation split smaller than they need: the
     start-up summary and `flopwise eval` say the windows overlap and by how much."""
     from flopwise.data.loader import overlap_note
 
     assert overlap_note(4, 63, 256) == "" and "each token scored ~2.0x" in overlap_note(8, 63, 256)
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=1", *QUIET])
     val = open_data_dir(cfg.data, log=lambda s: None).num_tokens("val")
-    batches = -(-2 * val // (64 * 8))  # windows enough to score each validation token about twice
+    windows = 8 * -(-2 * val // (64 * 8))  # windows enough to score each validation token about twice
     lines = []
-    train(build_config(overrides=tiny_overrides + ["train.max_steps=1", *QUIET, f"eval.batches={batches}"]),
+    train(build_config(overrides=tiny_overrides + ["train.max_steps=1", *QUIET, f"eval.windows={windows}"]),
           log=lines.append)
-    assert any(f"NOTE: validation: {batches * 8:,} windows need" in ln and "so they overlap" in ln for ln in lines)
+    assert any(f"NOTE: validation: {windows:,} windows need" in ln and "so they overlap" in ln for ln in lines)
     proc = cli("eval", str(tmp_path / "run"), "--windows", "4")
     assert proc.returncode == 0 and "overlap" not in proc.stdout, proc.stdout + proc.stderr
-    proc = cli("eval", str(tmp_path / "run"), "--windows", str(batches * 8))
+    proc = cli("eval", str(tmp_path / "run"), "--windows", str(windows))
     assert proc.returncode == 0 and "so they overlap (each token scored ~2." in proc.stdout, proc.stdout

@@ -46,7 +46,7 @@ OVERRIDES = [
     "model.vocab_size=512", "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
     "model.ffn_hidden=192", "model.max_seq_len=64", "train.seq_len=64", "train.micro_batch_size=8",
     "train.global_batch_size=16", "optim.warmup_steps=5", "train.max_steps=12", "train.log_every=1",
-    "eval.every=6", "eval.batches=2", "eval.sample_tokens=0", "data.loader=random", "tracking.tensorboard=false",
+    "eval.every=6", "eval.windows=16", "eval.sample_tokens=0", "data.loader=random", "tracking.tensorboard=false",
 ]
 
 

@@ -46,7 +46,7 @@ def world(small_builtin, tmp_path_factory):
         f"data.path={data}", "model.vocab_size=512", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
         "model.n_kv_heads=1", "model.ffn_hidden=64", "model.max_seq_len=32", "train.seq_len=32",
         "train.micro_batch_size=2", "train.global_batch_size=2", "train.max_steps=2", "eval.every=0",
-        "eval.batches=1", "eval.sample_tokens=0", f"train.run_dir={run}"]), log=lambda s: None)
+        "eval.windows=2", "eval.sample_tokens=0", f"train.run_dir={run}"]), log=lambda s: None)
     export_hf(run, root / "hf")
     return {"root": root, "run": run, "hf": root / "hf", "data": Path(data)}
 

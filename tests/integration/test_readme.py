@@ -66,7 +66,7 @@ def test_prepare_snippet_builds_a_data_directory_that_trains(tmp_path, monkeypat
     cfg = build_config(overrides=[
         "data.path=my_data", "model.vocab_size=400", "model.d_model=32", "model.n_layers=1",
         "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_hidden=64", "train.seq_len=32",
-        "train.micro_batch_size=4", "train.global_batch_size=4", "train.max_steps=3", "eval.batches=1",
+        "train.micro_batch_size=4", "train.global_batch_size=4", "train.max_steps=3", "eval.windows=4",
         "eval.sample_tokens=4", f"train.run_dir={tmp_path / 'run'}",
     ])
     result = train(cfg, log=lambda s: None)

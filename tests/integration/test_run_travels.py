@@ -15,7 +15,7 @@ import pytest
 
 SMALL = ["model.vocab_size=512", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
          "model.ffn_hidden=64", "model.max_seq_len=32", "train.seq_len=32", "train.micro_batch_size=2",
-         "train.global_batch_size=2", "train.checkpoint_every=2", "eval.every=0", "eval.batches=1",
+         "train.global_batch_size=2", "train.checkpoint_every=2", "eval.every=0", "eval.windows=2",
          "eval.sample_tokens=0"]
 
 

@@ -20,7 +20,7 @@ from flopwise.cli import main as cli_main
 TINY = ["model.vocab_size=512", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
         "model.ffn_hidden=64", "model.max_seq_len=32", "train.seq_len=32", "train.micro_batch_size=2",
         "train.global_batch_size=2", "train.checkpoint_every=2", "train.max_steps=2", "eval.every=0",
-        "eval.batches=2", "eval.sample_tokens=0", "tracking.tensorboard=false"]
+        "eval.windows=4", "eval.sample_tokens=0", "tracking.tensorboard=false"]
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
          "upsilon phi chi psi omega").split()
 

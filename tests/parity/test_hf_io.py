@@ -195,6 +195,6 @@ def test_export_records_the_runs_validation_windows(tmp_path):
     rec = json.loads((out / "flopwise.json").read_text())
     cfg = valid_run(CONFIGS["qwen3-hd24-tied"])
     assert rec["step"] == 5 and rec["validation"]["seq_len"] == 32
-    assert rec["validation"]["windows"] == cfg.eval.batches * cfg.train.micro_batch_size
+    assert rec["validation"]["windows"] == cfg.eval.windows
     assert rec["validation"]["data"]["builtin_vocab_size"] == 300
     AutoModelForCausalLM.from_pretrained(out)  # an extra file transformers ignores

@@ -164,7 +164,7 @@ def _default_eval(out):
     (``train/describe.py``), so this fails if prepare's floor and the trainer drift apart."""
     cfg = build_config()  # `flopwise train` with no preset: the default run
     seq_len, dd = cfg.train.seq_len, DataDir(out)
-    windows = fixed_windows(dd, "val", seq_len, cfg.eval.batches * cfg.train.micro_batch_size)
+    windows = fixed_windows(dd, "val", seq_len, cfg.eval.windows)
     return overlap_note(len(windows), seq_len, dd.num_tokens("val")), dd
 
 

@@ -149,13 +149,13 @@ def default_val_floor() -> ValFloor:
     """The validation floor of a default split: what the default run's validation needs so its
     windows do not overlap. The run is ``flopwise train`` with no preset (``DEFAULT_PRESET``,
     ``tiny``: its ``train.seq_len``, not the model's ``max_seq_len`` nor a larger preset's):
-    ``eval.batches x train.micro_batch_size`` windows (as the trainer builds them,
+    ``eval.windows`` windows (as the trainer builds them,
     :func:`flopwise.train.setup.setup`) of ``seq_len + 1`` tokens, the count
     :func:`flopwise.data.loader.overlap_note` checks against the split."""
     from flopwise.config import build_config  # lazy: the config is only needed for a default split
 
     cfg = build_config()
-    windows = cfg.eval.batches * cfg.train.micro_batch_size
+    windows = cfg.eval.windows
     return ValFloor(tokens=windows * (cfg.train.seq_len + 1), windows=windows, seq_len=cfg.train.seq_len,
                     preset=cfg.preset)
 

@@ -17,8 +17,9 @@ the export's ``flopwise.json``, recorded) on every path, ``--data`` or not, and 
 that can be refused is refused before the model is loaded or a shard is read.
 
 Validation windows (count x length) are chosen, in this order, by ``--windows`` /
-``--seq-len``; the run's own (``eval.batches * train.micro_batch_size`` windows of
-``train.seq_len`` tokens, the set the trainer validates on) for a run or checkpoint; the
+``--seq-len``; the run's own (``eval.windows`` windows of ``train.seq_len`` tokens, the set
+the trainer validates on -- the count its checkpoint recorded, which a run resumed with
+another setting keeps -- whatever the micro-batch) for a run or checkpoint; the
 same, read from ``flopwise.json``, for a Hugging Face directory flopwise exported (whose
 data directory is then the run's too, unless ``--data`` names one; the file is checked field
 by field and never chooses a cache folder); else 64 windows of
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 
 from flopwise.checkpoints import latest_checkpoint, list_checkpoints, read_state
-from flopwise.config import ConfigError, DataConfig, RunConfig, load_run_config
+from flopwise.config import MAX_VAL_TOKENS, ConfigError, DataConfig, RunConfig, load_run_config
 from flopwise.data.datadir import DataDir, DataDirError, check_cache_path, resolve_data_dir
 from flopwise.data.loader import fixed_windows, overlap_note
 from flopwise.data.tokenizer import load_tokenizer
@@ -53,7 +54,8 @@ from flopwise.model.io import EXPORT_RECORD, ModelSource, ModelSourceError, load
 Log = Callable[[str], None]
 EVALS_FILE = "evals.jsonl"
 MAX_WINDOWS = 1 << 20  # validation windows asked for (--windows, flopwise.json): more is a typo, not an eval
-MAX_VAL_TOKENS = 1 << 27  # tokens of the windows, held at once as int64 (1 GiB); 20M windows asked for 19 GiB
+# MAX_VAL_TOKENS (config's, the bound of eval.windows too): tokens of the windows held at once as int64
+# (1 GiB); 20M windows asked for 19 GiB
 MAX_SEQ_LEN = 1 << 20  # a window length flopwise.json may give (the model's max_seq_len is checked too)
 MAX_BUILTIN_VOCAB = 1 << 20  # the embedded corpus' BPE size flopwise.json may ask for
 
@@ -95,13 +97,13 @@ def evaluate(path: str | os.PathLike, options: EvalOptions = EvalOptions(), log:
     dev = _device(options.device)
     src = resolve(path)
     out: dict[str, Any] = {"checkpoint": str(src.path)}
-    run_cfg, trained_on = None, None
+    run_cfg, trained_on, validated_on = None, None, None
     if src.kind != "hf":
         state = read_state(src.path)  # checked field by field
         out.update(step=state["step"], tokens=state.get("tokens"))
         run_cfg = load_run_config(src.path / "config.yaml")
-        trained_on = state.get("data_fingerprint")
-    geometry = _run_geometry(run_cfg, src)
+        trained_on, validated_on = state.get("data_fingerprint"), state.get("val_windows")
+    geometry = _run_geometry(run_cfg, src, validated_on)
     if run_cfg is None and geometry is not None:
         trained_on = geometry["fingerprint"]
     dd, said = _validation_data(options, run_cfg, geometry, trained_on, src, log)
@@ -232,13 +234,19 @@ def _typed_path(source: Path, name: str) -> str | None:
     return None
 
 
-def _run_geometry(run_cfg: RunConfig | None, src: ModelSource) -> dict[str, Any] | None:
+def _run_geometry(run_cfg: RunConfig | None, src: ModelSource,
+                  validated_on: int | None = None) -> dict[str, Any] | None:
     """The run's validation set: ``{"windows", "seq_len", "data" (DataConfig or None),
-    "fingerprint", "origin"}`` from its config, or from ``flopwise.json`` in a Hugging Face
-    directory flopwise exported; None for a Hugging Face directory from elsewhere."""
+    "fingerprint", "origin"}`` from its config -- the windows its checkpoint validated on
+    (``validated_on``, from its ``state.json``) when it recorded them --, or from
+    ``flopwise.json`` in a Hugging Face directory flopwise exported; None for a Hugging Face
+    directory from elsewhere."""
     if run_cfg is not None:
-        return {"windows": run_cfg.eval.batches * run_cfg.train.micro_batch_size, "seq_len": run_cfg.train.seq_len,
-                "data": run_cfg.data, "fingerprint": None, "origin": "the run's config"}
+        windows, origin = run_cfg.eval.windows, "the run's config"
+        if validated_on and validated_on != windows:  # resumed with another eval.windows: it kept its first set
+            windows, origin = validated_on, f"{src.path / 'state.json'} (the set the run validated on)"
+        return {"windows": windows, "seq_len": run_cfg.train.seq_len, "data": run_cfg.data, "fingerprint": None,
+                "origin": origin}
     record = read_export_record(src.path)
     val = (record or {}).get("validation")
     if val is None:
@@ -289,7 +297,7 @@ def _windows(windows: int, seq_len: int, geometry: dict[str, Any] | None, max_se
     if geometry is not None:
         n = windows or geometry["windows"]
         T = seq_len or geometry["seq_len"]
-        run = f"the run's eval.batches x train.micro_batch_size and train.seq_len, from {geometry['origin']}"
+        run = f"the run's eval.windows and train.seq_len, from {geometry['origin']}"
         if not windows and not seq_len:
             return n, T, run
         given = " and ".join(x for x, v in (("--windows", windows), ("--seq-len", seq_len)) if v)

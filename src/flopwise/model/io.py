@@ -18,8 +18,9 @@ An HF export's special token ids (``bos_token_id``, ``eos_token_id``, ``pad_toke
 ``config.json`` and ``generation_config.json``) are the tokenizer's, ``null`` where it has
 none (never a family's default: Llama's ``bos_token_id: 1`` is an ordinary token of most
 BPEs). An export of a run also writes ``flopwise.json`` (:data:`EXPORT_RECORD`): the step,
-and the run's validation geometry (``eval.batches * train.micro_batch_size`` windows of
-``train.seq_len`` tokens, the run's data section and the data directory's fingerprint), so
+and the run's validation geometry (the windows its checkpoint validated on -- ``eval.windows``
+unless a resume kept an earlier count -- of ``train.seq_len`` tokens, the run's data section
+and the data directory's fingerprint), so
 ``flopwise eval`` on the export measures the same held-out windows as on the run. A file
 of its own rather than a key of ``config.json``: transformers never reads it.
 """
@@ -232,16 +233,17 @@ def _export_record(src: ModelSource) -> dict[str, Any] | None:
     if fingerprint is None and cfg.data.path:  # a checkpoint from before state.json recorded it
         with contextlib.suppress(OSError, ValueError, AttributeError):
             fingerprint = read_json(Path(cfg.data.path).expanduser() / "meta.json").get("fingerprint")
+    windows = state.get("val_windows")  # the set the run validated on: a resume keeps its first count
+    if isinstance(windows, bool) or not isinstance(windows, int) or windows <= 0:
+        windows = cfg.eval.windows
     return {
         "format": 1,
         "exported_from": str(src.path),
         "step": state.get("step"),
         "tokens": state.get("tokens"),
-        "validation": {
-            "windows": cfg.eval.batches * cfg.train.micro_batch_size,
+        "validation": {  # no micro-batch: a speed setting, not part of the set
+            "windows": windows,
             "seq_len": cfg.train.seq_len,
-            "batch_size": cfg.train.micro_batch_size,
-            "eval_batches": cfg.eval.batches,
             "data": dataclasses.asdict(cfg.data),
             "data_fingerprint": fingerprint,
         },

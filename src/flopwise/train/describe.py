@@ -58,7 +58,7 @@ def describe(run: Run) -> list[str]:
                  f"{m.n_kv_heads} kv · {m.mlp} {m.expert_ffn_hidden if m.is_moe else m.ffn_hidden} · {m.norm} · "
                  f"{m.pos_emb}{experts} · params {human(counts['total'])} ({human(counts['non_embedding'])} "
                  "non-embedding)")
-    for label in ("attention", "init", "speed"):
+    for label in ("attention", "init", "speed", "validation"):
         for i, note in enumerate(run.notes.get(label, [])):
             lines.append(f"  {label if i == 0 else '':<10} {note.removeprefix('attention: ')}")
     fpt = run.flops.per_token

@@ -362,9 +362,8 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
     # The data checks (each split long enough for a window) come before any allocation.
     loader = train_loader(cfg, data, device, env.rank, world,
                           step_samples=None if ramp else t.global_batch_size)  # epochs end on a step
-    # The held-out set does not depend on the number of ranks (they share it out), so runs on
-    # 1 and 8 GPUs report comparable validation losses; a resumed run keeps its first one.
-    val_windows = fixed_windows(data, "val", t.seq_len, e.batches * t.micro_batch_size)
+    # No speed setting moves the held-out set (ranks share it, the micro-batch batches it); a resume keeps its own.
+    val_windows = fixed_windows(data, "val", t.seq_len, e.windows)
 
     groups = make_groups(env, cfg.parallel) if strategy.name == "diloco" else None
     if groups is not None:
@@ -439,6 +438,8 @@ def restore(run: Run, checkpoint: Path) -> None:
     p.step, p.tokens, p.val_start = saved["step"], saved["tokens"], saved.get("val_loss_start", float("nan"))
     p.first_step = p.step
     if saved.get("val_windows", len(run.val_windows)) != len(run.val_windows):  # resumed at another geometry:
+        run.notes["validation"] = [f"{saved['val_windows']:,} windows, the set this run validated on from its start "
+                                   f"(eval.windows {len(run.val_windows):,} is for a fresh run)"]
         run.val_windows = fixed_windows(run.data, "val", cfg.train.seq_len, saved["val_windows"])  # same held-out set
     run.guard.load_state_dict(saved.get("guard", {}))
     if "rng" in saved:
