@@ -303,6 +303,9 @@ def _plan_parser(sub: "argparse._SubParsersAction") -> None:
                    "configured -- model, seq_len, micro-batch, global batch, token budget, precision, loss, "
                    "activation checkpointing, attention, strategy; the flags below override it")
     g.add_argument("--params", type=count(), default=0, help="a raw parameter count, e.g. 8e9 or 8B (6N FLOPs only)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help=f"{OVERRIDE_HELP}; as train takes them: the plan is then of the run train would run with "
+                        "them (on --config, --model, or the default preset when neither is given)")
     g = p.add_argument_group("hardware")
     g.add_argument("--gpu", help="a GPU from the table (--list-gpus), e.g. h100, 'h100 pcie', 'a100 40gb', l4, "
                    "'rtx 4090'; matched exactly (case, spaces, dashes, 'GB' ignored), unknown names are refused")
@@ -677,7 +680,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
     from dataclasses import replace
-    from pathlib import Path
 
 
     if args.list_gpus:
@@ -706,18 +708,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
         notes.append(f"--precision auto is {precision} on {gpu.name if gpu else 'a GPU with bf16'}")
     model, name = None, ""
     run: dict[str, Any] = {}
-    source: dict[str, Any] = {}  # build_config's arguments
-    if args.config:  # the run as configured: every setting the planner models comes from it
-        path = Path(args.config)
-        source = {"config_file": path / "config.yaml" if path.is_dir() else path}
-        cfg = build_config(**source, read_hf_config=_read_hf_config)
+    cfg, source = _plan_config(args)
+    if cfg is not None and (args.config or args.overrides):  # the run as configured: every setting it models
         run, run_notes = plan_inputs_for_run(cfg, gpus=args.gpus, gpu=gpu, strategy=strategy,
                                              gpus_per_node=args.gpus_per_node)
-        model, name, notes = cfg.model, f"{args.config} ({cfg.preset})", notes + cfg.notes + run_notes
-    elif args.model:
-        source = {"preset": args.model}
-        cfg = build_config(**source, read_hf_config=_read_hf_config)
+        name = f"{args.config} ({cfg.preset})" if args.config else cfg.preset
+        model, notes = cfg.model, notes + cfg.notes + run_notes
+        name += f" {' '.join(args.overrides)}" if args.overrides else ""
+    elif cfg is not None:  # --model alone: the preset's model, the batch the planner recommends
         model, name, run = cfg.model, args.model, {"seq_len": cfg.train.seq_len}
+    data = _plan_data(cfg, notes)
     memory = run.get("memory") or MemorySettings(strategy=strategy or ("ddp" if args.gpus > 1 else "single"),
                                                  n_gpus=args.gpus)
     loss = args.loss
@@ -751,7 +751,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         headroom=args.headroom, memory=memory, interconnect=args.interconnect, network=args.network,
         auto_strategy=not strategy and run.get("auto_strategy", True),
         inner_steps=args.inner_steps if args.inner_steps is not None else run.get("inner_steps", 50),
-        comm_share=args.comm_share if args.comm_share is not None else 0.05,
+        comm_share=args.comm_share if args.comm_share is not None else 0.05, **data,
     )
     if args.trace and (gpu is None or model is None):
         raise PlanError("--trace traces the planned step: it needs --gpu and --model (or --config)")
@@ -768,6 +768,45 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_config(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """``(config, build_config's arguments)`` of what plan is asked, built as train builds it:
+    ``--config`` (a file, or a run directory's config.yaml), else ``--model`` -- or, with
+    KEY=VALUE overrides alone, the default preset --, the overrides on top. ``(None, {})``
+    without any of them (``--params``: a raw size, no config to override)."""
+    from pathlib import Path
+
+    overrides = list(args.overrides)
+    if overrides and args.params:
+        raise PlanError(f"{' '.join(overrides)}: KEY=VALUE overrides change a run's config, and --params gives "
+                        "no config: give --model or --config (or neither: the default preset, as train) instead")
+    if args.config:
+        path = Path(args.config)
+        source: dict[str, Any] = {"config_file": path / "config.yaml" if path.is_dir() else path}
+    elif args.model or overrides:
+        source = {"preset": args.model}
+    else:
+        return None, {}
+    source["overrides"] = overrides
+    return build_config(**source, read_hf_config=_read_hf_config), source
+
+
+def _plan_data(cfg: Any, notes: list[str]) -> dict[str, Any]:
+    """``PlanInputs``' data fields: the train tokens of the config's ``data.path``, read as train
+    opens it (meta.json and the shards' headers; no token is read). Data that is not here is a
+    note, not an error: a plan is often made away from the machine that holds the data."""
+    if cfg is None or not cfg.data.path:
+        return {}
+    from flopwise.data.datadir import DataDir, DataDirError, resolve_data_dir  # lazy: numpy, tokenizers
+
+    path = resolve_data_dir(cfg.data)
+    try:
+        train_tokens = DataDir(path).num_tokens("train")
+    except DataDirError as e:
+        notes.append(f"data.path {cfg.data.path}: epochs not counted: {e}")
+        return {}
+    return {"data_path": str(path), "data_train_tokens": train_tokens}
+
+
 def _trace_plan(source: dict, plan: dict, args: argparse.Namespace) -> dict:
     """``flopwise preflight --dry-run`` of the step the plan recommends: its batch and strategy
     on ``--gpus`` of ``--gpu`` (``--gpus-per-node`` to a node)."""
@@ -775,9 +814,10 @@ def _trace_plan(source: dict, plan: dict, args: argparse.Namespace) -> dict:
     if gpus > per_node and gpus % per_node:
         raise PlanError(f"--trace: --gpus {gpus} is not whole nodes of --gpus-per-node {per_node}")
     strategy = plan["fit"]["strategy"] if isinstance(plan.get("fit"), dict) else "auto"
-    traced = build_config(**source, read_hf_config=_read_hf_config, overrides=[
-        f"train.seq_len={b['seq_len']}", f"train.micro_batch_size={b['micro_batch']}",
-        f"train.global_batch_size={b['global_batch']}", f"parallel.strategy={strategy if gpus > 1 else 'single'}"])
+    traced = build_config(**{**source, "overrides": [  # the user's overrides, then the planned step's
+        *source.get("overrides", []), f"train.seq_len={b['seq_len']}", f"train.micro_batch_size={b['micro_batch']}",
+        f"train.global_batch_size={b['global_batch']}", f"parallel.strategy={strategy if gpus > 1 else 'single'}"]},
+        read_hf_config=_read_hf_config)
 
     def say(s: str) -> None:
         print(s, file=sys.stderr, flush=True)

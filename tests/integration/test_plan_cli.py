@@ -38,7 +38,7 @@ def test_plan_raw_params_uses_6n(cli):
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["flops_formula"] == "6n" and plan["flops_per_token"] == 48e9
-    assert abs(plan["hours"] - 6 * 8e9 * 1e12 / (989.4e12 * 8 * 0.4) / 3600) < 1e-6
+    assert abs(plan["compute_hours"] - 6 * 8e9 * 1e12 / (989.4e12 * 8 * 0.4) / 3600) < 1e-6
 
 
 def test_plan_errors_name_the_flag(cli):

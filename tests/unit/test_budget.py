@@ -46,8 +46,8 @@ def test_hours_give_affordable_tokens_and_a_chinchilla_verdict():
     assert plan["tokens"] == pytest.approx(tokens)  # ~4.61B
     assert plan["chinchilla_tokens"] == 20 * 361_821_120
     assert plan["chinchilla_ratio"] == pytest.approx(tokens / (20 * 361_821_120))  # ~0.64
-    assert plan["verdict"].startswith("close to Chinchilla-optimal")
-    assert plan["hours"] == pytest.approx(30)
+    assert plan["verdict"].startswith("0.64x the compute-optimal tokens (20 per parameter): under-trained (0.5x to 0.9x)")
+    assert plan["hours"] == pytest.approx(30) == plan["compute_hours"]  # one GPU: no communication
 
 
 def test_the_6n_calculator_is_reproduced_exactly():
@@ -55,8 +55,11 @@ def test_the_6n_calculator_is_reproduced_exactly():
     plan = build_plan(PlanInputs(params=8_000_000_000, gpu=H100, gpus=8, mfu=0.40, tokens=10**12,
                                  flops_formula="6n"))
     seconds = 6 * 8e9 * 1e12 / (989.4e12 * 8 * 0.40)
-    assert plan["hours"] == pytest.approx(seconds / 3600, rel=1e-12)  # 4,211 hours
-    assert plan["gpu_hours"] == pytest.approx(8 * seconds / 3600, rel=1e-12)
+    assert plan["compute_hours"] == pytest.approx(seconds / 3600, rel=1e-12)  # 4,211 hours
+    # the wall time and GPU-hours add the all-reduce the calculator leaves out
+    eff = plan["scaling"]["at_gpus"]["efficiency"]
+    assert plan["hours"] == pytest.approx(seconds / 3600 / eff, rel=1e-12)
+    assert plan["gpu_hours"] == pytest.approx(8 * seconds / 3600 / eff, rel=1e-12)
     # ... and with a model, 6n uses all parameters (embedding included):
     plan = build_plan(PlanInputs(model=SMOLLM_360M, gpu=A100, tokens=10**9, flops_formula="6n"))
     assert plan["flops_per_token"] == 6 * 361_821_120
@@ -65,10 +68,11 @@ def test_the_6n_calculator_is_reproduced_exactly():
 def test_chinchilla_option_and_verdicts():
     plan = build_plan(PlanInputs(model=SMOLLM_360M, gpu=A100, chinchilla=True))
     assert plan["tokens"] == 20 * 361_821_120 and plan["chinchilla_ratio"] == pytest.approx(1.0)
-    assert chinchilla_verdict(1e9, 1e9, 6e18).startswith("under-trained")
+    assert chinchilla_verdict(1e9, 1e9, 6e18).startswith("0.05x the compute-optimal tokens (20 per parameter): "
+                                                         "far under-trained (below 0.5x)")
     # compute-optimal size for C = 6e18: sqrt(6e18 / 120) = 2.24e8
     assert "~224M-parameter" in chinchilla_verdict(1e9, 1e9, 6e18)
-    assert "beyond Chinchilla" in chinchilla_verdict(1e12, 1e9, 6e21)
+    assert "far over-trained (above 2x)" in chinchilla_verdict(1e12, 1e9, 6e21)
 
 
 def test_ring_allreduce_arithmetic():
@@ -88,7 +92,8 @@ def test_scaling_gradient_bytes_links_and_efficiency():
     compute = tokens_per_step * SMOLLM_360M_FPT / (8 * 312e12 * 0.4)
     assert at["compute_s"] == pytest.approx(compute)
     assert at["efficiency"] == pytest.approx(compute / (compute + at["comm_s"]))
-    assert plan["scaling"]["hours_with_comm"] == pytest.approx(plan["hours"] / at["efficiency"])
+    assert plan["scaling"]["hours_with_comm"] == pytest.approx(plan["compute_hours"] / at["efficiency"])
+    assert plan["hours"] == plan["scaling"]["hours_with_comm"]  # the wall time, priced, counts communication
     # Over PCIe the same run scales worse; across nodes the slower network sets the pace.
     pcie = build_plan(PlanInputs(model=SMOLLM_360M, gpu=A100, gpus=8, tokens=6e9, micro_batch=8, grad_accum=4,
                                  interconnect="pcie4", memory=MemorySettings(strategy="ddp", n_gpus=8)))
@@ -208,10 +213,11 @@ def test_default_strategy_switches_to_the_one_that_fits():
     assert plan["fit"]["switched"] and plan["fit"]["asked"] == "ddp" and plan["fit"]["strategy"] == "fsdp2"
     assert plan["memory"]["settings"]["strategy"] == "fsdp2" and plan["scaling"]["strategy"] == "fsdp2"
     assert plan["memory_gb"] == pytest.approx(8e9 * 16 / 8 / 2**30)  # 14.9 GiB per GPU
-    # the time and cost do not depend on the strategy; the communication does
+    # the compute time does not depend on the strategy; the communication, and so the wall time and cost, do
     asked = build_plan(_eight_b("ddp"))
-    assert plan["hours"] == pytest.approx(asked["hours"]) and plan["cost"] == pytest.approx(asked["cost"])
+    assert plan["compute_hours"] == pytest.approx(asked["compute_hours"])
     assert plan["scaling"]["hours_with_comm"] != pytest.approx(asked["scaling"]["hours_with_comm"])
+    assert plan["hours"] == plan["scaling"]["hours_with_comm"] and plan["cost"] != pytest.approx(asked["cost"])
     # --params counts states only, and says so
     assert plan["memory"]["activations"] is None and "NOT counted" in plan["memory"]["counted"]
 
@@ -315,3 +321,17 @@ def test_plan_for_run_uses_the_precisions_peak():
     cfg = build_config(overrides=["train.precision=fp16"])
     plan = plan_for_run(cfg, "Tesla V100-SXM2-32GB", "fp16")
     assert plan["gpu"]["dtype"] == "fp16" and plan["memory"]["settings"]["precision"] == "fp16"
+
+
+def test_hours_are_the_wall_time_with_communication():
+    """Issue 45, item 7: --hours 6 over 8 GPUs planned 6.0 h of compute and said "with
+    communication 6.1 h" beside a cost of 6.0 h. The tokens now fit compute plus the
+    communication a step does not overlap, and what is priced is that wall time."""
+    plan = build_plan(PlanInputs(model=SMOLLM_360M, gpu=H100, gpus=8, hours=6, price_per_gpu_hour=2.0,
+                                 memory=MemorySettings(strategy="ddp", n_gpus=8)))
+    eff = plan["scaling"]["at_gpus"]["efficiency"]
+    assert eff < 1
+    assert plan["tokens"] == pytest.approx(6 * 3600 * 989.4e12 * 8 * 0.40 * eff / SMOLLM_360M_FPT)
+    assert plan["hours"] == 6 and plan["compute_hours"] == pytest.approx(6 * eff)
+    assert plan["comm_hours"] == pytest.approx(6 * (1 - eff)) and plan["scaling"]["hours_with_comm"] == 6
+    assert plan["gpu_hours"] == 48 and plan["cost"] == 96

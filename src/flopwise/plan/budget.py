@@ -12,8 +12,13 @@ Formulas
   what simple "training time calculators" use -- with ``--flops-formula 6n`` their
   result is reproduced exactly)
 - effective FLOP/s     = dense peak per GPU x GPUs x MFU
-- wall time            = total FLOPs / effective FLOP/s;  GPU-hours = hours x GPUs
-- tokens affordable    = hours x 3600 x effective FLOP/s / FLOPs per token
+- compute time         = total FLOPs / effective FLOP/s
+- wall time            = compute time / scaling efficiency (compute plus the communication a
+  step does not overlap; the efficiency of the scaling row at the GPUs planned, 1 on one GPU);
+  GPU-hours = wall time x GPUs, cost = GPU-hours x price
+- tokens affordable    = hours x 3600 x effective FLOP/s x scaling efficiency / FLOPs per token
+  (``--hours`` is the wall time: compute and communication together fit it)
+- epochs               = tokens / the train split's tokens of the config's ``data.path``
 - Chinchilla tokens    = 20 x parameters (Hoffmann et al. 2022; total parameters, or
   active parameters for a mixture of experts)
 - ring all-reduce time = 2 (n-1)/n x gradient bytes / link bandwidth, once per optimizer
@@ -93,6 +98,10 @@ class PlanInputs:
     # The inner strategy, group size and outer dtype are memory settings (they change memory).
     inner_steps: int = 50
     comm_share: float = 0.05
+    # The data the run trains on (``data.path`` of a config), when it names one that is here:
+    # its train split's tokens say how many epochs the token budget is.
+    data_path: str = ""
+    data_train_tokens: int = 0
 
     def validate(self) -> None:
         """Raise :class:`PlanError` listing every bad flag."""
@@ -192,19 +201,36 @@ class PlanInputs:
         return self.gpu.memory_bytes if self.gpu is not None else None
 
 
+# Named bands of planned tokens against Chinchilla's compute-optimal 20 per parameter: (upper
+# bound of the ratio, name, the band as said). Hoffmann et al.'s IsoFLOP curves are flat near
+# the optimum, so within 10% is "compute-optimal"; 0.5x and 2x are where the loss at the same
+# compute is measurably worse, so each side has a near and a far band.
+CHINCHILLA_BANDS: tuple[tuple[float, str, str], ...] = (
+    (0.5, "far under-trained", "below 0.5x"),
+    (0.9, "under-trained", "0.5x to 0.9x"),
+    (1.1, "compute-optimal", "0.9x to 1.1x"),
+    (2.0, "over-trained", "1.1x to 2x"),
+    (math.inf, "far over-trained", "above 2x"),
+)
+
+
 def chinchilla_verdict(tokens: float, params: float, total_flops: float) -> str:
-    """One line on where ``tokens`` stands against Chinchilla's 20 tokens per parameter."""
+    """One line on where ``tokens`` stands against Chinchilla's 20 tokens per parameter: the
+    ratio, its band of :data:`CHINCHILLA_BANDS` (named with its bounds), and what it means."""
     optimal = CHINCHILLA_TOKENS_PER_PARAM * params
     ratio = tokens / optimal
     # For a compute budget C = 6 N D with D = 20 N, the compute-optimal size is sqrt(C / 120).
     n_opt = math.sqrt(total_flops / (6 * CHINCHILLA_TOKENS_PER_PARAM)) if total_flops > 0 else 0.0
-    if ratio < 0.5:
-        return (f"under-trained: {ratio:.2f}x Chinchilla; this compute would be spent best on a ~{_h(n_opt)}-parameter "
-                f"model trained on {_h(CHINCHILLA_TOKENS_PER_PARAM * n_opt)} tokens")
-    if ratio <= 2.0:
-        return f"close to Chinchilla-optimal ({ratio:.2f}x the 20 tokens per parameter)"
-    return (f"{ratio:.1f}x beyond Chinchilla-optimal: more loss per FLOP than a larger model would reach, "
-            "but a smaller, cheaper model to serve (SmolLM-style over-training)")
+    # the band of the ratio as printed (0.499 reads 0.50x: the band from 0.5x)
+    name, band = next((name, band) for upper, name, band in CHINCHILLA_BANDS if round(ratio, 2) < upper)
+    head = f"{ratio:.2f}x the compute-optimal tokens (20 per parameter): {name} ({band})"
+    if name.endswith("under-trained"):
+        return (f"{head}; this compute would be spent best on a ~{_h(n_opt)}-parameter model trained on "
+                f"{_h(CHINCHILLA_TOKENS_PER_PARAM * n_opt)} tokens")
+    if name.endswith("over-trained"):
+        return (f"{head}; more loss per FLOP than a ~{_h(n_opt)}-parameter model would reach, but a smaller, "
+                "cheaper model to serve" + (" (SmolLM-style over-training)" if ratio > 2 else ""))
+    return head
 
 
 def _h(n: float) -> str:
@@ -558,12 +584,18 @@ def _build_plan(inp: PlanInputs) -> dict[str, Any]:
     peak = inp.peak_flops
     effective = peak * inp.gpus * inp.mfu if peak else None
     plan.update(gpu=_gpu(inp), gpus=inp.gpus, mfu=inp.mfu, effective_flops=effective)
-    plan.update(_tokens_time_cost(inp, fpt, active, effective))
-    plan.update(_memory_and_batch(inp, n_params))
-    batch = plan["batch"]
+    # the batch sets the communication per step, which --hours must leave room for: so the
+    # memory, batch and scaling are planned first, and the tokens with their efficiency
+    memory_and_batch = _memory_and_batch(inp, n_params)
+    batch = memory_and_batch["batch"]
+    scaling_plan = _scaling_plan(inp, fpt, batch, n_params)
+    plan.update(_tokens_time_cost(inp, fpt, active, effective, scaling_plan["at_gpus"]["efficiency"]))
+    plan.update(memory_and_batch)
+    scaling_plan["hours_with_comm"] = plan["hours"] if plan["compute_hours"] is not None else None
     if plan["tokens"] is not None:
         batch["steps"] = math.ceil(plan["tokens"] / batch["tokens_per_step"])
-    plan["scaling"] = _scaling_plan(inp, fpt, batch, n_params, plan["hours"])
+    plan["scaling"] = scaling_plan
+    plan.update(_data_epochs(inp, plan["tokens"]))
     if inp.memory.strategy == "diloco":
         plan["diloco"] = diloco_summary(inp, fpt, batch["tokens_per_step"], n_params, max(1, batch["grad_accum"]))
     return plan
@@ -605,27 +637,33 @@ def _gpu(inp: PlanInputs) -> dict[str, Any]:
     }
 
 
-def _tokens_time_cost(inp: PlanInputs, fpt: float, active_params: int, effective: float | None) -> dict[str, Any]:
-    """Tokens (``--tokens``, Chinchilla's, or what ``--hours`` affords), the wall time and cost
-    they take at ``effective`` FLOP/s, and where they stand against Chinchilla."""
+def _tokens_time_cost(inp: PlanInputs, fpt: float, active_params: int, effective: float | None,
+                      efficiency: float | None) -> dict[str, Any]:
+    """Tokens (``--tokens``, Chinchilla's, or what ``--hours`` affords), the time they take at
+    ``effective`` FLOP/s -- ``compute_hours``, and ``hours``, the wall time: compute plus the
+    communication a step does not overlap, compute ÷ ``efficiency`` (the scaling row at the GPUs
+    planned) --, the GPU-hours and cost of that wall time, and where the tokens stand against
+    Chinchilla. ``--hours`` is the wall time: its tokens are sized so that compute and
+    communication together fit it."""
     chinchilla_tokens = CHINCHILLA_TOKENS_PER_PARAM * active_params
+    eff = efficiency or 1.0  # None only without a peak, where there is no compute time either
     tokens: float | None = None
     if inp.tokens:
         tokens = float(inp.tokens)
     elif inp.chinchilla:
         tokens = chinchilla_tokens
     elif inp.hours and effective:
-        tokens = inp.hours * 3600 * effective / fpt
-    hours = None
-    if tokens is not None and effective:
-        hours = tokens * fpt / effective / 3600
-    elif inp.hours:
-        hours = inp.hours
+        tokens = inp.hours * 3600 * effective * eff / fpt
+    compute_hours = tokens * fpt / effective / 3600 if tokens is not None and effective else None
+    hours = inp.hours if inp.hours else (compute_hours / eff if compute_hours is not None else None)
     total_flops = tokens * fpt if tokens is not None else None
     return dict(
         tokens=tokens,
         total_flops=total_flops,
+        compute_hours=compute_hours,
+        comm_hours=hours - compute_hours if hours is not None and compute_hours is not None else None,
         hours=hours,
+        hours_given=bool(inp.hours),  # the wall time is the user's --hours, not a result
         gpu_hours=hours * inp.gpus if hours is not None else None,
         price_per_gpu_hour=inp.price_per_gpu_hour or None,
         cost=hours * inp.gpus * inp.price_per_gpu_hour if hours is not None and inp.price_per_gpu_hour else None,
@@ -635,6 +673,33 @@ def _tokens_time_cost(inp: PlanInputs, fpt: float, active_params: int, effective
         verdict=(chinchilla_verdict(tokens, active_params, total_flops)
                  if tokens is not None and total_flops is not None else None),
     )
+
+
+# Past this many epochs the plan warns: Muennighoff et al. 2023 ("Scaling Data-Constrained
+# Language Models") found up to about 4 epochs of repeated data almost as good as new data,
+# and each further repetition worth less, hardly anything past some 16.
+EPOCHS_WARN = 4.0
+
+
+def epochs_text(epochs: float) -> str:
+    """``3.00 epochs``, ``7,565 epochs``: two decimals while they tell epochs apart."""
+    return f"{epochs:.2f} epochs" if epochs < 100 else f"{epochs:,.0f} epochs"
+
+
+def _data_epochs(inp: PlanInputs, tokens: float | None) -> dict[str, Any]:
+    """``plan["data"]``: the data named (``inp.data_path``), its train tokens, the epochs the
+    planned tokens make of them and, past :data:`EPOCHS_WARN`, the warning; None without data."""
+    if not inp.data_path:
+        return {"data": None}
+    epochs = tokens / inp.data_train_tokens if tokens is not None and inp.data_train_tokens > 0 else None
+    warning = None
+    if epochs is not None and epochs > EPOCHS_WARN:
+        warning = (f"{_h(tokens or 0)} tokens are {epochs_text(epochs)} of the {inp.data_train_tokens:,} train tokens "
+                   f"of {inp.data_path}: past about {EPOCHS_WARN:g} epochs repeated tokens are worth less than new "
+                   "ones, and hardly anything after some 16 (Muennighoff et al. 2023, Scaling Data-Constrained "
+                   "Language Models); more data, fewer tokens or a smaller model")
+    return {"data": {"path": inp.data_path, "train_tokens": inp.data_train_tokens, "epochs": epochs,
+                     "warning": warning}}
 
 
 # what the plan also prices the memory of: (label, the change to the memory settings)
@@ -692,11 +757,10 @@ def _memory_variants(inp: PlanInputs, m: ModelConfig, micro_batch: int) -> dict[
     return variants
 
 
-def _scaling_plan(inp: PlanInputs, fpt: float, batch: dict[str, Any], n_params: int,
-                  hours: float | None) -> dict[str, Any]:
+def _scaling_plan(inp: PlanInputs, fpt: float, batch: dict[str, Any], n_params: int) -> dict[str, Any]:
     """``plan["scaling"]``: the strategy's :func:`scaling` rows at 1, 2, 4, 8 (16 past 8) and
     the GPUs asked, each with the same global batch (under diloco: one group below its size,
-    whole groups above), and the wall time once communication is counted."""
+    whole groups above). :func:`_build_plan` adds ``hours_with_comm``, the plan's wall time."""
     counts_to = sorted({1, 2, 4, 8, inp.gpus} | ({16} if inp.gpus > 8 else set()))
     if inp.memory.strategy == "diloco":
         counts_to = [n for n in counts_to if n <= inp.diloco_group or n % inp.diloco_group == 0]
@@ -707,7 +771,6 @@ def _scaling_plan(inp: PlanInputs, fpt: float, batch: dict[str, Any], n_params: 
         "strategy": inp.memory.strategy,
         "assumption": "communication not overlapped with compute (a lower bound on efficiency)",
         "at_gpus": mine,
-        "hours_with_comm": (hours / mine["efficiency"] if hours is not None and mine["efficiency"] else None),
         "table": rows,
     }
 

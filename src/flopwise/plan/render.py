@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flopwise.plan import hardware
+from flopwise.plan.budget import epochs_text
 
 
 def _n(x: float | None, unit: str = "", digits: int = 3) -> str:
@@ -169,7 +170,9 @@ def _table_line(columns: tuple[Column, ...], cells: Sequence[str]) -> str:
 def format_plan(plan: dict[str, Any]) -> str:
     """The plan as text: its title, what does not fit (:func:`_fit_banner`), then :data:`SECTIONS`."""
     v = PlanView(plan)
-    out = [f"flopwise plan · {plan['model']}", *_fit_banner(plan)]
+    data = plan.get("data") or {}
+    out = [f"flopwise plan · {plan['model']}", *_fit_banner(plan),
+           *([f"  ! {data['warning']}"] if data.get("warning") else [])]
     for section in SECTIONS:
         if section.when(v):
             out += ["", _resolve(section.title, v)]
@@ -263,6 +266,20 @@ def _timed(v: PlanView) -> bool:
     return v.plan["hours"] is not None
 
 
+def _communicating(v: PlanView) -> bool:
+    """Whether the wall time has a compute and a communication part (several GPUs, a peak)."""
+    return v.plan["gpus"] > 1 and v.plan.get("compute_hours") is not None
+
+
+def _wall_how(v: PlanView) -> str:
+    budget = "--hours; " if v.plan.get("hours_given") else ""
+    if _communicating(v):
+        return f"{budget}compute + communication"
+    if v.plan.get("compute_hours") is None:
+        return "--hours (no peak: no tokens)"
+    return f"{budget}total FLOPs ÷ effective FLOP/s"
+
+
 TIME_AND_COST = Section("Time and cost", (
     Row("GPU", lambda v: f"{v.gpu['name'] or 'unspecified'} × {v.plan['gpus']}", how=_peak_how),
     Row("GPU memory", lambda v: v.gpu["memory_gb"], lambda gb: f"{gb:g} GiB",
@@ -272,17 +289,16 @@ TIME_AND_COST = Section("Time and cost", (
     Row("effective", _plan("effective_flops"), lambda x: _n(x, "FLOP/s"),
         lambda v: f"{v.gpu['peak_tflops']:g}T × {v.plan['gpus']} GPUs × {v.plan['mfu']:g}",
         when=_plan("effective_flops")),
-    Row("wall time", _plan("hours"), _hours,
-        lambda v: "total FLOPs ÷ effective FLOP/s" + v.not_runnable, when=_timed),
+    Row("compute time", _plan("compute_hours"), _hours, "total FLOPs ÷ effective FLOP/s", when=_communicating),
+    Row("communication", _plan("comm_hours"), _hours,
+        lambda v: f"not overlapped: scaling efficiency {100 * v.scaling['at_gpus']['efficiency']:.1f}% "
+                  "(see Scaling)", when=_communicating),
+    Row("wall time", _plan("hours"), _hours, lambda v: _wall_how(v) + v.not_runnable, when=_timed),
     Row("GPU-hours", _plan("gpu_hours"), lambda h: f"{h:,.1f}",
         lambda v: f"{_hours(v.plan['hours'])} × {v.plan['gpus']}", when=_timed),
     Row("cost", _plan("cost"), lambda usd: f"${usd:,.2f}",
         lambda v: f"GPU-hours × ${v.plan['price_per_gpu_hour']:g}/GPU-hour" + v.not_runnable,
         when=lambda v: _timed(v) and v.plan["cost"] is not None),
-    Row("with communication", lambda v: v.scaling["hours_with_comm"], _hours,
-        lambda v: f"÷ scaling efficiency {100 * v.scaling['at_gpus']['efficiency']:.1f}% (see Scaling)"
-                  + v.not_runnable,
-        when=lambda v: _timed(v) and v.plan["gpus"] > 1 and v.scaling["hours_with_comm"]),
     Line("(no --tokens, --hours or --chinchilla: no time estimate)",
          when=lambda v: not _timed(v) and not _budgeted(v)),
 ))
@@ -296,6 +312,19 @@ CHINCHILLA = Section("Chinchilla", (
         how=lambda v: f"{v.plan['chinchilla_ratio']:.2f}× Chinchilla", when=_budgeted),
     Line(lambda v: f"verdict: {v.plan['verdict']}", when=_budgeted),
 ))
+
+
+# ---------------------------------------------------------------- Data
+def _data(key: str) -> Callable[[PlanView], Any]:
+    return lambda v: v.plan["data"][key]
+
+
+DATA = Section("Data", (
+    Row("train tokens", _data("train_tokens"), lambda n: f"{n:,}", lambda v: f"data.path {v.plan['data']['path']}"),
+    Row("epochs", _data("epochs"), epochs_text, "planned tokens ÷ train tokens (approximately: the loader packs "
+        "windows and drops a partial step per epoch)", when=lambda v: v.plan["data"]["epochs"] is not None),
+    Line(lambda v: f"WARNING: {v.plan['data']['warning']}", when=lambda v: v.plan["data"]["warning"]),
+), when=lambda v: v.plan.get("data"))
 
 
 # ---------------------------------------------------------------- Memory per GPU
@@ -497,7 +526,7 @@ DILOCO = Section(_diloco_title, (
     Row(_target, "no H", how=lambda v: v.diloco["none_reason"], when=lambda v: v.diloco["min_inner_steps"] is None),
 ), when=lambda v: v.diloco)
 
-SECTIONS = (PARAMETERS, FLOPS, TIME_AND_COST, CHINCHILLA, MEMORY, BATCH, SCALING, DILOCO)
+SECTIONS = (PARAMETERS, FLOPS, TIME_AND_COST, CHINCHILLA, DATA, MEMORY, BATCH, SCALING, DILOCO)
 
 
 def _fit_banner(plan: dict[str, Any]) -> list[str]:
