@@ -47,3 +47,48 @@ def test_the_command_preflight_prints_trains_from_another_directory(small_builti
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     runs = list((elsewhere / "runs").glob("*/metrics.jsonl"))
     assert len(runs) == 1 and runs[0].read_text().strip(), runs
+
+
+# Issue 45, item 11: no minutes of silence. Before a phase of long steps preflight says how long
+# one will take here (the step's FLOPs at a rate: an estimate, labelled so), and within each step
+# it says which micro-batch it is at and what is left, at most every PROGRESS_EVERY_S of its
+# clock. The clock is the test's (every reading 3 s later), the steps the real trainer's.
+
+
+class Ticks:
+    def __init__(self, tick: float):
+        self.now, self.tick = 0.0, tick
+
+    def __call__(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def test_a_long_step_is_announced_with_an_estimate_and_followed_micro_batch_by_micro_batch(tiny_overrides,
+                                                                                          tmp_path):
+    from flopwise.config import build_config
+    from flopwise.tune.preflight import preflight
+    from flopwise.tune.request import TuneRequest
+
+    # a datasheet peak of 1 MFLOP/s makes a step of the tiny model (~1 GFLOP) minutes long
+    cfg = build_config(overrides=tiny_overrides + [
+        "train.max_steps=100", "train.compile=off", "train.threads=1", "train.micro_batch_size=2",
+        "train.peak_tflops=0.000001"])
+
+    def scripted(c, spec, device):  # the search's trials: only the end-to-end check trains here
+        return {"tok_per_s": 1000.0, "tok_per_s_windows": [995.0, 1000.0, 1005.0], "peak_gb": None,
+                "data_share": 0.01, "first_loss": 9.0}
+
+    lines: list[str] = []
+    preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", measure_fn=scripted, log=lines.append, remeasure_rounds=0,
+                               clock=Ticks(3.0)))
+    done = next(i for i, x in enumerate(lines) if x.startswith("preflight: end to end OK"))
+    said = [x for x in lines[:done] if x.startswith("preflight: end-to-end check: 4 steps")]
+    assert said and "an estimate" in said[0] and "a step here" in said[0], lines[:done]
+    assert "40% of" in said[0], said  # the rate it assumed, named
+    within = [x for x in lines[:done] if x.startswith("preflight: end-to-end check step ")]
+    assert within, lines[:done]
+    assert any(" micro-batch " in x and "/8" in x and "left in this step" in x for x in within), within
+    assert {x.split(":")[1].split()[-1] for x in within} >= {"1/4", "4/4"}, within  # every step, not only the first
+    search = next(x for x in lines if x.startswith("preflight: each trial: 2 warm-up + 3 timed steps"))
+    assert "a step here" in search and "an estimate" in search, search

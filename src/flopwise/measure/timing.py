@@ -22,11 +22,29 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+# Told ``(done, of)`` micro-batches of each step as it goes (micro_batch_progress): the one
+# place every step passes through -- the trainer's and a preflight trial's alike -- so a caller
+# that reports progress within long steps (preflight) reaches it without a parameter threaded
+# through the trainer's setup.
+_progress: ContextVar[Callable[[int, int], None] | None] = ContextVar("micro_batch_progress", default=None)
+
+
+@contextlib.contextmanager
+def micro_batch_progress(tell: Callable[[int, int], None]) -> Iterator[None]:
+    """Within it (this thread and context), every step's :meth:`StepTimer.timed_batches` calls
+    ``tell(done, of)``: ``done`` 0 as a step of ``of`` micro-batches starts, then after each."""
+    token = _progress.set(tell)
+    try:
+        yield
+    finally:
+        _progress.reset(token)
 
 
 class StepTimer:
@@ -59,12 +77,18 @@ class StepTimer:
                 self.events[name].append(ev)
 
     def timed_batches(self, next_batch, n: int):
-        """``n`` micro-batches from ``next_batch``, the time spent fetching them counted as data."""
-        for _ in range(n):
+        """``n`` micro-batches from ``next_batch``, the time spent fetching them counted as data;
+        the :func:`micro_batch_progress` callback, if one is set, told of each one done."""
+        tell = _progress.get()
+        for i in range(n):
+            if tell is not None:
+                tell(i, n)  # i done: 0 as the step starts
             t = time.perf_counter()
             batch = next_batch()
             self.host["data"] += time.perf_counter() - t
             yield batch
+        if tell is not None:
+            tell(n, n)
 
     def end_step(self, wall_s: float) -> None:
         self.wall += wall_s

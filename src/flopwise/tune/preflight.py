@@ -21,8 +21,13 @@
 5. **Prediction**: the full run's wall time, cost and final-checkpoint time from the
    measured throughput, next to the planner's from the nominal MFU.
 
+A phase whose steps are long here (the end-to-end check, the trials) is announced with an
+estimate of a step's time, and each long step is followed micro-batch by micro-batch
+(``tune/progress.py``): a large model on a CPU otherwise left minutes without a line.
+
 Writes ``preflight.json`` and ``preflight.yaml`` (the configuration with the chosen
-settings: ``flopwise train --config preflight.yaml`` runs it as is). What was asked travels
+settings, its paths resolved: ``flopwise train --config preflight.yaml`` runs it as is, from
+any directory). What was asked travels
 as one ``request.TuneRequest``, what it resolved to on this machine as one ``request.Bench``.
 
 A SIGINT or SIGTERM in any phase stops it (:class:`Interrupted`): its scratch run, a trial's
@@ -58,6 +63,7 @@ from flopwise.fsio import atomic_write
 from flopwise.measure.ceiling import measure_ceiling, step_gemms
 from flopwise.measure.meter import median
 from flopwise.measure.sinks import human
+from flopwise.measure.timing import micro_batch_progress
 from flopwise.model import build_model
 from flopwise.parallel.distributed import resolve_device
 from flopwise.plan.budget import memory_settings_for_run
@@ -70,6 +76,7 @@ from flopwise.train.trainer import train
 from flopwise.tune.choice import Trial, choose, label, median_spread, rate, short, tied
 from flopwise.tune.explain import explain_run
 from flopwise.tune.ladder import climb, planned_gb, with_settings
+from flopwise.tune.progress import StepProgress
 from flopwise.tune.request import Bench, Log, TuneRequest
 from flopwise.tune.trial import TrialRunner, failure_status, ready_processes
 
@@ -199,13 +206,15 @@ def _preflight(cfg: RunConfig, device: torch.device, request: TuneRequest) -> di
     cfg, bench = _resolve(cfg, device, request, report)
     log = request.log
     _refuse_what_cannot_fit(cfg, bench, request)  # before the end-to-end check and any trial
-    report["end_to_end"] = end_to_end(cfg, device, log)  # 1. four real steps and a checkpoint round trip
-    if cfg.train.compile != "off":  # 2. graphs and breaks; recompiles seen after warm-up in the steps above
-        report["compile"] = explain_run(_copy(cfg), log=log)
-        for warning in report["end_to_end"]["recompiles"]:
-            log(f"preflight: {warning}")
-    report["isolation"] = "process" if bench.fresh else "reset"
-    cfg, trials, best, reason = _search_or_climb(cfg, report, bench, request)  # 3. the search, or the ladder
+    progress = StepProgress(cfg, bench, log, request.clock)
+    with micro_batch_progress(progress):  # lines within long steps: the end-to-end check's, a trial's here
+        report["end_to_end"] = end_to_end(cfg, device, log, progress)  # 1. four real steps, a checkpoint round trip
+        if cfg.train.compile != "off":  # 2. graphs and breaks; recompiles seen after warm-up in the steps above
+            report["compile"] = explain_run(_copy(cfg), log=log)
+            for warning in report["end_to_end"]["recompiles"]:
+                log(f"preflight: {warning}")
+        report["isolation"] = "process" if bench.fresh else "reset"
+        cfg, trials, best, reason = _search_or_climb(cfg, report, bench, request, progress)  # 3. search or ladder
     report["trials"] = [x.__dict__ for x in trials]
     report["chosen"] = {"micro_batch_size": best.micro_batch, "activation_checkpointing": best.checkpointing}
     report["choice_reason"] = reason
@@ -266,8 +275,8 @@ def _resolve(cfg: RunConfig, device: torch.device, request: TuneRequest,
                       peak, peak_note)
 
 
-def _search_or_climb(cfg: RunConfig, report: dict[str, Any], bench: Bench,
-                request: TuneRequest) -> tuple[RunConfig, list[Trial], Trial, str]:
+def _search_or_climb(cfg: RunConfig, report: dict[str, Any], bench: Bench, request: TuneRequest,
+                     progress: StepProgress) -> tuple[RunConfig, list[Trial], Trial, str]:
     """Preflight's step 3 -- every rung of the ladder, one change at a time, the micro-batch among
     them, or the micro-batch search -- with one :class:`~flopwise.tune.trial.TrialRunner` for
     both: the configuration that follows, the trials, the one chosen and why."""
@@ -280,17 +289,17 @@ def _search_or_climb(cfg: RunConfig, report: dict[str, Any], bench: Bench,
     ready = ready_processes() if bench.fresh and device.type == "cuda" else contextlib.nullcontext()
     with ready:
         if request.ladder:
-            cfg, best = climb_ladder(cfg, report, runner, bench, request)
+            cfg, best = climb_ladder(cfg, report, runner, bench, request, progress)
             back = report["ladder"].get("fell_back")
             return cfg, [best], best, (f"{back['to']}: the climbed configuration measured {back['behind']:+.1%} "
                                        "against it when confirmed" if back else "the ladder's last kept rung")
-        trials = micro_batch_search(cfg, report, runner, bench, request)
+        trials = micro_batch_search(cfg, report, runner, bench, request, progress)
     best, reason = choose(trials, device.type)
     return cfg, trials, best, reason
 
 
 def micro_batch_search(cfg: RunConfig, report: dict[str, Any], runner: TrialRunner, bench: Bench,
-                       request: TuneRequest) -> list[Trial]:
+                       request: TuneRequest, progress: StepProgress | None = None) -> list[Trial]:
     """Preflight's step 3 without ``--ladder``: every candidate (:func:`search`), each trial on a
     probe of the batch where memory bounds the micro-batch (``report["probe_sequences"]``), then
     the trials tied with the fastest re-measured (:func:`remeasure`) in what is left of
@@ -298,8 +307,11 @@ def micro_batch_search(cfg: RunConfig, report: dict[str, Any], runner: TrialRunn
     probe = probe_sequences(cfg, candidates(cfg), bench)
     report["probe_sequences"] = probe or None
     runner = dataclasses.replace(runner, probe_sequences=probe)
+    _say_trial_steps(cfg, probe, request, progress)
 
     def measure_one(t: Trial) -> dict[str, Any]:
+        if progress is not None:
+            progress.begin(f"trial of {short(t)}", request.warmup + request.windows)
         return runner(with_settings(cfg, {"train.micro_batch_size": t.micro_batch,
                                           "train.activation_checkpointing": t.checkpointing}))
 
@@ -310,7 +322,7 @@ def micro_batch_search(cfg: RunConfig, report: dict[str, Any], runner: TrialRunn
 
 
 def climb_ladder(cfg: RunConfig, report: dict[str, Any], runner: TrialRunner, bench: Bench,
-                 request: TuneRequest) -> tuple[RunConfig, Trial]:
+                 request: TuneRequest, progress: StepProgress | None = None) -> tuple[RunConfig, Trial]:
     """Preflight's step 3 with ``--ladder``: the climb (``report["ladder"]``), its trials by
     ``runner`` on a probe of the batch (``report["ladder_probe_sequences"]``); the climbed
     configuration and its final rung as a trial."""
@@ -318,7 +330,15 @@ def climb_ladder(cfg: RunConfig, report: dict[str, Any], runner: TrialRunner, be
         cfg, {"train.micro_batch_size": b}).train, request.world)]  # micro-batches the N-rank launch can split into
     probe = probe_sequences(cfg, sizes, bench)
     report["ladder_probe_sequences"] = probe or None
-    report["ladder"] = lad = climb(cfg, dataclasses.replace(runner, probe_sequences=probe), sizes, bench, request)
+    _say_trial_steps(cfg, probe, request, progress)
+    probed = dataclasses.replace(runner, probe_sequences=probe)
+
+    def measure_one(c: RunConfig, world: int = 1, timeout_s: float | None = None) -> dict[str, Any]:
+        if progress is not None:
+            progress.begin(f"ladder trial at micro-batch {c.train.micro_batch_size}", request.warmup + request.windows)
+        return probed(c, world=world, timeout_s=timeout_s)
+
+    report["ladder"] = lad = climb(cfg, measure_one, sizes, bench, request)
     if lad["world"] < request.world:  # the N-rank launch was not measured: nothing is said of it
         ranks = next((r for r in lad["rungs"] if r["rung"] == "ranks"), {"status": "not tried", "why": ""})
         request.log(f"preflight: the {request.world}-rank launch was not measured (ranks {ranks['status']}: "
@@ -326,6 +346,16 @@ def climb_ladder(cfg: RunConfig, report: dict[str, Any], runner: TrialRunner, be
                     "one rank's")
     cfg = with_settings(cfg, lad["chosen"])
     return cfg, _ladder_trial(cfg, report["ladder"]["final"], request.windows, bench.device)
+
+
+def _say_trial_steps(cfg: RunConfig, probe: int, request: TuneRequest, progress: StepProgress | None) -> None:
+    """Before the trials: how long one of their steps (``probe`` sequences, or the whole global
+    batch) will take here, when that is long (``tune/progress.py``)."""
+    tokens = (probe or cfg.train.global_batch_size) * cfg.train.seq_len
+    said = progress.estimate(tokens) if progress is not None else ""
+    if said:
+        request.log(f"preflight: each trial: {request.warmup} warm-up + {request.windows} timed steps of "
+                    f"{tokens:,} tokens: {said}")
 
 
 def probe_sequences(cfg: RunConfig, sizes: list[int], bench: Bench) -> int:
@@ -380,8 +410,15 @@ def _ladder_trial(cfg: RunConfig, final: dict[str, Any], windows: int, device: t
                  data_share=final["data_share"])
 
 
-def end_to_end(cfg: RunConfig, device: torch.device, log: Log) -> dict[str, Any]:
-    """Four real training steps in a scratch directory, a checkpoint and its round trip."""
+def end_to_end(cfg: RunConfig, device: torch.device, log: Log, progress: StepProgress | None = None) -> dict[str, Any]:
+    """Four real training steps in a scratch directory, a checkpoint and its round trip; with
+    ``progress``, a step that will be long is announced first and followed as it runs."""
+    if progress is not None:
+        progress.begin("end-to-end check", 4, cfg.tokens_per_step)
+        said = progress.estimate(cfg.tokens_per_step)
+        if said:
+            log(f"preflight: end-to-end check: 4 steps of {cfg.tokens_per_step:,} tokens ({cfg.grad_accum_steps(1)} "
+                f"micro-batches of {cfg.train.micro_batch_size} x {cfg.train.seq_len}): {said}")
     scratch = Path(tempfile.mkdtemp(prefix="flopwise-preflight-"))
     try:
         check = _copy(cfg)
