@@ -478,7 +478,8 @@ class EvalConfig:
     # The fixed held-out set, in windows of train.seq_len + 1 tokens: never a speed setting's
     # multiple (the micro-batch only batches its forwards), so runs at any micro-batch compare.
     windows: int = 128
-    sample_tokens: int = 120  # length of the text sample written at the end; 0 = none
+    sample_tokens: int = 120  # length of the text sample written at the end (and at a stop); 0 = none
+    sample_every: int = 500  # also a sample every N steps during training, into samples.txt; 0 = only at the end
     sample_prompt: str = ""  # "" = the first tokens of a validation document (in the corpus's language)
     temperature: float = 0.8
     top_k: int = 50
@@ -491,7 +492,7 @@ class EvalConfig:
 
     def problems(self) -> list[str]:
         p = _Problems(_choice_problems(self, "eval"))
-        for name in ("every", "sample_tokens"):
+        for name in ("every", "sample_tokens", "sample_every"):
             p.positive(f"eval.{name}", getattr(self, name), allow_zero=True)
         p.positive("eval.windows", self.windows)
         p.positive("eval.temperature", self.temperature, allow_zero=True)

@@ -18,6 +18,7 @@ keys in which the runs differ.
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -556,18 +557,13 @@ def run_card(run: Run) -> str:
         status = f"stopped: {stopped}" if stopped else "completed"
     else:
         status = "in progress or interrupted (run.json has no result)"
-    val_start, val_end = number(res.get("val_loss_start")), number(res.get("val_loss_end"))
-    vals = run.values("val_loss")
-    if val_start is None and vals:
-        val_start, val_end = vals[0], vals[-1]
     mem, mem_what = measured_memory(run)
     result = [
         ("status", status),
         ("steps", fmt_count(number(res.get("steps", last.get("step"))))),
         ("tokens", fmt_count(trained_tokens(run))),
         ("final train loss", f"{number(last.get('loss')):.4f}" if last else "n/a"),
-        ("validation loss", f"{val_start:.4f} → {val_end:.4f}" if val_start is not None and val_end is not None
-         else "n/a"),
+        ("validation loss", validation_text(run)),
         ("throughput", fmt_value(measured_tok_per_s(run), "tok/s")),
         ("MFU", fmt_value(measured_mfu(run), "%")),
         ("peak memory", f"{fmt_value(mem, 'GiB')} ({mem_what})" if mem is not None else "n/a"),
@@ -583,13 +579,59 @@ def run_card(run: Run) -> str:
         ("started", str(rec.get("started", ""))),
         ("command", " ".join(map(str, rec.get("argv", []))) if isinstance(rec.get("argv"), list) else ""),
     ]
-    sample = ""
-    if run.samples:
-        sample = (f"<details><summary>sample (samples.txt)</summary><pre>{esc(run.samples[-2000:])}</pre>"
-                  "</details>")
     return (f'<section class="card" data-run="{esc(run.name)}" style="border-top-color:{esc(run.color)}">'
             f"<h3>{_swatch(run)}{esc(run.name)}</h3>{_dl(head)}<h3>configuration</h3>{_dl(config_summary(run))}"
-            f"<h3>result</h3>{_dl(result)}{sample}</section>")
+            f"<h3>result</h3>{_dl(result)}{samples_html(run)}</section>")
+
+
+def validation_text(run: Run) -> str:
+    """The run card's validation loss: the start's, then the latest measured after step 0 --
+    the trainer's (metrics.jsonl) or ``flopwise eval``'s on the run's own validation set
+    (evals.jsonl), whichever is of the later step, the trainer's on a tie -- with its step when
+    it is not the run's last, or "not measured". Never the start's figure again as the end's
+    (a run.json of a stop before flopwise measured one gave that)."""
+    res = run.result
+    start = number(res.get("val_loss_start"))
+    trainer = [(s, v) for s, v in zip(*run.series("step", "val_loss")) if s > 0]
+    if start is None:
+        start = next((v for s, v in zip(*run.series("step", "val_loss")) if s == 0), None)
+    own = [(number(r.get("step")), number(r.get("val_loss"))) for r in run.eval_rows if r.get("val_set") == "run"]
+    evals = sorted((s, v) for s, v in own if s is not None and v is not None)
+    text = "n/a" if start is None else f"{start:.4f}"
+    if trainer and (not evals or trainer[-1][0] >= evals[-1][0]):
+        (step, end), by = trainer[-1], ""
+    elif evals:
+        (step, end), by = evals[-1], "flopwise eval, "
+    else:
+        return f"{text} → not measured"
+    last = number(res.get("steps"))
+    at = f" ({by}step {fmt_count(step)})" if by or step != last else ""
+    return f"{text} → {end:.4f}{at}"
+
+
+SAMPLES_SHOWN = 8  # the latest entries of samples.txt on a run card
+SAMPLE_CHARS = 2000  # of each
+
+
+def samples_html(run: Run) -> str:
+    """samples.txt on the run card: its latest entries, each under the step it was sampled at
+    (an entry written before flopwise recorded the step: under its prompt line alone)."""
+    if not run.samples:
+        return ""
+    entries: list[tuple[str, list[str]]] = []
+    for line in run.samples.splitlines():
+        if line.startswith("--- prompt ") or not entries:
+            entries.append((line, []))
+        else:
+            entries[-1][1].append(line)
+    parts = []
+    for head, body in entries[-SAMPLES_SHOWN:]:
+        m = re.search(r" · step (\d+) · ", head)
+        title = f"sample at step {fmt_count(int(m.group(1)))}" if m else "sample"
+        parts.append(f"<h4>{esc(title)}</h4><p class=\"note\">{esc(head[:300])}</p>"
+                     f"<pre>{esc(chr(10).join(body)[:SAMPLE_CHARS])}</pre>")
+    count = f"the latest {SAMPLES_SHOWN} of {len(entries)}" if len(entries) > SAMPLES_SHOWN else str(len(entries))
+    return f"<details><summary>samples (samples.txt: {count})</summary>{''.join(parts)}</details>"
 
 
 def _parallel_text(par: Any) -> str:

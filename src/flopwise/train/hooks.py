@@ -26,7 +26,7 @@ from flopwise.train.checkpoint import apply_retention, set_rng_state
 from flopwise.train.dist_checkpoint import load_distributed, save_distributed
 from flopwise.train.record import TrainResult
 from flopwise.train.setup import Progress, Run
-from flopwise.train.stopping import Deadline
+from flopwise.train.stopping import Deadline, by_signal
 from flopwise.train.train_step import StepOutcome
 
 
@@ -44,9 +44,14 @@ def eval_shard(run: Run) -> Shard:
 
 
 def validate(run: Run, step: int) -> float:
-    """The held-out loss (shared out over ranks, summed), logged with perplexity and bits per byte."""
+    """The held-out loss (shared out over ranks, summed), logged with perplexity and bits per byte;
+    after step 0, the run's latest (its end figure). Its time is what a stop keeps room for."""
+    t0 = run.clock()
     val = evaluate_loss(run.model, run.val_windows, run.cfg.train.micro_batch_size, run.device, run.autocast,
                         run.data.eos_id, run.data.bos_id, shard=eval_shard(run))
+    run.deadline.stop_work.val_s = run.clock() - t0
+    if step > 0:
+        run.progress.val_end, run.progress.val_end_step = val, step
     run.log(f"  val  step {step:>6} | loss {val:.4f} | ppl {perplexity(val):,.1f} | bpb {bpb(run, val):.4f}"
             f" | uniform ln V = {run.uniform:.4f}")
     return val
@@ -74,13 +79,20 @@ def run_tasks(run: Run, step: int) -> dict[str, Any]:
 
 
 def validate_at_start(run: Run) -> None:
-    """Step 0's held-out loss, the reference every later one is compared with (a fresh run only)."""
-    p = run.progress
+    """Step 0's held-out loss, the reference every later one is compared with (a fresh run only).
+    The run's end figure stays unmeasured until a validation after step 0.
+
+    Until a validation or a sample is timed here (a resumed run), a stop's room for them is
+    estimated from the step's time: a forward is about a third of a step's forward and backward
+    per window, and a sample at most a window's forward per token (without the cache)."""
+    p, work = run.progress, run.deadline.stop_work
+    per_step = 3 * run.cfg.train.global_batch_size  # a step's compute, in window forwards
+    work.val_steps = len(run.val_windows) / per_step
+    work.sample_steps = run.cfg.eval.sample_tokens / per_step
     if p.step == 0:
         p.val_start = validate(run, 0)
         run.sink.write({"step": 0, "tokens": 0, "loss": None, "lr": None, "grad_norm": None, "tok_per_s": None,
                         "mfu": None, **val_metrics(run, p.val_start)})
-    p.val_end = p.val_start
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -119,6 +131,54 @@ def save_on_stop(run: Run, stopped: str) -> None:
             f"`flopwise train --config {run.run_dir / 'config.yaml'}` resumes it")
 
 
+SIGNAL_STOP_S = 10.0  # what a signal's stop spends after its save: preemption notices are often 30 s
+
+
+def on_stop(run: Run, stopped: str, last: StepOutcome | None) -> str:
+    """A stop before the last step (a signal, the time budget): the steps since the last
+    training row are logged (``last``: the latest good step read), the checkpoint saved, then
+    the run validated and sampled where there is time -- the budget kept room for both; a
+    signal's stop does what takes at most :data:`SIGNAL_STOP_S` -- else the log says the end
+    was not measured (and run.json holds null). Returns the sample ("" when none)."""
+    p = run.progress
+    if last is not None and p.steps_in_window > 0:
+        log_step(run, last, last.lr, is_last=False, do_val=False)
+    save_on_stop(run, stopped)
+    if p.step == 0:  # nothing trained: step 0's validation is the end's, and a sample would be noise
+        return ""
+    do_val, do_sample, why = _stop_work(run, by_signal(stopped))
+    if p.val_end_step == p.step and math.isfinite(p.val_end):
+        do_val = False  # validated at this very step already (eval.every)
+    elif not do_val:
+        run.log(f"  val  step {p.step:>6} | not measured: {why}; `flopwise eval {run.run_dir}` measures the "
+                "checkpoint")
+    if do_val:
+        val = validate(run, p.step)
+        run.sink.write({"step": p.step, "tokens": p.tokens, **val_metrics(run, val)})
+    return take_sample(run, p.step) if do_sample and not _samples(run, p.step) else ""
+
+
+def _stop_work(run: Run, signal_: bool) -> tuple[bool, bool, str]:
+    """Whether the stop validates and samples -- the same answer on every rank (each takes part
+    in both) -- and why it does not validate."""
+    d, e = run.deadline, run.cfg.eval
+    val_s = Deadline.MARGIN * d.stop_work.validation(d.step_s)
+    sample_s = Deadline.MARGIN * d.stop_work.sample(d.step_s)
+    if signal_:
+        room, what = SIGNAL_STOP_S, f"a signal's stop spends at most {SIGNAL_STOP_S:g} s on it"
+    elif d.end is not None:
+        room = d.end - d.clock()
+        what = f"the {fmt_time(max(room, 0.0))} left of train.max_hours"
+    else:
+        room, what = math.inf, ""
+    do_val = val_s <= room
+    do_sample = e.sample_tokens > 0 and (val_s if do_val else 0.0) + sample_s <= room
+    votes = run.env.sum([float(do_val), float(do_sample)], run.device)
+    why = f"a validation takes ~{fmt_time(val_s)} here, more than {what}" if not do_val else \
+        "another rank had no time for it"
+    return votes[0] == run.world, votes[1] == run.world, why
+
+
 # --------------------------------------------------------------------------- after each step
 
 def count_step(run: Run, step_tokens: int, step_s: float) -> None:
@@ -139,7 +199,14 @@ def reads_now(run: Run) -> bool:
     saves, is the last, or took per-layer statistics. Any other step is read one step late."""
     p, t, tr = run.progress, run.cfg.train, run.cfg.tracking
     return (_logs(run, p.step) or (t.checkpoint_every > 0 and p.step % t.checkpoint_every == 0)
-            or (tr.grad_norms_every > 0 and p.step % tr.grad_norms_every == 0))
+            or (tr.grad_norms_every > 0 and p.step % tr.grad_norms_every == 0) or _samples(run, p.step))
+
+
+def _samples(run: Run, step: int) -> bool:
+    """Whether step ``step`` (1-based) writes a sample during training (``eval.sample_every``;
+    the last step's is the end's, in :func:`finish`)."""
+    e = run.cfg.eval
+    return e.sample_every > 0 and e.sample_tokens > 0 and step % e.sample_every == 0 and step != run.total_steps
 
 
 def record_good(run: Run, out: StepOutcome) -> None:
@@ -177,8 +244,12 @@ def after_step(run: Run, out: StepOutcome, good: bool = True) -> None:
     do_save = is_last or (t.checkpoint_every > 0 and p.step % t.checkpoint_every == 0)
     if do_save:
         save(run)
-    if do_val or do_save:
-        run.meter.pause()  # evaluation and saving are not training throughput
+    do_sample = _samples(run, p.step)
+    if do_sample:
+        text = " ⏎ ".join(take_sample(run, p.step).splitlines())
+        run.log(f"  sample step {p.step:>6} | {text[:160]}")
+    if do_val or do_save or do_sample:
+        run.meter.pause()  # evaluation, saving and sampling are not training throughput
 
 
 def log_step(run: Run, out: StepOutcome, lr: float, is_last: bool, do_val: bool) -> None:
@@ -252,20 +323,23 @@ def eta_text(row: dict[str, Any], deadline: Deadline) -> str:
 
 # --------------------------------------------------------------------------- the end
 
-def finish(run: Run, stopped: str, train_time: float) -> TrainResult:
-    """The sample, run.json's result and the closing lines."""
+def finish(run: Run, stopped: str, train_time: float, sample: str = "") -> TrainResult:
+    """The end's sample (a stop's was taken by :func:`on_stop`: ``sample``), run.json's result
+    and the closing lines."""
     p, e, log = run.progress, run.cfg.eval, run.log
     run.recompiles.close()
-    sample = ""
     if e.sample_tokens > 0 and not stopped and p.step == run.total_steps and p.step > p.first_step:
-        sample = write_sample(run.model, run.data, run.cfg, run.device,
-                              run.run_dir if run.env.is_main else None)  # every rank: FSDP2
+        sample = take_sample(run, p.step)
     run.sink.close()
     avg = run.meter.summary()
     wall = run.clock() - run.t_start
+    measured = math.isfinite(p.val_end)
     result = TrainResult(run.run_dir, p.step, p.tokens, p.last_loss, p.val_start, p.val_end, run.uniform,
-                         avg["tok_per_s"], avg["mfu"], wall, p.last_saved, sample, stopped or None)
-    summary = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(result).items()}
+                         avg["tok_per_s"], avg["mfu"], wall, p.last_saved, sample, stopped or None,
+                         p.val_end_step if measured else None)
+    # A figure not measured is null (not NaN, which is not JSON, nor the start's loss again).
+    summary = {k: (str(v) if isinstance(v, Path) else None if isinstance(v, float) and not math.isfinite(v) else v)
+               for k, v in asdict(result).items()}
     if run.env.is_main:
         write_file(run.run_dir / "run.json", json.dumps({**run.record, "result": summary,
                                                            "train_time_s": train_time}, indent=2))
@@ -282,9 +356,18 @@ def finish(run: Run, stopped: str, train_time: float) -> TrainResult:
 
 
 def losses_text(p: Progress) -> str:
-    """The validation losses of the closing line: at the start and at the end, where measured."""
-    end = f" -> {p.val_end:.4f}" if math.isfinite(p.val_end) else " (no validation since)"
-    return f"val loss {p.val_start:.4f}{end}" if math.isfinite(p.val_start) else "val loss not measured"
+    """The validation losses of the closing line: at the start and at the end, each a figure
+    measured or "not measured" (never the start's loss again as the end's); the end's step
+    when it is not the last."""
+    def loss(v: float) -> str:
+        return f"{v:.4f}" if math.isfinite(v) else "not measured"
+
+    if p.step == 0:  # nothing trained: the start is the end
+        return f"val loss {loss(p.val_start)}"
+    if not math.isfinite(p.val_end):
+        return f"val loss {loss(p.val_start)} -> not measured at step {p.step:,}"
+    at = f" (at step {p.val_end_step:,})" if p.val_end_step != p.step else ""
+    return f"val loss {loss(p.val_start)} -> {p.val_end:.4f}{at}"
 
 
 def train_loss_text(p: Progress) -> str:
@@ -313,11 +396,21 @@ def validation_prompt(data: DataDir, n_tokens: int = SAMPLE_PROMPT_TOKENS) -> li
     return ids or [eos]
 
 
-def write_sample(model: torch.nn.Module, data: DataDir, cfg, device: torch.device, run_dir: Path | None) -> str:
+def take_sample(run: Run, step: int) -> str:
+    """The run's sample at ``step`` into samples.txt (every rank generates: FSDP2); timed, as
+    what a stop keeps room for."""
+    t0 = run.clock()
+    text = write_sample(run.model, run.data, run.cfg, run.device, run.run_dir if run.env.is_main else None, step)
+    run.deadline.stop_work.sample_s = run.clock() - t0
+    return text
+
+
+def write_sample(model: torch.nn.Module, data: DataDir, cfg, device: torch.device, run_dir: Path | None,
+                 step: int | None = None) -> str:
     """Sample ``eval.sample_tokens`` tokens after ``eval.sample_prompt`` -- when that is empty
     (the default), after the start of a validation document (:func:`validation_prompt`); save
-    to samples.txt (``run_dir`` None: on ranks other than 0, which generate in step with it,
-    write nothing)."""
+    to samples.txt with the ``step`` the weights are of (``run_dir`` None: on ranks other than
+    0, which generate in step with it, write nothing)."""
     e = cfg.eval
     tok = data.tokenizer
     if e.sample_prompt:
@@ -336,7 +429,8 @@ def write_sample(model: torch.nn.Module, data: DataDir, cfg, device: torch.devic
         return text
     f = AppendFile(run_dir / "samples.txt", "the sample")  # whole or not at all: a full disk leaves no torn entry
     try:
-        f.write(f"--- prompt {shown!r} ({source}) · temperature {e.temperature:g} · top-k {e.top_k}\n{text}\n")
+        at = f" · step {step}" if step is not None else ""
+        f.write(f"--- prompt {shown!r} ({source}){at} · temperature {e.temperature:g} · top-k {e.top_k}\n{text}\n")
     finally:
         f.close()
     return text

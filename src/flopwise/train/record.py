@@ -28,7 +28,7 @@ class TrainResult:
     tokens: int
     final_loss: float
     val_loss_start: float
-    val_loss_end: float
+    val_loss_end: float  # the latest validation after step 0; NaN (run.json: null) when none was measured
     uniform_loss: float
     tok_per_s: float | None
     mfu: float | None
@@ -36,6 +36,7 @@ class TrainResult:
     checkpoint: Path | None
     sample: str
     stopped: str | None = None  # why the run stopped before its last step (signal, max_hours)
+    val_loss_end_step: int | None = None  # the step val_loss_end was measured at
 
 
 def run_record(cfg, device: torch.device, precision: str) -> dict[str, Any]:
@@ -100,7 +101,8 @@ def finished_run(run_dir: Path, checkpoint: Path, total_steps: int, uniform: flo
         return TrainResult(run_dir, done, 0, nan, nan, nan, uniform, None, None, wall_s, checkpoint, "", None)
     return TrainResult(run_dir, done, int(prev.get("tokens") or 0), _num(prev.get("final_loss")),
                        _num(prev.get("val_loss_start")), _num(prev.get("val_loss_end")), uniform,
-                       prev.get("tok_per_s"), prev.get("mfu"), wall_s, checkpoint, prev.get("sample") or "", None)
+                       prev.get("tok_per_s"), prev.get("mfu"), wall_s, checkpoint, prev.get("sample") or "", None,
+                       prev.get("val_loss_end_step") if isinstance(prev.get("val_loss_end_step"), int) else None)
 
 
 def _num(x: Any) -> float:

@@ -69,7 +69,8 @@ class Progress:
     tokens: int = 0
     first_step: int = 0  # the step this process started from (0, or the resumed checkpoint's)
     val_start: float = float("nan")
-    val_end: float = float("nan")
+    val_end: float = float("nan")  # the latest validation after step 0; NaN until there is one
+    val_end_step: int = 0  # the step it was measured at
     last_loss: float = float("nan")
     last_saved: Path | None = None  # the newest complete checkpoint
     loss_sum: float = 0.0  # over the steps since the last log line

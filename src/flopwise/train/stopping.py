@@ -20,6 +20,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Callable
 
@@ -76,6 +77,28 @@ def ignore_sigterm() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+@dataclass
+class StopWork:
+    """What a stop does after its final save -- validate, write a sample -- and how long each
+    takes here: measured whenever the run does it (``*_s``), until then estimated in steps'
+    time (``*_steps``, from the sizes: a validation's windows against a step's). A time budget
+    keeps room for both (:meth:`Deadline.must_stop`); a signal's stop does what is cheap."""
+
+    val_s: float | None = None
+    sample_s: float | None = None
+    val_steps: float = 0.0
+    sample_steps: float = 0.0
+
+    def validation(self, step_s: float) -> float:
+        return self.val_s if self.val_s is not None else self.val_steps * step_s
+
+    def sample(self, step_s: float) -> float:
+        return self.sample_s if self.sample_s is not None else self.sample_steps * step_s
+
+    def seconds(self, step_s: float) -> float:
+        return self.validation(step_s) + self.sample(step_s)
+
+
 class Deadline:
     """``max_hours`` of wall-clock time from ``start``; 0 = none."""
 
@@ -87,6 +110,7 @@ class Deadline:
         self.end = start + max_hours * 3600 if max_hours > 0 else None
         self.save_s = 1.0 + state_bytes / 100e6  # until a save is measured: 100 MB/s, +1 s
         self.step_s = 0.0
+        self.stop_work = StopWork()  # a stop's validation and sample after its save: kept room for
 
     def record_step(self, seconds: float) -> None:
         self.step_s = seconds if self.step_s == 0 else max(seconds, 0.9 * self.step_s + 0.1 * seconds)
@@ -95,11 +119,12 @@ class Deadline:
         self.save_s = seconds
 
     def must_stop(self, now: float | None = None) -> bool:
-        """Whether one more step and a final save would overrun the budget."""
+        """Whether one more step, a final save and the stop's validation and sample would overrun
+        the budget."""
         if self.end is None:
             return False
         now = self.clock() if now is None else now
-        return now + self.MARGIN * (self.step_s + self.save_s) > self.end
+        return now + self.MARGIN * (self.step_s + self.save_s + self.stop_work.seconds(self.step_s)) > self.end
 
 
 class NonFiniteGuard:
@@ -246,8 +271,9 @@ class TimeFit:
         self.agreed_progress: float | None = None  # under data parallelism: rank 0's, shared each step
 
     def budget_s(self) -> float:
-        assert self.deadline.end is not None, "TimeFit needs a time budget: train.max_hours > 0"
-        return self.deadline.end - self.start - Deadline.MARGIN * self.deadline.save_s
+        d = self.deadline  # the final save's time kept aside, and the stop's validation and sample
+        assert d.end is not None, "TimeFit needs a time budget: train.max_hours > 0"
+        return d.end - self.start - Deadline.MARGIN * (d.save_s + d.stop_work.seconds(d.step_s))
 
     def measure(self) -> float:
         """The share of the budget used by this process's clock."""
@@ -268,6 +294,12 @@ def stop_votes(env: DistEnv, signals: SignalStop, deadline: Deadline, fit: TimeF
         return []
     progress = fit.measure() if fit is not None and env.is_main else 0.0
     return [float(signals.requested), float(fit is None and deadline.must_stop()), progress]
+
+
+def by_signal(reason: str) -> bool:
+    """Whether :func:`stop_reason`'s ``reason`` is a signal's (this rank's or another's), not
+    the time budget's."""
+    return reason.endswith(" received") or reason == "a signal received by another rank"
 
 
 def stop_reason(env: DistEnv, signals: SignalStop, deadline: Deadline, fit: TimeFit | None,

@@ -7,9 +7,10 @@ optimizer step (``train_step.py``), then the hooks that log, validate, evaluate 
 save when they are due (``hooks.py``). The loop validates every ``eval.every`` steps on a
 fixed held-out subset, checkpoints every ``train.checkpoint_every`` steps and at the end
 (keeping ``train.keep_checkpoints``), stops early and cleanly on a signal, on
-``train.max_hours`` or on a non-finite step, then writes a text sample. Under ``torchrun`` a
-collective that fails because another rank died or left ends this rank with one line that
-says so (``DistEnv.peer_failure``), not the backend's traceback.
+``train.max_hours`` or on a non-finite step, then writes a text sample (also every
+``eval.sample_every`` steps; a stop logs its last step, validates and samples where it has
+the time). Under ``torchrun`` a collective that fails because another rank died or left ends
+this rank with one line that says so (``DistEnv.peer_failure``), not the backend's traceback.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from flopwise.train.record import TrainResult
 from flopwise.train.schedule import lr_for_step
 from flopwise.train.setup import Run, setup
 from flopwise.train.stopping import SignalStop, ignore_sigterm, stop_reason, stop_votes
-from flopwise.train.train_step import PendingStep, settle, train_step
+from flopwise.train.train_step import PendingStep, StepOutcome, settle, train_step
 
 Log = Callable[[str], None]
 
@@ -94,10 +95,10 @@ def _train(run: Run) -> TrainResult:
     run.meter.pause()
     try:
         try:
-            stopped = _loop(run)
+            stopped, sample = _loop(run)
         finally:
             run.train_loader.close()  # its prefetch thread (data.prefetch) does not outlive the loop
-        return hooks.finish(run, stopped, run.clock() - t_loop)
+        return hooks.finish(run, stopped, run.clock() - t_loop, sample)
     except WriteError as e:  # a full disk under metrics.jsonl, TensorBoard, samples.txt, run.json
         with contextlib.suppress(Exception):
             run.sink.close()
@@ -107,16 +108,20 @@ def _train(run: Run) -> TrainResult:
         raise WriteError(f"{e}; {kept}", e.errno, e.filename) from e
 
 
-def _loop(run: Run) -> str:
-    """Step until the last step or a stop; returns why it stopped early ("" when it did not).
+def _loop(run: Run) -> tuple[str, str]:
+    """Step until the last step or a stop; returns why it stopped early ("" when it did not)
+    and the stop's sample. A stop logs, saves, validates and samples (``hooks.on_stop``) while
+    the signal handler still holds: a second signal during its validation exits at once, with
+    the checkpoint already saved.
 
     A step is issued, then the previous step's values are read -- one step late, so the host
     never waits on the step it just queued -- and the guard settles it; a step that logs,
     validates or saves is read at once (``hooks.reads_now``). A bad step read late was skipped on
     the device already; a rollback it calls for undoes the step issued after it too."""
     p, o, t = run.progress, run.cfg.optim, run.cfg.train
-    stopped = ""
+    stopped, sample = "", ""
     late: PendingStep | None = None
+    last: StepOutcome | None = None  # the latest good step read: the stop's training row
     agreed: list[float] | None = None  # the ranks' stop votes, as last read
 
     def reload(path: Any) -> dict:
@@ -142,6 +147,7 @@ def _loop(run: Run) -> str:
                 agreed = out.votes
                 if settle(run, out, reload):
                     hooks.record_good(run, out)
+                    last = out
                 elif run.guard.policy == "rollback":
                     continue  # the step just issued ran on weights the rollback replaced: undone with them
             if run.outer is not None:  # DiLoCo: the fragments due sync across worker groups (in the step's time)
@@ -155,6 +161,7 @@ def _loop(run: Run) -> str:
             agreed = out.votes
             if settle(run, out, reload):
                 hooks.record_good(run, out)
+                last = out
                 hooks.after_step(run, out)
             elif run.guard.policy == "skip":
                 hooks.after_step(run, out, good=False)  # its save and validation, when they were due
@@ -162,6 +169,7 @@ def _loop(run: Run) -> str:
             out = late.read()
             if settle(run, out, reload):
                 hooks.record_good(run, out)
+                last = out
         if stopped:
-            hooks.save_on_stop(run, stopped)
-    return stopped
+            sample = hooks.on_stop(run, stopped, last)
+    return stopped, sample
