@@ -1,8 +1,8 @@
 """The start-up summary: what the run is about to do, what was chosen, and why.
 
 One line per subject (device and precision, parallelism, data, model, attention, init,
-speed settings, FLOPs, batch, the plan's prediction, tracking, optimizer, schedule, batch
-ramp), each a fact the user can check against their config; a pure function of the
+speed settings, FLOPs, batch, the plan's prediction, tracking, optimizer, time budget,
+schedule, batch ramp), each a fact the user can check against their config; a pure function of the
 :class:`~flopwise.train.setup.Run`, so it is tested without training.
 """
 
@@ -12,6 +12,7 @@ from flopwise.data.loader import overlap_note
 from flopwise.data.meta import held_out_overlap_note
 from flopwise.measure.sinks import human
 from flopwise.train.defaults import device_label
+from flopwise.train.hooks import fmt_time
 from flopwise.train.optim import describe_optimizer, skips_on_device
 from flopwise.train.precision import cpu_native_bf16
 from flopwise.train.setup import Run
@@ -85,6 +86,8 @@ def describe(run: Run) -> list[str]:
     if not skips_on_device(run.optimizer):
         lines.append("  optimizer  not fused (optim.fused=false): a bad step cannot be skipped on the device, so each "
                      "step reads its loss before the update (one host sync per step)")
+    if t.max_hours > 0:
+        lines.append(budget_line(run))
     lines += [f"  schedule   {note}" for note in run.notes.get("schedule", [])]
     if run.ramp is not None:
         lines.append(f"  batch ramp {t.batch_ramp_start} -> {run.accum} micro-batches per step over the first "
@@ -105,3 +108,16 @@ def unused_vocab_note(model_vocab: int, data_vocab: int, d_model: int, pad: int 
             f"{(model_vocab - data_vocab) * d_model:,} embedding and LM-head weights are never a target and the "
             f"head computes their logits every token; model.vocab_size={padded} fits the data (padded to a "
             f"multiple of {pad})")
+
+
+def budget_line(run: Run) -> str:
+    """``train.max_hours``: the run's time, across its starts; a resume says what is left of it."""
+    d, hours = run.deadline, run.cfg.train.max_hours
+    line = (f"  budget     train.max_hours={hours:g} ({fmt_time(d.budget_s)}) of training time, the run's across "
+            "its starts")
+    if run.start.checkpoint is None:
+        return line
+    if not d.carried:
+        return line + ": its checkpoint records no time spent (an older flopwise), so it counts from this start"
+    left = max(d.budget_s - d.spent_before, 0)
+    return line + f": {fmt_time(d.spent_before)} spent before this start, {fmt_time(left)} left"

@@ -103,7 +103,8 @@ def save(run: Run) -> Path:
     t0 = run.clock()
     state = {"tokens": p.tokens, "loader": run.train_loader.state_dict(), "val_loss_start": p.val_start,
              "val_windows": len(run.val_windows),
-             "data_fingerprint": run.data.meta.get("fingerprint"), "guard": run.guard.state_dict()}
+             "data_fingerprint": run.data.meta.get("fingerprint"), "guard": run.guard.state_dict(),
+             "time_budget": run.deadline.state_dict()}  # train.max_hours is the run's: a resume continues it
     if run.cont is not None:
         state["lr_continuation"] = run.cont._asdict()
     if run.prec.scaler is not None:

@@ -89,6 +89,16 @@ def time_progress(elapsed_s: float, budget_s: float, step_s: float = 0.0) -> flo
     return min(max((elapsed_s + step_s) / budget_s, 0.0), 1.0)
 
 
+MARGIN = 1.1  # what train.max_hours keeps aside: 10% on top of the predicted step and final save
+
+
+def fitted_progress(spent_s: float, budget_s: float, step_s: float, save_s: float) -> float:
+    """Progress of a WSD fitted to a time budget of ``budget_s`` when the run has spent
+    ``spent_s`` (across its processes): :func:`time_progress` over the budget less the final
+    save, at the expected end of a step of ``step_s`` (both with :data:`MARGIN`)."""
+    return time_progress(spent_s, max(budget_s - MARGIN * save_s, 1e-9), MARGIN * step_s)
+
+
 def shape_after_warmup(pos: float, warmup_end: float, end: float, cfg) -> float | None:
     """Shape after warm-up, 1 (peak) to 0 (floor), at ``pos`` of a run spanning [0, ``end``];
     ``None`` in a stable phase (constant, WSD before its decay): exactly the peak.
@@ -164,6 +174,35 @@ def continue_schedule(from_step: int, total: int, previous_rate: float, new_rate
     return Continuation(from_step, previous_rate, total, cfg.decay_shape if cfg.schedule == "wsd" else "cosine")
 
 
+class TimeContinuation(NamedTuple):
+    """:class:`Continuation` for a WSD fitted to ``train.max_hours`` whose budget changed on
+    resume: from ``from_progress`` (the share of the new budget ``budget_s`` spent at the
+    resume) the rate goes from ``lr`` (where the previous budget's schedule left it) along
+    ``shape`` to the floor as the new budget ends -- held at ``lr`` when that is the floor
+    already. Applies from step ``from_step`` on; saved in checkpoints like a Continuation."""
+
+    from_step: int
+    from_progress: float
+    lr: float
+    budget_s: float
+    shape: str
+
+    def at(self, progress: float, floor: float) -> float:
+        """The rate at ``progress`` (the share of the budget at the end of the step)."""
+        if self.lr <= floor:
+            return self.lr
+        x = (progress - self.from_progress) / max(1.0 - self.from_progress, 1e-9)
+        return floor + (self.lr - floor) * decay_curve(x, self.shape)
+
+
+def saved_continuation(saved: dict[str, Any]) -> Continuation | TimeContinuation | None:
+    """The continuation a checkpoint saved (``lr_continuation``), of either kind."""
+    before = saved.get("lr_continuation")
+    if not isinstance(before, dict):
+        return None
+    return TimeContinuation(**before) if "from_progress" in before else Continuation(**before)
+
+
 def accum_at(tokens_seen: int, full_accum: int, ramp_tokens: int, start_accum: int = 1) -> int:
     """Micro-batches to accumulate for the step that starts after ``tokens_seen`` tokens.
 
@@ -229,12 +268,16 @@ def lr_at(step: int, total_steps: int, cfg: OptimConfig) -> float:
 
 
 def lr_for_step(step: int, total_steps: int, tokens_after: int, o: OptimConfig, max_tokens: int,
-                ramp: RampPlan | None, time_used: float | None, cont: Continuation | None = None) -> float:
+                ramp: RampPlan | None, time_used: float | None,
+                cont: Continuation | TimeContinuation | None = None) -> float:
     """The learning rate of the next step: by steps (:func:`lr_at`), by tokens during a batch
     ramp (steps differ in size; ``max_tokens`` is the run's), by the share of the time budget
     used (``time_used``) for a WSD fitted to ``train.max_hours``, or along ``cont`` after a
-    resume that changed the run's length (:func:`resumed_schedule`)."""
-    if cont is not None and step >= cont.from_step:
+    resume that changed the run's length or time budget (:func:`resumed_schedule`)."""
+    if isinstance(cont, TimeContinuation):
+        if time_used is not None and step >= cont.from_step:
+            return cont.at(time_used, o.lr * o.min_lr_ratio)
+    elif cont is not None and step >= cont.from_step:
         return cont.at(step, o.lr * o.min_lr_ratio)
     if time_used is not None:
         if step < o.warmup_steps:
@@ -246,7 +289,8 @@ def lr_for_step(step: int, total_steps: int, tokens_after: int, o: OptimConfig, 
 
 
 def resumed_schedule(checkpoint: Path, saved: dict[str, Any], step: int, total_steps: int, cfg: RunConfig,
-                     ramped: bool) -> tuple[Continuation | None, str]:
+                     ramped: bool, budget: dict[str, float] | None = None
+                     ) -> tuple[Continuation | TimeContinuation | None, str]:
     """The learning rate of a resumed run whose length (``train.max_steps``/``max_tokens``)
     may have changed since ``checkpoint`` (its own config.yaml holds the length its steps were
     taken under): ``(continuation or None, a note for the log, "" when nothing changed)``.
@@ -254,16 +298,18 @@ def resumed_schedule(checkpoint: Path, saved: dict[str, Any], step: int, total_s
     An unchanged length keeps the schedule as it was (bit-identical to an uninterrupted run).
     A changed one goes on from the rate of the last step taken (:func:`continue_schedule`)
     instead of recomputing the schedule for the new length, which would move the rate
-    (extending a finished cosine would raise it from its floor)."""
+    (extending a finished cosine would raise it from its floor). A WSD fitted to
+    ``train.max_hours`` follows the time the run spent instead (``budget``: what the
+    checkpoint recorded, :func:`resumed_time_schedule`)."""
     o, t = cfg.optim, cfg.train
-    before = saved.get("lr_continuation")
-    before = Continuation(**before) if isinstance(before, dict) else None
+    saved_cont = saved_continuation(saved)
     try:
         old = load_run_config(checkpoint / "config.yaml")
     except (ConfigError, OSError):
         old = None
-    if o.fit_to_time:
-        return None, ""  # progress is the share of train.max_hours used, not of the steps
+    if o.fit_to_time:  # progress is the share of train.max_hours used, not of the steps
+        return resumed_time_schedule(old, saved_cont, step, cfg, budget or {})
+    before = saved_cont if isinstance(saved_cont, Continuation) else None
     if ramped:
         if old is not None and (old.train.max_tokens, old.train.max_steps) != (t.max_tokens, t.max_steps):
             raise ConfigError([f"train.run_dir {t.run_dir!r}: a batch-ramped run's schedule follows its tokens, so "
@@ -302,3 +348,70 @@ def _continuation_text(c: Continuation, floor: float) -> str:
         return f"the rate is held at {c.lr:.3g} from step {c.from_step + 1:,} to {c.total:,}"
     return (f"the rate continues from {c.lr:.3g} at step {c.from_step:,} and decays ({c.shape}) to {floor:.3g} "
             f"at step {c.total:,}")
+
+
+def duration(seconds: float) -> str:
+    """A time spent, in the unit a budget of its size is thought of in."""
+    if seconds >= 3600:
+        return f"{seconds / 3600:.2f} h"
+    return f"{seconds / 60:.1f} min" if seconds >= 120 else f"{seconds:.0f} s"
+
+
+def fitted_rate(progress: float, o: OptimConfig, cont: TimeContinuation | None) -> float:
+    """The rate of a WSD fitted to the time budget at ``progress`` (after its warm-up steps)."""
+    return cont.at(progress, o.lr * o.min_lr_ratio) if cont is not None else o.lr * lr_factor(progress, o, 0.0)
+
+
+def resumed_time_schedule(old: RunConfig | None, saved_cont: Continuation | TimeContinuation | None, step: int,
+                          cfg: RunConfig, budget: dict[str, float]) -> tuple[TimeContinuation | None, str]:
+    """The rate of a resumed WSD fitted to ``train.max_hours``: its progress is the share of the
+    run's budget spent, which the checkpoint recorded (``budget``: :data:`stopping.BUDGET_FIELDS`), so an
+    unchanged budget goes on exactly where it was. A changed one -- train.max_hours raised to
+    train longer -- goes on from the rate the old budget's schedule had reached
+    (:class:`TimeContinuation`), as a changed length does by steps: fitting the schedule to the
+    new budget anew would put a finished decay back up to the peak."""
+    o, t = cfg.optim, cfg.train
+    if not budget:
+        return None, ("the checkpoint records no time spent (written before flopwise kept it): the schedule fitted "
+                      "to train.max_hours starts its budget over at this start")
+    timed = saved_cont if isinstance(saved_cont, TimeContinuation) else None
+    old_h = old.train.max_hours if old is not None and old.optim.fit_to_time else t.max_hours
+    floor = o.lr * o.min_lr_ratio
+    if old_h == t.max_hours:
+        if timed is None:
+            return None, ""
+        return timed, (f"the rate follows the continuation set at step {timed.from_step:,} when train.max_hours "
+                       f"changed: {_time_continuation_text(timed, floor)}")
+    spent, step_s = budget["spent_s"], budget["step_s"]
+    save_s = budget["save_s"] + budget.get("stop_s", 0.0)  # what the fit keeps aside: the save, the stop's work
+    change = f"train.max_hours {old_h:g} -> {t.max_hours:g} ({duration(spent)} of the run's spent)"
+    if step < o.warmup_steps:  # the warm-up goes by steps: the fit starts after it
+        return None, f"{change}: still warming up, so the schedule is fitted to the new budget"
+    p_old = fitted_progress(spent, old_h * 3600, step_s, save_s)
+    p_new = fitted_progress(spent, t.max_hours * 3600, step_s, save_s)
+    prev_rate = fitted_rate(p_old, o, timed if timed is not None and timed.budget_s == old_h * 3600 else None)
+    new_rate = fitted_rate(p_new, o, None)
+    if prev_rate == new_rate:
+        return None, (f"{change}: the rate is the same under both ({new_rate:.3g}), so the WSD fitted to the new "
+                      f"budget goes on from there (its decay now starts {o.decay_fraction:.0%} before the new end)")
+    cont = TimeContinuation(step, p_new, prev_rate, t.max_hours * 3600, o.decay_shape)
+    return cont, (f"{change}: {_time_continuation_text(cont, floor)}, where the schedule fitted to {old_h:g} h left "
+                  f"it (fitting it to {t.max_hours:g} h anew would set {new_rate:.3g} at step {step + 1:,})")
+
+
+def _time_continuation_text(c: TimeContinuation, floor: float) -> str:
+    if c.lr <= floor:
+        return f"the rate is held at {c.lr:.3g} from step {c.from_step + 1:,} to the end of the budget"
+    return (f"the rate continues from {c.lr:.3g} at step {c.from_step:,} and decays ({c.shape}) to {floor:.3g} "
+            f"as the budget ends")
+
+
+def extension_note(cfg: RunConfig, saved: dict[str, Any], step: int, total_steps: int) -> str:
+    """What the rate does when a run whose time budget is spent gets a larger ``train.max_hours``
+    (for the line that says the budget is spent)."""
+    o = cfg.optim
+    if not o.fit_to_time:
+        return f"the rate goes on along the {o.schedule} schedule of {total_steps:,} steps from step {step + 1:,}"
+    cont = saved_continuation(saved)
+    rate = fitted_rate(1.0, o, cont if isinstance(cont, TimeContinuation) else None)
+    return f"the rate is then held at {rate:.3g}, where the schedule fitted to this budget left it"

@@ -9,13 +9,15 @@ checkpointing -> compile -> DDP/FSDP2: ``wrap.py``), the loss and the optimizer.
 run then gets its weights, optimizer, data position, guard counts and RNG back
 (:func:`restore`), and rank 0 writes the run's files (:func:`write_run_files`).
 
-A run directory whose checkpoint already holds the steps asked for is left untouched: then
-:func:`setup` returns that run's result (``record.finished_run``) instead.
+A run directory whose checkpoint already holds the steps asked for, or has used its
+``train.max_hours`` (:func:`spent_run`), is left untouched: then :func:`setup` returns that
+run's result (``record.finished_run``) instead.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ from typing import Any, Callable, cast
 
 import torch
 
+from flopwise.checkpoints import read_state
 from flopwise.config import ConfigError, RunConfig, batch_split_problems, recorded_paths, with_checksum
 from flopwise.data.datadir import DataDir, open_data_dir
 from flopwise.data.loader import LoaderOptions, fixed_windows, make_loader
@@ -54,8 +57,16 @@ from flopwise.train.optim import CombinedOptimizer, build_optimizer
 from flopwise.train.precision import MasterWeights, Precision, apply_fp8, autocast_factory
 from flopwise.train.precision import resolve as resolve_precision
 from flopwise.train.record import TrainResult, finished_run, read_json, run_record
-from flopwise.train.schedule import Continuation, RampPlan, ramp_plan, resumed_schedule
-from flopwise.train.stopping import Deadline, NonFiniteGuard, TimeFit
+from flopwise.train.schedule import (
+    Continuation,
+    RampPlan,
+    TimeContinuation,
+    duration,
+    extension_note,
+    ramp_plan,
+    resumed_schedule,
+)
+from flopwise.train.stopping import Deadline, NonFiniteGuard, TimeFit, budget_spent, saved_budget
 from flopwise.train.wrap import RecompileWatch, wrap_for_training
 
 Log = Callable[[str], None]
@@ -127,7 +138,7 @@ class Run:
     accum: int  # micro-batches per step on each rank (a batch ramp changes it per step)
     micro_tokens: int  # one micro-batch on every rank
     ramp: RampPlan | None
-    cont: Continuation | None  # the rate of a run whose length changed on resume
+    cont: Continuation | TimeContinuation | None  # the rate of a run whose length or budget changed on resume
     flops: Flops
     config_yaml: str
     record: dict[str, Any]
@@ -351,6 +362,10 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
     if start.checkpoint is not None and done >= total_steps:  # nothing to train: touch nothing
         return finished_run(start.run_dir, start.checkpoint, total_steps, math.log(data.vocab_size),
                             clock() - t_start, log)
+    if start.checkpoint is not None and t.max_hours > 0:  # train.max_hours is the run's, not this start's
+        spent = spent_run(cfg, start.checkpoint, total_steps, math.log(data.vocab_size), clock() - t_start, log)
+        if spent is not None:
+            return spent
 
     task_names = [x.strip() for x in e.tasks.split(",") if x.strip()]
     task_paths = task_files(e.task_dir, task_names)  # a missing task file is named before any work
@@ -415,6 +430,25 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
     return run
 
 
+def spent_run(cfg: RunConfig, checkpoint: Path, total_steps: int, uniform: float, wall_s: float,
+              log: Log) -> TrainResult | None:
+    """A run whose latest checkpoint used up ``train.max_hours`` (the time its processes spent,
+    as recorded): say so -- how to extend it and what the rate then does -- and change nothing,
+    as for a run that holds its steps (``record.finished_run``). None when time is left."""
+    saved = read_state(checkpoint)
+    budget = saved_budget(saved, checkpoint)
+    t = cfg.train
+    if not budget_spent(t.max_hours, budget):
+        return None
+    done = int(checkpoint.name[5:])
+    log(f"finished: {t.run_dir} already used its time budget, train.max_hours={t.max_hours:g}: "
+        f"{duration(budget['spent_s'])} spent up to step {done:,} ({checkpoint}); nothing to train, nothing "
+        f"changed. To train longer, raise train.max_hours ({extension_note(cfg, saved, done, total_steps)}); "
+        "--fresh starts over")
+    result = finished_run(Path(t.run_dir), checkpoint, done, uniform, wall_s, log=lambda _: None)
+    return dataclasses.replace(result, stopped=f"train.max_hours={t.max_hours:g} already used")
+
+
 def restore(run: Run, checkpoint: Path) -> None:
     """Continue from ``checkpoint``: weights, optimizer, loss scale, data position, held-out
     set, guard counts, RNG, and the learning rate's continuation if the run's length changed."""
@@ -445,7 +479,9 @@ def restore(run: Run, checkpoint: Path) -> None:
     run.guard.load_state_dict(saved.get("guard", {}))
     if "rng" in saved:
         set_rng_state(saved["rng"], run.device)
-    run.cont, note = resumed_schedule(checkpoint, saved, p.step, run.total_steps, cfg, run.ramp is not None)
+    budget = saved_budget(saved, checkpoint)
+    run.deadline.load_state_dict(budget)  # train.max_hours goes on with what was left of it
+    run.cont, note = resumed_schedule(checkpoint, saved, p.step, run.total_steps, cfg, run.ramp is not None, budget)
     if note:
         run.notes["schedule"] = [note]
 

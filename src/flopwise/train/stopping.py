@@ -5,7 +5,8 @@
   complete checkpoint stays valid: saves are atomic).
 - :class:`Deadline`: ``train.max_hours`` -- before each step, stop if that step plus a
   final save would not fit in the budget (the save's duration is measured, or estimated
-  from the bytes to write before the first save).
+  from the bytes to write before the first save). The budget is the run's: checkpoints
+  record the time spent, and a resume continues it (:func:`budget_spent` when none is left).
 - :class:`NonFiniteGuard`: the step's loss and gradient norm are checked before the
   optimizer update (one scalar transfer per step); the policy decides what happens, and
   loss spikes against a running mean are reported as events. A collapse -- the gradient
@@ -21,13 +22,16 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Any, Callable
 
+from flopwise.checkpoints import CheckpointError
 from flopwise.config import TrainConfig
 from flopwise.errors import FlopwiseError
 from flopwise.parallel.distributed import DistEnv
-from flopwise.train.schedule import time_progress
+from flopwise.train.schedule import MARGIN as BUDGET_MARGIN
+from flopwise.train.schedule import fitted_progress
 
 
 class NonFiniteError(FlopwiseError, RuntimeError):
@@ -100,17 +104,32 @@ class StopWork:
 
 
 class Deadline:
-    """``max_hours`` of wall-clock time from ``start``; 0 = none."""
+    """``max_hours`` of training time, the run's across its processes; 0 = none.
 
-    MARGIN = 1.1  # 10% on top of the predicted step + save
+    A resumed run continues the budget its checkpoint recorded (:meth:`state_dict`): the
+    time every earlier process spent up to that save (set-up included; the time between
+    processes is not the run's), so a preempted 24-hour run gets what was left of its 24
+    hours, not another 24. ``start`` is this process's start, on ``clock``."""
+
+    MARGIN = BUDGET_MARGIN  # 10% on top of the predicted step + save
 
     def __init__(self, max_hours: float, start: float, state_bytes: int,
                  clock: Callable[[], float] = time.perf_counter):
-        self.max_hours, self.clock = max_hours, clock  # clock: seconds, the same clock as ``start``
+        self.max_hours, self.start, self.clock = max_hours, start, clock  # clock: seconds, as ``start``
+        self.spent_before = 0.0  # the run's time spent by earlier processes (a resume)
+        self.carried = False  # whether that came from a checkpoint (one from an older flopwise records none)
         self.end = start + max_hours * 3600 if max_hours > 0 else None
         self.save_s = 1.0 + state_bytes / 100e6  # until a save is measured: 100 MB/s, +1 s
         self.step_s = 0.0
         self.stop_work = StopWork()  # a stop's validation and sample after its save: kept room for
+
+    @property
+    def budget_s(self) -> float:
+        return self.max_hours * 3600
+
+    def spent(self, now: float | None = None) -> float:
+        """The run's time spent so far: earlier processes' and this one's."""
+        return self.spent_before + ((self.clock() if now is None else now) - self.start)
 
     def record_step(self, seconds: float) -> None:
         self.step_s = seconds if self.step_s == 0 else max(seconds, 0.9 * self.step_s + 0.1 * seconds)
@@ -125,6 +144,54 @@ class Deadline:
             return False
         now = self.clock() if now is None else now
         return now + self.MARGIN * (self.step_s + self.save_s + self.stop_work.seconds(self.step_s)) > self.end
+
+    def state_dict(self) -> dict[str, float]:
+        """What a checkpoint records: the run's time spent up to it, and the step, save and stop-work
+        times this process kept room for, so a resume decides as it would have (:func:`budget_spent`)."""
+        return {"spent_s": self.spent(), "step_s": self.step_s, "save_s": self.save_s,
+                "stop_s": self.stop_work.seconds(self.step_s)}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Continue the budget of a checkpoint (:func:`saved_budget`; {} from one that predates it:
+        nothing spent)."""
+        if not state:
+            return
+        self.spent_before, self.step_s, self.save_s = state["spent_s"], state["step_s"], state["save_s"]
+        self.carried = True
+        if self.end is not None:
+            self.end = self.start + self.budget_s - self.spent_before
+
+
+BUDGET_FIELDS = ("spent_s", "step_s", "save_s", "stop_s")
+
+
+def saved_budget(saved: dict[str, Any], checkpoint: Path) -> dict[str, float]:
+    """A checkpoint's ``time_budget`` (:meth:`Deadline.state_dict`), checked: {} when it has none
+    (written before flopwise recorded it); a value that is not a finite number >= 0 is refused,
+    naming the file and the field, rather than moving the budget."""
+    budget = saved.get("time_budget")
+    if budget is None:
+        return {}
+    where = f"{checkpoint / 'state.json'}: field 'time_budget'"
+    if not isinstance(budget, dict):
+        raise CheckpointError(f"{where} = {budget!r}: expected an object of {', '.join(BUDGET_FIELDS)}")
+    out = {}
+    for name in BUDGET_FIELDS:
+        v = budget.get(name, 0.0 if name == "stop_s" else None)  # stop_s: recorded since a stop validates
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise CheckpointError(f"{where}.{name} = {v!r}: expected a number of seconds >= 0")
+        out[name] = float(v)
+    return out
+
+
+def budget_spent(max_hours: float, budget: dict[str, float]) -> bool:
+    """Whether a run whose checkpoint recorded ``budget`` has no step left in ``train.max_hours``:
+    the test the run stopped on (one more step, a save and the stop's validation and sample would
+    overrun it; with a time-fitted schedule, its progress reaching 1 is the same inequality)."""
+    if max_hours <= 0 or not budget:
+        return False
+    room = budget["step_s"] + budget["save_s"] + budget.get("stop_s", 0.0)
+    return budget["spent_s"] + Deadline.MARGIN * room >= max_hours * 3600
 
 
 class NonFiniteGuard:
@@ -263,21 +330,18 @@ class NonFiniteGuard:
 
 class TimeFit:
     """WSD fitted to ``train.max_hours``: after the warm-up steps, progress is the share of the
-    time budget used (the final save's time kept aside), so the decay ends as the budget does."""
+    run's time budget used (:meth:`Deadline.spent`, across its processes; the final save's time
+    kept aside), so the decay ends as the budget does, and a resumed run continues it."""
 
     def __init__(self, deadline: Deadline, warmup_steps: int, clock: Callable[[], float] = time.perf_counter):
         self.deadline, self.warmup_steps, self.clock = deadline, warmup_steps, clock
-        self.start = clock()
         self.agreed_progress: float | None = None  # under data parallelism: rank 0's, shared each step
 
-    def budget_s(self) -> float:
-        d = self.deadline  # the final save's time kept aside, and the stop's validation and sample
-        assert d.end is not None, "TimeFit needs a time budget: train.max_hours > 0"
-        return d.end - self.start - Deadline.MARGIN * (d.save_s + d.stop_work.seconds(d.step_s))
-
     def measure(self) -> float:
-        """The share of the budget used by this process's clock."""
-        return time_progress(self.clock() - self.start, self.budget_s(), Deadline.MARGIN * self.deadline.step_s)
+        """The share of the budget used, by this process's clock."""
+        d = self.deadline
+        assert d.end is not None, "TimeFit needs a time budget: train.max_hours > 0"
+        return fitted_progress(d.spent(self.clock()), d.budget_s, d.step_s, d.save_s + d.stop_work.seconds(d.step_s))
 
     def progress(self) -> float:
         return self.agreed_progress if self.agreed_progress is not None else self.measure()
