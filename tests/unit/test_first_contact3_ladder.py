@@ -135,3 +135,11 @@ def test_a_ceiling_disturbed_twice_is_flagged_and_never_offered_to_plan_with(tin
     assert c["disturbed"] and c["share_of_ceiling"] is None and c["share_of_ceiling_measured"] == pytest.approx(3.0)
     assert not [x for x in lines if "--peak-tflops" in x], lines
     assert any("disturbed again" in x for x in lines), lines
+
+
+def test_the_report_ends_the_ladder_where_it_fell_back():
+    from flopwise.report.ladder import read_ladder
+
+    lad = climb(base(), blocks_then_slower(), [16], Bench(fpt=1e7), TuneRequest(tokens=10**6, log=lambda s: None))
+    ended = read_ladder({"ladder": lad}).last_kept()
+    assert ended.index == 0 and ended.tok_per_s == START  # the start, not the compile=blocks rung kept on the way

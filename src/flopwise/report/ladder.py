@@ -16,7 +16,8 @@ Only the JSON is read (the report sits above ``train`` but never imports it). Th
                "rungs": [{"rung", "change", "tok_per_s", "mfu", "peak_gb", "loss", "kept", "why",
                           "numerics", "delta_prev", "delta_start", "hours", "cost", "status",
                           "seconds"}, ...],  # seconds: what the rung's trial took of the budget
-               "chosen": {key: value}}
+               "chosen": {key: value},
+               "fell_back": {"to", ...}}  # present when the confirmation measured the climb slower than its start
 
 Any number may be null (a rung that ran out of memory measured nothing): it shows as "-".
 """
@@ -72,14 +73,18 @@ class Ladder:
     scaling_efficiency: float | None = None
     start_settings: dict[str, Any] = field(default_factory=dict)
     chosen: dict[str, Any] = field(default_factory=dict)
+    fell_back: bool = False  # the confirmation measured the climb slower than its start: it ended there
 
     @property
     def all(self) -> list[Rung]:
         return [self.start, *self.rungs]
 
     def last_kept(self) -> Rung:
-        """The configuration the ladder ended on: its last kept rung with a rate, else the start."""
+        """The configuration the ladder ended on: its last kept rung with a rate, else the start;
+        after a fallback, the start it fell back to (with N ranks, the **ranks** row's launch)."""
         kept = [r for r in self.rungs if r.kept and r.tok_per_s is not None]
+        if self.fell_back:
+            kept = [r for r in kept if r.name == "ranks"]
         return kept[-1] if kept else self.start
 
 
@@ -103,7 +108,7 @@ def read_ladder(preflight: dict[str, Any] | None) -> Ladder | None:
                     rungs=[], device=_text(raw.get("device")), budget_minutes=number(raw.get("budget_minutes")),
                     spent_minutes=number(raw.get("spent_minutes")), start_settings=_dict(start.get("settings")),
                     world=int(number(raw.get("world")) or 1), scaling_efficiency=number(raw.get("scaling_efficiency")),
-                    chosen=_dict(raw.get("chosen")))
+                    chosen=_dict(raw.get("chosen")), fell_back=bool(raw.get("fell_back")))
     rungs = raw.get("rungs")
     rungs = rungs if isinstance(rungs, list) else []
     for r in (r for r in rungs if isinstance(r, dict)):
