@@ -209,7 +209,7 @@ def test_unwritable_run_directory_is_refused_before_any_work(tiny_overrides, tmp
 def test_fresh_starts_over_and_keeps_the_old_run(tiny_overrides):
     overrides = tiny_overrides + QUIET + ["train.max_steps=2"]
     first = train(build_config(overrides=overrides), log=lambda s: None)
-    with pytest.raises(ConfigError, match="model.n_layers: 2 -> 1"):
+    with pytest.raises(ConfigError, match="model.n_layers is 1 in this configuration but 2 in the checkpoint"):
         train(build_config(overrides=overrides + ["model.n_layers=1"]), log=lambda s: None)
     train(build_config(overrides=overrides + ["model.n_layers=1"]), log=lambda s: None, fresh=True)
     aside = list(first.run_dir.parent.glob("run.replaced-*"))
