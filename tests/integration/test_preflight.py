@@ -161,8 +161,10 @@ def test_the_ladder_at_two_ranks_from_the_command_line_writes_what_torchrun_laun
     rungs of a CPU without native bf16, on any machine (the bf16 rung: tests/unit/test_ladder.py)."""
     monkeypatch.setattr("flopwise.tune.ladder.cpu_native_bf16", lambda: None)
     out = tmp_path / "pf"
+    # A budget that never binds: the climb takes about 2.5 minutes on an idle 2-core machine, but 10 minutes
+    # ran out on a loaded one before the 2-rank rung, which then (rightly) leaves the launch at one rank.
     rc = cli_main(["preflight", "--ladder", "--nproc-per-node", "2",
-                   "--warmup", "1", "--budget-minutes", "10", "--out", str(out), *tiny_overrides,
+                   "--warmup", "1", "--budget-minutes", "120", "--out", str(out), *tiny_overrides,
                    "train.max_steps=40", "train.compile=off", "train.threads=1", "train.global_batch_size=32"])
     assert rc == 0
     report = json.loads((out / "preflight.json").read_text())
