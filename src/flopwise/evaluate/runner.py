@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from flopwise.checkpoints import latest_checkpoint, list_checkpoints, read_state
-from flopwise.config import MAX_VAL_TOKENS, ConfigError, DataConfig, RunConfig, load_run_config
+from flopwise.config import CHECKPOINTS, MAX_VAL_TOKENS, RUN_FILES, ConfigError, DataConfig, RunConfig, load_run_config
 from flopwise.data.datadir import DataDir, DataDirError, check_cache_path, resolve_data_dir
 from flopwise.data.loader import fixed_windows, overlap_note
 from flopwise.data.tokenizer import load_tokenizer
@@ -313,9 +313,9 @@ def run_of(checkpoint: Path) -> Path | None:
     """The run directory ``checkpoint`` is a checkpoint of, or None: a ``--format pt`` export, a
     checkpoint copied out of its run (the folder two levels up is then somebody else's)."""
     run = checkpoint.parent.parent
-    if checkpoint.parent.name != "checkpoints" or not (run / "config.yaml").is_file():
+    if checkpoint.parent.name != CHECKPOINTS or not (run / "config.yaml").is_file():
         return None
-    return run if (run / "run.json").is_file() or (run / "metrics.jsonl").is_file() else None
+    return run if any((run / name).is_file() for name in RUN_FILES) else None  # what train writes beside them
 
 
 def record(run_dir: Path, result: dict[str, Any]) -> None:
