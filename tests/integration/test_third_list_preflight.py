@@ -13,8 +13,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,9 +35,8 @@ WAIT_S = 600.0  # a generous bound on waiting for a phase's marker or the proces
 class Preflight:
     """A real ``python -m flopwise preflight`` with its own TMPDIR, stdout and stderr in files."""
 
-    def __init__(self, tmp_path: Path, args: list[str]):
-        self.tmp = tmp_path / "tmp"
-        self.tmp.mkdir()
+    def __init__(self, tmp_path: Path, args: list[str], tmp: Path):
+        self.tmp = tmp
         self.out, self.err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
         env = {**os.environ, "TMPDIR": str(self.tmp), "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
         with self.out.open("w") as out, self.err.open("w") as err:
@@ -65,6 +66,15 @@ class Preflight:
 
     def left_behind(self) -> list[str]:
         return sorted(p.name for p in self.tmp.glob("flopwise-*"))
+
+
+@pytest.fixture
+def short_tmp():
+    """The TMPDIR of one preflight: short, since the trials' forkserver makes a Unix socket under it
+    (107 bytes at most), and pytest's tmp_path under xdist is long enough to pass that."""
+    tmp = Path(tempfile.mkdtemp(prefix="fw-pf-", dir="/tmp"))
+    yield tmp
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _scratch_runs(tmp: Path) -> list[Path]:
@@ -117,8 +127,8 @@ SLOW_STEPS = ["train.global_batch_size=256", "train.compile=off", "--warmup", "1
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_the_end_to_end_check_stops_preflight_and_removes_its_scratch_run(tiny_overrides, tmp_path,
-                                                                                         signum):
-    run = Preflight(tmp_path, [*tiny_overrides, *SLOW_STEPS, "--out", str(tmp_path / "pf")])
+                                                                                         short_tmp, signum):
+    run = Preflight(tmp_path, [*tiny_overrides, *SLOW_STEPS, "--out", str(tmp_path / "pf")], short_tmp)
     run.wait_for(lambda: _training(run.tmp), "end-to-end step logged")
     run.proc.send_signal(signum)
     rc = run.finish()
@@ -130,10 +140,10 @@ def test_a_signal_during_the_end_to_end_check_stops_preflight_and_removes_its_sc
     assert not (tmp_path / "pf" / "preflight.json").exists()
 
 
-def test_a_sigterm_as_the_end_to_end_check_starts_leaves_no_scratch_run(tiny_overrides, tmp_path):
+def test_a_sigterm_as_the_end_to_end_check_starts_leaves_no_scratch_run(tiny_overrides, tmp_path, short_tmp):
     """The scratch directory exists, the run in it is being set up (the trainer's own signal
     handling not yet in place): the default SIGTERM would end the process there, leaving it."""
-    run = Preflight(tmp_path, [*tiny_overrides, *SLOW_STEPS, "--out", str(tmp_path / "pf")])
+    run = Preflight(tmp_path, [*tiny_overrides, *SLOW_STEPS, "--out", str(tmp_path / "pf")], short_tmp)
     run.wait_for(lambda: bool(_scratch_runs(run.tmp)), "scratch run directory")
     run.proc.send_signal(signal.SIGTERM)
     rc = run.finish()
@@ -142,9 +152,10 @@ def test_a_sigterm_as_the_end_to_end_check_starts_leaves_no_scratch_run(tiny_ove
 
 
 @pytest.mark.slow
-def test_a_sigterm_during_a_ladder_trial_in_its_own_process_ends_it_and_its_directory(tiny_overrides, tmp_path):
+def test_a_sigterm_during_a_ladder_trial_in_its_own_process_ends_it_and_its_directory(tiny_overrides, tmp_path,
+                                                                                      short_tmp):
     run = Preflight(tmp_path, [*tiny_overrides, "train.compile=off", "--ladder", "--isolation", "process",
-                               "--warmup", "1", "--steps", "1", "--out", str(tmp_path / "pf")])
+                               "--warmup", "1", "--steps", "1", "--out", str(tmp_path / "pf")], short_tmp)
     run.wait_for(lambda: bool(list(run.tmp.glob("flopwise-trial-*"))), "trial directory")
     trial_processes = _descendants(run.proc.pid)
     assert trial_processes, "a trial in its own process, below preflight"
@@ -156,6 +167,19 @@ def test_a_sigterm_during_a_ladder_trial_in_its_own_process_ends_it_and_its_dire
     while any(map(_alive, trial_processes)) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not [p for p in trial_processes if _alive(p)], "trial processes outlived preflight"
+
+
+def test_a_temporary_directory_too_long_for_the_forkservers_socket_is_one_line_naming_it(tiny_overrides, tmp_path):
+    """A Unix socket's path holds at most 107 bytes, and the trials' forkserver makes one under
+    TMPDIR: a longer TMPDIR was an OSError traceback from multiprocessing."""
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    out = subprocess.run([sys.executable, "-m", "flopwise", "preflight", *tiny_overrides, "train.compile=off",
+                          "--ladder", "--isolation", "process", "--warmup", "1", "--steps", "1",
+                          "--out", str(tmp_path / "pf")], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "TMPDIR": str(deep), "CUDA_VISIBLE_DEVICES": ""}, timeout=WAIT_S)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "set TMPDIR to a shorter directory" in out.stderr and str(deep) in out.stderr, out.stderr[-3000:]
 
 
 # --------------------------------------------------------------------------- item 12: bad input, one line

@@ -165,6 +165,12 @@ def _start_forkserver_elsewhere() -> None:
     os.chdir("/")
     try:
         mp_forkserver.ensure_running()  # returns at once when it runs already
+    except OSError as e:  # its socket is made under TMPDIR, and a Unix socket's path has at most 107 bytes
+        if "path too long" not in str(e):
+            raise
+        raise TrialError(f"the trials' forkserver cannot make its socket under the temporary directory "
+                         f"{tempfile.gettempdir()} ({e}): set TMPDIR to a shorter directory, e.g. TMPDIR=/tmp"
+                         ) from None
     finally:
         if here is not None:
             os.chdir(here)
