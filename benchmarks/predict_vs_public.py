@@ -1,0 +1,341 @@
+"""The dry run's predicted step time against public GPU training measurements (issue 42).
+
+Every calibration case of ``shared/reference/gpu-measurements.md`` (llm-foundry MF-a..l,
+flash-attention FA-1..5, llm.c LC-1..4, TinyLlama TL-1, torchtitan TT-6) as a flopwise
+configuration: the model's shape by overrides on a preset, sequence length, micro-batch,
+global batch (micro-batch x accumulation x GPUs), precision, activation checkpointing,
+strategy, compile, the GPU, GPUs per node, nodes and the link between nodes. Each is traced
+(``flopwise preflight --dry-run``: fake tensors, nothing runs on a GPU) and the step-time
+model's **predicted** tokens/s per GPU is set against the source's **measured** one.
+
+The prediction is of flopwise's own step for that configuration; where the source's stack
+does something flopwise does not (its own CUDA kernels, fused LayerNorm/MLP/cross-entropy,
+Apex AdamW), the case's ``differs`` lines say what and how the prediction treats it.
+
+    python benchmarks/predict_vs_public.py [--case MF-a LC-1 ...] [--list] [--json-out PATH]
+
+Writes benchmarks/results/predict-vs-public-traced-<date>.json (or PATH) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from _results import save_result  # benchmarks/ is on sys.path when a script runs
+
+from flopwise.config import RunConfig, build_config
+from flopwise.plan import hardware
+from flopwise.tune.dryrun import dry_run
+
+WITHIN = 0.25  # the issue's bound for every case: |predicted / measured - 1| <= 25%
+FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md"
+FLASH = "Dao-AILab/flash-attention training/README.md"
+LLMC = "karpathy/llm.c scripts/run_gpt2_*.sh"
+TINYLLAMA = "jzhang38/TinyLlama README.md, pretrain/tinyllama.py"
+TITAN = "pytorch/torchtitan docs/performance.md"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One public measurement and the flopwise configuration that matches it."""
+
+    id: str
+    source: str
+    preset: str  # the preset the overrides go on top of
+    overrides: tuple[str, ...]
+    gpu: str  # a name flopwise.plan.hardware.find knows
+    gpus: int  # all GPUs of the run
+    measured: float  # tokens/s per GPU, as the source gives it or derived from its figures
+    measured_how: str  # the source's own figure and, when derived, the arithmetic
+    compile_why: str  # why train.compile is what it is for this source
+    differs: tuple[str, ...] = ()  # what flopwise cannot express of the source's stack, and how it is treated
+    params: int | None = None  # the source's NumParams, where it gives one
+    network: str | None = None  # the inter-node link (a flopwise.plan.hardware.LINKS name); None on one node
+    network_why: str = ""
+    per_node: int = 8
+
+    @property
+    def nnodes(self) -> int:
+        return max(1, self.gpus // self.per_node)
+
+    @property
+    def nproc_per_node(self) -> int:
+        return min(self.gpus, self.per_node)
+
+    def config(self) -> RunConfig:
+        """The flopwise configuration (validated: a ConfigError names every problem)."""
+        return build_config(preset=self.preset, overrides=list(self.overrides))
+
+
+def _shape(layers: int, d: int, heads: int, kv: int, ffn: int, vocab: int, max_seq: int) -> list[str]:
+    return [f"model.n_layers={layers}", f"model.d_model={d}", f"model.n_heads={heads}", f"model.n_kv_heads={kv}",
+            f"model.ffn_hidden={ffn}", f"model.vocab_size={vocab}", f"model.max_seq_len={max_seq}"]
+
+
+def _step(seq: int, micro: int, accum: int, gpus: int, precision: str, compile_: str, ac: str,
+          strategy: str) -> list[str]:
+    """The step's overrides; the global batch is micro-batch x accumulation x GPUs, as the sources count it."""
+    return [f"train.seq_len={seq}", f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * accum * gpus}",
+            f"train.precision={precision}", f"train.compile={compile_}", f"train.activation_checkpointing={ac}",
+            f"parallel.strategy={strategy}"]
+
+
+# --------------------------------------------------------------------------- llm-foundry (MPT)
+# MPT = GPT-2's components (LayerNorm with bias, GELU MLP 4x, learned positions, biases on every
+# projection, tied), so the gpt2 preset carries it; vocab 50368 and positions for 2048 tokens (the
+# source's NumParams counts the position table: 125m's 125,311,488 is exactly that).
+MPT_SHAPES = {"125m": (12, 768, 12, 125_311_488), "350m": (24, 1024, 16, 355_985_408),
+              "760m": (24, 1536, 12, 760_470_528), "1b": (24, 2048, 16, 1_315_950_592),
+              "3b": (32, 2560, 20, 2_651_837_440)}
+MPT_COMPILE = "off: llm-foundry runs the model eager (Composer, no torch.compile in the benchmark configs)"
+MPT_DIFFERS = (
+    "attention: triton flash attention (attn_impl: triton); flopwise's SDPA flash kernel is predicted in its place",
+    "LayerNorm in low precision (bf16) and exact GELU; flopwise's fp32-statistics LayerNorm and tanh GELU, eager, "
+    "are predicted as flopwise runs them",
+    "optimizer: Composer decoupled_adamw (per-tensor loop); flopwise's fused AdamW is predicted",
+)
+
+
+def mpt(cid: str, size: str, gpu: str, micro: int, accum: int, measured: int, pure: bool = False) -> Case:
+    layers, d, heads, params = MPT_SHAPES[size]
+    precision = "bf16-pure" if pure else "bf16"
+    overrides = ["model.arch=gpt2", *_shape(layers, d, heads, heads, 4 * d, 50368, 2048),
+                 *_step(2048, micro, accum, 8, precision, "off", "none", "fsdp2")]
+    differs = MPT_DIFFERS + ((
+        "FSDP mixed precision PURE (bf16 gradients reduced in bf16); flopwise bf16-pure keeps an fp32 master copy "
+        "and AdamW state and FSDP2 reduces in fp32: the prediction counts flopwise's reduce",) if pure else (
+        "FSDP mixed precision DEFAULT (gathered in bf16, reduced in fp32) is what flopwise's fsdp2 under bf16 "
+        "autocast does",))
+    return Case(cid, FOUNDRY, "gpt2-124m", tuple(overrides), gpu, 8, measured,
+                "the table's tokens/s/GPU column", MPT_COMPILE, differs, params=params,
+                network_why="one node: NVLink only (RoCE between nodes is not crossed)")
+
+
+# --------------------------------------------------------------------------- flash-attention (GPT-3 shapes)
+# GPT-2 style: learned positions, tied, vocab 50257 padded to a multiple of 8 (50264); MHA.
+FLASH_COMPILE = ("model: the source's hand-fused kernels (FusedDense MLP with GELU, dropout-add-LayerNorm, "
+                 "fused cross-entropy) are what flopwise gets by compiling; eager would predict unfused ops "
+                 "the source does not run")
+FLASH_DIFFERS = (
+    "attention: the flash-attn package's FlashAttention (v1/v2); flopwise's SDPA flash kernel is predicted",
+    "fused MLP / dropout-add-LayerNorm / cross-entropy kernels: predicted as inductor's fused regions of the "
+    "compiled flopwise model (compile=model)",
+    "optimizer: Apex fused AdamW; flopwise's fused torch AdamW is predicted (both one pass over the state)",
+)
+
+
+def flash(cid: str, layers: int, d: int, heads: int, micro: int, gbs: int, node_k: int) -> Case:
+    accum = gbs // (micro * 8)
+    strategy = "ddp" if d <= 1024 else "zero1"  # the source: DDP for 125M and 355M, ZeRO-1 from 760M
+    overrides = ["model.arch=gpt2", *_shape(layers, d, heads, heads, 4 * d, 50264, 2048),
+                 *_step(2048, micro, accum, 8, "bf16", "model", "none", strategy)]
+    differs = FLASH_DIFFERS + ("precision: Lightning's bf16 (autocast over fp32 weights) = flopwise bf16",)
+    return Case(cid, FLASH, "gpt2-124m", tuple(overrides), "a100", 8, node_k * 1000 / 8,
+                f"{node_k}k tokens/s for the node of 8 (derived: / 8 GPUs)", FLASH_COMPILE, differs,
+                network_why="one node: NVLink only")
+
+
+# --------------------------------------------------------------------------- llm.c (GPT-2)
+LLMC_COMPILE = ("model: llm.c's own CUDA kernels fuse residual+LayerNorm, GELU into the matmul epilogue and the "
+                "classifier with its loss; flopwise's nearest is the compiled model")
+LLMC_DIFFERS = (
+    "llm.c's own CUDA kernels (not PyTorch): its fused LayerNorm/GELU/classifier are predicted as inductor's "
+    "fused regions of the compiled flopwise model; cuBLASLt GEMMs as flopwise's GEMMs",
+    "attention: cuDNN flash attention; flopwise's SDPA flash kernel is predicted",
+    "bf16 weights with fp32 master weights and llm.c's fused AdamW kernel = flopwise bf16-pure with fused AdamW",
+)
+
+
+def llmc(cid: str, shape: tuple[int, int, int], gpu: str, micro: int, accum: int, tokens: int,
+         step_s: float, step_how: str) -> Case:
+    layers, d, heads = shape
+    overrides = ["model.arch=gpt2", *_shape(layers, d, heads, heads, 4 * d, 50304, 1024),
+                 *_step(1024, micro, accum, 8, "bf16-pure", "model", "none", "zero1")]
+    return Case(cid, LLMC, "gpt2-124m", tuple(overrides), gpu, 8, tokens / step_s / 8,
+                f"{tokens:,} tokens/step at {step_how} (derived: tokens / step_s / 8 GPUs)", LLMC_COMPILE,
+                LLMC_DIFFERS, network_why="one node: NVLink only")
+
+
+def cases() -> list[Case]:
+    """Every calibration case, in the reference's order."""
+    out = [
+        mpt("MF-a", "125m", "a100", 32, 2, 141_737),
+        mpt("MF-b", "350m", "a100", 32, 2, 58_782),
+        mpt("MF-c", "760m", "a100", 24, 2, 32_434),
+        mpt("MF-d", "1b", "a100", 14, 4, 20_513),
+        mpt("MF-e", "3b", "a100", 10, 2, 10_811),
+        mpt("MF-g", "760m", "h100", 24, 2, 63_147),
+        mpt("MF-h", "1b", "h100", 14, 1, 45_455),
+        mpt("MF-k", "125m", "a100 40gb", 26, 3, 136_334, pure=True),
+        mpt("MF-l", "1b", "a100 40gb", 8, 8, 19_271, pure=True),
+        flash("FA-1", 12, 768, 12, 32, 256, 1310),
+        flash("FA-2", 24, 1024, 16, 16, 256, 503),
+        flash("FA-3", 24, 1536, 16, 16, 256, 245),
+        flash("FA-4", 24, 2048, 16, 8, 512, 169),
+        flash("FA-5", 32, 2560, 20, 4, 512, 85),
+        llmc("LC-1", (12, 768, 12), "a100", 64, 1, 524_288, 0.300, "~300 ms"),
+        llmc("LC-2", (24, 1024, 16), "a100", 64, 1, 524_288, 0.820, "~820 ms"),
+        llmc("LC-3", (36, 1280, 20), "a100", 32, 2, 524_288, 1.7, "~1.7 s"),
+        llmc("LC-4", (48, 1600, 25), "h100", 16, 8, 1_048_576, 2.80, "2.80 s"),
+    ]
+    return [*out, tinyllama(), torchtitan_8b()]
+
+
+def tinyllama() -> Case:
+    # pretrain/tinyllama.py: micro-batch 8, global_batch_size 512 // num_of_devices 8 = 64 per GPU, so 8
+    # accumulation steps; on 16 GPUs that is 1,024 sequences (the README's 2M-token batch).
+    overrides = ["model.arch=llama", *_shape(22, 2048, 32, 4, 5632, 32000, 2048), "model.rope_theta=10000",
+                 "model.tie_embeddings=false",
+                 *_step(2048, 8, 8, 16, "bf16", "model", "none", "fsdp2")]
+    return Case("TL-1", TINYLLAMA, "llama3.2-1b", tuple(overrides), "a100 40gb", 16, 24_000,
+                "24k tokens/s per A100-40G (the README's sentence)",
+                "model: the source's fused RMSNorm / SwiGLU / rotary / cross-entropy kernels are what flopwise "
+                "gets by compiling; eager would predict unfused ops the source does not run",
+                ("attention: the flash-attn package's FlashAttention-2; flopwise's SDPA flash kernel is predicted",
+                 "fused RMSNorm, SwiGLU (xformers), rotary and cross-entropy kernels: predicted as inductor's fused "
+                 "regions of the compiled flopwise model",
+                 "Lightning FSDP FULL_SHARD wrapped per block, bf16-mixed = flopwise fsdp2 (gathered in bf16, "
+                 "reduced in fp32) under bf16 autocast",
+                 "optimizer: torch AdamW with foreach=False (a loop over tensors); flopwise's fused AdamW is predicted"),
+                network="ib-hdr", network_why="assumed: the source names no inter-node link; InfiniBand HDR "
+                "200 Gb/s per GPU is the usual A100 cluster's")
+
+
+def torchtitan_8b() -> Case:
+    overrides = ["model.arch=llama", *_shape(32, 4096, 32, 8, 14336, 128256, 8192), "model.rope_theta=500000",
+                 "model.tie_embeddings=false",
+                 *_step(8192, 1, 1, 64, "bf16", "off", "selective", "fsdp2"),
+                 "train.activation_checkpointing_every=2"]
+    return Case("TT-6", TITAN, "llama3.2-1b", tuple(overrides), "a100", 64, 2_904,
+                "the table's tokens/s/GPU column",
+                "off: the measured row is torchtitan without torch.compile (eager)",
+                ("selective per-layer AC at torchtitan's default selective_ac_option 2 (every 2nd block recomputed) "
+                 "= flopwise selective with activation_checkpointing_every=2",
+                 "FSDP2 with bf16 param / fp32 reduce mixed precision = flopwise fsdp2 under bf16 autocast",
+                 "attention: SDPA (the same kernels flopwise's SDPA chooses)"),
+                network="ib-hdr", network_why="assumed: the source names no inter-node link; InfiniBand HDR "
+                "200 Gb/s per GPU is the usual A100 cluster's")
+
+
+# --------------------------------------------------------------------------- running
+
+def describe(case: Case) -> dict[str, Any]:
+    """The case as the JSON and ``--list`` show it (builds its config: a ConfigError if it is invalid)."""
+    cfg = case.config()
+    m, t = cfg.model, cfg.train
+    spec = hardware.find(case.gpu)
+    return {"id": case.id, "source": case.source, "gpu": spec.name if spec else case.gpu, "gpus": case.gpus,
+            "nproc_per_node": case.nproc_per_node, "nnodes": case.nnodes, "network": case.network,
+            "network_why": case.network_why, "preset": case.preset, "overrides": list(case.overrides),
+            "shape": f"{m.n_layers} layers, d {m.d_model}, {m.n_heads}/{m.n_kv_heads} heads, ffn {m.ffn_hidden}, "
+                     f"vocab {m.vocab_size}, {m.norm}, {m.mlp}, {m.pos_emb}, tied {m.tie_embeddings}",
+            "seq_len": t.seq_len, "micro_batch": t.micro_batch_size, "global_batch": t.global_batch_size,
+            "accum": cfg.grad_accum_steps(case.gpus), "precision": t.precision, "compile": t.compile,
+            "compile_why": case.compile_why, "activation_checkpointing": t.activation_checkpointing,
+            "strategy": cfg.parallel.strategy, "measured_tokens_per_s_per_gpu": round(case.measured, 1),
+            "measured_how": case.measured_how, "source_params": case.params, "differs": list(case.differs)}
+
+
+def predict(case: Case) -> dict[str, Any]:
+    """Trace the case and read the prediction; ``predicted`` is None (with ``why``) when there is none."""
+    kwargs: dict[str, Any] = {}
+    if case.network and "network" in inspect.signature(dry_run).parameters:
+        kwargs["network"] = case.network
+    t0 = time.perf_counter()
+    result = dry_run(case.config(), gpu=case.gpu, nproc_per_node=case.nproc_per_node, nnodes=case.nnodes,
+                     log=lambda s: None, **kwargs)
+    row: dict[str, Any] = {"trace_s": round(time.perf_counter() - t0, 1), "compile_traced": result.get("compile"),
+                           "loss_traced": result.get("loss"), "network_passed": "network" in kwargs}
+    pred = result.get("prediction")
+    if pred is None:
+        return {**row, "predicted": None, "why": "no prediction in the dry run's result"}
+    if not pred.get("predicted"):
+        return {**row, "predicted": None, "why": pred.get("why", "no prediction (no reason given)")}
+    tps = float(pred["tokens_per_s_per_gpu"])
+    return {**row, "predicted": tps, "ratio": tps / case.measured, "step_s": pred.get("step_s"),
+            "mfu": pred.get("mfu"), "hfu": pred.get("hfu"), "breakdown": pred.get("breakdown")}
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median and largest |predicted / measured - 1| over the cases that have a prediction."""
+    errors = [(abs(r["ratio"] - 1), r["id"]) for r in rows if r.get("ratio") is not None]
+    if not errors:
+        return {"predicted_cases": 0, "cases": len(rows)}
+    worst = max(errors)
+    return {"predicted_cases": len(errors), "cases": len(rows),
+            "median_abs_error": statistics.median(e for e, _ in errors), "largest_abs_error": worst[0],
+            "largest_case": worst[1], "within_25pct": sum(e <= WITHIN for e, _ in errors)}
+
+
+def _line(r: dict[str, Any]) -> str:
+    if r.get("predicted") is None:
+        return f"| {r['id']} | {r['gpus']} x {r['gpu']} | {r['measured_tokens_per_s_per_gpu']:,.0f} | - | - | {r['why']} |"
+    kinds = ", ".join(f"{k} {v:.3g}" for k, v in (r.get("breakdown") or {}).items() if isinstance(v, (int, float)))
+    return (f"| {r['id']} | {r['gpus']} x {r['gpu']} | {r['measured_tokens_per_s_per_gpu']:,.0f} | "
+            f"{r['predicted']:,.0f} (predicted) | {r['ratio']:.3f} | predicted step {r['step_s']:.3f} s: {kinds} |")
+
+
+def list_cases(chosen: list[Case]) -> None:
+    for c in chosen:
+        d = describe(c)
+        print(f"{d['id']}  {d['source']}\n  {d['gpus']} x {d['gpu']} ({d['nnodes']} node(s) of {d['nproc_per_node']}; "
+              f"network {d['network'] or '-'}: {d['network_why']})\n  {d['shape']}\n  seq {d['seq_len']}, "
+              f"micro-batch {d['micro_batch']} x accum {d['accum']} x {d['gpus']} GPUs = {d['global_batch']}; "
+              f"{d['precision']}, {d['strategy']}, AC {d['activation_checkpointing']}, compile "
+              f"{d['compile_why']}\n  measured {d['measured_tokens_per_s_per_gpu']:,.0f} tokens/s/GPU "
+              f"({d['measured_how']})\n  --preset {d['preset']} {' '.join(d['overrides'])}")
+        for line in d["differs"]:
+            print(f"  differs: {line}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--case", nargs="+", metavar="ID", help="only these cases (default: all)")
+    p.add_argument("--list", action="store_true", help="print the cases and their configs; trace nothing")
+    p.add_argument("--json-out", type=Path, help="write the record here instead of benchmarks/results/")
+    a = p.parse_args(argv)
+    every = cases()
+    known = {c.id.lower(): c for c in every}
+    unknown = [x for x in a.case or [] if x.lower() not in known]
+    if unknown:
+        p.error(f"--case {' '.join(unknown)}: unknown; choose from {', '.join(c.id for c in every)}")
+    chosen = [known[x.lower()] for x in a.case] if a.case else every
+    if a.list:
+        list_cases(chosen)
+        return 0
+    print("| case | GPUs | measured tok/s/GPU | tok/s/GPU | predicted / measured | predicted step and breakdown (s) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    rows = []
+    for c in chosen:
+        row = {**describe(c), **predict(c)}
+        rows.append(row)
+        print(_line(row), flush=True)
+    record = {"cases": rows, "summary": summary(rows), "bound": WITHIN}
+    s = record["summary"]
+    if s["predicted_cases"]:
+        print(f"\npredicted against measured: median |ratio - 1| {s['median_abs_error']:.1%}, largest "
+              f"{s['largest_abs_error']:.1%} ({s['largest_case']}), {s['within_25pct']} of {s['predicted_cases']} "
+              "within 25%")
+    else:
+        print(f"\nno case has a prediction ({len(rows)} traced)")
+    device = "traced on fake tensors (no GPU ran); tokens/s predicted for the cases' GPUs"
+    if a.json_out is None:
+        save_result("predict-vs-public", "traced", device, record)
+    else:
+        a.json_out.parent.mkdir(parents=True, exist_ok=True)
+        a.json_out.write_text(json.dumps({"benchmark": "predict_vs_public", "device": device, **record}, indent=2)
+                              + "\n")
+        print(f"wrote {a.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""benchmarks/predict_vs_public.py's calibration cases, without tracing: every case's config
+validates, its model has the source's parameter count, its batch is the source's, and the
+measured tokens/s per GPU it holds (or derives) is the reference file's figure. The script's
+own logic (no prediction, a prediction, the network flag, the summary) runs on a stand-in
+dry run."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from flopwise.plan import hardware
+from flopwise.plan.flops import param_counts
+
+ROOT = Path(__file__).resolve().parents[2]
+REFERENCE = ROOT.parent / "shared" / "reference" / "gpu-measurements.md"
+
+# As shared/reference/gpu-measurements.md gives them: GPUs, GPU, seq, micro-batch, accumulation
+# (None: not in the reference) and global batch in sequences.
+BATCHES = {
+    "MF-a": (8, "A100 SXM 80GB", 2048, 32, 2, 512), "MF-b": (8, "A100 SXM 80GB", 2048, 32, 2, 512),
+    "MF-c": (8, "A100 SXM 80GB", 2048, 24, 2, 384), "MF-d": (8, "A100 SXM 80GB", 2048, 14, 4, 448),
+    "MF-e": (8, "A100 SXM 80GB", 2048, 10, 2, 160), "MF-g": (8, "H100 SXM", 2048, 24, 2, 384),
+    "MF-h": (8, "H100 SXM", 2048, 14, 1, 112), "MF-k": (8, "A100 SXM 40GB", 2048, 26, 3, 624),
+    "MF-l": (8, "A100 SXM 40GB", 2048, 8, 8, 512),
+    "FA-1": (8, "A100 SXM 80GB", 2048, 32, None, 256), "FA-2": (8, "A100 SXM 80GB", 2048, 16, None, 256),
+    "FA-3": (8, "A100 SXM 80GB", 2048, 16, None, 256), "FA-4": (8, "A100 SXM 80GB", 2048, 8, None, 512),
+    "FA-5": (8, "A100 SXM 80GB", 2048, 4, None, 512),
+    "LC-1": (8, "A100 SXM 80GB", 1024, 64, 1, 512), "LC-2": (8, "A100 SXM 80GB", 1024, 64, 1, 512),
+    "LC-3": (8, "A100 SXM 80GB", 1024, 32, 2, 512), "LC-4": (8, "H100 SXM", 1024, 16, 8, 1024),
+    "TL-1": (16, "A100 SXM 40GB", 2048, 8, None, None), "TT-6": (64, "A100 SXM 80GB", 8192, 1, None, 64),
+}
+# tokens/s per GPU as the reference states it or derives it: (value, the tolerance its rounding leaves)
+MEASURED = {
+    "MF-a": (141_737, 0), "MF-b": (58_782, 0), "MF-c": (32_434, 0), "MF-d": (20_513, 0), "MF-e": (10_811, 0),
+    "MF-g": (63_147, 0), "MF-h": (45_455, 0), "MF-k": (136_334, 0), "MF-l": (19_271, 0),
+    "FA-1": (163_800, 50), "FA-2": (62_900, 50), "FA-3": (30_600, 50), "FA-4": (21_100, 50), "FA-5": (10_600, 50),
+    "LC-1": (524_288 / 0.300 / 8, 0.5), "LC-2": (524_288 / 0.820 / 8, 0.5), "LC-3": (524_288 / 1.7 / 8, 0.5),
+    "LC-4": (1_048_576 / 2.80 / 8, 0.5), "TL-1": (24_000, 0), "TT-6": (2_904, 0),
+}
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # the script imports its sibling _results as a script does
+    try:
+        import predict_vs_public
+        yield predict_vs_public
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+        sys.modules.pop("predict_vs_public", None)
+
+
+@pytest.fixture(scope="module")
+def cases(bench):
+    return {c.id: c for c in bench.cases()}
+
+
+def test_every_calibration_case_is_there_once(cases, bench):
+    assert sorted(cases) == sorted(BATCHES)
+    assert len(bench.cases()) == len(BATCHES)
+
+
+def test_every_case_builds_a_valid_config_on_a_known_gpu(cases):
+    for cid, c in cases.items():
+        cfg = c.config()  # raises ConfigError naming every problem
+        gpus, gpu, seq, micro, accum, gbs = BATCHES[cid]
+        assert hardware.find(c.gpu).name == gpu, cid
+        assert c.gpus == gpus == c.nproc_per_node * c.nnodes, cid
+        assert (cfg.train.seq_len, cfg.train.micro_batch_size) == (seq, micro), cid
+        assert cfg.model.max_seq_len >= seq, cid
+        if accum is not None:
+            assert cfg.grad_accum_steps(gpus) == accum, cid
+        if gbs is not None:
+            assert cfg.train.global_batch_size == gbs, cid
+        assert cfg.train.global_batch_size == micro * cfg.grad_accum_steps(gpus) * gpus, cid
+        assert c.compile_why and (c.network is None) == (c.nnodes == 1), cid
+        if c.network:
+            assert hardware.find_link(c.network) is not None and c.network_why, cid
+
+
+def test_parameter_counts_are_the_sources(cases):
+    with_count = [c for c in cases.values() if c.params]
+    assert {c.id for c in with_count} == {k for k in BATCHES if k.startswith("MF-")}
+    for c in with_count:  # MPT's NumParams includes its learned position table, as param_counts does
+        total = param_counts(c.config().model)["total"]
+        assert abs(total / c.params - 1) <= 0.02, (c.id, total, c.params)
+    # sizes the sources name without a count: TinyLlama 1.1B, Llama 3 8B, GPT-2 124M / 1558M
+    for cid, size in (("TL-1", 1.1e9), ("TT-6", 8.03e9), ("LC-1", 124e6), ("LC-4", 1558e6)):
+        assert abs(param_counts(cases[cid].config().model)["total"] / size - 1) <= 0.02, cid
+
+
+def test_measured_tokens_per_s_per_gpu_are_the_references(cases):
+    for cid, (value, tol) in MEASURED.items():
+        assert abs(cases[cid].measured - value) <= tol, (cid, cases[cid].measured, value)
+
+
+def _reference_rows() -> dict[str, list[str]]:
+    rows = {}
+    for line in REFERENCE.read_text().splitlines():
+        cells = [x.strip() for x in line.strip().strip("|").split("|")]
+        if cells and re.fullmatch(r"(MF|FA|LC|TL|TT)-\w+", cells[0]):
+            rows[cells[0]] = cells
+    return rows
+
+
+def _number(text: str) -> float:
+    m = re.search(r"([\d,.]+)\s*(k|ms|s)?", text)
+    value = float(m.group(1).replace(",", ""))
+    return value * {"k": 1000, "ms": 1e-3}.get(m.group(2) or "", 1)
+
+
+@pytest.mark.skipif(not REFERENCE.is_file(), reason="the shared reference file is not beside this checkout")
+def test_the_tables_above_match_the_reference_file(cases):
+    rows = _reference_rows()
+    assert sorted(rows) == sorted(cases)
+    for cid, cells in rows.items():
+        if cid.startswith("LC-"):  # tokens/step and the step time: derived per GPU
+            value = _number(cells[-2]) / _number(cells[-1]) / 8
+        elif cid.startswith("FA-"):
+            value = _number(cells[-1])
+        else:
+            value = _number(cells[-2])
+        tol = 50 if cid.startswith("FA-") else 0.5
+        assert abs(cases[cid].measured - value) <= tol, (cid, cases[cid].measured, value)
+
+
+def test_list_traces_nothing(bench, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "dry_run", lambda *a, **k: pytest.fail("--list traced"))
+    assert bench.main(["--list", "--case", "mf-a", "TT-6"]) == 0
+    out = capsys.readouterr().out
+    assert "MF-a" in out and "TT-6" in out and "LC-1" not in out and "differs:" in out
+
+
+def test_no_prediction_is_said_not_faked(bench, cases, monkeypatch):
+    def old_dry_run(cfg, gpu=None, nproc_per_node=1, nnodes=1, memory_gb=0.0, headroom=0.9, log=print):
+        return {"compile": cfg.train.compile, "loss": "plain"}
+
+    monkeypatch.setattr(bench, "dry_run", old_dry_run)
+    row = bench.predict(cases["TL-1"])  # two nodes, but this dry run takes no network
+    assert row["predicted"] is None and row["why"] == "no prediction in the dry run's result"
+    assert row["network_passed"] is False
+    assert bench.summary([{**row, "id": "TL-1"}]) == {"predicted_cases": 0, "cases": 1}
+
+
+def test_a_prediction_gives_the_ratio_and_the_network(bench, cases, monkeypatch):
+    seen = {}
+
+    def new_dry_run(cfg, gpu=None, nproc_per_node=1, nnodes=1, memory_gb=0.0, headroom=0.9, log=print,
+                    network=None):
+        seen.update(gpu=gpu, nproc_per_node=nproc_per_node, nnodes=nnodes, network=network)
+        tps = 12_000.0 if gpu == "a100 40gb" else 0.0
+        return {"prediction": {"predicted": True, "step_s": 1.0, "tokens_per_s_per_gpu": tps, "mfu": 0.5,
+                               "breakdown": {"matmul": 0.8}}} if tps else {
+            "prediction": {"predicted": False, "why": "no SM count for this GPU"}}
+
+    monkeypatch.setattr(bench, "dry_run", new_dry_run)
+    row = bench.predict(cases["TL-1"])
+    assert seen == {"gpu": "a100 40gb", "nproc_per_node": 8, "nnodes": 2, "network": "ib-hdr"}
+    assert row["ratio"] == pytest.approx(0.5) and row["breakdown"] == {"matmul": 0.8}
+    missing = bench.predict(cases["TT-6"])
+    assert missing["predicted"] is None and missing["why"] == "no SM count for this GPU"
+    s = bench.summary([{**row, "id": "TL-1"}, {**missing, "id": "TT-6"},
+                       {"id": "X", "ratio": 1.1}, {"id": "Y", "ratio": 0.9}])
+    assert s["predicted_cases"] == 3 and s["largest_case"] == "TL-1"
+    assert s["largest_abs_error"] == pytest.approx(0.5) and s["median_abs_error"] == pytest.approx(0.1)
+    assert s["within_25pct"] == 2
