@@ -83,7 +83,8 @@ def _shape(layers: int, d: int, heads: int, kv: int, ffn: int, vocab: int, max_s
 def _step(seq: int, micro: int, accum: int, gpus: int, precision: str, compile_: str, ac: str,
           strategy: str) -> list[str]:
     """The step's overrides; the global batch is micro-batch x accumulation x GPUs, as the sources count it."""
-    return [f"train.seq_len={seq}", f"train.micro_batch_size={micro}", f"train.global_batch_size={micro * accum * gpus}",
+    return [f"train.seq_len={seq}", f"train.micro_batch_size={micro}",
+            f"train.global_batch_size={micro * accum * gpus}",
             f"train.precision={precision}", f"train.compile={compile_}", f"train.activation_checkpointing={ac}",
             f"parallel.strategy={strategy}"]
 
@@ -204,7 +205,8 @@ def tinyllama() -> Case:
                  "regions of the compiled flopwise model",
                  "Lightning FSDP FULL_SHARD wrapped per block, bf16-mixed = flopwise fsdp2 (gathered in bf16, "
                  "reduced in fp32) under bf16 autocast",
-                 "optimizer: torch AdamW with foreach=False (a loop over tensors); flopwise's fused AdamW is predicted"),
+                 "optimizer: torch AdamW with foreach=False (a loop over tensors); flopwise's fused AdamW is "
+                 "predicted"),
                 network="ib-hdr", network_why="assumed: the source names no inter-node link; InfiniBand HDR "
                 "200 Gb/s per GPU is the usual A100 cluster's")
 
@@ -276,11 +278,13 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _line(r: dict[str, Any]) -> str:
+    head = f"| {r['id']} | {r['gpus']} x {r['gpu']} | {r['measured_tokens_per_s_per_gpu']:,.0f} |"
     if r.get("predicted") is None:
-        return f"| {r['id']} | {r['gpus']} x {r['gpu']} | {r['measured_tokens_per_s_per_gpu']:,.0f} | - | - | {r['why']} |"
-    kinds = ", ".join(f"{k} {v:.3g}" for k, v in (r.get("breakdown") or {}).items() if isinstance(v, (int, float)))
-    return (f"| {r['id']} | {r['gpus']} x {r['gpu']} | {r['measured_tokens_per_s_per_gpu']:,.0f} | "
-            f"{r['predicted']:,.0f} (predicted) | {r['ratio']:.3f} | predicted step {r['step_s']:.3f} s: {kinds} |")
+        return f"{head} - | - | {r['why']} |"
+    breakdown = r.get("breakdown") or {}
+    kinds = ", ".join(f"{k} {v:.3g}" for k, v in breakdown.items() if isinstance(v, (int, float)))
+    return (f"{head} {r['predicted']:,.0f} (predicted) | {r['ratio']:.3f} | "
+            f"predicted step {r['step_s']:.3f} s: {kinds} |")
 
 
 def list_cases(chosen: list[Case]) -> None:

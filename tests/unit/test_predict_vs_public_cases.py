@@ -159,6 +159,8 @@ def test_a_prediction_gives_the_ratio_and_the_network(bench, cases, monkeypatch)
     row = bench.predict(cases["TL-1"])
     assert seen == {"gpu": "a100 40gb", "nproc_per_node": 8, "nnodes": 2, "network": "ib-hdr"}
     assert row["ratio"] == pytest.approx(0.5) and row["breakdown"] == {"matmul": 0.8}
+    line = bench._line({**bench.describe(cases["TL-1"]), **row})
+    assert "12,000 (predicted)" in line and "24,000" in line and "predicted step 1.000 s: matmul 0.8" in line
     missing = bench.predict(cases["TT-6"])
     assert missing["predicted"] is None and missing["why"] == "no SM count for this GPU"
     s = bench.summary([{**row, "id": "TL-1"}, {**missing, "id": "TT-6"},
