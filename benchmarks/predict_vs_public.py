@@ -263,7 +263,9 @@ def predict(case: Case) -> dict[str, Any]:
         return {**row, "predicted": None, "why": pred.get("why", "no prediction (no reason given)")}
     tps = float(pred["tokens_per_s_per_gpu"])
     return {**row, "predicted": tps, "ratio": tps / case.measured, "step_s": pred.get("step_s"),
-            "mfu": pred.get("mfu"), "hfu": pred.get("hfu"), "breakdown": pred.get("breakdown")}
+            "mfu": pred.get("mfu"), "hfu": pred.get("hfu"), "breakdown": pred.get("breakdown"),
+            # the links the prediction counted (GB/s per GPU): a dry run without network= takes its default
+            "link_gb_s": pred.get("link"), "network_gb_s": pred.get("network")}
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
