@@ -6,6 +6,7 @@ Each subcommand imports the modules that need torch (or numpy) inside itself, ma
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import errno
 import json
 import math
@@ -24,7 +25,7 @@ from flopwise.plan.flops import param_counts
 from flopwise.plan.memory import MemorySettings, current_name
 from flopwise.plan.render import format_gpu_table, format_plan
 from flopwise.report import ReportError, build_report
-from flopwise.tune.dryrun import DEFAULT_GPU, DryRunFailed, dry_run, render
+from flopwise.tune.dryrun import DEFAULT_GPU, DryRunFailed, dry_run, for_json, render
 from flopwise.tune.shim import DryRunUnavailable
 
 DEBUG_ENV = "FLOPWISE_DEBUG"  # set (not 0): errors show their traceback too, as --debug
@@ -567,7 +568,7 @@ def _dry_run(cfg, args: argparse.Namespace) -> int:
         print(f"flopwise preflight --dry-run: {e}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(result, indent=2, default=str))
+        print(json.dumps(for_json(result), indent=2, default=str))
     else:
         print("\n".join(render(result)))
     return 0
@@ -759,8 +760,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan["notes"] = notes
     _print_notes("plan", notes)
     trace = _trace_plan(source, plan, args) if args.trace else None
+    prediction = (trace or {}).get("prediction") or {}
+    if prediction.get("predicted") and prediction.get("mfu"):  # time and cost at the traced step's predicted MFU
+        how = (f"{100 * prediction['mfu']:.1f}% for the planned step on {prediction['gpu']}, from its traced kernels "
+               "(flopwise preflight --dry-run)")
+        plan = build_plan(dataclasses.replace(inp, mfu=min(1.0, prediction["mfu"]), mfu_predicted_by=how))
+        plan["notes"] = notes
     if args.json:
-        print(json.dumps({**plan, **({"trace": trace} if trace else {})}, indent=2, default=str))
+        print(json.dumps({**plan, **({"trace": for_json(trace)} if trace else {})}, indent=2, default=str))
         return 0
     print(format_plan(plan))
     if trace:

@@ -76,6 +76,9 @@ class PlanInputs:
     gpus: int = 1
     gpus_per_node: int = 8
     mfu: float = 0.40
+    # where mfu came from: "" assumed (--mfu or the default); else the dry run's prediction for
+    # the planned step on this GPU (plan --trace), whose step time holds its exposed communication
+    mfu_predicted_by: str = ""
     tokens: int = 0
     hours: float = 0.0
     chinchilla: bool = False
@@ -583,13 +586,16 @@ def _build_plan(inp: PlanInputs) -> dict[str, Any]:
     active = plan["params_breakdown"]["active"] if plan["params_breakdown"] else n_params
     peak = inp.peak_flops
     effective = peak * inp.gpus * inp.mfu if peak else None
-    plan.update(gpu=_gpu(inp), gpus=inp.gpus, mfu=inp.mfu, effective_flops=effective)
+    plan.update(gpu=_gpu(inp), gpus=inp.gpus, mfu=inp.mfu, effective_flops=effective,
+                mfu_source=inp.mfu_predicted_by or "assumed")
     # the batch sets the communication per step, which --hours must leave room for: so the
     # memory, batch and scaling are planned first, and the tokens with their efficiency
     memory_and_batch = _memory_and_batch(inp, n_params)
     batch = memory_and_batch["batch"]
     scaling_plan = _scaling_plan(inp, fpt, batch, n_params)
-    plan.update(_tokens_time_cost(inp, fpt, active, effective, scaling_plan["at_gpus"]["efficiency"]))
+    # a predicted MFU is of the whole step, its exposed communication included: not counted twice
+    efficiency = 1.0 if inp.mfu_predicted_by else scaling_plan["at_gpus"]["efficiency"]
+    plan.update(_tokens_time_cost(inp, fpt, active, effective, efficiency))
     plan.update(memory_and_batch)
     scaling_plan["hours_with_comm"] = plan["hours"] if plan["compute_hours"] is not None else None
     if plan["tokens"] is not None:

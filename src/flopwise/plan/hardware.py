@@ -111,6 +111,17 @@ CAPABILITY: dict[str, tuple[int, int]] = {
 }
 
 
+# Streaming multiprocessors of each entry (NVIDIA's architecture whitepapers: GA100 as shipped in
+# A100 108, GH100 in H100 SXM / H200 / GH200 132 and in H100 PCIe 114, GB100 in B200 148; the
+# product datasheets of the others): what a matrix multiply's tiles are spread over in waves
+# (plan/steptime.py). An entry without one gets no predicted step time.
+SMS: dict[str, int] = {
+    "H200 NVL": 132, "H200": 132, "GH200": 132, "H100 NVL": 132, "H100 PCIe": 114, "H100 SXM": 132, "B200": 148,
+    "A100 SXM 80GB": 108, "A100 PCIe 80GB": 108, "A100 SXM 40GB": 108, "A100 PCIe 40GB": 108, "A10G": 80, "A10": 72,
+    "L40S": 142, "L4": 58, "RTX PRO 6000 Blackwell": 188, "RTX 6000 Ada": 142, "RTX A6000": 84, "RTX 5090": 170,
+    "RTX 4090": 128, "RTX 3090": 82, "V100 SXM2 32GB": 80, "V100 SXM2 16GB": 80, "T4": 40,
+}
+
 DTYPES = ("bf16", "fp16", "fp8", "tf32", "fp32")
 
 # Words that say nothing about which card it is.

@@ -268,7 +268,8 @@ def _timed(v: PlanView) -> bool:
 
 def _communicating(v: PlanView) -> bool:
     """Whether the wall time has a compute and a communication part (several GPUs, a peak)."""
-    return v.plan["gpus"] > 1 and v.plan.get("compute_hours") is not None
+    return (v.plan["gpus"] > 1 and v.plan.get("compute_hours") is not None
+            and v.plan.get("mfu_source", "assumed") == "assumed")  # a predicted MFU holds the communication
 
 
 def _wall_how(v: PlanView) -> str:
@@ -280,12 +281,19 @@ def _wall_how(v: PlanView) -> str:
     return f"{budget}total FLOPs ÷ effective FLOP/s"
 
 
+def _mfu_how(v: PlanView) -> str:
+    source = v.plan.get("mfu_source", "assumed")
+    if source == "assumed":
+        return "assumed model FLOPs utilisation (--mfu); flopwise plan --trace predicts it from the traced step"
+    return f"predicted: {source} (communication included; not measured)"
+
+
 TIME_AND_COST = Section("Time and cost", (
     Row("GPU", lambda v: f"{v.gpu['name'] or 'unspecified'} × {v.plan['gpus']}", how=_peak_how),
     Row("GPU memory", lambda v: v.gpu["memory_gb"], lambda gb: f"{gb:g} GiB",
         lambda v: f"per GPU ({v.gpu.get('memory_source') or 'hardware table'})",
         when=lambda v: v.gpu.get("memory_gb")),
-    Row("MFU", _plan("mfu"), lambda mfu: f"{100 * mfu:.1f}%", "assumed model FLOPs utilisation"),
+    Row("MFU", _plan("mfu"), lambda mfu: f"{100 * mfu:.1f}%", _mfu_how),
     Row("effective", _plan("effective_flops"), lambda x: _n(x, "FLOP/s"),
         lambda v: f"{v.gpu['peak_tflops']:g}T × {v.plan['gpus']} GPUs × {v.plan['mfu']:g}",
         when=_plan("effective_flops")),

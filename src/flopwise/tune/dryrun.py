@@ -31,6 +31,8 @@ from flopwise.errors import FlopwiseError
 from flopwise.measure.sinks import human
 from flopwise.plan import hardware
 from flopwise.plan.budget import PlanError
+from flopwise.tune.predict import predicted
+from flopwise.tune.predict import render as render_prediction
 from flopwise.tune.shim import DryRunUnavailable, ensure_shim, torch_install
 
 Log = Callable[[str], None]
@@ -126,7 +128,17 @@ def dry_run(cfg: RunConfig, gpu: str | None = None, nproc_per_node: int = 1, nno
         if result.get("where") == "config":  # the problems themselves, as the run would list them
             raise ConfigError(result.get("problems") or [result["error"]])
         raise DryRunFailed(f"the step fails on {world} × {spec.name}: {result['error']}{where}")
+    result["prediction"] = predicted(result, cfg)  # on the GPU's usual links; tune.predict for others
     return result
+
+
+def for_json(result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` as ``--json`` prints it: the kernel list (thousands of records, the prediction's
+    input) replaced by its length."""
+    trace = dict(result.get("trace", {}))
+    if "kernels" in trace:
+        trace["kernels"] = {k: (len(v) if k == "records" else v) for k, v in trace["kernels"].items()}
+    return {**result, "trace": trace}
 
 
 # The tracing process is started as ``python -c WORKER_START ROOT REQUEST RESULT PID``, never as
@@ -311,5 +323,7 @@ def render(result: dict[str, Any]) -> list[str]:
     if t["collectives"]:
         parts = [f"{op.strip('_')} ×{c['calls']} ({human(c['bytes'], 'B')})" for op, c in t["collectives"].items()]
         lines.append(f"  collectives rank 0, traced step ({t['traced_accum']} micro-batches): {' · '.join(parts)}")
+    if "prediction" in result:
+        lines += render_prediction(result["prediction"])
     lines.append(f"  not seen   a trace cannot see {'; '.join(UNSEEN)}")
     return lines

@@ -51,6 +51,7 @@ from flopwise.train.precision import resolve as resolve_precision
 from flopwise.train.setup import build_step
 from flopwise.train.train_step import StepOnly
 from flopwise.tune import fake
+from flopwise.tune.kernels import KernelLog
 
 TRACED_MICRO_BATCHES = 2  # the first micro-batch's gradients exist during the second one's backward
 COMPILED_STEPS = 3  # the first compiles; the second and third show recompiles
@@ -164,14 +165,19 @@ def _random_batches(cfg: RunConfig, device: torch.device, micro_batch: int) -> A
     return Batches()
 
 
-def _in_forward(loss_fn: Any, memory: fake.LiveMemory) -> Any:
-    """``loss_fn`` with the memory recorder told that what it makes is the forward's."""
+def _in_forward(loss_fn: Any, memory: fake.LiveMemory, log: list[KernelLog]) -> Any:
+    """``loss_fn`` with the memory recorder told that what it makes is the forward's, and the
+    kernel log (when ``log`` holds one) that a micro-batch's forward runs."""
     def wrapped(*args: Any) -> Any:
         memory.phase = "activations"
+        for k in log:
+            k.start_forward()
         try:
             return loss_fn(*args)
         finally:
             memory.phase = "temporaries"
+            for k in log:
+                k.end_forward()
     return wrapped
 
 
@@ -263,7 +269,8 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
     with mode, fake.LiveMemory(mode) as memory, _collected_between_steps(), _no_copy_event():
         parts = build_step(cfg, wraps, env, device, prec)
         run = StepOnly.of(cfg, parts, env, device, prec, wraps, _random_batches(cfg, device, micro_batch))
-        run.loss_fn = _in_forward(parts.loss_fn, memory)
+        kernel_log: list[KernelLog] = []  # the reported eager step's, when full
+        run.loss_fn = _in_forward(parts.loss_fn, memory, kernel_log)
         if strategy == "diloco":  # the run cuts what its optimizer steps into the fragments: refused as it refuses
             fragments([p.numel() for p in run.opt_params], cfg.parallel.fragments)
         params, _ = _states(parts)
@@ -312,7 +319,9 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
                 if i == 0 and full:
                     counter = modes.enter_context(FlopCounterMode(display=False, custom_mapping=GROUPED_MM_FLOPS))
                 modes.enter_context(watch)
-                _step(run, outer, step, accum, step_tokens)
+                if i == 1 and full:
+                    kernel_log.append(modes.enter_context(KernelLog()))
+                _step(run, outer, step, accum, step_tokens, kernel_log)
             if counter is not None:
                 out["flops"] = _flops(counter, cfg, accum, run_accum, micro_batch)
                 del counter
@@ -326,6 +335,10 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
                                   for op, n in sorted(watch.collectives.items())}
             out["sdpa_kernels"] = dict(fake.SDPA_CHOICES)
             out["notes"] = parts.notes
+            out["kernels"] = {"records": kernel_log[0].records, "tail_host": kernel_log[0].tail(),
+                              "traced_accum": accum, "run_accum": run_accum, "micro_batch": micro_batch,
+                              "seq_len": t.seq_len, "world": env.world_size,
+                              "outer_every": cfg.parallel.inner_steps if strategy == "diloco" else 0}
             out["dtypes"] = {"parameters": sorted({str(p.dtype) for p in parts.model.parameters()}),
                              "optimizer_state": sorted({str(v.dtype) for v in _states(parts)[1]})}
         grads.close()
@@ -333,10 +346,14 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
     return out
 
 
-def _step(run: StepOnly, outer: DiLoCo | None, step: int, accum: int, step_tokens: int) -> None:
-    """One traced step, and DiLoCo's outer sync after it."""
+def _step(run: StepOnly, outer: DiLoCo | None, step: int, accum: int, step_tokens: int,
+          log: Iterable[KernelLog] = ()) -> None:
+    """One traced step, and DiLoCo's outer sync after it (its kernels marked ``outer``: the run
+    syncs once every ``parallel.inner_steps`` steps)."""
     train_step_module.train_step(run, step, accum, step_tokens, 1e-4)
     if outer is not None:
+        for k in log:
+            k.phase = "outer"
         outer.after_step(step + 1)
 
 

@@ -1,0 +1,335 @@
+"""A training step's time on a named GPU, predicted from the kernels of its trace. Plain arithmetic.
+
+The dry run (``tune/kernels.py``) lists the kernels of the run's own CUDA step as traced on fake
+tensors: matrix multiplies with their shapes, SDPA kernels, memory-bound ops with the values they
+read and write, collectives with their bytes, host reads. This module turns that list into a
+time on a GPU of the hardware table, each kernel by the resource that bounds it:
+
+- a matrix multiply: its FLOPs at the GPU's achievable matmul rate (:data:`GEMM_FRACTION`, a
+  published measurement), less what its shape wastes: output tiles of 128 x 128 (cuBLAS's usual
+  bf16 tile) spread over the SMs in waves, the last wave partly empty; a grid smaller than the SMs
+  is split along K as cuBLAS does. Never faster than its bytes at the achievable bandwidth;
+- attention: the kernel the trace chose (flash, memory-efficient, cuDNN), forward and backward,
+  at the efficiency its authors published for that GPU and head dimension; a causal kernel
+  skips the tiles above the diagonal (tiles of 128: the diagonal ones are computed whole);
+- anything else: bytes read and written over the achievable bandwidth (:data:`HBM_FRACTION`),
+  at least :data:`KERNEL_MIN_S`. Under ``torch.compile`` the elementwise ops between two matrix
+  multiplies (or attention, or a collective) of the forward and the backward are one fused
+  region: it reads what comes from outside it and writes what is read after it, once;
+- the host: each op dispatched costs :data:`HOST_OP_S` (eager), each fused kernel
+  :data:`HOST_KERNEL_S`; when the GPU's work per op is smaller, the host bounds the step;
+- collectives: ring algorithms over the link (NVLink/PCIe in a node, the network between
+  nodes), at the fraction of the link nccl-tests reach, plus a latency per call; each runs on
+  its own stream from when it is issued and its inputs exist, and a kernel that reads what a
+  collective produced waits for it. Only the *exposed* communication costs.
+
+A two-stream simulation (compute, communication) with the host ahead of both gives the step's
+time; the traced step's first micro-batch stands for each of the run's extra ones.
+
+Every constant below names its source. None is fitted to a case of the calibration set
+(``benchmarks/predict_vs_public.py``). A GPU that lacks one gets no prediction, with the name of
+what is missing. fp8 is not predicted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from flopwise.plan import hardware
+
+# The largest fraction of the dense bf16 peak a matrix multiply reaches, by GPU: Stas Bekman's
+# "Maximum Achievable Matmul FLOPS" table (ml-engineering, compute/accelerator, mamf-finder.py,
+# CUDA 12.1-12.5): A100 SXM 267.9/312, A100 PCIe 256.4/312, H100 SXM 792.1/989, GH200 821.0/989.
+GEMM_FRACTION: dict[str, float] = {
+    "A100 SXM 80GB": 0.859, "A100 SXM 40GB": 0.859, "A100 PCIe 80GB": 0.822, "A100 PCIe 40GB": 0.822,
+    "H100 SXM": 0.801, "H200": 0.801, "GH200": 0.830,
+}
+# Achievable fraction of the datasheet HBM bandwidth for a streaming kernel: the same handbook's
+# memory-copy measurements and NVIDIA's own STREAM-type figures put A100 and H100 at 85-92%;
+# 0.85, the low end, as the elementwise kernels of a training step are short.
+HBM_FRACTION = 0.85
+# SDPA kernels' published efficiency, as a fraction of the dense bf16 peak, (kernel, way) ->
+# (head_dim <= 64, head_dim 128), FLOPs counted as their authors count them (forward 4·B·H·T·T·D
+# on the tiles computed, backward 2.5 x the forward). A100: FlashAttention-2 paper (Dao, 2023),
+# figures for A100 80GB SXM4, causal, sequence 2k-8k; memory-efficient (xFormers cutlass) from
+# the same figures' xformers baseline. H100: FlashAttention-3 paper (Shah et al., 2024): FA2 on
+# H100 reaches 35-40% of peak forward, less backward; cuDNN's kernel from its comparisons.
+ATTENTION_FRACTION: dict[str, dict[tuple[str, str], tuple[float, float]]] = {
+    "sm80": {("flash", "fwd"): (0.56, 0.66), ("flash", "bwd"): (0.45, 0.55),
+             ("efficient", "fwd"): (0.38, 0.45), ("efficient", "bwd"): (0.28, 0.33),
+             ("cudnn", "fwd"): (0.50, 0.60), ("cudnn", "bwd"): (0.40, 0.48)},
+    "sm90": {("flash", "fwd"): (0.33, 0.38), ("flash", "bwd"): (0.28, 0.32),
+             ("efficient", "fwd"): (0.20, 0.24), ("efficient", "bwd"): (0.15, 0.18),
+             ("cudnn", "fwd"): (0.50, 0.60), ("cudnn", "bwd"): (0.40, 0.48)},
+}
+ATTENTION_TILE = 128  # FlashAttention-2's query/key block on A100 and H100 (the paper's kernel)
+GEMM_TILE = (128, 128)  # cuBLAS's common bf16 output tile (CUTLASS's default for sm80/sm90 tensor ops)
+SPLIT_K_MIN = 512  # a split-K slice keeps at least this much of K (CUTLASS's split-K heuristics)
+# Host and launch costs. PyTorch's eager dispatch of one op, from Python through the dispatcher to
+# cudaLaunchKernel, is several microseconds (PyTorch's own "overhead" measurements, and Horace
+# He's "Making Deep Learning Go Brrrr"); a compiled graph launches its kernels from generated code.
+HOST_OP_S = 6e-6
+HOST_KERNEL_S = 3e-6
+KERNEL_MIN_S = 2.5e-6  # the shortest a launched kernel takes on the GPU (launch latency, nsight traces)
+# Collectives: nccl-tests on DGX A100 and DGX H100 report all-reduce bus bandwidth of about 80%
+# of NVLink's one-direction rate; across nodes NCCL reaches about 90% of the NIC's line rate.
+LINK_FRACTION = 0.80
+NETWORK_FRACTION = 0.90
+LATENCY_S = {"link": 15e-6, "network": 35e-6}  # per call: nccl-tests' small-message times in a node / over IB
+RING_FACTOR = {"allreduce": 2.0, "all_reduce": 2.0, "allgather": 1.0, "all_gather": 1.0, "reduce_scatter": 1.0,
+               "broadcast": 1.0, "alltoall": 1.0, "all_to_all": 1.0, "reduce": 1.0}
+REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "max", "min", "var_mean", "_log_softmax", "_softmax",
+                        "linalg_vector_norm", "nll_loss_forward", "nll_loss_backward", "embedding_dense_backward",
+                        "cumsum", "_log_softmax_backward_data", "_softmax_backward_data", "native_layer_norm",
+                        "native_layer_norm_backward", "logsumexp"})
+KINDS = ("matmul", "attention", "memory", "optimizer", "launch_host", "exposed_comm")
+
+
+class Unpredictable(ValueError):
+    """The GPU lacks a constant the model needs: which one."""
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """The constants a prediction needs for one GPU and its links (see the module docstring)."""
+
+    name: str
+    peak: dict[str, float]  # FLOP/s, dense, by input dtype of a matmul
+    sms: int
+    hbm_bytes_s: float  # datasheet
+    gemm_fraction: float
+    attention: dict[tuple[str, str], tuple[float, float]]
+    link_bytes_s: float  # in a node, one direction, per GPU (nominal)
+    network_bytes_s: float  # between nodes, per GPU (nominal)
+    per_node: int = 8
+
+    @property
+    def hbm(self) -> float:
+        return self.hbm_bytes_s * HBM_FRACTION
+
+
+def gpu(spec_name: str, link: str | None = None, network: str | None = None, per_node: int = 8) -> Gpu:
+    """The constants of the hardware table's ``spec_name``; raises :class:`Unpredictable` naming
+    the first one missing."""
+    spec = hardware.find(spec_name)
+    if spec is None:
+        raise Unpredictable(f"{spec_name!r} is not in the hardware table")
+    missing = [what for what, value in (("a dense bf16 peak", spec.bf16), ("an SM count", hardware.SMS.get(spec.name)),
+                                        ("a measured matmul ceiling (GEMM_FRACTION)", GEMM_FRACTION.get(spec.name)),
+                                        ("published attention efficiencies for its architecture",
+                                         ATTENTION_FRACTION.get(_arch(spec.name)))) if value is None]
+    if missing:
+        raise Unpredictable(f"{spec.name} has no {missing[0]}: no step time is predicted for it")
+    intra = hardware.find_link(link or hardware.default_link(spec))
+    inter = hardware.find_link(network or "ib-hdr")
+    if intra is None or inter is None:
+        raise Unpredictable(f"unknown link {link or network!r}")
+    assert spec.bf16 is not None  # checked above
+    tf32 = spec.tf32 if spec.tf32 is not None else spec.bf16 / 2
+    return Gpu(spec.name, {"bfloat16": spec.bf16 * 1e12, "float16": (spec.fp16 or spec.bf16) * 1e12,
+                           "float32": tf32 * 1e12}, hardware.SMS[spec.name], spec.bandwidth_tbs * 1e12,
+               GEMM_FRACTION[spec.name], ATTENTION_FRACTION[_arch(spec.name)], intra.gb_per_s * 1e9,
+               inter.gb_per_s * 1e9, per_node)
+
+
+def _arch(name: str) -> str:
+    major, minor = hardware.CAPABILITY.get(name, (0, 0))
+    return f"sm{major}{minor}"
+
+
+# --------------------------------------------------------------------------- one kernel
+
+def matmul_s(g: Gpu, m: int, n: int, k: int, batch: int = 1, dtype: str = "bfloat16") -> float:
+    """A matrix multiply (M x K by K x N, ``batch`` of them) on ``g``: its FLOPs at the achievable
+    rate times the share of the SMs its tiles keep busy; never below its bytes' time."""
+    flops = 2.0 * m * n * k * batch
+    rate = g.peak.get(dtype, g.peak["float32"]) * g.gemm_fraction * tile_efficiency(g.sms, m, n, k, batch)
+    size = 2 if dtype in ("bfloat16", "float16") else 4
+    moved = (m * k + k * n + m * n) * batch * size
+    return max(flops / rate, moved / g.hbm, KERNEL_MIN_S)
+
+
+def tile_efficiency(sms: int, m: int, n: int, k: int, batch: int = 1) -> float:
+    """The share of the tensor cores a GEMM's grid of :data:`GEMM_TILE` output tiles keeps busy:
+    padding of the edge tiles, times the last wave's emptiness; a grid smaller than the SMs is
+    split along K (each slice at least :data:`SPLIT_K_MIN` deep)."""
+    tm, tn = GEMM_TILE
+    tiles_m, tiles_n = math.ceil(m / tm), math.ceil(n / tn)
+    padding = (m * n) / (tiles_m * tm * tiles_n * tn)
+    tiles = tiles_m * tiles_n * batch
+    if tiles < sms:
+        tiles *= max(1, min(sms // tiles, k // SPLIT_K_MIN))
+    waves = math.ceil(tiles / sms)
+    return padding * tiles / (waves * sms)
+
+
+def attention_s(g: Gpu, r: dict[str, Any]) -> float:
+    """An SDPA kernel from its record (kernel, way, shapes, causality)."""
+    fractions = g.attention.get((r["kernel"], r["way"]))
+    if fractions is None:  # the math path is not one kernel: its bmm/softmax ops are in the trace
+        raise Unpredictable(f"no efficiency for attention kernel {r['kernel']} {r['way']}")
+    fraction = fractions[0] if r["head_dim"] <= 64 else fractions[1]
+    forward = 4.0 * r["batch"] * r["heads"] * r["q_len"] * r["k_len"] * r["head_dim"]
+    if r["causal"]:
+        blocks = math.ceil(r["q_len"] / ATTENTION_TILE)
+        forward *= (blocks + 1) / (2 * blocks)  # the diagonal tiles are computed whole
+    flops = forward * (2.5 if r["way"] == "bwd" else 1.0)
+    return max(flops / (g.peak.get(r["dtype"], g.peak["bfloat16"]) * fraction), KERNEL_MIN_S)
+
+
+def memory_s(g: Gpu, nbytes: float) -> float:
+    return max(nbytes / g.hbm, KERNEL_MIN_S)
+
+
+def collective_s(g: Gpu, op: str, nbytes: float, group: int) -> float:
+    """A ring collective of ``nbytes`` (the whole buffer) over ``group`` ranks."""
+    if group <= 1:
+        return 0.0
+    base = op.rstrip("_").replace("_into_tensor", "").replace("_coalesced", "").replace("_base", "").lstrip("_")
+    factor = next((f for name, f in RING_FACTOR.items() if base.startswith(name)), 1.0)
+    across = group > g.per_node
+    bus = min(g.link_bytes_s * LINK_FRACTION, g.network_bytes_s * NETWORK_FRACTION) if across \
+        else g.link_bytes_s * LINK_FRACTION
+    return LATENCY_S["network" if across else "link"] + factor * (group - 1) / group * nbytes / bus
+
+
+# --------------------------------------------------------------------------- the step
+
+@dataclass
+class Kernel:
+    """One kernel as the simulation runs it: its kind for the breakdown, its time, its host cost."""
+
+    kind: str  # matmul, attention, memory, optimizer, comm, sync
+    seconds: float
+    host_s: float
+    reads: list[int] = field(default_factory=list)
+    writes: list[int] = field(default_factory=list)
+    weight: float = 1.0  # DiLoCo's outer sync: once every inner_steps steps
+
+
+def kernels_of(records: list[dict[str, Any]], g: Gpu, compiled: bool, outer_every: int = 0) -> list[Kernel]:
+    """The records as kernels with their times; under compile the forward's and backward's
+    elementwise runs fused (:func:`fuse`)."""
+    out: list[Kernel] = []
+    run: list[dict[str, Any]] = []
+    for i, r in enumerate(records):
+        fusible = compiled and r["kind"] == "mem" and r["phase"] in ("forward", "backward")
+        if fusible:
+            run.append(r)
+            continue
+        if run:
+            out += fuse(run, records, i, g)
+            run = []
+        out.append(_kernel(r, g, outer_every, compiled))
+    if run:
+        out += fuse(run, records, len(records), g)
+    return out
+
+
+def _kernel(r: dict[str, Any], g: Gpu, outer_every: int, compiled: bool = False) -> Kernel:
+    reads, writes = [v for v, _ in r["reads"]], [v for v, _ in r["writes"]]
+    in_graph = compiled and r["phase"] in ("forward", "backward")  # launched by the compiled graph's code
+    host = HOST_KERNEL_S if in_graph else r["host"] * HOST_OP_S
+    weight = 1.0 / outer_every if r["phase"] == "outer" and outer_every > 0 else 1.0
+    if r["kind"] == "mm":
+        kind = "optimizer" if r["phase"] in ("step", "outer") else "matmul"
+        return Kernel(kind, matmul_s(g, r["m"], r["n"], r["k"], r["batch"], r["dtype"]), host, reads, writes, weight)
+    if r["kind"] == "attn":
+        return Kernel("attention", attention_s(g, r), host, reads, writes, weight)
+    if r["kind"] == "coll":
+        return Kernel("comm", collective_s(g, r["op"], r["bytes"], r["group"]), host, reads, writes, weight)
+    if r["kind"] == "sync":
+        return Kernel("sync", 0.0, host, reads, writes, weight)
+    nbytes = sum(n for _, n in r["reads"]) + sum(n for _, n in r["writes"])
+    kind = "optimizer" if r["phase"] in ("step", "outer") else "memory"
+    return Kernel(kind, memory_s(g, nbytes), host, reads, writes, weight)
+
+
+def fuse(run: list[dict[str, Any]], records: list[dict[str, Any]], end: int, g: Gpu) -> list[Kernel]:
+    """Elementwise records ``run`` (ending before ``records[end]``) as the fused kernels of one
+    compiled region: a kernel per reduction in it (and one for the rest), together reading each
+    value that comes from outside the region once and writing each value read after it (or never
+    read again: a gradient, an updated buffer) once."""
+    made = {v for r in run for v, _ in r["writes"]}
+    later = {v for r in records[end:] for v, _ in r["reads"]}
+    read = {v: n for r in run for v, n in r["reads"] if v not in made}
+    read_later = {v for r in run for v, _ in r["reads"]}
+    written = {v: n for r in run for v, n in r["writes"] if v in later or v not in read_later}
+    n_kernels = 1 + sum(1 for r in run if r["op"] in REDUCTIONS)
+    nbytes = sum(read.values()) + sum(written.values())
+    seconds = max(nbytes / g.hbm, n_kernels * KERNEL_MIN_S)
+    return [Kernel("memory", seconds, n_kernels * HOST_KERNEL_S, list(read), list(written))]
+
+
+@dataclass
+class Timeline:
+    """The simulation's clocks: the host, the compute stream, the communication stream, and when
+    each value a collective makes is ready; ``busy``/``waits``: seconds by kind."""
+
+    host: float = 0.0
+    compute: float = 0.0
+    comm: float = 0.0
+    ready: dict[int, float] = field(default_factory=dict)  # values a collective made: when
+    made: dict[int, float] = field(default_factory=dict)  # values the compute stream made: when
+    busy: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+    comm_total: float = 0.0
+
+    def run(self, k: Kernel) -> None:
+        self.host += k.host_s * k.weight
+        if k.kind == "sync":  # the host waits for the GPU to reach this point
+            self.host = max(self.host, self.compute, *(self.ready.get(v, 0.0) for v in k.reads))
+            return
+        deps = max((self.ready.get(v, 0.0) for v in k.reads), default=0.0)
+        seconds = k.seconds * k.weight
+        if k.kind == "comm":  # from when it is issued and what it sends exists
+            made = max((self.made.get(v, 0.0) for v in k.reads), default=0.0)
+            start = max(self.host, self.comm, deps, made)
+            self.comm = start + seconds
+            self.comm_total += seconds
+            for v in k.writes:
+                self.ready[v] = self.comm
+            return
+        start = max(self.compute, self.host, deps)
+        if start > self.compute:  # the compute stream idles: for the host, or for a collective
+            gap = start - self.compute
+            self.busy["exposed_comm" if deps >= max(self.host, self.compute) else "launch_host"] += gap
+        self.compute = start + seconds
+        self.busy[k.kind] += seconds
+        for v in k.writes:
+            self.made[v] = self.compute
+            self.ready.pop(v, None)
+
+    def end(self, tail_host_s: float) -> float:
+        """The step's time: every stream and the host done; the wait at the end attributed."""
+        host = self.host + tail_host_s
+        last = max(self.compute, self.comm, host)
+        if last > self.compute:
+            self.busy["exposed_comm" if self.comm >= host else "launch_host"] += last - self.compute
+        return last
+
+
+def predict(kernels: dict[str, Any], g: Gpu, compiled: bool) -> dict[str, Any]:
+    """The step's predicted time and throughput on ``g`` from the dry run's kernel list
+    (``trace.kernels``: its records, the traced and the run's accumulation, micro-batch,
+    sequence length, ranks). The traced first micro-batch stands for each extra one of the run."""
+    records = kernels["records"]
+    traced, run_accum = kernels["traced_accum"], kernels["run_accum"]
+    timeline = Timeline()
+    by_micro: dict[int, list[dict[str, Any]]] = {}
+    for r in records:
+        by_micro.setdefault(r["micro"], []).append(r)
+    order = sorted(by_micro)
+    sequence: list[int] = []
+    for m in order:
+        sequence += [m] * (1 + (run_accum - traced) if m == 1 and traced >= 1 and run_accum > traced else 1)
+    for m in sequence:
+        for k in kernels_of(by_micro[m], g, compiled, kernels.get("outer_every", 0)):
+            timeline.run(k)
+    step_s = timeline.end(kernels.get("tail_host", 0) * HOST_OP_S)
+    tokens = kernels["micro_batch"] * run_accum * kernels["seq_len"]
+    breakdown = dict(timeline.busy)
+    return {"predicted": True, "gpu": g.name, "step_s": step_s, "tokens_per_s_per_gpu": tokens / step_s,
+            "tokens_per_s": tokens * kernels["world"] / step_s, "breakdown": breakdown,
+            "comm_s": timeline.comm_total, "kernels": len(records)}

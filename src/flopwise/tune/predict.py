@@ -1,0 +1,58 @@
+"""The dry run's predicted step time: ``plan/steptime.py`` over the traced step's kernels.
+
+:func:`predicted` is what ``preflight --dry-run`` prints and ``--json`` carries as
+``prediction``; :func:`render` its lines, each figure marked predicted. Nothing here ran on a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flopwise.config import RunConfig
+from flopwise.measure.sinks import human
+from flopwise.plan import hardware, steptime
+from flopwise.plan.flops import flops_per_token
+
+LABELS = {"matmul": "matmul", "attention": "attention", "memory": "memory-bound", "optimizer": "optimizer",
+          "launch_host": "launch/host", "exposed_comm": "exposed comm"}
+
+
+def predicted(result: dict[str, Any], cfg: RunConfig, link: str | None = None,
+              network: str | None = None) -> dict[str, Any]:
+    """The prediction for a dry run's ``result`` of ``cfg``: step time, tokens/s per GPU and in
+    all, MFU and HFU against the GPU's dense peak, the breakdown by kind; or ``predicted: False``
+    with why (a GPU missing a constant, fp8, a trace without kernels)."""
+    spec_name = result["request"]["gpu"]["spec"]
+    kernels = result.get("trace", {}).get("kernels")
+    if result.get("precision", "").startswith("fp8"):
+        return {"predicted": False, "why": "fp8 steps are not predicted"}
+    if not kernels:
+        return {"predicted": False, "why": "the trace recorded no kernels"}
+    r = result["request"]
+    try:
+        g = steptime.gpu(spec_name, link, network, per_node=r["nproc_per_node"])
+        out = steptime.predict(kernels, g, compiled=result.get("compile", "off") != "off")
+    except steptime.Unpredictable as e:
+        return {"predicted": False, "why": str(e)}
+    peak = hardware.peak_tflops(spec_name, "bf16" if "bf16" in result["precision"] else result["precision"])
+    model = flops_per_token(cfg.model, cfg.train.seq_len) * out["tokens_per_s_per_gpu"]
+    flops = result["trace"].get("flops") or {}
+    hardware_flops = flops.get("total", 0) * flops.get("per_step_scale", 1.0) / out["step_s"]
+    out["mfu"] = model / (peak * 1e12) if peak else None
+    out["hfu"] = hardware_flops / (peak * 1e12) if peak and hardware_flops else None
+    out["link"], out["network"] = g.link_bytes_s / 1e9, g.network_bytes_s / 1e9
+    out["compiled"] = result.get("compile", "off") != "off"
+    return out
+
+
+def render(p: dict[str, Any]) -> list[str]:
+    """The prediction's lines for the dry run's report; every figure says it is predicted."""
+    if not p.get("predicted"):
+        return [f"  predicted  no step time: {p.get('why', 'not predicted')}"]
+    mfu = f"{100 * p['mfu']:.1f}%" if p.get("mfu") is not None else "n/a"
+    hfu = f"{100 * p['hfu']:.1f}%" if p.get("hfu") is not None else "n/a"
+    parts = " · ".join(f"{LABELS[k]} {1e3 * v:.2f} ms" for k, v in p["breakdown"].items() if v > 0)
+    return [f"  predicted  step {1e3 * p['step_s']:.1f} ms · {human(p['tokens_per_s_per_gpu'])} tokens/s per GPU, "
+            f"{human(p['tokens_per_s'])} in all · MFU {mfu} · HFU {hfu} (predicted from the traced kernels on "
+            f"{p['gpu']}; not measured)",
+            f"             predicted breakdown: {parts}"]

@@ -1,0 +1,165 @@
+"""The step-time model (plan/steptime.py) on hand-made kernel lists: each piece able to fail."""
+
+from __future__ import annotations
+
+import pytest
+
+from flopwise.plan import steptime
+
+A100 = steptime.gpu("a100")
+H100 = steptime.gpu("h100")
+
+
+def rec(kind: str, op: str, reads=(), writes=(), phase: str = "forward", micro: int = 1, **detail) -> dict:
+    """A kernel record as tune/kernels.py writes it: ``reads``/``writes`` are (value, bytes)."""
+    return {"kind": kind, "op": op, "reads": [list(x) for x in reads], "writes": [list(x) for x in writes],
+            "phase": phase, "micro": micro, "host": 1, **detail}
+
+
+def mm(m: int, n: int, k: int, phase: str = "forward", reads=((1, 0),), writes=((2, 0),), micro: int = 1) -> dict:
+    return rec("mm", "mm", reads, writes, phase, micro, m=m, n=n, k=k, batch=1, dtype="bfloat16")
+
+
+def step(records: list[dict], accum: int = 1, compiled: bool = False, g: steptime.Gpu = A100, **meta) -> dict:
+    kernels = {"records": records, "tail_host": 0, "traced_accum": accum, "run_accum": meta.pop("run_accum", accum),
+               "micro_batch": 1, "seq_len": 1, "world": 1, **meta}
+    return steptime.predict(kernels, g, compiled)
+
+
+# --------------------------------------------------------------------------- matrix multiplies
+
+def test_a_gemm_that_fills_the_sms_beats_one_that_leaves_a_wave_mostly_empty():
+    """A100: 108 SMs. 108 output tiles of 128 x 128 are one full wave; 109 need a second wave
+    holding one tile: nearly twice the time for 1% more work."""
+    full = steptime.matmul_s(A100, 128 * 12, 128 * 9, 8192)  # 12 x 9 = 108 tiles
+    over = steptime.matmul_s(A100, 128 * 109, 128, 8192)  # 109 tiles
+    assert steptime.tile_efficiency(108, 128 * 12, 128 * 9, 8192) == pytest.approx(1.0)
+    assert steptime.tile_efficiency(108, 128 * 109, 128, 8192) == pytest.approx(109 / 216)
+    per_flop_full, per_flop_over = full / (128 * 12 * 128 * 9), over / (128 * 109 * 128)
+    assert per_flop_over / per_flop_full == pytest.approx(216 / 109, rel=1e-6), (full, over)
+
+
+def test_a_large_gemm_runs_at_the_measured_matmul_ceiling():
+    m = n = k = 128 * 108 * 2  # whole waves, no padding
+    seconds = steptime.matmul_s(A100, m, n, k)
+    assert 2 * m * n * k / seconds == pytest.approx(312e12 * steptime.GEMM_FRACTION["A100 SXM 80GB"], rel=1e-9)
+
+
+def test_a_skinny_gemm_is_split_along_k_and_bound_by_its_bytes_when_thin():
+    # 768 x 768 outputs = 36 tiles on 132 SMs: split 3 ways along a long K
+    assert steptime.tile_efficiency(132, 768, 768, 65536) == pytest.approx(108 / 132)
+    # a matrix-vector product moves far more bytes than it computes on
+    m, n, k = 65536, 1, 4096
+    assert steptime.matmul_s(H100, m, n, k) == pytest.approx((m * k + k * n + m * n) * 2 / H100.hbm)
+
+
+# --------------------------------------------------------------------------- attention
+
+def attn(causal: bool, way: str = "fwd", kernel: str = "flash", head_dim: int = 128, t: int = 2048) -> dict:
+    return rec("attn", "sdpa", kernel=kernel, way=way, batch=8, heads=16, kv_heads=16, q_len=t, k_len=t,
+               head_dim=head_dim, causal=causal, dtype="bfloat16", flops=0)
+
+
+def test_causal_attention_skips_the_tiles_above_the_diagonal():
+    full, causal = steptime.attention_s(A100, attn(False)), steptime.attention_s(A100, attn(True))
+    blocks = 2048 // steptime.ATTENTION_TILE
+    assert causal / full == pytest.approx((blocks + 1) / (2 * blocks))
+
+
+def test_attention_backward_and_kernel_choice_change_the_time():
+    fwd, bwd = steptime.attention_s(A100, attn(True)), steptime.attention_s(A100, attn(True, "bwd"))
+    assert bwd > 2 * fwd  # 2.5x the FLOPs at a lower efficiency
+    assert steptime.attention_s(A100, attn(True, kernel="efficient")) > fwd
+    with pytest.raises(steptime.Unpredictable, match="math"):
+        steptime.attention_s(A100, attn(True, kernel="math"))
+
+
+# --------------------------------------------------------------------------- fusion
+
+def chain() -> list[dict]:
+    """x (value 1, 64 MB) -> a -> b -> c, each elementwise op reading and writing 64 MB; c is
+    read by the matrix multiply after them."""
+    mb = 64 << 20
+    return [rec("mem", "mul", [(1, mb)], [(2, mb)]), rec("mem", "add", [(2, mb)], [(3, mb)]),
+            rec("mem", "silu", [(3, mb)], [(4, mb)]), mm(4096, 4096, 4096, reads=[(4, mb)], writes=[(5, mb)])]
+
+
+def test_a_fused_region_reads_its_inputs_and_writes_its_outputs_once():
+    mb = 64 << 20
+    eager = step(chain())["breakdown"]["memory"]
+    fused = step(chain(), compiled=True)["breakdown"]["memory"]
+    assert eager == pytest.approx(6 * mb / A100.hbm)  # three ops, each a read and a write
+    assert fused == pytest.approx(2 * mb / A100.hbm)  # the region: x in, c out
+    # a value made in the region and read after it (saved for backward) is written too
+    saved = chain() + [rec("mem", "mul", [(2, mb)], [(6, mb)], phase="backward")]
+    assert step(saved, compiled=True)["breakdown"]["memory"] == pytest.approx(3 * mb / A100.hbm + 2 * mb / A100.hbm)
+
+
+def test_the_optimizer_is_not_fused_into_the_backward():
+    mb = 64 << 20
+    records = [rec("mem", "mul", [(1, mb)], [(2, mb)], phase="backward"),
+               rec("mem", "_fused_adamw_", [(2, mb), (3, mb)], [(3, mb)], phase="step")]
+    out = step(records, compiled=True)["breakdown"]
+    assert out["optimizer"] == pytest.approx(3 * mb / A100.hbm) and out["memory"] == pytest.approx(2 * mb / A100.hbm)
+
+
+# --------------------------------------------------------------------------- collectives
+
+def test_a_collective_hidden_behind_backward_costs_nothing_exposed_at_the_end_costs_it_all():
+    grad = 400 << 20  # 400 MB of gradients: ~3.4 ms on NVLink 3 at 8 ranks
+    comm = steptime.collective_s(A100, "allreduce_", grad, 8)
+    work = [mm(8192, 8192, 8192, "backward", reads=[(10 + i, 0)], writes=[(20 + i, 0)]) for i in range(4)]
+    compute = sum(steptime.matmul_s(A100, 8192, 8192, 8192) for _ in work)
+    assert compute > 2 * comm
+    reduce_ = rec("coll", "allreduce_", [(1, grad)], [(2, grad)], phase="backward", bytes=grad, group=8)
+    optimizer = rec("mem", "_fused_adamw_", [(2, grad)], [(3, grad)], phase="step")
+    made = rec("mem", "copy_", [(0, grad)], [(1, grad)], phase="backward")
+    hidden = step([made, reduce_, *work, optimizer])
+    exposed = step([*work, made, reduce_, optimizer])
+    assert hidden["breakdown"]["exposed_comm"] == pytest.approx(0.0, abs=1e-9)
+    assert exposed["breakdown"]["exposed_comm"] == pytest.approx(comm, rel=1e-6)
+    assert exposed["step_s"] - hidden["step_s"] == pytest.approx(comm, rel=1e-6)
+    assert hidden["comm_s"] == exposed["comm_s"] == pytest.approx(comm)
+
+
+def test_ring_collectives_scale_with_ranks_and_cross_the_network_between_nodes():
+    one_gb = 1 << 30
+    reduce8 = steptime.collective_s(A100, "allreduce_", one_gb, 8)
+    gather8 = steptime.collective_s(A100, "_allgather_base_", one_gb, 8)
+    assert reduce8 - steptime.LATENCY_S["link"] == pytest.approx(2 * (gather8 - steptime.LATENCY_S["link"]))
+    across = steptime.collective_s(A100, "_allgather_base_", one_gb, 16)  # two nodes: the NIC bounds it
+    assert across > 8 * gather8
+    assert steptime.collective_s(A100, "allreduce_", one_gb, 1) == 0.0
+
+
+# --------------------------------------------------------------------------- the host, accumulation, GPUs
+
+def test_tiny_kernels_make_the_host_the_bound():
+    records = [rec("mem", "add", [(i, 1024)], [(i + 1, 1024)]) for i in range(1000)]
+    out = step(records)
+    assert out["step_s"] == pytest.approx(1000 * steptime.HOST_OP_S + steptime.KERNEL_MIN_S, rel=1e-9)
+    assert out["breakdown"]["launch_host"] > 0.5 * out["step_s"]
+
+
+def test_the_first_traced_micro_batch_stands_for_the_runs_extra_ones():
+    big = mm(8192, 8192, 8192)
+    records = [big, dict(big, micro=2)]
+    two, eight = step(records, accum=2), step(records, accum=2, run_accum=8)
+    one_mm = steptime.matmul_s(A100, 8192, 8192, 8192)
+    assert eight["step_s"] - two["step_s"] == pytest.approx(6 * one_mm, rel=1e-9)
+
+
+def test_breakdown_adds_up_to_the_step():
+    grad = 64 << 20
+    records = [*chain(), rec("coll", "allreduce_", [(5, grad)], [(6, grad)], phase="backward", bytes=grad, group=8),
+               rec("mem", "_fused_adamw_", [(6, grad)], [(7, grad)], phase="step")]
+    for compiled in (False, True):
+        out = step(records, compiled=compiled)
+        assert sum(out["breakdown"].values()) == pytest.approx(out["step_s"], rel=1e-9), out
+
+
+def test_a_gpu_missing_a_constant_gets_no_prediction_and_says_which():
+    with pytest.raises(steptime.Unpredictable, match="T4 has no a dense bf16 peak"):
+        steptime.gpu("t4")
+    with pytest.raises(steptime.Unpredictable, match="L4 has no a measured matmul ceiling"):
+        steptime.gpu("l4")
