@@ -186,7 +186,8 @@ def _group_size(args: tuple) -> int:
     for a in args:
         if isinstance(a, str):
             try:
-                return int(dist.distributed_c10d._resolve_process_group(a)  # type: ignore[arg-type]  # a group name.size())
+                group: Any = dist.distributed_c10d._resolve_process_group(a)  # type: ignore[arg-type]  # a name
+                return int(group.size())
             except Exception:  # noqa: BLE001 - a name not a group's: the next argument
                 continue
         size = getattr(a, "size", None)
