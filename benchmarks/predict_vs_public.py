@@ -222,7 +222,9 @@ def torchtitan_8b() -> Case:
                 ("selective per-layer AC at torchtitan's default selective_ac_option 2 (every 2nd block recomputed) "
                  "= flopwise selective with activation_checkpointing_every=2",
                  "FSDP2 with bf16 param / fp32 reduce mixed precision = flopwise fsdp2 under bf16 autocast",
-                 "attention: SDPA (the same kernels flopwise's SDPA chooses)"),
+                 "attention: SDPA (the same kernels flopwise's SDPA chooses)",
+                 "loss: torchtitan computes the full logits; flopwise's train.loss=auto is left to choose (the "
+                 "dry run on this case chose chunked, for 128,256 x 8,192 logits) and the prediction counts that"),
                 network="ib-hdr", network_why="assumed: the source names no inter-node link; InfiniBand HDR "
                 "200 Gb/s per GPU is the usual A100 cluster's")
 
