@@ -20,7 +20,6 @@ Writes benchmarks/results/predict-vs-public-traced-<date>.json (or PATH) and pri
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import statistics
 import sys
@@ -34,6 +33,7 @@ from _results import save_result  # benchmarks/ is on sys.path when a script run
 from flopwise.config import RunConfig, build_config
 from flopwise.plan import hardware
 from flopwise.tune.dryrun import dry_run
+from flopwise.tune.predict import predicted
 
 WITHIN = 0.25  # the issue's bound for every case: |predicted / measured - 1| <= 25%
 FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md"
@@ -248,16 +248,24 @@ def describe(case: Case) -> dict[str, Any]:
             "measured_how": case.measured_how, "source_params": case.params, "differs": list(case.differs)}
 
 
-def predict(case: Case) -> dict[str, Any]:
-    """Trace the case and read the prediction; ``predicted`` is None (with ``why``) when there is none."""
-    kwargs: dict[str, Any] = {}
-    if case.network and "network" in inspect.signature(dry_run).parameters:
-        kwargs["network"] = case.network
+def predict(case: Case, traces: Path | None = None) -> dict[str, Any]:
+    """Trace the case and predict its step on the case's links; ``predicted`` is None (with
+    ``why``) when there is none. With ``traces``, a case's dry-run result is kept there
+    (``ID.json``) and read back instead of tracing again: the trace does not depend on the time
+    model's constants, so a change to them is re-checked in seconds."""
     t0 = time.perf_counter()
-    result = dry_run(case.config(), gpu=case.gpu, nproc_per_node=case.nproc_per_node, nnodes=case.nnodes,
-                     log=lambda s: None, **kwargs)
+    kept = traces / f"{case.id}.json" if traces else None
+    if kept is not None and kept.is_file():
+        result = json.loads(kept.read_text())
+    else:
+        result = dry_run(case.config(), gpu=case.gpu, nproc_per_node=case.nproc_per_node, nnodes=case.nnodes,
+                         log=lambda s: None)
+        if kept is not None:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            kept.write_text(json.dumps(result, default=str))
+    result["prediction"] = predicted(result, case.config(), network=case.network)
     row: dict[str, Any] = {"trace_s": round(time.perf_counter() - t0, 1), "compile_traced": result.get("compile"),
-                           "loss_traced": result.get("loss"), "network_passed": "network" in kwargs}
+                           "loss_traced": result.get("loss"), "network_passed": bool(case.network)}
     pred = result.get("prediction")
     if pred is None:
         return {**row, "predicted": None, "why": "no prediction in the dry run's result"}
@@ -309,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--case", nargs="+", metavar="ID", help="only these cases (default: all)")
     p.add_argument("--list", action="store_true", help="print the cases and their configs; trace nothing")
     p.add_argument("--json-out", type=Path, help="write the record here instead of benchmarks/results/")
+    p.add_argument("--traces", type=Path, help="keep each case's trace here (ID.json) and reuse it when present")
     a = p.parse_args(argv)
     every = cases()
     known = {c.id.lower(): c for c in every}
@@ -323,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| --- | --- | --- | --- | --- | --- |")
     rows = []
     for c in chosen:
-        row = {**describe(c), **predict(c)}
+        row = {**describe(c), **predict(c, a.traces)}
         rows.append(row)
         print(_line(row), flush=True)
     record = {"cases": rows, "summary": summary(rows), "bound": WITHIN}

@@ -133,32 +133,28 @@ def test_list_traces_nothing(bench, monkeypatch, capsys):
     assert "MF-a" in out and "TT-6" in out and "LC-1" not in out and "differs:" in out
 
 
-def test_no_prediction_is_said_not_faked(bench, cases, monkeypatch):
-    def old_dry_run(cfg, gpu=None, nproc_per_node=1, nnodes=1, memory_gb=0.0, headroom=0.9, log=print):
-        return {"compile": cfg.train.compile, "loss": "plain"}
+def test_a_prediction_gives_the_ratio_and_the_network_and_the_trace_is_kept(bench, cases, monkeypatch, tmp_path):
+    seen, traced = {}, []
 
-    monkeypatch.setattr(bench, "dry_run", old_dry_run)
-    row = bench.predict(cases["TL-1"])  # two nodes, but this dry run takes no network
-    assert row["predicted"] is None and row["why"] == "no prediction in the dry run's result"
-    assert row["network_passed"] is False
-    assert bench.summary([{**row, "id": "TL-1"}]) == {"predicted_cases": 0, "cases": 1}
+    def dry_run(cfg, gpu=None, nproc_per_node=1, nnodes=1, log=print):
+        traced.append(gpu)
+        seen.update(gpu=gpu, nproc_per_node=nproc_per_node, nnodes=nnodes)
+        return {"compile": cfg.train.compile, "loss": "plain", "gpu": gpu}
 
+    def predicted(result, cfg, link=None, network=None):
+        seen["network"] = network
+        if result["gpu"] != "a100 40gb":
+            return {"predicted": False, "why": "no SM count for this GPU"}
+        return {"predicted": True, "step_s": 1.0, "tokens_per_s_per_gpu": 12_000.0, "mfu": 0.5,
+                "breakdown": {"matmul": 0.8}}
 
-def test_a_prediction_gives_the_ratio_and_the_network(bench, cases, monkeypatch):
-    seen = {}
-
-    def new_dry_run(cfg, gpu=None, nproc_per_node=1, nnodes=1, memory_gb=0.0, headroom=0.9, log=print,
-                    network=None):
-        seen.update(gpu=gpu, nproc_per_node=nproc_per_node, nnodes=nnodes, network=network)
-        tps = 12_000.0 if gpu == "a100 40gb" else 0.0
-        return {"prediction": {"predicted": True, "step_s": 1.0, "tokens_per_s_per_gpu": tps, "mfu": 0.5,
-                               "breakdown": {"matmul": 0.8}}} if tps else {
-            "prediction": {"predicted": False, "why": "no SM count for this GPU"}}
-
-    monkeypatch.setattr(bench, "dry_run", new_dry_run)
-    row = bench.predict(cases["TL-1"])
+    monkeypatch.setattr(bench, "dry_run", dry_run)
+    monkeypatch.setattr(bench, "predicted", predicted)
+    row = bench.predict(cases["TL-1"], tmp_path)
     assert seen == {"gpu": "a100 40gb", "nproc_per_node": 8, "nnodes": 2, "network": "ib-hdr"}
     assert row["ratio"] == pytest.approx(0.5) and row["breakdown"] == {"matmul": 0.8}
+    assert bench.predict(cases["TL-1"], tmp_path)["ratio"] == pytest.approx(0.5)
+    assert traced == ["a100 40gb"] and (tmp_path / "TL-1.json").is_file()  # the second read the kept trace
     line = bench._line({**bench.describe(cases["TL-1"]), **row})
     assert "12,000 (predicted)" in line and "24,000" in line and "predicted step 1.000 s: matmul 0.8" in line
     missing = bench.predict(cases["TT-6"])
