@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from flopwise.config import build_config, preset_names
-from flopwise.plan import hardware
+from flopwise.plan import hardware, steptime
 from flopwise.plan.budget import memory_settings_for_run
 from flopwise.plan.flops import param_counts
 from flopwise.plan.memory import compiled_layer_terms
@@ -153,6 +153,7 @@ def check(name: str, r: dict) -> list[str]:
                 or compiled["recompile_reasons"]):
             problems.append(f"{name}: compile {r['compile']}: {steps}, breaks {compiled['break_reasons']}, "
                             f"recompiles {compiled['recompile_reasons']}")
+    problems += prediction_problems(name, r)
     # the planner models the step as it runs: compiled when compile is on
     traced = (compiled or {}).get("memory", t["eager_memory"])["peak_gib"]
     planned = r["plan"]["total"]
@@ -164,6 +165,21 @@ def check(name: str, r: dict) -> list[str]:
     elif abs(off) > MEMORY_BOUND:
         problems.append(f"{name}: planner {planned:.2f} GiB vs traced {traced:.2f} GiB ({100 * off:+.1f}%)")
     return problems
+
+
+def prediction_problems(name: str, r: dict) -> list[str]:
+    """The step-time prediction over this configuration's traced kernels on the traced H100:
+    every field the dry run's JSON carries, finite and positive, the breakdown adding up to the step."""
+    kernels = r["trace"].get("kernels") or {}
+    if not kernels.get("records"):
+        return [f"{name}: the trace recorded no kernels"]
+    p = steptime.predict(kernels, steptime.gpu(H100.name), r["compile"] != "off")
+    missing = [k for k in ("step_s", "tokens_per_s_per_gpu", "tokens_per_s", "breakdown") if k not in p]
+    if missing or not 0 < p["step_s"] < 1e3:
+        return [f"{name}: prediction {p} (missing {missing})"]
+    if abs(sum(p["breakdown"].values()) - p["step_s"]) > 1e-6 * p["step_s"]:
+        return [f"{name}: predicted breakdown {p['breakdown']} does not add up to the step {p['step_s']}"]
+    return []
 
 
 @pytest.fixture(scope="module")
@@ -262,6 +278,23 @@ def test_dry_run_command_reports_a_traced_step(shim, capsys):
     assert result["trace"]["syncs"] == [] and result["fit"]["micro_batch"] > 4
     lines = render(result)
     assert "traced on fake tensors" in lines[0] and any(ln.strip().startswith("not seen") for ln in lines)
+    # the L4 has no measured matmul ceiling in the table: no prediction, and which constant is missing
+    assert result["prediction"] == {"predicted": False, "why": "L4 has no a measured matmul ceiling (GEMM_FRACTION): "
+                                    "no step time is predicted for it"}
+    assert any(ln.strip() == f"predicted  no step time: {result['prediction']['why']}" for ln in lines)
+    assert isinstance(result["trace"]["kernels"]["records"], int)  # --json prints the kernel list's length
+
+
+def test_dry_run_predicts_the_step_on_a_gpu_with_every_constant(shim, capsys):
+    from flopwise.cli import main
+
+    assert main(["preflight", "--dry-run", "--preset", "tiny", "--gpu", "a100", "--nproc-per-node", "2",
+                 "train.seq_len=128", "train.micro_batch_size=4", "train.global_batch_size=16"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    lines = [ln for ln in out if ln.strip().startswith("predicted")]
+    assert len(lines) == 2 and all("predicted" in ln for ln in lines), out
+    assert "tokens/s per GPU" in lines[0] and "MFU" in lines[0] and "not measured" in lines[0]
+    assert "predicted breakdown: matmul" in lines[1], lines[1]
 
 
 def test_unknown_gpu_is_one_line_before_any_trace(capsys):

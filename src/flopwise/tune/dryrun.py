@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
@@ -39,7 +41,7 @@ Log = Callable[[str], None]
 DEFAULT_GPU = "h100"
 TIMEOUT_S = 1800.0  # a 2B model at 8 ranks takes about a minute on 2 cores; a loaded machine far more
 UNSEEN = ("allocator caching and fragmentation (reserved above allocated)", "inductor's fused buffers and Triton code",
-          "CUDA graphs", "NCCL's own memory and communication overlap", "the flash-attn package's and cuDNN's kernels",
+          "CUDA graphs", "NCCL's own memory", "the flash-attn package's and cuDNN's kernels",
           "numerics (NaN, overflow, fp16 loss scaling)", "ranks other than rank 0", "the data loader's copies")
 
 
@@ -78,6 +80,87 @@ def dry_run(cfg: RunConfig, gpu: str | None = None, nproc_per_node: int = 1, nno
     (what the worker wrote, plus the request). Raises ConfigError (bad input, before any work),
     DryRunUnavailable (this machine cannot trace) or DryRunFailed (the step fails)."""
     spec = gpu_spec(gpu)
+    request, shim = _request(cfg, spec, nproc_per_node, nnodes, memory_gb, headroom, log)
+    world = request["world"]
+    with _sigterm_unwinds(), _trace_dir() as tmp:
+        config_path, request_path, result_path = (tmp / n for n in ("config.yaml", "request.json", "result.json"))
+        config_path.write_text(cfg.to_yaml())
+        request["config_path"] = str(config_path)
+        request_path.write_text(json.dumps(request))
+        log(f"  tracing the step on {world} × {spec.name} (fake tensors; about a minute for a 2B model) ...")
+        try:
+            done = subprocess.run([sys.executable, "-c", WORKER_START, str(PACKAGE_ROOT), str(request_path),
+                                   str(result_path), str(os.getpid())],
+                                  env=_worker_env(shim), capture_output=True, text=True, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise DryRunFailed(f"the trace did not finish in {timeout_s:.0f} s") from None
+        if not result_path.is_file():
+            raise DryRunUnavailable(_crash_line(done))
+        result = json.loads(result_path.read_text())
+    _as_asked(result, request, spec)
+    if "error" in result:
+        where = f" at {result['where']}" if result.get("where") and result["where"] != "config" else ""
+        if result.get("where") == "config":  # the problems themselves, as the run would list them
+            raise ConfigError(result.get("problems") or [result["error"]])
+        raise DryRunFailed(f"the step fails on {world} × {spec.name}: {result['error']}{where}")
+    result["prediction"] = predicted(result, cfg)  # on the GPU's usual links; tune.predict for others
+    return result
+
+
+def dry_run_batch(cfgs: list[RunConfig], gpu: str | None = None, nproc_per_node: int = 1, nnodes: int = 1,
+                  memory_gb: float = 0.0, headroom: float = 0.9, log: Log = print,
+                  done: Callable[[int, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Each of ``cfgs`` traced as :func:`dry_run` traces one, without the largest-fit search, in ONE
+    tracing process (torch and the shim imported once: the worker's batch mode), each predicted.
+    A step that fails is not raised: its result holds ``error`` (and ``where``). ``done(i, result)``
+    is called as each trace finishes, in order. Raises as :func:`dry_run` does for bad input (the
+    first config's) or a tracing process that dies."""
+    spec = gpu_spec(gpu)
+    if not cfgs:
+        return []
+    request, shim = _request(cfgs[0], spec, nproc_per_node, nnodes, memory_gb, headroom, log)
+    for cfg in cfgs[1:]:
+        split = batch_split_problems(cfg.train, request["world"])
+        if split:
+            raise ConfigError(split)
+    results: list[dict[str, Any]] = []
+    with _sigterm_unwinds(), _trace_dir() as tmp:
+        request["configs"] = []
+        for i, cfg in enumerate(cfgs):
+            (tmp / f"config-{i}.yaml").write_text(cfg.to_yaml())
+            request["configs"].append(str(tmp / f"config-{i}.yaml"))
+        (tmp / "request.json").write_text(json.dumps(request))
+        with open(tmp / "stderr.txt", "w+") as err, subprocess.Popen(
+                [sys.executable, "-c", BATCH_START, str(PACKAGE_ROOT), str(tmp / "request.json"),
+                 str(tmp / "result.json"), str(os.getpid())], env=_worker_env(shim),
+                stdout=subprocess.DEVNULL, stderr=err) as proc:  # a file: nobody reads while it runs
+            try:
+                while len(results) < len(cfgs):
+                    answer = tmp / f"answer-{len(results)}.json"
+                    if answer.is_file():  # written whole (renamed into place) by batch_worker_main
+                        result = json.loads(answer.read_text())
+                        _as_asked(result, request, spec)
+                        if "error" not in result:
+                            result["prediction"] = predicted(result, cfgs[len(results)])
+                        results.append(result)
+                        if done is not None:
+                            done(len(results) - 1, result)
+                    elif proc.poll() is not None and not answer.is_file():
+                        err.seek(0)
+                        raise DryRunUnavailable(_crash_line(subprocess.CompletedProcess(
+                            proc.args, proc.returncode, "", err.read())))
+                    else:
+                        time.sleep(0.2)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+    return results
+
+
+def _request(cfg: RunConfig, spec: hardware.DeviceSpec, nproc_per_node: int, nnodes: int, memory_gb: float,
+             headroom: float, log: Log) -> tuple[dict[str, Any], Path]:
+    """The worker's request for ``cfg``'s step on ``spec`` (without its config's path), and the shim
+    it runs under; the flags and the batch split checked first, and this machine's torch."""
     problems = []
     if nproc_per_node < 1 or nnodes < 1:
         problems.append(f"--nproc-per-node {nproc_per_node} and --nnodes {nnodes} must both be >= 1")
@@ -101,35 +184,23 @@ def dry_run(cfg: RunConfig, gpu: str | None = None, nproc_per_node: int = 1, nno
     request = {"gpu": {"name": torch_name(spec), "capability": list(hardware.CAPABILITY[spec.name]),
                        "memory_bytes": memory_bytes},
                "world": world, "nproc_per_node": nproc_per_node, "nnodes": nnodes, "headroom": headroom}
-    with _sigterm_unwinds(), _trace_dir() as tmp:
-        config_path, request_path, result_path = (tmp / n for n in ("config.yaml", "request.json", "result.json"))
-        config_path.write_text(cfg.to_yaml())
-        request["config_path"] = str(config_path)
-        request_path.write_text(json.dumps(request))
-        env = dict(os.environ, LD_PRELOAD=":".join(filter(None, [str(shim), os.environ.get("LD_PRELOAD", "")])),
-                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                   PYTHONSAFEPATH="1",  # Python 3.11+: no current directory on sys.path (WORKER_START for 3.10)
-                   PYTHONHASHSEED="0")  # ZeRO-1's traced peak moves by ~1% with the order of sets: reproducible
-        env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)  # not a launched rank
-        log(f"  tracing the step on {world} × {spec.name} (fake tensors; about a minute for a 2B model) ...")
-        try:
-            done = subprocess.run([sys.executable, "-c", WORKER_START, str(PACKAGE_ROOT), str(request_path),
-                                   str(result_path), str(os.getpid())],
-                                  env=env, capture_output=True, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            raise DryRunFailed(f"the trace did not finish in {timeout_s:.0f} s") from None
-        if not result_path.is_file():
-            raise DryRunUnavailable(_crash_line(done))
-        result = json.loads(result_path.read_text())
-    result["request"] = {k: v for k, v in request.items() if k != "config_path"}
-    result["request"]["gpu"]["spec"] = spec.name
-    if "error" in result:
-        where = f" at {result['where']}" if result.get("where") and result["where"] != "config" else ""
-        if result.get("where") == "config":  # the problems themselves, as the run would list them
-            raise ConfigError(result.get("problems") or [result["error"]])
-        raise DryRunFailed(f"the step fails on {world} × {spec.name}: {result['error']}{where}")
-    result["prediction"] = predicted(result, cfg)  # on the GPU's usual links; tune.predict for others
-    return result
+    return request, shim
+
+
+def _worker_env(shim: Path) -> dict[str, str]:
+    """The tracing process's environment: the shim preloaded, not a launched rank."""
+    env = dict(os.environ, LD_PRELOAD=":".join(filter(None, [str(shim), os.environ.get("LD_PRELOAD", "")])),
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+               PYTHONSAFEPATH="1",  # Python 3.11+: no current directory on sys.path (WORKER_START for 3.10)
+               PYTHONHASHSEED="0")  # ZeRO-1's traced peak moves by ~1% with the order of sets: reproducible
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)  # not a launched rank
+    return env
+
+
+def _as_asked(result: dict[str, Any], request: dict[str, Any], spec: hardware.DeviceSpec) -> None:
+    """The request (less its config's path) and the GPU's table name, kept in the worker's ``result``."""
+    result["request"] = {k: v for k, v in request.items() if k not in ("config_path", "configs")}
+    result["request"]["gpu"] = dict(request["gpu"], spec=spec.name)
 
 
 def for_json(result: dict[str, Any]) -> dict[str, Any]:
@@ -178,6 +249,31 @@ def worker_main(argv: list[str]) -> None:
     from flopwise.tune import worker  # lazy: torch, only in the tracing process
 
     worker.main([request, result])
+
+
+# A batch's tracing process starts as WORKER_START's does, then hands each config's answer over as
+# it comes (batch_worker_main), so that the dry run can say which traces have finished.
+BATCH_START = WORKER_START.replace("import worker_main\nworker_main(", "import batch_worker_main\nbatch_worker_main(")
+assert BATCH_START != WORKER_START
+
+
+def batch_worker_main(argv: list[str]) -> None:
+    """:func:`worker_main` for a batch (``configs`` in the request): each config's answer is also
+    written to ``answer-I.json`` beside the request as soon as it is known (the worker writes its
+    result only at the end)."""
+    from flopwise.tune import worker  # lazy: torch, only in the tracing process
+
+    answer, where, count = worker._answer, Path(argv[0]).parent, itertools.count()
+
+    def answered(request: dict[str, Any]) -> dict[str, Any]:
+        out = answer(request)
+        i = next(count)
+        (where / f"answer-{i}.tmp").write_text(json.dumps(out, default=str))
+        os.replace(where / f"answer-{i}.tmp", where / f"answer-{i}.json")
+        return out
+
+    worker._answer = answered
+    worker_main(argv)
 
 
 TMP_PREFIX = "flopwise-dryrun-"
