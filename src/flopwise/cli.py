@@ -189,6 +189,11 @@ def _preflight_parser(sub: "argparse._SubParsersAction") -> None:
                                                f"(default {DEFAULT_GPU})")
     g.add_argument("--nnodes", type=whole(1, 4096), default=1, help="nodes to trace for (default 1)")
     g.add_argument("--json", action="store_true", help="print the dry run's result as JSON")
+    g.add_argument("--rank", action="store_true",
+                   help="the virtual preflight: trace the candidates a preflight on the GPU would try (micro-batch, "
+                        "checkpointing, loss, compile, strategy at N ranks) and rank those that fit by predicted "
+                        "tokens/s per GPU, with the predicted time and cost of the run; writes virtual.json to --out "
+                        "when given (nothing ran: no preflight.yaml)")
     p.set_defaults(func=cmd_preflight)
 
 
@@ -536,8 +541,8 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     _one_process_only("preflight")
     if args.dry_run:
         return _dry_run(cfg, args)
-    if args.gpu is not None or args.nnodes != 1 or args.json:
-        raise ConfigError(["--gpu, --nnodes and --json go with --dry-run (a preflight without it measures the "
+    if args.gpu is not None or args.nnodes != 1 or args.json or args.rank:
+        raise ConfigError(["--gpu, --nnodes, --json and --rank go with --dry-run (a preflight without it measures the "
                            "device at hand)"])
     from flopwise.tune.preflight import Interrupted, preflight  # lazy: torch
     from flopwise.tune.request import TuneRequest  # lazy: torch
@@ -561,6 +566,8 @@ def _dry_run(cfg, args: argparse.Namespace) -> int:
         raise ConfigError(["--dry-run traces one configuration; --ladder measures on the device at hand: "
                            "choose one"])
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
+    if args.rank:
+        return _virtual_preflight(cfg, args, say)
     try:
         result = dry_run(cfg, gpu=args.gpu, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
                          memory_gb=args.memory_gb, headroom=args.headroom, log=say)
@@ -571,6 +578,35 @@ def _dry_run(cfg, args: argparse.Namespace) -> int:
         print(json.dumps(for_json(result), indent=2, default=str))
     else:
         print("\n".join(render(result)))
+    return 0
+
+
+def _virtual_preflight(cfg, args: argparse.Namespace, say) -> int:
+    """``preflight --dry-run --rank``: the candidates traced and ranked by predicted tokens/s
+    (tune/virtual.py); virtual.json in ``--out`` when one is given."""
+    from pathlib import Path
+
+    from flopwise.fsio import atomic_write
+    from flopwise.tune.virtual import render as render_virtual
+    from flopwise.tune.virtual import virtual_preflight
+
+    if args.out:  # one that cannot be made fails before any trace
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+    tracer = {"gpu": args.gpu, "nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes,
+              "memory_gb": args.memory_gb, "headroom": args.headroom}
+    try:
+        result = virtual_preflight(cfg, tracer, tokens=args.tokens, hours=args.hours,
+                                   price_per_gpu_hour=args.price_per_gpu_hour, log=say)
+    except (DryRunUnavailable, DryRunFailed) as e:
+        print(f"flopwise preflight --dry-run --rank: {e}", file=sys.stderr)
+        return 1
+    source = [f"--config {args.config}"] if args.config else [f"--preset {args.preset}"] if args.preset else []
+    if args.out:
+        atomic_write(Path(args.out) / "virtual.json", json.dumps({"virtual": result}, indent=2, default=str))
+    if args.json:
+        print(json.dumps({"virtual": result}, indent=2, default=str))
+    else:
+        print("\n".join(render_virtual(result, source + list(args.overrides))))
     return 0
 
 

@@ -1,0 +1,319 @@
+"""``flopwise preflight --dry-run --rank``: the virtual preflight, before a GPU is rented.
+
+A real preflight (``tune/preflight.py``) times the settings it tries on the GPU. This one traces
+the same kind of candidates on fake tensors (``tune/dryrun.py``) and ranks those that fit by the
+step time predicted from their traced kernels (``plan/steptime.py``): nothing runs on a GPU, and
+every figure but the traced peak memory is **predicted**.
+
+The candidates, a bounded number of traces:
+
+1. the configured settings, with the dry run's search for the largest micro-batch that fits;
+2. the micro-batch sweep at those settings: powers of two up to that largest, and the largest,
+   at the configured global batch (the accumulation adjusts; a size the batch does not split
+   into is skipped), each traced in one tracing process (the worker's batch mode);
+3. each other setting, one change at a time, at the sweep's best micro-batch: activation
+   checkpointing none / selective / full (also at the smallest size that did not fit: what
+   checkpointing is for), the loss path plain / chunked, compile model / blocks (off too when the
+   config is off), and at N ranks the strategy ddp / zero1 / fsdp2;
+4. a setting that does not fit at that size, once more at the next smaller size.
+
+A candidate fits when its traced peak (the step as the run takes it, compiled when compile is
+on) is within headroom x the GPU's memory; one that does not is listed, never ranked.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any, Callable
+
+from flopwise.config import RunConfig, batch_split_problems
+from flopwise.measure.sinks import human
+from flopwise.plan.budget import PlanInputs, _tokens_time_cost
+from flopwise.plan.flops import flops_per_token, param_counts
+from flopwise.plan.render import _hours
+from flopwise.tune.dryrun import WRAPPERS, dry_run, dry_run_batch, gpu_spec
+
+Log = Callable[[str], None]
+MB, AC, COMPILE, LOSS, STRATEGY = ("train.micro_batch_size", "train.activation_checkpointing", "train.compile",
+                                   "train.loss", "parallel.strategy")
+SETTINGS = (MB, AC, COMPILE, LOSS, STRATEGY)
+CHECKPOINTING = ("none", "selective", "full")
+LOSSES = ("plain", "chunked")  # fused (Liger's Triton kernel) cannot be traced on fake tensors
+COMPILES = ("model", "blocks")
+STRATEGIES = ("ddp", "zero1", "fsdp2")
+# Predictions closer than this are reported as a tie: compile model and blocks trace to the same
+# kernels (the time model fuses elementwise regions under either), and differences this small are
+# below what the model resolves (its error on public measurements is ~10%, shared by candidates).
+TIE = 0.01
+SECONDS_PER_TRACE = (10.0, 50.0)  # rough, on 2 shared cores: s + s per billion parameters (tiny ~9 s, 1B ~60 s)
+
+
+def settings_of(result: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
+    """The settings a traced step ran with (``auto`` resolved by the trace), as override keys."""
+    return {MB: result["micro_batch"], AC: cfg.train.activation_checkpointing, COMPILE: result["compile"],
+            LOSS: result["loss"], STRATEGY: result["strategy"]}
+
+
+def with_settings(cfg: RunConfig, settings: dict[str, Any]) -> RunConfig:
+    """``cfg`` with ``settings`` (override keys) set; its global batch kept."""
+    out = copy.deepcopy(cfg)
+    for dotted, value in settings.items():
+        section, key = dotted.split(".")
+        setattr(getattr(out, section), key, value)
+    return out
+
+
+def label(s: dict[str, Any]) -> str:
+    return (f"micro-batch {s[MB]} · ckpt {s[AC]} · compile {s[COMPILE]} · loss {s[LOSS]}"
+            + (f" · {s[STRATEGY]}" if s[STRATEGY] != "single" else ""))
+
+
+def splits(cfg: RunConfig, world: int, b: int) -> bool:
+    """Whether the configured global batch splits into micro-batches of ``b`` on ``world`` ranks."""
+    t = copy.copy(cfg.train)
+    t.micro_batch_size = b
+    return not batch_split_problems(t, world)
+
+
+def sweep_sizes(cfg: RunConfig, world: int, largest: int | None) -> list[int]:
+    """Micro-batches a preflight tries: powers of two up to ``largest`` (the largest that fits
+    by trace) and ``largest``, those the global batch splits into on ``world`` ranks."""
+    if not largest:
+        return []
+    sizes, b = {largest}, 1
+    while b < largest:
+        sizes.add(b)
+        b *= 2
+    return sorted(b for b in sizes if splits(cfg, world, b))
+
+
+def variations(base: dict[str, Any], world: int, configured_compile: str) -> list[dict[str, Any]]:
+    """The other settings, one change each from ``base``: checkpointing, loss, compile (off only
+    when configured off) and, at N ranks under a data-parallel strategy, the strategy."""
+    out = [{AC: a} for a in CHECKPOINTING if a != base[AC]]
+    out += [{LOSS: x} for x in LOSSES if x != base[LOSS]]
+    compiles = COMPILES + (("off",) if configured_compile == "off" else ())
+    out += [{COMPILE: c} for c in compiles if c != base[COMPILE]]
+    if world > 1 and base[STRATEGY] in STRATEGIES:  # DiLoCo is another algorithm, not a setting to rank
+        out += [{STRATEGY: s} for s in STRATEGIES if s != base[STRATEGY]]
+    return out
+
+
+def candidate(settings: dict[str, Any], result: dict[str, Any], cap_gib: float) -> dict[str, Any]:
+    """One ranked row from a trace: its settings, whether it fits (its traced peak within
+    ``cap_gib``), the peak and the prediction; or the error of a step that fails."""
+    if "error" in result:
+        return {"settings": settings, "fits": False, "peak_gib": None, "cap_gib": cap_gib, "prediction": None,
+                "error": f"{result['error']}" + (f" at {result['where']}" if result.get("where") else "")}
+    peak = result["trace"]["memory"]["peak_gib"]
+    return {"settings": settings, "fits": peak <= cap_gib, "peak_gib": round(peak, 3), "cap_gib": cap_gib,
+            "prediction": result.get("prediction")}
+
+
+def _rate(c: dict[str, Any]) -> float:
+    return float(c["prediction"]["tokens_per_s_per_gpu"])
+
+
+def ranked(candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The candidates that fit and have a prediction, fastest predicted first."""
+    ok = [c for c in candidates if c["fits"] and (c.get("prediction") or {}).get("predicted")]
+    return sorted(ok, key=_rate, reverse=True)
+
+
+def choose(candidates: list[dict[str, Any]], tie: float = TIE) -> dict[str, Any] | None:
+    """The candidate to run with: the fastest predicted among those that fit; among those within
+    ``tie`` of it, compile blocks before model under a data-parallel wrapper (model breaks the
+    graph there), no activation checkpointing first, then the larger micro-batch. With its
+    margin over the runner-up (the fastest other that fits): ``rate / runner's - 1``. None when
+    nothing fits."""
+    order = ranked(candidates)
+    if not order:
+        return None
+    fastest = order[0]
+    group = [c for c in order if _rate(c) >= (1 - tie) * _rate(fastest)]
+
+    def preference(c: dict[str, Any]) -> tuple:
+        s = c["settings"]
+        return (s[STRATEGY] in WRAPPERS and s[COMPILE] == "model", s[AC] != "none", -s[MB], -_rate(c))
+
+    best = min(group, key=preference)
+    others = [c for c in order if c is not best]
+    runner = others[0] if others else None
+    margin = _rate(best) / _rate(runner) - 1 if runner else None
+    tied = [c["settings"] for c in group if c is not best]
+    if runner is None:
+        why = "the only candidate that fits"
+    elif tied:
+        why = (f"tied within {100 * tie:.0f}% with {len(tied)} other(s) (predicted); a tie goes to compile blocks "
+               "under a data-parallel wrapper, then no activation checkpointing, then the larger micro-batch")
+    else:
+        why = "the fastest predicted"
+    return {"settings": best["settings"], "prediction": best["prediction"], "peak_gib": best["peak_gib"],
+            "runner_up": runner["settings"] if runner else None, "margin": margin, "tied": tied, "why": why}
+
+
+def budget(choice: dict[str, Any], cfg: RunConfig, world: int, tokens: int = 0, hours: float = 0.0,
+           price_per_gpu_hour: float = 0.0) -> dict[str, Any]:
+    """The predicted wall time, GPU-hours and cost of the token budget (``tokens``, else what
+    ``hours`` affords, else the config's) at the choice's predicted tokens/s, as flopwise plan
+    prices them (plan/budget.py): the prediction's exposed communication is already in its step."""
+    p = choice["prediction"]
+    fpt = flops_per_token(cfg.model, cfg.train.seq_len)
+    inp = PlanInputs(gpus=world, tokens=tokens or (0 if hours else cfg.total_steps() * cfg.tokens_per_step),
+                     hours=hours, price_per_gpu_hour=price_per_gpu_hour)
+    out = _tokens_time_cost(inp, fpt, param_counts(cfg.model)["active"], p["tokens_per_s"] * fpt, 1.0)
+    keep = ("tokens", "hours", "hours_given", "gpu_hours", "price_per_gpu_hour", "cost")
+    return {k: out[k] for k in keep} | {"source": "--tokens" if tokens else "--hours" if hours else "the config"}
+
+
+# --------------------------------------------------------------------------- the traces
+
+class _Tracer:
+    """The dry runs of one virtual preflight (the GPU, the ranks, the headroom), counting traces
+    and printing a line as each finishes."""
+
+    def __init__(self, cfg: RunConfig, gpu: str | None, nproc_per_node: int, nnodes: int, memory_gb: float,
+                 headroom: float, log: Log):
+        self.cfg, self.log, self.done = cfg, log, 0
+        self.args: dict[str, Any] = dict(gpu=gpu, nproc_per_node=nproc_per_node, nnodes=nnodes,
+                                         memory_gb=memory_gb, headroom=headroom)
+        spec = gpu_spec(gpu)
+        self.spec, self.world = spec, nproc_per_node * nnodes
+        self.cap_gib = headroom * (memory_gb or spec.memory_gb)
+
+    def first(self) -> dict[str, Any]:
+        """The configured settings, with the largest-fit search."""
+        return dry_run(self.cfg, log=self.log, **self.args)
+
+    def batch(self, settings: list[dict[str, Any]], total: int) -> list[dict[str, Any]]:
+        """Candidates for each of ``settings``, traced in one process, a line printed per trace."""
+        out: list[dict[str, Any]] = []
+
+        def finished(i: int, result: dict[str, Any]) -> None:
+            c = candidate(settings[i], result, self.cap_gib)
+            out.append(c)
+            self.done += 1
+            self.log(f"  trace {self.done}/~{total} done: {label(settings[i])}: {_brief(c)}")
+
+        cfgs = [with_settings(self.cfg, s) for s in settings]
+        dry_run_batch(cfgs, log=lambda s: None, done=finished, **self.args)
+        return out
+
+
+def _brief(c: dict[str, Any]) -> str:
+    if c.get("error"):
+        return f"the step fails: {c['error'][:160]}"
+    if not c["fits"]:
+        return f"does not fit (traced peak {c['peak_gib']:.2f} GiB > {c['cap_gib']:.1f} GiB)"
+    p = c["prediction"] or {}
+    if not p.get("predicted"):
+        return f"fits (traced peak {c['peak_gib']:.2f} GiB), no prediction: {p.get('why', '')}"
+    return (f"fits (traced peak {c['peak_gib']:.2f} GiB) · {human(p['tokens_per_s_per_gpu'])} tokens/s per GPU "
+            "predicted")
+
+
+def virtual_preflight(cfg: RunConfig, tracer_args: dict[str, Any], tokens: int = 0, hours: float = 0.0,
+                      price_per_gpu_hour: float = 0.0, log: Log = print) -> dict[str, Any]:
+    """The virtual preflight of ``cfg`` (the module docstring): ``tracer_args`` are
+    :func:`~flopwise.tune.dryrun.dry_run`'s ``gpu``, ``nproc_per_node``, ``nnodes``, ``memory_gb``
+    and ``headroom``. Returns ``{"candidates", "choice", "budget", ...}``; raises as dry_run does."""
+    tr = _Tracer(cfg, log=log, **tracer_args)
+    started = time.monotonic()
+    params = param_counts(cfg.model)["total"]
+    per = SECONDS_PER_TRACE[0] + SECONDS_PER_TRACE[1] * params / 1e9
+    upper = 1 + 2 * len(CHECKPOINTING) + len(LOSSES) + len(COMPILES) + len(STRATEGIES) + 11  # sweep <= 11 sizes
+    log(f"virtual preflight on {tr.world} × {tr.spec.name}: up to ~{upper} traces on fake tensors (about {per:.0f} s "
+        f"each for {human(params)} parameters on this machine, roughly): first the configured settings with the "
+        "largest micro-batch that fits")
+    first = tr.first()
+    base = settings_of(first, cfg)
+    fit = first["fit"]
+    rows = [candidate(base, first, tr.cap_gib)]
+    tr.done = 1
+    log(f"  trace 1 done (with the fit search, {len(fit['tried_gib'])} sizes, {time.monotonic() - started:.0f} s): "
+        f"{label(base)}: {_brief(rows[0])}; largest micro-batch that fits by trace: {fit['micro_batch']}")
+    sizes = [b for b in sweep_sizes(cfg, tr.world, fit["micro_batch"]) if b != base[MB]]
+    others = variations(base, tr.world, cfg.train.compile)
+    total = 1 + len(sizes) + len(others) + sum(1 for v in others if AC in v)
+    log(f"  then ~{total - 1} more traces (the micro-batch sweep {sizes or 'none'}, then {len(others)} other "
+        f"settings at the best of it), about {per * (total - 1) / 60:.1f} min")
+    rows += tr.batch([base | {MB: b} for b in sizes], total)
+    rows += _settings_rounds(tr, cfg, base, others, rows, fit["micro_batch"], total)
+    choice = choose(rows)
+    return {"gpu": tr.spec.name, "world": tr.world, "cap_gib": tr.cap_gib, "traces": tr.done,
+            "seconds": round(time.monotonic() - started, 1), "configured": base, "largest_fit": fit["micro_batch"],
+            "candidates": rows, "choice": choice,
+            "budget": budget(choice, cfg, tr.world, tokens, hours, price_per_gpu_hour) if choice else None}
+
+
+def _settings_rounds(tr: _Tracer, cfg: RunConfig, base: dict[str, Any], others: list[dict[str, Any]],
+                     sweep: list[dict[str, Any]], largest: int | None, total: int) -> list[dict[str, Any]]:
+    """Each other setting at the sweep's best micro-batch (checkpointing also at the smallest
+    size that did not fit), then once more at the next smaller size where it did not fit."""
+    best = choose(sweep)
+    sizes = sorted({b for b in range(1, cfg.train.global_batch_size + 1) if splits(cfg, tr.world, b)
+                    and (b & (b - 1) == 0 or b == largest)})
+    at = best["settings"][MB] if best else sizes[0]
+    above = [b for b in sizes if largest is not None and b > largest][:1]
+    asked = [base | v | {MB: at} for v in others] + [base | v | {MB: b} for v in others if AC in v for b in above]
+    rows = tr.batch(asked, total) if asked else []
+    retry = []
+    for c in rows[:len(others)]:
+        smaller = [b for b in sizes if b < c["settings"][MB]]
+        if not c["fits"] and not c.get("error") and smaller:
+            retry.append(c["settings"] | {MB: smaller[-1]})
+    return rows + (tr.batch(retry, total + len(retry)) if retry else [])
+
+
+# --------------------------------------------------------------------------- the report
+
+def render(v: dict[str, Any], run_with: list[str]) -> list[str]:
+    """The virtual preflight's table and choice; every line with a predicted figure says so."""
+    lines = [f"flopwise preflight --dry-run --rank · {v['world']} × {v['gpu']} · {v['traces']} traces on fake "
+             f"tensors in {v['seconds']:.0f} s: nothing ran on a GPU",
+             "  candidates, fastest predicted first (step time, tokens/s per GPU, MFU: predicted from the traced "
+             "kernels; peak: traced)",
+             f"  {'micro':>5} {'ckpt':>9} {'compile':>7} {'loss':>7} {'strategy':>8} {'traced peak':>12} "
+             f"{'step ms':>8} {'tok/s/GPU':>10} {'MFU':>6} {'share':>6}"]
+    order = ranked(v["candidates"])
+    top = _rate(order[0]) if order else None
+    chosen = (v.get("choice") or {}).get("settings")
+    for c in order + [c for c in v["candidates"] if c not in order]:
+        s, p = c["settings"], c.get("prediction") or {}
+        peak = f"{c['peak_gib']:.2f} GiB" if c["peak_gib"] is not None else "-"
+        cols = f"  {s[MB]:>5} {s[AC]:>9} {s[COMPILE]:>7} {s[LOSS]:>7} {s[STRATEGY]:>8} {peak:>12}"
+        if c in order and top:
+            mfu = f"{100 * p['mfu']:.1f}%" if p.get("mfu") is not None else "n/a"
+            lines.append(f"{cols} {1e3 * p['step_s']:>8.2f} {human(p['tokens_per_s_per_gpu']):>10} {mfu:>6} "
+                         f"{100 * _rate(c) / top:>5.1f}%  predicted{'  <- chosen' if s == chosen else ''}")
+        elif c.get("error"):
+            lines.append(f"{cols}  the step fails: {c['error'][:120]}")
+        elif not c["fits"]:
+            lines.append(f"{cols}  does not fit (> {c['cap_gib']:.1f} GiB): not ranked")
+        else:
+            lines.append(f"{cols}  no prediction: {p.get('why', 'not predicted')}")
+    lines += _choice_lines(v, run_with)
+    return lines
+
+
+def _choice_lines(v: dict[str, Any], run_with: list[str]) -> list[str]:
+    c, b = v.get("choice"), v.get("budget")
+    if not c or not b:
+        return ["  no candidate fits and is predicted: nothing to choose"]
+    p = c["prediction"]
+    margin = (f"{100 * c['margin']:+.1f}% predicted over the runner-up ({label(c['runner_up'])})"
+              if c["margin"] is not None else "no runner-up")
+    lines = [f"  predicted choice: {label(c['settings'])}: {human(p['tokens_per_s_per_gpu'])} tokens/s per GPU "
+             f"predicted, {margin}; {c['why']}"]
+    if c["tied"]:
+        lines.append(f"             tied (predicted): {'; '.join(label(s) for s in c['tied'])}")
+    cost = f" · cost ${b['cost']:,.2f} at ${b['price_per_gpu_hour']:g}/GPU-hour" if b.get("cost") else ""
+    lines.append(f"  predicted time for {human(b['tokens'])} tokens ({b['source']}): {_hours(b['hours'])} on "
+                 f"{v['world']} × {v['gpu']} · {b['gpu_hours']:,.1f} GPU-hours{cost} (predicted)")
+    overrides = [f"{k}={val}" for k, val in c["settings"].items() if k != STRATEGY or val != "single"]
+    given = [a for a in run_with if a.split("=", 1)[0] not in SETTINGS]  # the choice's settings replace the user's
+    lines.append(f"  run it with: flopwise train {' '.join(given + overrides)}")
+    lines.append("  note: compile model and blocks trace to the same kernels unless the trace differs (the time model "
+                 "fuses elementwise regions under either): a tie between them is a tie")
+    return lines

@@ -1,0 +1,140 @@
+"""The virtual preflight (``flopwise preflight --dry-run --rank``, tune/virtual.py).
+
+The ranking runs on hand-made results shaped like the dry run's worker's (kernel lists made by
+hand, as tests/unit/test_steptime.py makes them), predicted by tune/predict.py: no trace. One
+end-to-end run traces a tiny model's candidates through the fake-CUDA shim.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from flopwise.config import build_config
+from flopwise.tune import virtual
+from flopwise.tune.predict import predicted
+from flopwise.tune.shim import compiler, ensure_shim
+from flopwise.tune.virtual import AC, COMPILE, LOSS, MB, STRATEGY
+
+CFG = build_config("tiny", overrides=["train.seq_len=128", "train.micro_batch_size=4", "train.global_batch_size=16"])
+
+
+def mm(m: int, n: int, k: int) -> dict:
+    return {"kind": "mm", "op": "mm", "reads": [[1, 0]], "writes": [[2, 0]], "phase": "forward", "micro": 1,
+            "host": 1, "m": m, "n": n, "k": k, "batch": 1, "dtype": "bfloat16"}
+
+
+def result(micro_batch: int, peak_gib: float, work: int, compile: str = "model", strategy: str = "single",
+           world: int = 1) -> dict:
+    """A worker result (what tune/worker.py writes, as dry_run_batch hands it on): ``work`` matmuls
+    of 4096³ each per micro-batch of ``micro_batch`` sequences of 128 tokens."""
+    kernels = {"records": [mm(4096, 4096, 4096)] * work, "tail_host": 0, "traced_accum": 1, "run_accum": 1,
+               "micro_batch": micro_batch, "seq_len": 128, "world": world}
+    r = {"request": {"gpu": {"spec": "H100 SXM"}, "nproc_per_node": world}, "precision": "bf16",
+         "compile": compile, "loss": "plain", "strategy": strategy, "micro_batch": micro_batch,
+         "trace": {"kernels": kernels, "memory": {"peak_gib": peak_gib}, "flops": {}}}
+    r["prediction"] = predicted(r, CFG)
+    return r
+
+
+def settings(micro_batch: int, ac: str = "none", compile: str = "model", strategy: str = "single") -> dict:
+    return {MB: micro_batch, AC: ac, COMPILE: compile, LOSS: "plain", STRATEGY: strategy}
+
+
+CAP = 72.0  # GiB: 90% of an H100's 80
+
+
+def test_the_fastest_fitting_candidate_is_chosen_never_one_that_does_not_fit():
+    # tokens per second: micro-batch sequences x 128 tokens over the time of `work` matmuls
+    rows = [virtual.candidate(settings(8), result(8, 30.0, work=4), CAP),  # 1024 tok / 4 mm
+            virtual.candidate(settings(16), result(16, 60.0, work=5), CAP),  # 2048 tok / 5 mm: fastest that fits
+            virtual.candidate(settings(32), result(32, 90.0, work=6), CAP),  # 4096 tok / 6 mm: fastest, over cap
+            virtual.candidate(settings(16, ac="full"), {"error": "RuntimeError: no", "where": "x.py:1"}, CAP)]
+    assert [c["fits"] for c in rows] == [True, True, False, False]
+    choice = virtual.choose(rows)
+    assert choice is not None and choice["settings"] == settings(16)
+    assert choice["runner_up"] == settings(8)
+    rate = {c["settings"][MB]: c["prediction"]["tokens_per_s_per_gpu"] for c in rows[:3]}
+    assert rate[32] > rate[16] > rate[8]  # the one over the cap would have won
+    assert choice["margin"] == pytest.approx(rate[16] / rate[8] - 1)
+    assert choice["margin"] == pytest.approx((2048 / 5) / (1024 / 4) - 1, rel=0.01)  # the step: its matmuls, ~
+    assert [c["settings"][MB] for c in virtual.ranked(rows)] == [16, 8]
+    lines = virtual.render({"gpu": "H100 SXM", "world": 1, "traces": 4, "seconds": 1.0, "candidates": rows,
+                            "choice": choice, "budget": virtual.budget(choice, CFG, 1, tokens=10**9,
+                                                                       price_per_gpu_hour=2.0)}, ["--preset", "tiny"])
+    table = {ln.split()[0]: ln for ln in lines if re.match(r"\s+\d+ ", ln)}
+    assert "<- chosen" in table["16"] and "does not fit" in table["32"] and "predicted" not in table["32"]
+
+
+def test_nothing_fits_nothing_is_chosen():
+    assert virtual.choose([virtual.candidate(settings(8), result(8, 90.0, work=4), CAP)]) is None
+
+
+def test_a_tie_between_compile_model_and_blocks_is_a_tie_and_goes_to_blocks_under_ddp():
+    rows = [virtual.candidate(settings(8, compile=c, strategy="ddp"), result(8, 30.0, 4, c, "ddp", 2), CAP)
+            for c in ("model", "blocks")]
+    choice = virtual.choose(rows)
+    assert choice["settings"][COMPILE] == "blocks" and choice["tied"] == [rows[0]["settings"]]
+    assert choice["margin"] == pytest.approx(0.0)
+    # alone (one rank, no wrapper), the same tie goes to the larger micro-batch, then no checkpointing first
+    rows = [virtual.candidate(settings(8, ac="full"), result(8, 30.0, 4), CAP),
+            virtual.candidate(settings(8), result(8, 30.0, 4), CAP)]
+    assert virtual.choose(rows)["settings"][AC] == "none"
+
+
+def test_the_budget_is_priced_at_the_predicted_rate():
+    choice = virtual.choose([virtual.candidate(settings(8), result(8, 30.0, work=4), CAP)])
+    b = virtual.budget(choice, CFG, 1, tokens=10**9, price_per_gpu_hour=2.0)
+    hours = 10**9 / choice["prediction"]["tokens_per_s"] / 3600
+    assert b["hours"] == pytest.approx(hours) and b["cost"] == pytest.approx(2.0 * hours)
+    afforded = virtual.budget(choice, CFG, 1, hours=2.0)  # --hours: the tokens it affords
+    assert afforded["tokens"] == pytest.approx(2.0 * 3600 * choice["prediction"]["tokens_per_s"])
+
+
+def test_candidates_are_what_a_preflight_tries():
+    assert virtual.sweep_sizes(CFG, 1, 1024) == [1, 2, 4, 8, 16]  # up to the global batch
+    assert virtual.sweep_sizes(CFG, 2, 6) == [1, 2, 4]  # 6 fits but 16 sequences do not split into 2 x 6
+    assert virtual.sweep_sizes(CFG, 1, None) == []
+    base = settings(8, strategy="ddp")
+    found = virtual.variations(base, 2, "auto")
+    assert {AC: "full"} in found and {LOSS: "chunked"} in found and {COMPILE: "blocks"} in found
+    assert {COMPILE: "off"} not in found and {STRATEGY: "fsdp2"} in found and {STRATEGY: "ddp"} not in found
+    assert {COMPILE: "off"} in virtual.variations(settings(8, compile="model"), 1, "off")
+    assert not any(STRATEGY in v for v in virtual.variations(settings(8), 1, "auto"))
+
+
+@pytest.fixture(scope="module")
+def shim():
+    if compiler() is None:
+        pytest.skip("no C++ compiler: the dry run's shim cannot be built (install g++)")
+    return ensure_shim()
+
+
+def test_rank_command_end_to_end(shim, capsys, tmp_path):
+    from flopwise.cli import main
+
+    args = ["preflight", "--dry-run", "--rank", "--preset", "tiny", "--gpu", "h100", "--price-per-gpu-hour", "3",
+            "train.seq_len=128", "train.micro_batch_size=4", "train.global_batch_size=16"]
+    assert main([*args, "--json", "--out", str(tmp_path)]) == 0
+    v = json.loads(capsys.readouterr().out)["virtual"]
+    assert json.loads((tmp_path / "virtual.json").read_text())["virtual"]["choice"] == v["choice"]
+    assert v["gpu"] == "H100 SXM" and v["largest_fit"] and v["traces"] == len(v["candidates"])
+    for c in v["candidates"]:
+        assert set(c["settings"]) == {MB, AC, COMPILE, LOSS, STRATEGY} and "fits" in c and "peak_gib" in c
+        assert c["prediction"]["predicted"], c
+    assert {c["settings"][AC] for c in v["candidates"]} == {"none", "selective", "full"}
+    assert {c["settings"][LOSS] for c in v["candidates"]} == {"plain", "chunked"}
+    fastest = max(v["candidates"], key=lambda c: c["prediction"]["tokens_per_s_per_gpu"] if c["fits"] else 0)
+    choice = v["choice"]
+    assert choice["prediction"]["tokens_per_s_per_gpu"] >= (1 - virtual.TIE) * fastest["prediction"][
+        "tokens_per_s_per_gpu"]
+    assert choice["margin"] is not None and v["budget"]["hours"] > 0 and v["budget"]["cost"] > 0
+
+    # the text: every line with a figure of speed, time or cost says predicted
+    lines = virtual.render(v, ["--preset", "tiny"])
+    figures = [ln for ln in lines if re.search(r"tok/s|tokens/s|\d ms|MFU|GPU-hours|\$", ln) and re.search(r"\d", ln)]
+    assert figures and all("predicted" in ln for ln in figures), [ln for ln in figures if "predicted" not in ln]
+    run = next(ln for ln in lines if "run it with" in ln)
+    assert run.count("train.micro_batch_size=") == 1 and f"train.micro_batch_size={choice['settings'][MB]}" in run
