@@ -64,8 +64,9 @@ def test_the_fastest_fitting_candidate_is_chosen_never_one_that_does_not_fit():
     lines = virtual.render({"gpu": "H100 SXM", "world": 1, "traces": 4, "seconds": 1.0, "candidates": rows,
                             "choice": choice, "budget": virtual.budget(choice, CFG, 1, tokens=10**9,
                                                                        price_per_gpu_hour=2.0)}, ["--preset", "tiny"])
-    table = {ln.split()[0]: ln for ln in lines if re.match(r"\s+\d+ ", ln)}
-    assert "<- chosen" in table["16"] and "does not fit" in table["32"] and "predicted" not in table["32"]
+    table = {tuple(ln.split()[:2]): ln for ln in lines if re.match(r"\s+\d+ ", ln)}
+    assert "<- chosen" in table["16", "none"] and "the step fails" in table["16", "full"]
+    assert "does not fit" in table["32", "none"] and "predicted" not in table["32", "none"]
 
 
 def test_nothing_fits_nothing_is_chosen():
