@@ -116,8 +116,8 @@ def gpu(spec_name: str, link: str | None = None, network: str | None = None, per
     spec = hardware.find(spec_name)
     if spec is None:
         raise Unpredictable(f"{spec_name!r} is not in the hardware table")
-    missing = [what for what, value in (("a dense bf16 peak", spec.bf16), ("an SM count", hardware.SMS.get(spec.name)),
-                                        ("a measured matmul ceiling (GEMM_FRACTION)", GEMM_FRACTION.get(spec.name)),
+    missing = [what for what, value in (("dense bf16 peak", spec.bf16), ("SM count", hardware.SMS.get(spec.name)),
+                                        ("measured matmul ceiling (GEMM_FRACTION)", GEMM_FRACTION.get(spec.name)),
                                         ("published attention efficiencies for its architecture",
                                          ATTENTION_FRACTION.get(_arch(spec.name)))) if value is None]
     if missing:
