@@ -83,6 +83,10 @@ def test_a_tie_between_compile_model_and_blocks_is_a_tie_and_goes_to_blocks_unde
     rows = [virtual.candidate(settings(8, ac="full"), result(8, 30.0, 4), CAP),
             virtual.candidate(settings(8), result(8, 30.0, 4), CAP)]
     assert virtual.choose(rows)["settings"][AC] == "none"
+    # and where nothing else tells them apart, the configured settings
+    rows = [virtual.candidate(settings(8, compile=c), result(8, 30.0, 4, c), CAP) for c in ("model", "blocks")]
+    assert virtual.choose(rows, configured={COMPILE: "blocks"})["settings"][COMPILE] == "blocks"
+    assert virtual.choose(rows, configured={COMPILE: "model"})["settings"][COMPILE] == "model"
 
 
 def test_the_budget_is_priced_at_the_predicted_rate():

@@ -79,10 +79,15 @@ def splits(cfg: RunConfig, world: int, b: int) -> bool:
 def sweep_sizes(cfg: RunConfig, world: int, largest: int | None) -> list[int]:
     """Micro-batches a preflight tries: powers of two up to ``largest`` (the largest that fits
     by trace) and ``largest``, those the global batch splits into on ``world`` ranks."""
-    if not largest:
-        return []
-    sizes, b = {largest}, 1
-    while b < largest:
+    return [b for b in sizes_of(cfg, world, largest) if largest and b <= largest]
+
+
+def sizes_of(cfg: RunConfig, world: int, largest: int | None = None) -> list[int]:
+    """Every micro-batch a preflight may try: the powers of two and ``largest`` that the global
+    batch splits into on ``world`` ranks (none above the batch a rank takes)."""
+    per_rank = cfg.train.global_batch_size // world
+    sizes, b = {largest} if largest and largest <= per_rank else set(), 1
+    while b <= per_rank:
         sizes.add(b)
         b *= 2
     return sorted(b for b in sizes if splits(cfg, world, b))
@@ -121,10 +126,12 @@ def ranked(candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(ok, key=_rate, reverse=True)
 
 
-def choose(candidates: list[dict[str, Any]], tie: float = TIE) -> dict[str, Any] | None:
+def choose(candidates: list[dict[str, Any]], tie: float = TIE,
+           configured: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The candidate to run with: the fastest predicted among those that fit; among those within
     ``tie`` of it, compile blocks before model under a data-parallel wrapper (model breaks the
-    graph there), no activation checkpointing first, then the larger micro-batch. With its
+    graph there), no activation checkpointing first, then the larger micro-batch, then the fewest
+    changes from the ``configured`` settings. With its
     margin over the runner-up (the fastest other that fits): ``rate / runner's - 1``. None when
     nothing fits."""
     order = ranked(candidates)
@@ -135,7 +142,8 @@ def choose(candidates: list[dict[str, Any]], tie: float = TIE) -> dict[str, Any]
 
     def preference(c: dict[str, Any]) -> tuple:
         s = c["settings"]
-        return (s[STRATEGY] in WRAPPERS and s[COMPILE] == "model", s[AC] != "none", -s[MB], -_rate(c))
+        changes = sum(s[k] != v for k, v in (configured or {}).items())
+        return (s[STRATEGY] in WRAPPERS and s[COMPILE] == "model", s[AC] != "none", -s[MB], changes, -_rate(c))
 
     best = min(group, key=preference)
     others = [c for c in order if c is not best]
@@ -146,7 +154,8 @@ def choose(candidates: list[dict[str, Any]], tie: float = TIE) -> dict[str, Any]
         why = "the only candidate that fits"
     elif tied:
         why = (f"tied within {100 * tie:.0f}% with {len(tied)} other(s) (predicted); a tie goes to compile blocks "
-               "under a data-parallel wrapper, then no activation checkpointing, then the larger micro-batch")
+               "under a data-parallel wrapper, then no activation checkpointing, then the larger micro-batch, then the "
+               "configured settings")
     else:
         why = "the fastest predicted"
     return {"settings": best["settings"], "prediction": best["prediction"], "peak_gib": best["peak_gib"],
@@ -222,7 +231,7 @@ def virtual_preflight(cfg: RunConfig, tracer_args: dict[str, Any], tokens: int =
     started = time.monotonic()
     params = param_counts(cfg.model)["total"]
     per = SECONDS_PER_TRACE[0] + SECONDS_PER_TRACE[1] * params / 1e9
-    upper = 1 + 2 * len(CHECKPOINTING) + len(LOSSES) + len(COMPILES) + len(STRATEGIES) + 11  # sweep <= 11 sizes
+    upper = len(sizes_of(cfg, tr.world)) + 2 * (len(CHECKPOINTING) + len(LOSSES) + len(COMPILES) + len(STRATEGIES))
     log(f"virtual preflight on {tr.world} × {tr.spec.name}: up to ~{upper} traces on fake tensors (about {per:.0f} s "
         f"each for {human(params)} parameters on this machine, roughly): first the configured settings with the "
         "largest micro-batch that fits")
@@ -235,12 +244,13 @@ def virtual_preflight(cfg: RunConfig, tracer_args: dict[str, Any], tokens: int =
         f"{label(base)}: {_brief(rows[0])}; largest micro-batch that fits by trace: {fit['micro_batch']}")
     sizes = [b for b in sweep_sizes(cfg, tr.world, fit["micro_batch"]) if b != base[MB]]
     others = variations(base, tr.world, cfg.train.compile)
-    total = 1 + len(sizes) + len(others) + sum(1 for v in others if AC in v)
+    above = fit["micro_batch"] is not None and any(b > fit["micro_batch"] for b in sizes_of(cfg, tr.world))
+    total = 1 + len(sizes) + len(others) + (sum(1 for v in others if AC in v) if above else 0)
     log(f"  then ~{total - 1} more traces (the micro-batch sweep {sizes or 'none'}, then {len(others)} other "
         f"settings at the best of it), about {per * (total - 1) / 60:.1f} min")
     rows += tr.batch([base | {MB: b} for b in sizes], total)
     rows += _settings_rounds(tr, cfg, base, others, rows, fit["micro_batch"], total)
-    choice = choose(rows)
+    choice = choose(rows, configured={k: v for k, v in base.items() if k != MB})
     return {"gpu": tr.spec.name, "world": tr.world, "cap_gib": tr.cap_gib, "traces": tr.done,
             "seconds": round(time.monotonic() - started, 1), "configured": base, "largest_fit": fit["micro_batch"],
             "candidates": rows, "choice": choice,
@@ -252,8 +262,7 @@ def _settings_rounds(tr: _Tracer, cfg: RunConfig, base: dict[str, Any], others: 
     """Each other setting at the sweep's best micro-batch (checkpointing also at the smallest
     size that did not fit), then once more at the next smaller size where it did not fit."""
     best = choose(sweep)
-    sizes = sorted({b for b in range(1, cfg.train.global_batch_size + 1) if splits(cfg, tr.world, b)
-                    and (b & (b - 1) == 0 or b == largest)})
+    sizes = sizes_of(cfg, tr.world, largest)
     at = best["settings"][MB] if best else sizes[0]
     above = [b for b in sizes if largest is not None and b > largest][:1]
     asked = [base | v | {MB: at} for v in others] + [base | v | {MB: b} for v in others if AC in v for b in above]
