@@ -18,7 +18,7 @@ from typing import Any
 from flopwise import __version__, deps
 from flopwise.config import DEFAULT_PRESET, ConfigError, TrainConfig, build_config, preset_names
 from flopwise.errors import FlopwiseError, is_out_of_memory
-from flopwise.fsio import is_disk_full
+from flopwise.fsio import atomic_write, is_disk_full
 from flopwise.plan import hardware
 from flopwise.plan.budget import PlanError, PlanInputs, build_plan, peak_dtype, plan_inputs_for_run, planned_loss
 from flopwise.plan.flops import param_counts
@@ -27,6 +27,8 @@ from flopwise.plan.render import format_gpu_table, format_plan
 from flopwise.report import ReportError, build_report
 from flopwise.tune.dryrun import DEFAULT_GPU, DryRunFailed, dry_run, for_json, render
 from flopwise.tune.shim import DryRunUnavailable
+from flopwise.tune.virtual import render as render_virtual
+from flopwise.tune.virtual import virtual_preflight
 
 DEBUG_ENV = "FLOPWISE_DEBUG"  # set (not 0): errors show their traceback too, as --debug
 OVERRIDE_HELP = "section.key=value overrides, e.g. model.n_layers=4 optim.lr=1e-3 data.path=DIR"
@@ -585,10 +587,6 @@ def _virtual_preflight(cfg, args: argparse.Namespace, say) -> int:
     """``preflight --dry-run --rank``: the candidates traced and ranked by predicted tokens/s
     (tune/virtual.py); virtual.json in ``--out`` when one is given."""
     from pathlib import Path
-
-    from flopwise.fsio import atomic_write
-    from flopwise.tune.virtual import render as render_virtual
-    from flopwise.tune.virtual import virtual_preflight
 
     if args.out:  # one that cannot be made fails before any trace
         Path(args.out).mkdir(parents=True, exist_ok=True)
