@@ -143,3 +143,11 @@ def test_rank_command_end_to_end(shim, capsys, tmp_path):
     assert figures and all("predicted" in ln for ln in figures), [ln for ln in figures if "predicted" not in ln]
     run = next(ln for ln in lines if "run it with" in ln)
     assert run.count("train.micro_batch_size=") == 1 and f"train.micro_batch_size={choice['settings'][MB]}" in run
+
+
+def test_rank_without_dry_run_is_refused_before_any_work(capsys):
+    from flopwise.cli import main
+
+    assert main(["preflight", "--rank", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any("--rank" in ln and "--dry-run" in ln for ln in err), err  # as a configuration problem is listed
