@@ -5,7 +5,7 @@ tensors: matrix multiplies with their shapes, SDPA kernels, memory-bound ops wit
 read and write, collectives with their bytes, host reads. This module turns that list into a
 time on a GPU of the hardware table, each kernel by the resource that bounds it:
 
-- a matrix multiply: its FLOPs at the GPU's achievable matmul rate (:data:`GEMM_FRACTION`, a
+- a matrix multiply: its FLOPs at the GPU's sustained matmul rate (:data:`GEMM_FRACTION`, a
   published measurement), less what its shape wastes: output tiles of 128 x 128 (cuBLAS's usual
   bf16 tile) spread over the SMs in waves, the last wave partly empty; a grid smaller than the SMs
   is split along K as cuBLAS does. Never faster than its bytes at the achievable bandwidth;
@@ -39,12 +39,20 @@ from typing import Any
 
 from flopwise.plan import hardware
 
-# The largest fraction of the dense bf16 peak a matrix multiply reaches, by GPU: Stas Bekman's
-# "Maximum Achievable Matmul FLOPS" table (ml-engineering, compute/accelerator, mamf-finder.py,
-# CUDA 12.1-12.5): A100 SXM 267.9/312, A100 PCIe 256.4/312, H100 SXM 792.1/989, GH200 821.0/989.
+# The fraction of the dense bf16 peak a matrix multiply *sustains* through a training run, by GPU.
+# Stas Bekman's ml-engineering handbook (compute/accelerator, mamf-finder.py) measures two
+# ceilings: MAMF, the best shape's rate in a short burst at the boost clock, and MSMF, the rate
+# held once the GPU sits at its power limit -- "the power-saturated, sustained rate that matches
+# real training throughput". MSMF is used; where the handbook gives only MAMF it is scaled down:
+# - H100 SXM, H200 (one GH100 at 700 W, "H200 is the same"): MSMF 743-746 TFLOP/s over five runs
+#   on an H200 -> 745 / 989.4;
+# - GH200: MAMF 83.8% times the H200's measured MSMF / MAMF (745 / 846.5, the same runs);
+# - A100 SXM: MAMF 271.2 / 312 (86.9%) times the clock it sustains at its 400 W limit under a
+#   dense load, 1305 of 1410 MHz (NVIDIA's HPL submissions, as Glenn Lockwood's "peak FLOPS"
+#   notes give them); A100 PCIe: MAMF 252.9 / 312 times the same ratio.
 GEMM_FRACTION: dict[str, float] = {
-    "A100 SXM 80GB": 0.859, "A100 SXM 40GB": 0.859, "A100 PCIe 80GB": 0.822, "A100 PCIe 40GB": 0.822,
-    "H100 SXM": 0.801, "H200": 0.801, "GH200": 0.830,
+    "A100 SXM 80GB": 0.804, "A100 SXM 40GB": 0.804, "A100 PCIe 80GB": 0.751, "A100 PCIe 40GB": 0.751,
+    "H100 SXM": 0.753, "H200": 0.753, "GH200": 0.738,
 }
 # Achievable fraction of the datasheet HBM bandwidth for a streaming kernel: the same handbook's
 # memory-copy measurements and NVIDIA's own STREAM-type figures put A100 and H100 at 85-92%;
@@ -54,14 +62,16 @@ HBM_FRACTION = 0.85
 # (head_dim <= 64, head_dim 128), FLOPs counted as their authors count them (forward 4·B·H·T·T·D
 # on the tiles computed, backward 2.5 x the forward). A100: FlashAttention-2 paper (Dao, 2023),
 # figures for A100 80GB SXM4, causal, sequence 2k-8k; memory-efficient (xFormers cutlass) from
-# the same figures' xformers baseline. H100: FlashAttention-3 paper (Shah et al., 2024): FA2 on
-# H100 reaches 35-40% of peak forward, less backward; cuDNN's kernel from its comparisons.
+# the same figures' xformers baseline. H100: PyTorch's own SDPA flash kernel (FlashAttention-2)
+# measured by pytorch/benchmark (PR 2296, H100, head_dim 128, forward): 287-304 TFLOP/s over
+# sequences of 1k-16k, 0.30 of the peak; the backward and head_dim 64 in the A100 figures'
+# proportions; cuDNN's kernel from the FlashAttention-3 paper's comparisons (Shah et al., 2024).
 ATTENTION_FRACTION: dict[str, dict[tuple[str, str], tuple[float, float]]] = {
     "sm80": {("flash", "fwd"): (0.56, 0.66), ("flash", "bwd"): (0.45, 0.55),
              ("efficient", "fwd"): (0.38, 0.45), ("efficient", "bwd"): (0.28, 0.33),
              ("cudnn", "fwd"): (0.50, 0.60), ("cudnn", "bwd"): (0.40, 0.48)},
-    "sm90": {("flash", "fwd"): (0.33, 0.38), ("flash", "bwd"): (0.28, 0.32),
-             ("efficient", "fwd"): (0.20, 0.24), ("efficient", "bwd"): (0.15, 0.18),
+    "sm90": {("flash", "fwd"): (0.25, 0.30), ("flash", "bwd"): (0.21, 0.25),
+             ("efficient", "fwd"): (0.17, 0.20), ("efficient", "bwd"): (0.13, 0.15),
              ("cudnn", "fwd"): (0.50, 0.60), ("cudnn", "bwd"): (0.40, 0.48)},
 }
 ATTENTION_TILE = 128  # FlashAttention-2's query/key block on A100 and H100 (the paper's kernel)
