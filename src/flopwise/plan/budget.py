@@ -595,7 +595,7 @@ def _build_plan(inp: PlanInputs) -> dict[str, Any]:
     scaling_plan = _scaling_plan(inp, fpt, batch, n_params)
     # a predicted MFU is of the whole step, its exposed communication included: not counted twice
     efficiency = 1.0 if inp.mfu_predicted_by else scaling_plan["at_gpus"]["efficiency"]
-    plan.update(_tokens_time_cost(inp, fpt, active, effective, efficiency))
+    plan.update(tokens_time_cost(inp, fpt, active, effective, efficiency))
     plan.update(memory_and_batch)
     scaling_plan["hours_with_comm"] = plan["hours"] if plan["compute_hours"] is not None else None
     if plan["tokens"] is not None:
@@ -643,7 +643,7 @@ def _gpu(inp: PlanInputs) -> dict[str, Any]:
     }
 
 
-def _tokens_time_cost(inp: PlanInputs, fpt: float, active_params: int, effective: float | None,
+def tokens_time_cost(inp: PlanInputs, fpt: float, active_params: int, effective: float | None,
                       efficiency: float | None) -> dict[str, Any]:
     """Tokens (``--tokens``, Chinchilla's, or what ``--hours`` affords), the time they take at
     ``effective`` FLOP/s -- ``compute_hours``, and ``hours``, the wall time: compute plus the

@@ -37,7 +37,7 @@ def _count(x: float | None) -> str:
     return f"{x:.0f}"
 
 
-def _hours(h: float | None) -> str:
+def hours_text(h: float | None) -> str:
     if h is None:
         return "n/a"
     if h < 1:
@@ -297,13 +297,13 @@ TIME_AND_COST = Section("Time and cost", (
     Row("effective", _plan("effective_flops"), lambda x: _n(x, "FLOP/s"),
         lambda v: f"{v.gpu['peak_tflops']:g}T × {v.plan['gpus']} GPUs × {v.plan['mfu']:g}",
         when=_plan("effective_flops")),
-    Row("compute time", _plan("compute_hours"), _hours, "total FLOPs ÷ effective FLOP/s", when=_communicating),
-    Row("communication", _plan("comm_hours"), _hours,
+    Row("compute time", _plan("compute_hours"), hours_text, "total FLOPs ÷ effective FLOP/s", when=_communicating),
+    Row("communication", _plan("comm_hours"), hours_text,
         lambda v: f"not overlapped: scaling efficiency {100 * v.scaling['at_gpus']['efficiency']:.1f}% "
                   "(see Scaling)", when=_communicating),
-    Row("wall time", _plan("hours"), _hours, lambda v: _wall_how(v) + v.not_runnable, when=_timed),
+    Row("wall time", _plan("hours"), hours_text, lambda v: _wall_how(v) + v.not_runnable, when=_timed),
     Row("GPU-hours", _plan("gpu_hours"), lambda h: f"{h:,.1f}",
-        lambda v: f"{_hours(v.plan['hours'])} × {v.plan['gpus']}", when=_timed),
+        lambda v: f"{hours_text(v.plan['hours'])} × {v.plan['gpus']}", when=_timed),
     Row("cost", _plan("cost"), lambda usd: f"${usd:,.2f}",
         lambda v: f"GPU-hours × ${v.plan['price_per_gpu_hour']:g}/GPU-hour" + v.not_runnable,
         when=lambda v: _timed(v) and v.plan["cost"] is not None),

@@ -29,9 +29,9 @@ from typing import Any, Callable
 
 from flopwise.config import RunConfig, batch_split_problems
 from flopwise.measure.sinks import human
-from flopwise.plan.budget import PlanInputs, _tokens_time_cost
+from flopwise.plan.budget import PlanInputs, tokens_time_cost
 from flopwise.plan.flops import flops_per_token, param_counts
-from flopwise.plan.render import _hours
+from flopwise.plan.render import hours_text
 from flopwise.tune.dryrun import WRAPPERS, dry_run, dry_run_batch, gpu_spec
 
 Log = Callable[[str], None]
@@ -171,7 +171,7 @@ def budget(choice: dict[str, Any], cfg: RunConfig, world: int, tokens: int = 0, 
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
     inp = PlanInputs(gpus=world, tokens=tokens or (0 if hours else cfg.total_steps() * cfg.tokens_per_step),
                      hours=hours, price_per_gpu_hour=price_per_gpu_hour)
-    out = _tokens_time_cost(inp, fpt, param_counts(cfg.model)["active"], p["tokens_per_s"] * fpt, 1.0)
+    out = tokens_time_cost(inp, fpt, param_counts(cfg.model)["active"], p["tokens_per_s"] * fpt, 1.0)
     keep = ("tokens", "hours", "hours_given", "gpu_hours", "price_per_gpu_hour", "cost")
     return {k: out[k] for k in keep} | {"source": "--tokens" if tokens else "--hours" if hours else "the config"}
 
@@ -318,7 +318,7 @@ def _choice_lines(v: dict[str, Any], run_with: list[str]) -> list[str]:
     if c["tied"]:
         lines.append(f"             tied (predicted): {'; '.join(label(s) for s in c['tied'])}")
     cost = f" · cost ${b['cost']:,.2f} at ${b['price_per_gpu_hour']:g}/GPU-hour" if b.get("cost") else ""
-    lines.append(f"  predicted time for {human(b['tokens'])} tokens ({b['source']}): {_hours(b['hours'])} on "
+    lines.append(f"  predicted time for {human(b['tokens'])} tokens ({b['source']}): {hours_text(b['hours'])} on "
                  f"{v['world']} × {v['gpu']} · {b['gpu_hours']:,.1f} GPU-hours{cost} (predicted)")
     overrides = [f"{k}={val}" for k, val in c["settings"].items() if k != STRATEGY or val != "single"]
     given = [a for a in run_with if a.split("=", 1)[0] not in SETTINGS]  # the choice's settings replace the user's
