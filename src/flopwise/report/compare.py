@@ -23,6 +23,13 @@ What is read (every value optional; a missing one shows as n/a):
   (a resumed run restarts the clock), else run.json ``result.wall_time_s``.
 Predicted wall times are scaled to the tokens actually trained, so a stopped run
 compares like with like.
+- virtual.json (``preflight --dry-run --rank``, copied by train from beside preflight.json or put
+  there by hand): its ``virtual`` object's candidate traced with the run's settings (config.yaml;
+  ``auto`` there matches any), else its ``choice``. Its ``prediction.tokens_per_s_per_gpu`` times
+  the run's ranks (run.json ``parallel.world_size``: measured tokens/s count every rank's) and
+  ``prediction.mfu`` are predicted; its ``peak_gib`` is traced. Nothing of it was measured.
+  Its candidates are also paired with preflight.json's measured ``trials`` of the same micro-batch
+  and activation checkpointing (:func:`virtual_pairs`).
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ class Comparison:
     comparable: bool = True  # False: the measurement is not what was predicted (CPU RSS vs tensors)
     plan_basis: str = ""  # "assumed" where the plan's figure is an assumption, not a model of this run
     preflight_basis: str = ""  # measured | assumed ("" when there is no value)
+    trace: float | None = None  # the virtual preflight's (virtual.json): never measured
+    trace_basis: str = ""  # predicted | traced (peak memory) ("" when there is no value)
 
     @staticmethod
     def error(predicted: float | None, actual: float | None) -> float | None:
@@ -60,6 +69,10 @@ class Comparison:
     @property
     def preflight_error(self) -> float | None:
         return self.error(self.preflight, self.actual)
+
+    @property
+    def trace_error(self) -> float | None:
+        return self.error(self.trace, self.actual)
 
 
 ASSUMPTIONS = frozenset({"planner", "plan", "assumed"})  # preflight.json subtrees that hold no measurement
@@ -159,6 +172,57 @@ def measured_wall_time(run: Run) -> float | None:
     return number(run.result.get("wall_time_s"))
 
 
+VIRTUAL_SETTINGS = ("train.micro_batch_size", "train.activation_checkpointing", "train.compile", "train.loss",
+                    "parallel.strategy")  # what a virtual preflight's candidates differ in
+
+
+def run_world(run: Run) -> int:
+    """The ranks the run trained on (run.json ``parallel``); 1 when it does not say."""
+    par = (run.record or {}).get("parallel")
+    ranks = number(par.get("world_size")) if isinstance(par, dict) else None
+    return int(ranks) if ranks and ranks >= 1 else 1
+
+
+def _candidates(virtual: dict[str, Any] | None) -> list[dict[str, Any]]:
+    given = (virtual or {}).get("candidates")
+    return [c for c in given if isinstance(c, dict) and isinstance(c.get("settings"), dict)] \
+        if isinstance(given, list) else []
+
+
+def virtual_candidate(run: Run) -> tuple[dict[str, Any] | None, str]:
+    """(the virtual preflight's candidate to hold against the run, what it is): the one traced with
+    the run's settings, else the virtual preflight's choice; (None, "") without virtual.json."""
+    flat = run.flat_config()
+    if flat:
+        auto = [k.split(".")[-1] for k in VIRTUAL_SETTINGS if flat.get(k) in (None, "auto")]
+        for c in _candidates(run.virtual):
+            if all(flat.get(k) in (None, "auto") or c["settings"].get(k) == flat.get(k) for k in VIRTUAL_SETTINGS):
+                # config.yaml keeps an `auto` as asked (decided again on resume): it matches any candidate's
+                return c, "the candidate with the run's settings" + (f" ({', '.join(auto)} auto in config.yaml: "
+                                                                     "taken as any)" if auto else "")
+    choice = (run.virtual or {}).get("choice")
+    if isinstance(choice, dict):
+        return choice, "its choice (the run's settings were not among its candidates)"
+    return None, ""
+
+
+def trace_figures(run: Run) -> tuple[float | None, float | None, float | None, str]:
+    """(predicted tokens/s of the run's ranks together, predicted MFU, traced peak GiB, a note)."""
+    c, which = virtual_candidate(run)
+    if c is None:
+        return None, None, None, ""
+    pred = c.get("prediction")
+    pred = pred if isinstance(pred, dict) and pred.get("predicted") is not False else {}
+    per_gpu, world = number(pred.get("tokens_per_s_per_gpu")), run_world(run)
+    v = run.virtual or {}
+    ranks = number(v.get("world"))
+    on = f"{int(ranks) if ranks else '?'} × {str(v.get('gpu') or '?')[:60]}"  # a hand-written file: bounded
+    note = f"virtual preflight: predicted for {on}, {which}" + (f"; per GPU × the run's {world} ranks"
+                                                                 if world > 1 else "")
+    return (per_gpu * world if per_gpu is not None else None, number(pred.get("mfu")), number(c.get("peak_gib")),
+            note)
+
+
 def _scaled_time(seconds: float | None, for_tokens: float | None, tokens: float | None) -> float | None:
     if seconds is None:
         return None
@@ -208,14 +272,53 @@ def compare(run: Run) -> list[Comparison]:
     mfu_note = "plan: the MFU it assumes" if plan_tps is not None else "no device peak: MFU n/a in the plan"
     if pre is not None and pre_mfu is None:
         mfu_note += "; preflight: n/a (no device peak)"
+    trace_tps, trace_mfu, trace_mem, trace_note = trace_figures(run)
     return [
         Comparison("tok_per_s", "tokens/s", "tok/s", plan_tps, pre_tps, measured_tok_per_s(run),
-                   "measured: average after warm-up", preflight_basis=basis(pre_tps)),
+                   "; ".join(x for x in ("measured: average after warm-up", trace_note) if x),
+                   preflight_basis=basis(pre_tps), trace=trace_tps, trace_basis=basis(trace_tps, "predicted")),
         Comparison("mfu", "MFU", "%", plan_mfu if plan_tps is not None else None, pre_mfu, measured_mfu(run),
                    mfu_note, plan_basis=basis(plan_mfu if plan_tps is not None else None, "assumed"),
-                   preflight_basis=basis(pre_mfu)),
+                   preflight_basis=basis(pre_mfu), trace=trace_mfu, trace_basis=basis(trace_mfu, "predicted")),
         Comparison("memory_gb", "peak memory", "GiB", number(plan.get("memory_gb")), pre_mem, mem, mem_note,
-                   comparable=not mem_what.startswith("process RSS"), preflight_basis=basis(pre_mem, mem_basis)),
+                   comparable=not mem_what.startswith("process RSS"), preflight_basis=basis(pre_mem, mem_basis),
+                   trace=trace_mem, trace_basis=basis(trace_mem, "traced")),
         Comparison("wall_time_s", "wall time", "s", plan_time, pre_time, measured_wall_time(run), time_note,
                    preflight_basis=basis(pre_time)),
     ]
+
+
+@dataclass
+class Pair:
+    """A virtual preflight candidate beside the preflight trial of its micro-batch and checkpointing."""
+
+    settings: dict[str, Any]  # the candidate's (VIRTUAL_SETTINGS keys)
+    predicted: float | None  # tokens/s per GPU, predicted (None: it did not fit by trace, or no prediction)
+    measured: float | None  # the trial's tokens/s (a preflight's trials run on one GPU)
+    status: str  # the trial's: ok | oom | no-fit | error
+    fits: bool = True
+
+    @property
+    def ratio(self) -> float | None:
+        """measured / predicted."""
+        return self.measured / self.predicted if self.measured is not None and self.predicted else None
+
+
+def virtual_pairs(run: Run) -> list[Pair]:
+    """Each preflight.json trial with each virtual candidate of the same micro-batch and activation
+    checkpointing, in the trials' order; empty without both files."""
+    trials = (run.preflight or {}).get("trials")
+    pairs = []
+    for t in trials if isinstance(trials, list) and run.virtual else []:
+        if not isinstance(t, dict):
+            continue
+        for c in _candidates(run.virtual):
+            s = c["settings"]
+            if s.get("train.micro_batch_size") == t.get("micro_batch") and \
+                    s.get("train.activation_checkpointing") == t.get("checkpointing"):
+                given = c.get("prediction")
+                pred: dict[str, Any] = given if isinstance(given, dict) else {}
+                predicted = number(pred.get("tokens_per_s_per_gpu")) if pred.get("predicted") is not False else None
+                pairs.append(Pair(s, predicted, number(t.get("tok_per_s")), str(t.get("status") or "ok"),
+                                  c.get("fits") is not False))
+    return pairs

@@ -8,7 +8,9 @@ files into ``<stem>_figures/`` next to the page.
 
 Sections: a header per run (device, versions, configuration, result), the
 plan-vs-preflight-vs-measured table (relative errors first-class; each plan and preflight
-figure is labelled measured or assumed, and what preflight could not measure stays n/a), the
+figure is labelled measured or assumed, and what preflight could not measure stays n/a; with a
+virtual.json, the virtual preflight's predicted column and its candidates beside the preflight's
+measured trials), the
 optimization ladder of ``preflight --ladder`` when preflight.json holds one (``tune/ladder.py``), the training charts
 (loss against tokens, throughput, MFU, memory, learning rate, gradient norm, step-time
 breakdown, bits per byte), evaluation tasks against tokens with their random baseline,
@@ -28,12 +30,14 @@ from flopwise.fsio import WriteError, is_write_fault, write_error, write_file
 from flopwise.measure.sinks import human
 from flopwise.report import png as png_out
 from flopwise.report.compare import (
+    VIRTUAL_SETTINGS,
     compare,
     measured_memory,
     measured_mfu,
     measured_tok_per_s,
     measured_wall_time,
     trained_tokens,
+    virtual_pairs,
 )
 from flopwise.report.ladder import ladder_chart, ladder_section, read_ladder
 from flopwise.report.runs import ReportError, Run, load_run, number, unique_names
@@ -227,6 +231,8 @@ def _prediction_lines(runs: list[Run], key: str) -> list[HLine]:
         if row.preflight is not None:
             assumed = " (assumed)" if row.preflight_basis == "assumed" else ""
             lines.append(HLine(row.preflight, f"{run.name} · preflight{assumed}", run.color, "dashdot"))
+        if row.trace is not None:
+            lines.append(HLine(row.trace, f"{run.name} · virtual preflight ({row.trace_basis})", run.color, "dashed"))
     return lines
 
 
@@ -651,9 +657,25 @@ def wall_time_text(run: Run) -> str:
     return text
 
 
+def _value_cell(col: str, value: float | None, unit: str, basis: str = "") -> str:
+    """A figure of a table: it says whether it was measured, assumed, predicted or traced; n/a stays n/a."""
+    label = f' <span class="note basis">{esc(basis)}</span>' if basis and value is not None else ""
+    return (f'<td class="num" data-col="{col}" data-value="{"" if value is None else repr(value)}"'
+            f' data-basis="{esc(basis) if value is not None else ""}">{esc(fmt_value(value, unit))}{label}</td>')
+
+
+def _error_cell(col: str, err: float | None, comparable: bool = True, text: str = "") -> str:
+    klass = _error_class(err) if comparable else "err-na"
+    return (f'<td class="num {klass}" data-col="{col}" data-value="{"" if err is None else repr(err)}"'
+            f'>{esc(text or fmt_error(err))}{"" if comparable or err is None else " *"}</td>')
+
+
 def comparison_table(runs: list[Run]) -> str:
-    head = ("<tr><th>run</th><th>quantity</th><th>plan</th><th>preflight</th><th>measured</th>"
-            "<th>plan error</th><th>preflight error</th><th>notes</th></tr>")
+    # the virtual preflight's column only where a run has virtual.json: the table of others reads as before
+    traced = any(run.virtual is not None for run in runs)
+    trace_head = ("<th>virtual preflight (predicted)</th>", "<th>virtual preflight error</th>") if traced else ("", "")
+    head = (f"<tr><th>run</th><th>quantity</th><th>plan</th><th>preflight</th>{trace_head[0]}<th>measured</th>"
+            f"<th>plan error</th><th>preflight error</th>{trace_head[1]}<th>notes</th></tr>")
     body = []
     for run in runs:
         rows = compare(run)
@@ -664,23 +686,51 @@ def comparison_table(runs: list[Run]) -> str:
                 missing = f'<br><span class="note">no {" or ".join(files)}</span>' if files else ""
                 cells.append(f'<td rowspan="{len(rows)}">{_swatch(run)}{esc(run.name)}{missing}</td>')
             cells.append(f"<td>{esc(c.label)}</td>")
-            for col, value, basis in (("plan", c.plan, c.plan_basis), ("preflight", c.preflight, c.preflight_basis),
-                                      ("actual", c.actual, "")):
-                # a figure says whether it was measured or assumed; n/a stays n/a
-                label = f' <span class="note basis">{esc(basis)}</span>' if basis and value is not None else ""
-                cells.append(f'<td class="num" data-col="{col}" data-value="{"" if value is None else repr(value)}"'
-                             f' data-basis="{esc(basis) if value is not None else ""}">'
-                             f"{esc(fmt_value(value, c.unit))}{label}</td>")
-            for col, err in (("plan_error", c.plan_error), ("preflight_error", c.preflight_error)):
-                klass = _error_class(err) if c.comparable else "err-na"
-                cells.append(f'<td class="num {klass}" data-col="{col}" data-value="{"" if err is None else repr(err)}"'
-                             f'>{esc(fmt_error(err))}{"" if c.comparable or err is None else " *"}</td>')
+            values = [("plan", c.plan, c.plan_basis), ("preflight", c.preflight, c.preflight_basis)]
+            values += [("trace", c.trace, c.trace_basis)] if traced else []
+            cells += [_value_cell(col, v, c.unit, basis) for col, v, basis in values + [("actual", c.actual, "")]]
+            errors = [("plan_error", c.plan_error), ("preflight_error", c.preflight_error)]
+            errors += [("trace_error", c.trace_error)] if traced else []
+            cells += [_error_cell(col, err, c.comparable) for col, err in errors]
             cells.append(f'<td class="note">{esc(c.note)}</td></tr>')
             body.append("".join(cells))
+    trace_note = (" The virtual preflight (preflight --dry-run --rank, virtual.json) measured nothing: its "
+                  "tokens/s and MFU are predicted from the traced step, its peak memory traced on fake tensors."
+                  if traced else "")
     return (f'<table class="comparison" id="plan-vs-actual">{head}{"".join(body)}</table>'
             '<p class="note">Error = (measured − predicted) / predicted: positive means faster, more MFU, more '
             "memory or longer than predicted. Green within 10%, amber within 30%, red beyond; * not like for "
-            "like (see the note).</p>")
+            f"like (see the note).{trace_note}</p>{virtual_vs_preflight(runs)}")
+
+
+def virtual_vs_preflight(runs: list[Run]) -> str:
+    """Per run with both files: the virtual preflight's candidates beside the preflight's measured
+    trials of the same micro-batch and activation checkpointing; "" when no run has a pair."""
+    body = []
+    for run in runs:
+        for p in virtual_pairs(run):
+            s = p.settings
+            others = ", ".join(f"{k.split('.')[-1]} {_text(s.get(k))}" for k in VIRTUAL_SETTINGS[2:] if k in s)
+            predicted = _value_cell("predicted", p.predicted, "tok/s", "predicted") if p.fits else \
+                '<td class="num" data-col="predicted" data-value="">does not fit (traced)</td>'
+            measured = _value_cell("measured", p.measured, "tok/s", "measured") if p.status == "ok" else \
+                f'<td class="num" data-col="measured" data-value="">{esc(_text(p.status))}</td>'
+            ratio = _error_cell("ratio", None if p.ratio is None else p.ratio - 1,
+                                text="n/a" if p.ratio is None else f"{p.ratio:.2f}×")
+            body.append(f'<tr data-run="{esc(run.name)}"><td>{_swatch(run)}{esc(run.name)}</td>'
+                        f'<td class="num">{esc(_text(s.get("train.micro_batch_size")))}</td>'
+                        f'<td>{esc(_text(s.get("train.activation_checkpointing")))}</td><td>{esc(others)}</td>'
+                        f"{predicted}{measured}{ratio}</tr>")
+    if not body:
+        return ""
+    head = "".join(f"<th>{h}</th>" for h in ("run", "micro-batch", "checkpointing", "other settings",
+                                              "virtual preflight tok/s per GPU (predicted)",
+                                              "preflight tok/s (measured)", "measured / predicted"))
+    return ('<h3 id="virtual-vs-preflight">virtual preflight (predicted) vs preflight (measured)</h3>'
+            f'<table class="comparison virtual-pairs"><tr>{head}</tr>{"".join(body)}</table>'
+            '<p class="note">Each candidate the virtual preflight traced beside the trial the preflight measured '
+            "with the same micro-batch and activation checkpointing (a preflight times its trials on one GPU). "
+            "Below 1× the GPU was slower than predicted; coloured as the errors above.</p>")
 
 
 def eval_table(runs: list[Run]) -> str:

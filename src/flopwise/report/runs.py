@@ -1,9 +1,9 @@
 """Reading a run directory written by ``flopwise train`` into plain Python data.
 
 Only ``metrics.jsonl`` is required; ``evals.jsonl`` (``flopwise eval``), ``plan.json``,
-``preflight.json``, ``run.json``, ``config.yaml`` and ``samples.txt`` are used when present. Corruption is an error that
-names the file (and the line of ``metrics.jsonl``): a report drawn from silently
-dropped rows would mislead.
+``preflight.json``, ``virtual.json`` (``preflight --dry-run --rank``), ``run.json``, ``config.yaml``
+and ``samples.txt`` are used when present. Corruption is an error that names the file (and the
+line of ``metrics.jsonl``): a report drawn from silently dropped rows would mislead.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from flopwise.fsio import FileFormatError, loads_json, read_json
 
 METRICS = "metrics.jsonl"
 EVALS = "evals.jsonl"  # written by ``flopwise eval`` beside the training metrics
+VIRTUAL = "virtual.json"  # ``preflight --dry-run --rank``: the settings ranked by predicted tokens/s
 
 
 class ReportError(FlopwiseError, ValueError):
@@ -42,6 +43,7 @@ class Run:
     events: list[dict[str, Any]]  # rows with an ``event`` key (loss_spike, nonfinite, ...)
     plan: dict[str, Any] | None = None
     preflight: dict[str, Any] | None = None
+    virtual: dict[str, Any] | None = None  # virtual.json's "virtual" object: predicted, never measured
     record: dict[str, Any] | None = None  # run.json
     config: dict[str, Any] | None = None  # config.yaml
     samples: str | None = None
@@ -169,6 +171,18 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return data
 
 
+def _read_virtual(path: Path, warnings: list[str]) -> dict[str, Any] | None:
+    """The ``virtual`` object of a run's ``virtual.json``: train copies it beside preflight.json, or a
+    user puts it there by hand. One of another shape is left out with a warning, as the report's
+    other columns do not depend on it."""
+    doc = _read_json(path)
+    virtual = (doc or {}).get("virtual")
+    if doc is not None and not (isinstance(virtual, dict) and isinstance(virtual.get("candidates"), list)):
+        warnings.append(f'{path}: not a virtual preflight result (no "virtual" object with "candidates"): left out')
+        return None
+    return virtual
+
+
 def _read_yaml(path: Path) -> dict[str, Any] | None:
     """A run's ``config.yaml``, read by the bounded reader every other command uses (its size,
     nesting and alias expansion capped): a 600-byte alias bomb expands to billions of values,
@@ -212,8 +226,9 @@ def load_run(path: str | Path) -> Run:
     except OSError:
         sample_text = None
     return Run(path=path, rows=rows, events=events, plan=_read_json(path / "plan.json"),
-               preflight=_read_json(path / "preflight.json"), record=_read_json(path / "run.json"),
-               config=_read_yaml(path / "config.yaml"), samples=sample_text, eval_rows=eval_rows, warnings=warnings)
+               preflight=_read_json(path / "preflight.json"), virtual=_read_virtual(path / VIRTUAL, warnings),
+               record=_read_json(path / "run.json"), config=_read_yaml(path / "config.yaml"), samples=sample_text,
+               eval_rows=eval_rows, warnings=warnings)
 
 
 def unique_names(paths: list[Path]) -> list[str]:

@@ -150,6 +150,7 @@ class Run:
     outer: DiLoCo | None = None  # parallel.strategy=diloco: the outer loop across worker groups
     notes: dict[str, list[str]] = field(default_factory=dict)  # what was chosen and why, for the summary
     preflight: bytes | None = None  # train.preflight's preflight.json, checked: the run keeps a copy
+    virtual: bytes | None = None  # the virtual.json beside it (preflight --dry-run --rank), checked
     sink: Any = field(default_factory=NullTracker)
     progress: Progress = field(default_factory=Progress)
 
@@ -192,13 +193,17 @@ def open_data(cfg: RunConfig, log: Log, resuming: bool = False) -> DataDir:
 
 
 PREFLIGHT_PARTS = ("chosen", "prediction")  # objects every preflight.json `flopwise preflight` writes holds
+VIRTUAL = "virtual.json"  # `preflight --dry-run --rank --out DIR` writes it; a preflight into the same DIR sits beside
+VIRTUAL_PARTS = ("choice", "candidates")  # keys of its "virtual" object (choice is null when nothing fits)
 
 
-def checked_before_run_dir(cfg: RunConfig) -> bytes | None:
+def checked_before_run_dir(cfg: RunConfig) -> tuple[bytes | None, bytes | None]:
     """Rank 0's checks that need neither model nor data, before the run directory is made:
-    W&B's API key (rank 0 logs to W&B), and the preflight result the config came from (returned)."""
+    W&B's API key (rank 0 logs to W&B), and the preflight result the config came from with the
+    virtual preflight's beside it (returned: the run keeps a copy of each)."""
     check_wandb_login(cfg.tracking)
-    return preflight_result(cfg.train.preflight, cfg.train.run_dir)
+    preflight = preflight_result(cfg.train.preflight, cfg.train.run_dir)
+    return preflight, virtual_result(cfg.train.preflight) if preflight is not None else None
 
 
 def preflight_result(path: str, run_dir: str) -> bytes | None:
@@ -228,6 +233,33 @@ def preflight_result(path: str, run_dir: str) -> bytes | None:
     if not isinstance(doc, dict) or not all(isinstance(doc.get(key), dict) for key in PREFLIGHT_PARTS):
         raise ConfigError([f"{where}: not a preflight result (the preflight.json `flopwise preflight` writes is "
                            f"a JSON object holding {' and '.join(map(repr, PREFLIGHT_PARTS))} objects)"])
+    return data
+
+
+def virtual_result(path: str) -> bytes | None:
+    """The bytes of the ``virtual.json`` beside ``train.preflight``'s file, read once (bounded)
+    and checked to be a virtual preflight result -- ``{"virtual": {"choice", "candidates"}}`` --
+    before the run directory is made: the report shows its predictions beside what the preflight
+    and the run measured. None when there is none (most preflights had no dry run before them)."""
+    file = Path(path).expanduser().parent / VIRTUAL
+    if not file.exists():
+        return None
+    where = f"{file} (beside train.preflight)"
+    shape = 'the virtual.json `flopwise preflight --dry-run --rank` writes is {"virtual": {"choice", "candidates"}}'
+    try:
+        data = read_bytes(file, MAX_JSON_BYTES)
+        doc = loads_json(data, str(file))
+    except IsADirectoryError:
+        raise ConfigError([f"{where} is a directory, not a virtual preflight result: move it away"]) from None
+    except FileFormatError as e:
+        raise ConfigError([f"{where}: not a virtual preflight result: {e.reason} ({shape})"]) from None
+    except OSError as e:
+        raise ConfigError([f"{where}: cannot be read: {e.strerror or e}"]) from None
+    virtual = doc.get("virtual") if isinstance(doc, dict) else None
+    if (not isinstance(virtual, dict) or not all(key in virtual for key in VIRTUAL_PARTS)
+            or not isinstance(virtual["candidates"], list) or not isinstance(virtual["choice"], (dict, type(None)))):
+        raise ConfigError([f"{where}: not a virtual preflight result ({shape}); move it away or give a "
+                           "preflight.json in a folder without it"])
     return data
 
 
@@ -344,7 +376,7 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
     m, t, o, e = cfg.model, cfg.train, cfg.optim, cfg.eval
     loss_impl = t.loss
     strategy = resolve_strategy(cfg, env, device, prec.name, loss_impl)  # refusals before any work
-    preflight = env.on_main(lambda: checked_before_run_dir(cfg))  # before the run directory is made
+    preflight, virtual = env.on_main(lambda: checked_before_run_dir(cfg))  # before the run directory is made
     start = env.on_main(lambda: start_run(asked, fresh, locks))
     asked.train.run_dir = t.run_dir = str(start.run_dir)  # rank 0 named it (a timestamp): every rank uses it
     # config.yaml records every path resolved, so the run reads the same from any directory
@@ -417,7 +449,7 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
         run.outer = DiLoCo(run.opt_params, cfg.parallel, groups, device,
                            on_sync=master.master_to_model if master else None, clock=clock)
     run.progress.last_saved = start.checkpoint
-    run.preflight = preflight
+    run.preflight, run.virtual = preflight, virtual  # the copies the run keeps, for the report
     if start.checkpoint is not None:
         restore(run, start.checkpoint)
     run.val_bytes = target_bytes(run.val_windows, data.tokenizer)  # for bits per byte, across tokenizers
@@ -503,6 +535,8 @@ def write_run_files(run: Run) -> None:
     write_file(run_dir / "tokenizer.json", (run.data.path / "tokenizer.json").read_bytes())
     if run.preflight is not None:  # plan vs preflight vs actual, in the report
         write_file(run_dir / "preflight.json", run.preflight)
+    if run.virtual is not None:  # the virtual preflight's predictions beside them
+        write_file(run_dir / VIRTUAL, run.virtual)
 
 
 def open_tracker(run: Run):
