@@ -219,21 +219,31 @@ def preflight_result(path: str, run_dir: str) -> bytes | None:
     if not file.exists() and run_dir and (Path(run_dir).expanduser() / "preflight.json").is_file():
         return None
     try:
-        data = read_bytes(file, MAX_JSON_BYTES)
-        doc = loads_json(data, str(file))
+        data, doc = _read_result(file, where, "a preflight result", "is a directory: give the preflight.json in it")
     except FileNotFoundError:
         raise ConfigError([f"{where}: no such file (give the preflight.json `flopwise preflight` wrote, "
                            "or leave train.preflight empty)"]) from None
-    except IsADirectoryError:
-        raise ConfigError([f"{where} is a directory: give the preflight.json in it"]) from None
-    except FileFormatError as e:
-        raise ConfigError([f"{where}: not a preflight result: {e.reason}"]) from None
-    except OSError as e:
-        raise ConfigError([f"{where}: cannot be read: {e.strerror or e}"]) from None
     if not isinstance(doc, dict) or not all(isinstance(doc.get(key), dict) for key in PREFLIGHT_PARTS):
         raise ConfigError([f"{where}: not a preflight result (the preflight.json `flopwise preflight` writes is "
                            f"a JSON object holding {' and '.join(map(repr, PREFLIGHT_PARTS))} objects)"])
     return data
+
+
+def _read_result(file: Path, where: str, what: str, directory: str) -> tuple[bytes, Any]:
+    """A JSON result file's bytes (read once, bounded) and what they parse to; a directory, a file
+    that is not JSON or one that cannot be read is a ConfigError saying ``where`` (a missing file
+    raises FileNotFoundError: its callers say differently what to give instead)."""
+    try:
+        data = read_bytes(file, MAX_JSON_BYTES)
+        return data, loads_json(data, str(file))
+    except IsADirectoryError:
+        raise ConfigError([f"{where} {directory}"]) from None
+    except FileFormatError as e:
+        raise ConfigError([f"{where}: not {what}: {e.reason}"]) from None
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise ConfigError([f"{where}: cannot be read: {e.strerror or e}"]) from None
 
 
 def virtual_result(path: str) -> bytes | None:
@@ -246,15 +256,8 @@ def virtual_result(path: str) -> bytes | None:
         return None
     where = f"{file} (beside train.preflight)"
     shape = 'the virtual.json `flopwise preflight --dry-run --rank` writes is {"virtual": {"choice", "candidates"}}'
-    try:
-        data = read_bytes(file, MAX_JSON_BYTES)
-        doc = loads_json(data, str(file))
-    except IsADirectoryError:
-        raise ConfigError([f"{where} is a directory, not a virtual preflight result: move it away"]) from None
-    except FileFormatError as e:
-        raise ConfigError([f"{where}: not a virtual preflight result: {e.reason} ({shape})"]) from None
-    except OSError as e:
-        raise ConfigError([f"{where}: cannot be read: {e.strerror or e}"]) from None
+    data, doc = _read_result(file, where, f"a virtual preflight result ({shape})",
+                             "is a directory, not a virtual preflight result: move it away")
     virtual = doc.get("virtual") if isinstance(doc, dict) else None
     if (not isinstance(virtual, dict) or not all(key in virtual for key in VIRTUAL_PARTS)
             or not isinstance(virtual["candidates"], list) or not isinstance(virtual["choice"], (dict, type(None)))):
