@@ -352,11 +352,16 @@ def test_live_memory_agrees_with_torch_memtracker(shim):
 def test_plan_traces_the_step_it_plans(shim, capsys):
     from flopwise.cli import main
 
-    assert main(["plan", "--model", "tiny", "--gpu", "l4", "--trace", "--json", "--seq-len", "128"]) == 0
+    assert main(["plan", "--model", "tiny", "--gpu", "a100", "--trace", "--json", "--seq-len", "128",
+                 "--tokens", "1e9"]) == 0
     plan = json.loads(capsys.readouterr().out)
     trace = plan["trace"]
     assert trace["micro_batch"] == plan["batch"]["micro_batch"] and trace["seq_len"] == 128
     assert trace["fit"]["micro_batch"] >= 1 and trace["trace"]["syncs"] == []
+    # time and cost at the traced step's predicted MFU, and the plan says where its MFU came from
+    assert plan["mfu"] == pytest.approx(trace["prediction"]["mfu"]) and plan["mfu_source"].startswith(
+        f"{100 * trace['prediction']['mfu']:.1f}% for the planned step on A100 SXM 80GB")
+    assert plan["hours"] == pytest.approx(1e9 * plan["flops_per_token"] / plan["effective_flops"] / 3600, rel=1e-3)
     assert main(["plan", "--model", "tiny", "--trace"]) == 2  # no --gpu: said in one line, nothing traced
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--gpu" in err[0], err

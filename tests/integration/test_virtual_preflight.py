@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -118,13 +120,24 @@ def shim():
 
 
 def test_rank_command_end_to_end(shim, capsys, tmp_path):
+    """The command docs/planning.md shows, run as written (the docs lane leaves it to this test:
+    nine traces), its excerpt there checked against today's output, and its virtual.json."""
+    import shlex
+
     from flopwise.cli import main
 
-    args = ["preflight", "--dry-run", "--rank", "--preset", "tiny", "--gpu", "h100", "--price-per-gpu-hour", "3",
-            "train.seq_len=128", "train.micro_batch_size=4", "train.global_batch_size=16"]
-    assert main([*args, "--json", "--out", str(tmp_path)]) == 0
-    v = json.loads(capsys.readouterr().out)["virtual"]
-    assert json.loads((tmp_path / "virtual.json").read_text())["virtual"]["choice"] == v["choice"]
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_doc_commands import RANK_COMMAND, _excerpts, shape_problems
+
+    assert main([*shlex.split(RANK_COMMAND)[1:], "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    today = captured.out + captured.err
+    shown = [(page, line, lines) for page, line, command, lines in _excerpts() if command == RANK_COMMAND]
+    assert shown, "docs/planning.md shows no excerpt of the virtual preflight"
+    for page, line, lines in shown:
+        assert not shape_problems(lines, today), (f"{page.name}:{line}", shape_problems(lines, today))
+
+    v = json.loads((tmp_path / "virtual.json").read_text())["virtual"]
     assert v["gpu"] == "H100 SXM" and v["largest_fit"] and v["traces"] == len(v["candidates"])
     for c in v["candidates"]:
         assert set(c["settings"]) == {MB, AC, COMPILE, LOSS, STRATEGY} and "fits" in c and "peak_gib" in c
@@ -136,10 +149,12 @@ def test_rank_command_end_to_end(shim, capsys, tmp_path):
     assert choice["prediction"]["tokens_per_s_per_gpu"] >= (1 - virtual.TIE) * fastest["prediction"][
         "tokens_per_s_per_gpu"]
     assert choice["margin"] is not None and v["budget"]["hours"] > 0 and v["budget"]["cost"] > 0
+    assert v["budget"]["tokens"] == 1_000_000_000
 
     # the text: every line with a figure of speed, time or cost says predicted
-    lines = virtual.render(v, ["--preset", "tiny"])
-    figures = [ln for ln in lines if re.search(r"tok/s|tokens/s|\d ms|MFU|GPU-hours|\$", ln) and re.search(r"\d", ln)]
+    lines = today.splitlines()
+    figures = [ln for ln in lines if re.search(r"tok/s|tokens/s|\d ms|MFU|GPU-hours|\$", ln) and re.search(r"\d", ln)
+               and not ln.startswith("  tracing")]
     assert figures and all("predicted" in ln for ln in figures), [ln for ln in figures if "predicted" not in ln]
     run = next(ln for ln in lines if "run it with" in ln)
     assert run.count("train.micro_batch_size=") == 1 and f"train.micro_batch_size={choice['settings'][MB]}" in run

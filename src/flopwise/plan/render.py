@@ -278,6 +278,8 @@ def _wall_how(v: PlanView) -> str:
         return f"{budget}compute + communication"
     if v.plan.get("compute_hours") is None:
         return "--hours (no peak: no tokens)"
+    if v.plan.get("mfu_source", "assumed") != "assumed":
+        return f"{budget}total FLOPs ÷ effective FLOP/s (predicted: at the traced step's predicted MFU)"
     return f"{budget}total FLOPs ÷ effective FLOP/s"
 
 
@@ -295,7 +297,8 @@ TIME_AND_COST = Section("Time and cost", (
         when=lambda v: v.gpu.get("memory_gb")),
     Row("MFU", _plan("mfu"), lambda mfu: f"{100 * mfu:.1f}%", _mfu_how),
     Row("effective", _plan("effective_flops"), lambda x: _n(x, "FLOP/s"),
-        lambda v: f"{v.gpu['peak_tflops']:g}T × {v.plan['gpus']} GPUs × {v.plan['mfu']:g}",
+        lambda v: f"{v.gpu['peak_tflops']:g}T × {v.plan['gpus']} GPUs × {v.plan['mfu']:g}"
+                  + (" (predicted MFU)" if v.plan.get("mfu_source", "assumed") != "assumed" else ""),
         when=_plan("effective_flops")),
     Row("compute time", _plan("compute_hours"), hours_text, "total FLOPs ÷ effective FLOP/s", when=_communicating),
     Row("communication", _plan("comm_hours"), hours_text,
