@@ -44,6 +44,7 @@ import functools
 import json
 import math
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -419,8 +420,9 @@ def end_to_end(cfg: RunConfig, device: torch.device, log: Log, progress: StepPro
         if said:
             log(f"preflight: end-to-end check: 4 steps of {cfg.tokens_per_step:,} tokens ({cfg.grad_accum_steps(1)} "
                 f"micro-batches of {cfg.train.micro_batch_size} x {cfg.train.seq_len}): {said}")
-    scratch = Path(tempfile.mkdtemp(prefix="flopwise-preflight-"))
+    scratch = _scratch_name()
     try:
+        scratch.mkdir(mode=0o700)  # inside the try: a signal once the directory exists removes it
         check = _copy(cfg)
         check.train.run_dir, check.train.max_steps, check.train.max_tokens = str(scratch / "run"), 4, 0
         check.train.checkpoint_every, check.train.log_every, check.eval.every = 2, 1, 0
@@ -442,6 +444,16 @@ def end_to_end(cfg: RunConfig, device: torch.device, log: Log, progress: StepPro
         return e2e
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _scratch_name() -> Path:
+    """A name for the end-to-end check's scratch directory, not yet made. Made by the caller inside
+    its ``try``: ``tempfile.mkdtemp`` made it before returning, and a SIGTERM that came in between
+    (its handler raises) left the directory behind with nothing holding its name."""
+    while True:
+        path = Path(tempfile.gettempdir()) / f"flopwise-preflight-{secrets.token_hex(6)}"
+        if not path.exists():
+            return path
 
 
 def _stopped_early(stopped: str | None) -> None:
