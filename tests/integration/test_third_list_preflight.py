@@ -95,13 +95,7 @@ def _training(tmp: Path) -> bool:
 
 def _descendants(pid: int) -> set[int]:
     """Every process below ``pid`` now (the forkserver and the trial processes it forked), from /proc."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
+    parents = {int(e.name): _parent(int(e.name)) for e in Path("/proc").iterdir() if e.name.isdigit()}
     found, todo = set(), [pid]
     while todo:
         parent = todo.pop()
@@ -109,6 +103,18 @@ def _descendants(pid: int) -> set[int]:
         found.update(kids)
         todo += kids
     return found
+
+
+def _forked(pid: int) -> bool:
+    """Whether a process below one of ``pid``'s children runs now (a trial the forkserver forked)."""
+    return any(_parent(p) not in (pid, None) for p in _descendants(pid))
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _alive(pid: int) -> bool:
@@ -156,9 +162,11 @@ def test_a_sigterm_during_a_ladder_trial_in_its_own_process_ends_it_and_its_dire
                                                                                       short_tmp):
     run = Preflight(tmp_path, [*tiny_overrides, "train.compile=off", "--ladder", "--isolation", "process",
                                "--warmup", "1", "--steps", "1", "--out", str(tmp_path / "pf")], short_tmp)
-    run.wait_for(lambda: bool(list(run.tmp.glob("flopwise-trial-*"))), "trial directory")
+    # The trial's directory is made before its forkserver starts, so wait for both: the
+    # directory, and a process two levels below preflight (one the forkserver forked).
+    run.wait_for(lambda: bool(list(run.tmp.glob("flopwise-trial-*"))) and _forked(run.proc.pid),
+                 "trial directory and a trial process")
     trial_processes = _descendants(run.proc.pid)
-    assert trial_processes, "a trial in its own process, below preflight"
     run.proc.send_signal(signal.SIGTERM)
     rc = run.finish()
     assert rc == 128 + signal.SIGTERM, f"exit {rc}:\n{run.text()[-3000:]}"
