@@ -282,6 +282,13 @@ def write_file(path: str | Path, data: str | bytes, what: str = "") -> None:
         raise write_error(path, e, what, f"the earlier {path.name} is unchanged" if had else "") from e
 
 
+def write_json(path: str | Path, obj: Any, what: str = "") -> None:
+    """``obj`` as an indented JSON document at ``path``, written by :func:`write_file` (all at
+    once; a write fault is a :class:`WriteError` naming ``path``). Read it back with
+    :func:`read_json`. Values JSON has no type for (paths, dates) are written as their ``str``."""
+    write_file(path, json.dumps(obj, indent=2, default=str) + "\n", what)
+
+
 class AppendFile:
     """An append-only file of whole lines (``metrics.jsonl``, ``evals.jsonl``, ``samples.txt``):
     each :meth:`write` lands whole or not at all. A write cut short by a full disk is cut off
