@@ -236,9 +236,18 @@ def _attention(packet: str, args: tuple, kwargs: dict, func: Any, out: Any) -> d
     q, k = (args[1], args[2]) if way == "bwd" else (args[0], args[1])
     schema_args = {a.name: (args[i] if i < len(args) else kwargs.get(a.name))
                    for i, a in enumerate(func._schema.arguments)}
-    causal = bool(schema_args.get("is_causal") or schema_args.get("causal"))
+    causal = bool(schema_args.get("is_causal") or schema_args.get("causal")
+                  or schema_args.get("custom_mask_type"))  # the raw efficient kernel's 1 and 2 are causal
     flops = int(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)) \
         if func._overloadpacket in flop_registry else 0
-    return {"kernel": kernel, "way": way, "batch": int(q.shape[0]), "heads": int(q.shape[1]),
-            "kv_heads": int(k.shape[1]), "q_len": int(q.shape[2]), "k_len": int(k.shape[2]),
-            "head_dim": int(q.shape[3]), "causal": causal, "flops": flops, "dtype": _dtype(q)}
+    if packet.startswith("_scaled_dot_product"):  # (B, H, T, D)
+        batch, heads, kv_heads, q_len, k_len = q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    elif q.dim() == 4:  # the raw kernels: (B, T, H, D)
+        batch, heads, kv_heads, q_len, k_len = q.shape[0], q.shape[2], k.shape[2], q.shape[1], k.shape[1]
+    else:  # varlen (total, H, D): sequences of at most max_q tokens, priced as if each were that long
+        longest = int(schema_args.get("max_q") or schema_args.get("max_seqlen_q") or q.shape[0])
+        batch, heads, kv_heads = max(1, q.shape[0] // max(longest, 1)), q.shape[1], k.shape[1]
+        q_len = k_len = min(longest, q.shape[0])
+    return {"kernel": kernel, "way": way, "batch": int(batch), "heads": int(heads), "kv_heads": int(kv_heads),
+            "q_len": int(q_len), "k_len": int(k_len), "head_dim": int(q.shape[-1]), "causal": causal,
+            "flops": flops, "dtype": _dtype(q)}
