@@ -224,17 +224,18 @@ def kernels_of(records: list[dict[str, Any]], g: Gpu, compiled: bool, outer_ever
     elementwise runs fused (:func:`fuse`)."""
     out: list[Kernel] = []
     run: list[dict[str, Any]] = []
+    last_read = {v: i for i, r in enumerate(records) for v, _ in r["reads"]}  # one pass, not one per region
     for i, r in enumerate(records):
         fusible = compiled and r["kind"] == "mem" and r["phase"] in ("forward", "backward")
         if fusible:
             run.append(r)
             continue
         if run:
-            out += fuse(run, records, i, g)
+            out += fuse(run, last_read, i, g)
             run = []
         out.append(_kernel(r, g, outer_every, compiled))
     if run:
-        out += fuse(run, records, len(records), g)
+        out += fuse(run, last_read, len(records), g)
     return out
 
 
@@ -257,13 +258,14 @@ def _kernel(r: dict[str, Any], g: Gpu, outer_every: int, compiled: bool = False)
     return Kernel(kind, memory_s(g, nbytes), host, reads, writes, weight)
 
 
-def fuse(run: list[dict[str, Any]], records: list[dict[str, Any]], end: int, g: Gpu) -> list[Kernel]:
-    """Elementwise records ``run`` (ending before ``records[end]``) as the fused kernels of one
-    compiled region: a kernel per reduction in it (and one for the rest), together reading each
-    value that comes from outside the region once and writing each value read after it (or never
-    read again: a gradient, an updated buffer) once."""
+def fuse(run: list[dict[str, Any]], last_read: dict[int, int], end: int, g: Gpu) -> list[Kernel]:
+    """Elementwise records ``run`` (ending before record ``end``; ``last_read``: the index of the
+    last record that reads each value) as the fused kernels of one compiled region: a kernel per
+    reduction in it (and one for the rest), together reading each value that comes from outside
+    the region once and writing each value read after it (or never read again: a gradient, an
+    updated buffer) once."""
     made = {v for r in run for v, _ in r["writes"]}
-    later = {v for r in records[end:] for v, _ in r["reads"]}
+    later = {v for r in run for v, _ in r["writes"] if last_read.get(v, -1) >= end}
     read = {v: n for r in run for v, n in r["reads"] if v not in made}
     read_later = {v for r in run for v, _ in r["reads"]}
     written = {v: n for r in run for v, n in r["writes"] if v in later or v not in read_later}
