@@ -59,3 +59,16 @@ def test_a_varlen_flash_call_is_priced_as_sequences_of_its_longest_length():
         torch.ops.aten._flash_attention_forward(q, kv, kv, cu, cu, longest, longest, 0.0, True, False)
     [r] = _attention_records(call)
     assert _shape(r) == (total // longest, H, KV, longest, longest, D, True), f"read {_shape(r)}"
+
+
+def test_a_matmul_is_recorded_with_its_shape_and_torchs_flop_count():
+    def call():
+        x, w, b = _bf16(64, 96), _bf16(96, 160), _bf16(160)
+        torch.addmm(b, x, w)
+        torch.bmm(_bf16(3, 64, 96), _bf16(3, 96, 160))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        log = KernelLog()
+        with log:
+            call()
+    mm = [(r["op"], r["m"], r["n"], r["k"], r["batch"], r["flops"]) for r in log.records if r["kind"] == "mm"]
+    assert mm == [("addmm", 64, 160, 96, 1, 2 * 64 * 160 * 96), ("bmm", 64, 160, 96, 3, 3 * 2 * 64 * 160 * 96)]

@@ -141,7 +141,7 @@ class KernelLog(TorchDispatchMode):
             return  # a view of an input: no kernel
         mutated = _mutated(func, args, kwargs)
         if packet in MATMUL:
-            self._add("mm", packet, ins, outs, _mm_shape(packet, args, flop_registry, func, kwargs, out), mutated)
+            self._add("mm", packet, ins, outs, _mm_shape(packet, args, func, kwargs, out), mutated)
         elif packet in ATTENTION:
             self._add("attn", packet, ins, outs, _attention(packet, args, kwargs, func, out), mutated)
         else:
@@ -213,11 +213,16 @@ def _waits(packet: str, args: tuple, kwargs: dict) -> bool:
     return not kwargs.get("non_blocking", False)
 
 
-def _mm_shape(packet: str, args: tuple, registry: Any, func: Any, kwargs: dict, out: Any) -> dict[str, Any]:
+def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """torch's own FLOP count of an op (FlopCounterMode's formulas); 0 for one it has none for."""
+    formula = flop_registry.get(func._overloadpacket)
+    return int(formula(*args, **kwargs, out_val=out)) if formula is not None else 0
+
+
+def _mm_shape(packet: str, args: tuple, func: Any, kwargs: dict, out: Any) -> dict[str, Any]:
     """M, N, K and batch of a matrix multiply, its FLOPs (torch's own count) and its input dtype."""
     a, b = (args[1], args[2]) if packet in ("addmm", "baddbmm") else (args[0], args[1])
-    flops = int(registry[func._overloadpacket](*args, **kwargs, out_val=out)) if func._overloadpacket in registry \
-        else 0
+    flops = _flops(func, args, kwargs, out)
     if packet == "_grouped_mm":  # (S, K) x (G, K, N): the experts' rows as one M
         m, k = (a.shape[-2], a.shape[-1])
         n = b.shape[-1]
@@ -238,8 +243,7 @@ def _attention(packet: str, args: tuple, kwargs: dict, func: Any, out: Any) -> d
                    for i, a in enumerate(func._schema.arguments)}
     causal = bool(schema_args.get("is_causal") or schema_args.get("causal")
                   or schema_args.get("custom_mask_type"))  # the raw efficient kernel's 1 and 2 are causal
-    flops = int(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out)) \
-        if func._overloadpacket in flop_registry else 0
+    flops = _flops(func, args, kwargs, out)
     if packet.startswith("_scaled_dot_product"):  # (B, H, T, D)
         batch, heads, kv_heads, q_len, k_len = q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     elif q.dim() == 4:  # the raw kernels: (B, T, H, D)
