@@ -587,3 +587,22 @@ def test_fp8_is_measured_where_it_runs_and_kept_only_when_asked(monkeypatch, ask
     monkeypatch.setattr(ladder_mod, "fp8_problem", lambda device: "train.fp8=true needs torchao")
     assert "fp8" not in [name for name, _, _ in rungs(cfg, cuda, [16])]  # not offered where it cannot run
     assert "fp8" in [name for name, _, _ in rungs(cfg, cuda, [16], fp8=True)]  # asked for: its row says why not
+
+
+def test_a_ladder_rows_spread_is_the_medians_as_the_searchs_is():
+    """One spread (tune/choice.median_spread): a row of six windows, one far out at each end,
+    has the median's interval (the 2nd to the 5th window) as its noise, not half the whole range
+    -- which would call a 5% gain noise here, where the search's trials would not."""
+    from flopwise.tune.choice import median_spread
+
+    windows = [900.0, 990.0, 1000.0, 1000.0, 1010.0, 1100.0]
+
+    def measure_one(cfg, world=1, timeout_s=None):
+        m = scripted({("model", "chunked", 16, "none"): 1050.0})(cfg)
+        scale = m["tok_per_s"] / 1000.0
+        return {**m, "tok_per_s_windows": [w * scale for w in windows]}
+
+    lad = climb(base(), measure_one, [16], bench(), ask())
+    assert lad["start"]["spread"] == pytest.approx(median_spread(windows)) == pytest.approx(0.01)
+    row = next(r for r in lad["rungs"] if r["change"] == "train.compile=model")
+    assert row["kept"] and row["spread"] == pytest.approx(0.01), row["why"]

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from flopwise.measure.meter import MIN_NOISE, spread
+from flopwise.measure.meter import MIN_NOISE
 from flopwise.tune.choice import Trial, choose, median_spread, tied
 from flopwise.tune.preflight import remeasure, trials_table
 from flopwise.tune.request import REMEASURE_ROUNDS, TuneRequest
@@ -209,17 +209,35 @@ def test_trials_that_did_not_fit_are_ignored():
         choose([trial(16, "none", None, status="oom")])
 
 
-def test_spread_is_half_the_range_over_the_median():
-    assert spread([90.0, 100.0, 110.0]) == pytest.approx(0.1)
-    assert spread([100.0, 100.0, 100.0, 100.0]) == 0.0
-    assert spread([100.0]) is None
-
-
 def test_the_medians_interval_narrows_as_windows_are_added():
-    assert median_spread([90.0, 100.0, 110.0]) == spread([90.0, 100.0, 110.0])  # three windows: half the range
+    # up to five windows: half the range over the median
+    assert median_spread([90.0, 100.0, 110.0]) == pytest.approx(0.1)
+    assert median_spread([100.0, 100.0, 100.0, 100.0]) == 0.0
     assert median_spread([90.0, 95.0, 100.0, 105.0, 110.0]) == pytest.approx(0.1)  # up to five: the same
     # six: the 2nd to the 5th (78% coverage); twelve: the 4th to the 9th (85%)
     assert median_spread([90.0, 99.0, 100.0, 100.0, 101.0, 110.0]) == pytest.approx(0.01)
     assert median_spread([90.0, 99.0, 99.0, 99.0, 100.0, 100.0, 100.0, 100.0, 101.0, 101.0, 101.0, 110.0]) \
         == pytest.approx(0.01)
     assert median_spread([100.0]) is None
+
+
+def test_preflight_writes_through_the_one_writer_and_a_full_disk_names_the_file(tmp_path, monkeypatch):
+    """preflight.json and preflight.yaml go through fsio.write_json / write_file: written whole and
+    read back by read_json, and a full disk is a WriteError naming preflight.json (not a bare
+    OSError about a temporary file beside it)."""
+    import errno
+
+    from flopwise.config import build_config
+    from flopwise.fsio import WriteError, read_json
+    from flopwise.tune.preflight import _write
+
+    cfg = build_config(preset="tiny")
+    _write(tmp_path, {"chosen": {"micro_batch_size": 4}}, cfg, build_config(preset="tiny"), lambda s: None)
+    assert read_json(tmp_path / "preflight.json")["chosen"] == {"micro_batch_size": 4}
+
+    def full(path, data, mode=0o666):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("flopwise.fsio.atomic_write", full)
+    with pytest.raises(WriteError, match=r"cannot write preflight report .*preflight\.json: no space left"):
+        _write(tmp_path, {"chosen": {}}, cfg, build_config(preset="tiny"), lambda s: None)

@@ -128,9 +128,3 @@ def median(xs: list[float]) -> float:
     s = sorted(xs)
     return s[len(s) // 2] if len(s) % 2 else (s[len(s) // 2 - 1] + s[len(s) // 2]) / 2
 
-
-def spread(rates: list[float]) -> float | None:
-    """Half the range of timed windows' rates as a share of their median; None below two windows."""
-    if len(rates) < 2:
-        return None
-    return (max(rates) - min(rates)) / 2 / median(rates)

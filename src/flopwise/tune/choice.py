@@ -48,9 +48,11 @@ def median_spread(rates: list[float]) -> float | None:
     """The noise of the median of ``rates``: half the width of its distribution-free interval,
     from the k-th smallest to the k-th largest rate with k as large as keeps the coverage at
     least ``SPREAD_COVERAGE`` (that of three rates' whole range), as a share of the median.
-    Up to five rates it is half the range (``meter.spread``); with more it narrows as the
-    median's uncertainty does (six rates: the 2nd to the 5th; twelve: the 4th to the 9th),
-    where half the range would only widen and re-measuring could never separate two trials."""
+    Up to five rates it is half the range; with more it narrows as the median's uncertainty
+    does (six rates: the 2nd to the 5th; twelve: the 4th to the 9th), where half the range
+    would only widen with every window added and re-measuring could never separate two trials.
+    The one spread of a timing: the search's trials and the ladder's rows alike (the noise that
+    decides "within the noise" is that of the medians compared, not of single windows)."""
     n = len(rates)
     if n < 2:
         return None

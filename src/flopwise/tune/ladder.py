@@ -53,7 +53,7 @@ from typing import Any, Callable
 import torch
 
 from flopwise.config import RunConfig, batch_split_problems, validate
-from flopwise.measure.meter import MIN_NOISE, spread
+from flopwise.measure.meter import MIN_NOISE
 from flopwise.model.attention import available_backends, select_backend
 from flopwise.model.loss import fused_linear_cross_entropy_available
 from flopwise.parallel.strategy import incompatibilities
@@ -62,7 +62,7 @@ from flopwise.plan.flops import param_counts
 from flopwise.plan.memory import estimate, state_bytes
 from flopwise.train.precision import cpu_native_bf16, fp8_problem
 from flopwise.train.precision import resolve as resolve_precision
-from flopwise.tune.choice import Trial, choose
+from flopwise.tune.choice import Trial, choose, median_spread
 from flopwise.tune.request import Bench, TuneRequest
 from flopwise.tune.trial import failure_status
 
@@ -213,7 +213,7 @@ class Climb:
         batch's, MFU is per device and the cost counts every device's hours."""
         rate = m["tok_per_s"]
         hours = self.run_tokens / rate / 3600
-        return {"tok_per_s": rate, "spread": spread(m.get("tok_per_s_windows") or [rate]),
+        return {"tok_per_s": rate, "spread": median_spread(m.get("tok_per_s_windows") or [rate]),
                 "mfu": self.bench.mfu(rate, world), "peak_gb": m.get("peak_gb"), "loss": m.get("first_loss"),
                 "data_share": m.get("data_share"), "hours": hours,
                 "cost": hours * self.price * world if self.price else None}

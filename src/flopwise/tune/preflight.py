@@ -41,7 +41,6 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import json
 import math
 import os
 import secrets
@@ -60,7 +59,7 @@ import yaml
 from flopwise.checkpoints import latest_checkpoint, load_checkpoint
 from flopwise.config import ActivationCheckpointing, ConfigError, RunConfig, batch_split_problems, recorded_paths
 from flopwise.errors import FlopwiseError
-from flopwise.fsio import atomic_write
+from flopwise.fsio import loads_json, read_text, write_file, write_json
 from flopwise.measure.ceiling import measure_ceiling, step_gemms
 from flopwise.measure.meter import median
 from flopwise.measure.sinks import human
@@ -432,7 +431,8 @@ def end_to_end(cfg: RunConfig, device: torch.device, log: Log, progress: StepPro
         check.train.max_hours, check.optim.fit_to_time = 0.0, False
         result = train(check, log=lambda s: None)
         _stopped_early(result.stopped)
-        rows = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+        metrics = result.run_dir / "metrics.jsonl"
+        rows = [loads_json(x, f"{metrics} line {i}") for i, x in enumerate(read_text(metrics).splitlines(), 1)]
         losses = [r["loss"] for r in rows if r.get("loss") is not None]
         e2e = _check_checkpoint(result.run_dir, check, device)
         e2e.update(loss_first=losses[0], loss_last=losses[-1], finite=all(map(_finite, losses)),
@@ -643,9 +643,10 @@ def _write(out: Path, report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, 
     tuned.train.run_dir = ""
     tuned.train.preflight = str(out / "preflight.json")
     tuned, report["paths"] = recorded_paths(tuned)
-    atomic_write(out / "preflight.json", json.dumps(report, indent=2, default=str) + "\n")
+    write_json(out / "preflight.json", report, "preflight report")
     data = tuned.to_dict()
-    atomic_write(out / "preflight.yaml", yaml.safe_dump({"preset": cfg.preset, **data}, sort_keys=False))
+    write_file(out / "preflight.yaml", yaml.safe_dump({"preset": cfg.preset, **data}, sort_keys=False),
+               "tuned configuration")
     world = (report.get("ladder") or {}).get("world", 1)
     launch = f"torchrun --nproc-per-node {world} -m flopwise train" if world > 1 else "flopwise train"
     log(f"preflight: wrote {out / 'preflight.json'} and {out / 'preflight.yaml'} "

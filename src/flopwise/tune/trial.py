@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 import socket
 import tempfile
@@ -58,7 +57,7 @@ from flopwise.config import ActivationCheckpointing, ConfigError, RunConfig
 from flopwise.data.datadir import open_data_dir
 from flopwise.data.prepare import die_with
 from flopwise.errors import FlopwiseError, is_out_of_memory
-from flopwise.fsio import atomic_write
+from flopwise.fsio import read_json, read_text, write_file, write_json
 from flopwise.measure.meter import median
 from flopwise.measure.timing import StepTimer
 from flopwise.parallel.distributed import DistEnv, init_distributed
@@ -136,7 +135,7 @@ def measure_in_processes(cfg: RunConfig, spec: TrialSpec, device: torch.device, 
             raise TrialError(f"a trial process died: {e}") from None
         finally:
             _kill(ctx)
-        return json.loads(out.read_text())
+        return read_json(out)
 
 
 FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed"]  # imports only: see the module's doc
@@ -238,9 +237,9 @@ def _in_one_process(job: _Job, deadline: float | None, timeout_s: float | None) 
     out = Path(job.out)
     error = out.with_name("error.txt")
     if out.exists():
-        return json.loads(out.read_text())
+        return read_json(out)
     if error.exists():
-        raise TrialError(error.read_text().strip())
+        raise TrialError(read_text(error).strip())
     raise TrialError(f"a trial process died: exit code {worker.proc.exitcode}")
 
 
@@ -257,7 +256,7 @@ def _standby(conn: Any, parent_pid: int) -> None:
     try:
         _rank(0, job)
     except BaseException:  # noqa: BLE001 - the trial's failure is its result, told to the parent
-        atomic_write(Path(job.out).with_name("error.txt"), _last_line(traceback.format_exc()))
+        write_file(Path(job.out).with_name("error.txt"), _last_line(traceback.format_exc()), "trial error")
         raise SystemExit(1) from None
 
 
@@ -289,7 +288,7 @@ def _rank(local_rank: int, job: _Job) -> None:
     with env.closing():  # the trial's model (a DDP wrapper) ends with measure's frame, before the group
         result = measure(cfg, job.spec, device, env)
         if env.is_main:
-            atomic_write(Path(job.out), json.dumps(result))
+            write_json(Path(job.out), result, "trial result")
         env.barrier()  # ranks leave together: a group torn down under a rank still using it aborts (SIGABRT)
 
 
