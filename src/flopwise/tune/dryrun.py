@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import itertools
-import json
 import os
 import shutil
 import signal
@@ -30,6 +29,7 @@ from typing import Any, Callable
 
 from flopwise.config import ConfigError, RunConfig, batch_split_problems
 from flopwise.errors import FlopwiseError
+from flopwise.fsio import read_json, write_json
 from flopwise.measure.sinks import human
 from flopwise.plan import hardware
 from flopwise.plan.budget import PlanError
@@ -86,7 +86,7 @@ def dry_run(cfg: RunConfig, gpu: str | None = None, nproc_per_node: int = 1, nno
         config_path, request_path, result_path = (tmp / n for n in ("config.yaml", "request.json", "result.json"))
         config_path.write_text(cfg.to_yaml())
         request["config_path"] = str(config_path)
-        request_path.write_text(json.dumps(request))
+        write_json(request_path, request)
         log(f"  tracing the step on {world} × {spec.name} (fake tensors; about a minute for a 2B model) ...")
         try:
             done = subprocess.run([sys.executable, "-c", WORKER_START, str(PACKAGE_ROOT), str(request_path),
@@ -96,7 +96,7 @@ def dry_run(cfg: RunConfig, gpu: str | None = None, nproc_per_node: int = 1, nno
             raise DryRunFailed(f"the trace did not finish in {timeout_s:.0f} s") from None
         if not result_path.is_file():
             raise DryRunUnavailable(_crash_line(done))
-        result = json.loads(result_path.read_text())
+        result = read_json(result_path)
     _as_asked(result, request, spec)
     if "error" in result:
         where = f" at {result['where']}" if result.get("where") and result["where"] != "config" else ""
@@ -109,12 +109,14 @@ def dry_run(cfg: RunConfig, gpu: str | None = None, nproc_per_node: int = 1, nno
 
 def dry_run_batch(cfgs: list[RunConfig], gpu: str | None = None, nproc_per_node: int = 1, nnodes: int = 1,
                   memory_gb: float = 0.0, headroom: float = 0.9, log: Log = print,
-                  done: Callable[[int, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+                  done: Callable[[int, dict[str, Any]], None] | None = None,
+                  timeout_s: float = TIMEOUT_S) -> list[dict[str, Any]]:
     """Each of ``cfgs`` traced as :func:`dry_run` traces one, without the largest-fit search, in ONE
     tracing process (torch and the shim imported once: the worker's batch mode), each predicted.
     A step that fails is not raised: its result holds ``error`` (and ``where``). ``done(i, result)``
     is called as each trace finishes, in order. Raises as :func:`dry_run` does for bad input (the
-    first config's) or a tracing process that dies."""
+    first config's) or a tracing process that dies; DryRunFailed when a trace does not finish
+    within ``timeout_s`` of the one before it (the process is killed)."""
     spec = gpu_spec(gpu)
     if not cfgs:
         return []
@@ -129,16 +131,18 @@ def dry_run_batch(cfgs: list[RunConfig], gpu: str | None = None, nproc_per_node:
         for i, cfg in enumerate(cfgs):
             (tmp / f"config-{i}.yaml").write_text(cfg.to_yaml())
             request["configs"].append(str(tmp / f"config-{i}.yaml"))
-        (tmp / "request.json").write_text(json.dumps(request))
+        write_json(tmp / "request.json", request)
         with open(tmp / "stderr.txt", "w+") as err, subprocess.Popen(
                 [sys.executable, "-c", BATCH_START, str(PACKAGE_ROOT), str(tmp / "request.json"),
                  str(tmp / "result.json"), str(os.getpid())], env=_worker_env(shim),
                 stdout=subprocess.DEVNULL, stderr=err) as proc:  # a file: nobody reads while it runs
             try:
+                deadline = time.monotonic() + timeout_s
                 while len(results) < len(cfgs):
                     answer = tmp / f"answer-{len(results)}.json"
                     if answer.is_file():  # written whole (renamed into place) by batch_worker_main
-                        result = json.loads(answer.read_text())
+                        deadline = time.monotonic() + timeout_s
+                        result = read_json(answer)
                         _as_asked(result, request, spec)
                         if "error" not in result:
                             result["prediction"] = predicted(result, cfgs[len(results)])
@@ -149,6 +153,9 @@ def dry_run_batch(cfgs: list[RunConfig], gpu: str | None = None, nproc_per_node:
                         err.seek(0)
                         raise DryRunUnavailable(_crash_line(subprocess.CompletedProcess(
                             proc.args, proc.returncode, "", err.read())))
+                    elif time.monotonic() > deadline:
+                        raise DryRunFailed(f"trace {len(results) + 1} of {len(cfgs)} did not finish in "
+                                           f"{timeout_s:g} s")
                     else:
                         time.sleep(0.2)
             finally:
@@ -268,8 +275,7 @@ def batch_worker_main(argv: list[str]) -> None:
     def answered(request: dict[str, Any]) -> dict[str, Any]:
         out = answer(request)
         i = next(count)
-        (where / f"answer-{i}.tmp").write_text(json.dumps(out, default=str))
-        os.replace(where / f"answer-{i}.tmp", where / f"answer-{i}.json")
+        write_json(where / f"answer-{i}.json", out)  # whole or not at all: the dry run reads it as it comes
         return out
 
     worker._answer = answered
