@@ -135,8 +135,8 @@ def test_eval_of_a_run_on_a_read_only_folder(trained_run, small_fs, read_only, c
     before = sums(run)
     read_only(fs)
     proc = cli("eval", str(run))
-    one_line_failure(proc, "eval", f"{run / 'evals.jsonl'}", "read-only file system", "not recorded")
-    assert "val " in proc.stdout  # the scores were shown before the append failed
+    one_line_failure(proc, "eval", f"{run / 'evals.jsonl'}", "read-only file system", "nothing was evaluated")
+    assert "val " not in proc.stdout  # refused before the scores were computed (and lost)
     assert sums(run) == before
 
 

@@ -41,14 +41,16 @@ from typing import Any
 import torch
 
 from flopwise.checkpoints import latest_checkpoint, list_checkpoints, read_state
-from flopwise.config import CHECKPOINTS, MAX_VAL_TOKENS, RUN_FILES, ConfigError, DataConfig, RunConfig, load_run_config
+from flopwise.config import (CHECKPOINTS, MAX_VAL_TOKENS, RUN_FILES, ConfigError, DataConfig, RunConfig, load_run_config,
+                             recorded_paths)
 from flopwise.data.datadir import DataDir, DataDirError, check_cache_path, resolve_data_dir
 from flopwise.data.loader import fixed_windows, overlap_note
 from flopwise.data.tokenizer import load_tokenizer
 from flopwise.errors import shown
 from flopwise.evaluate.loss import bits_per_byte, evaluate_loss, perplexity, target_bytes
 from flopwise.evaluate.tasks import evaluate_tasks
-from flopwise.fsio import AppendFile, FileFormatError, WriteError, loads_json, read_json
+from flopwise.fsio import (AppendFile, FileFormatError, WriteError, is_write_fault, loads_json, read_json,
+                           write_error)
 from flopwise.model.io import EXPORT_RECORD, ModelSource, ModelSourceError, load_model, read_export_record, resolve
 
 Log = Callable[[str], None]
@@ -96,12 +98,15 @@ def evaluate(path: str | os.PathLike, options: EvalOptions = EvalOptions(), log:
     before the model is loaded or a shard is read."""
     dev = _device(options.device)
     src = resolve(path)
+    run_dir = run_of(src.path) if src.kind != "hf" else None
+    if run_dir is not None:  # its scores are appended to the run's evals.jsonl: refused now, not after the work
+        check_can_record(run_dir)
     out: dict[str, Any] = {"checkpoint": str(src.path)}
     run_cfg, trained_on, validated_on = None, None, None
     if src.kind != "hf":
         state = read_state(src.path)  # checked field by field
         out.update(step=state["step"], tokens=state.get("tokens"))
-        run_cfg = load_run_config(src.path / "config.yaml")
+        run_cfg = _from_where_it_ran(load_run_config(src.path / "config.yaml"), src.path)
         trained_on, validated_on = state.get("data_fingerprint"), state.get("val_windows")
     geometry = _run_geometry(run_cfg, src, validated_on)
     if run_cfg is None and geometry is not None:
@@ -219,19 +224,37 @@ def _check_readable(dd: DataDir, n: int, T: int, src: ModelSource, options: Eval
                            "at once; give fewer --windows"])
 
 
-def _typed_path(source: Path, name: str) -> str | None:
-    """What the user typed for the path setting ``name`` when the run started (its
-    ``run.json``; a checkpoint's run is two levels up), or None."""
+def _run_record(source: Path) -> dict[str, Any]:
+    """The object in the ``run.json`` of the run ``source`` belongs to (a checkpoint's run is two
+    levels up); {} when there is none or it cannot be read (it only adds to what eval says)."""
     for run_dir in (source, source.parent.parent):
         record = run_dir / "run.json"
         if record.is_file():
             try:
-                paths = read_json(record).get("paths") or {}
+                found = read_json(record)
             except FileFormatError:
-                return None
-            entry = paths.get(name) if isinstance(paths, dict) else None
-            return entry.get("typed") if isinstance(entry, dict) else None
-    return None
+                return {}
+            return found if isinstance(found, dict) else {}
+    return {}
+
+
+def _typed_path(source: Path, name: str) -> str | None:
+    """What the user typed for the path setting ``name`` when the run started (its
+    ``run.json``), or None."""
+    paths = _run_record(source).get("paths") or {}
+    entry = paths.get(name) if isinstance(paths, dict) else None
+    return entry.get("typed") if isinstance(entry, dict) else None
+
+
+def _from_where_it_ran(cfg: RunConfig, source: Path) -> RunConfig:
+    """``cfg`` with its relative path settings read from the directory the run started in, as
+    its ``run.json`` records it (``cwd``): a run whose config.yaml kept them as typed (written
+    before runs recorded them resolved) reads them relative to where they were typed, not to
+    wherever eval runs. A run that records no such directory is read as it is."""
+    cwd = _run_record(source).get("cwd")
+    if not isinstance(cwd, str) or not Path(cwd).is_absolute():
+        return cfg
+    return recorded_paths(cfg, Path(cwd))[0]
 
 
 def _run_geometry(run_cfg: RunConfig | None, src: ModelSource,
@@ -316,6 +339,28 @@ def run_of(checkpoint: Path) -> Path | None:
     if checkpoint.parent.name != CHECKPOINTS or not (run / "config.yaml").is_file():
         return None
     return run if any((run / name).is_file() for name in RUN_FILES) else None  # what train writes beside them
+
+
+def check_can_record(run_dir: Path) -> None:
+    """Refuse, before anything is computed, a run whose ``evals.jsonl`` cannot be appended to (a
+    read-only folder or file): a :class:`~flopwise.fsio.WriteError` naming the file. Opens it as
+    :func:`record` will, writing nothing; a file that was not there is made and removed again, so
+    a refusal later in the evaluation leaves the run as it was. A full disk still fails in
+    :func:`record` (an open needs no room), which takes the torn line back."""
+    path = run_dir / EVALS_FILE
+    try:
+        try:
+            fd, made = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666), True
+        except FileExistsError:
+            fd, made = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC), False
+        os.close(fd)
+        if made:
+            path.unlink()
+    except OSError as e:
+        if not is_write_fault(e):
+            raise
+        raise write_error(path, e, "the evaluation results", "nothing was evaluated (its scores could not be "
+                          "recorded)") from e
 
 
 def record(run_dir: Path, result: dict[str, Any]) -> None:
