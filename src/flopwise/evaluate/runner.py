@@ -41,16 +41,23 @@ from typing import Any
 import torch
 
 from flopwise.checkpoints import latest_checkpoint, list_checkpoints, read_state
-from flopwise.config import (CHECKPOINTS, MAX_VAL_TOKENS, RUN_FILES, ConfigError, DataConfig, RunConfig, load_run_config,
-                             recorded_paths)
+from flopwise.config import (
+    CHECKPOINTS,
+    MAX_VAL_TOKENS,
+    RUN_FILES,
+    ConfigError,
+    DataConfig,
+    RunConfig,
+    load_run_config,
+    recorded_paths,
+)
 from flopwise.data.datadir import DataDir, DataDirError, check_cache_path, resolve_data_dir
 from flopwise.data.loader import fixed_windows, overlap_note
 from flopwise.data.tokenizer import load_tokenizer
 from flopwise.errors import shown
 from flopwise.evaluate.loss import bits_per_byte, evaluate_loss, perplexity, target_bytes
 from flopwise.evaluate.tasks import evaluate_tasks
-from flopwise.fsio import (AppendFile, FileFormatError, WriteError, is_write_fault, loads_json, read_json,
-                           write_error)
+from flopwise.fsio import AppendFile, FileFormatError, WriteError, is_write_fault, loads_json, read_json, write_error
 from flopwise.model.io import EXPORT_RECORD, ModelSource, ModelSourceError, load_model, read_export_record, resolve
 
 Log = Callable[[str], None]

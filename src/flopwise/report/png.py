@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from flopwise.fsio import write_file
-from flopwise.report.svg import BarChart, Chart, Heatmap, LineChart
+from flopwise.report.svg import BarChart, Chart, Heatmap, LineChart, error_bar
 
 _LINESTYLES = {"solid": "-", "dashed": "--", "dotted": ":", "dashdot": "-."}
 
@@ -37,8 +37,9 @@ def _line(ax, c: LineChart) -> None:
         style = dict(color=s.color, linestyle=_LINESTYLES.get(s.dash, "-"), linewidth=1.6, label=s.label)
         if s.points:
             style.update(marker="o", markersize=3)
-        if s.err:
-            ax.errorbar(_nan(s.x), ys, yerr=_nan(s.err), capsize=2, elinewidth=0.8, **style)
+        if s.err:  # the bars the SVG draws, no other (matplotlib refuses a negative one outright)
+            yerr = [e if error_bar(y, e, c.log_y) is not None else math.nan for y, e in zip(s.y, s.err)]
+            ax.errorbar(_nan(s.x), ys, yerr=yerr, capsize=2, elinewidth=0.8, **style)
         else:
             ax.plot(_nan(s.x), ys, **style)
     for h in c.hlines:
@@ -48,7 +49,8 @@ def _line(ax, c: LineChart) -> None:
         mine = [m for m in c.markers if m.color == color]
         ax.plot([m.x for m in mine], [top if m.y is None or m.y > top else m.y for m in mine], "v", color=color,
                 markersize=6, linestyle="none", label="events" if i == 0 else None)
-    if c.log_y:
+    # a log axis with no value above 0 to place (a diverged run's NaN losses) is an error in matplotlib
+    if c.log_y and any(isinstance(y, (int, float)) and 0 < y < math.inf for s in c.series for y in s.y):
         ax.set_yscale("log")
     if c.percent:
         ax.yaxis.set_major_formatter(PercentFormatter(1.0))

@@ -219,6 +219,19 @@ def _positive(v: Num) -> TypeGuard[float]:
     return _finite(v) and v > 0
 
 
+def error_bar(y: Num, e: Num, log_y: bool = False) -> tuple[float, float] | None:
+    """The ends ``(y - e, y + e)`` of an error bar a chart can draw, or None: the value and the
+    error finite, the error not negative (a standard error never is: a file that says so is
+    wrong), both ends placeable on the axis (above 0 on a log scale) and the span between them a
+    float (a bar of 1e308 either side would stretch the axis past infinity). A NaN value with a
+    finite error, a diverged step's, draws no bar: the point is a gap in its line."""
+    if not (_finite(y) and _finite(e)) or e < 0:
+        return None
+    lo, hi = y - e, y + e
+    ok = _positive if log_y else _finite
+    return (lo, hi) if ok(lo) and ok(hi) and math.isfinite(hi - lo) else None
+
+
 def _segments(xs: Sequence[Num], ys: Sequence[Num],
               ok: Callable[[Num], TypeGuard[float]]) -> list[list[tuple[float, float]]]:
     """Runs of consecutive points whose y passes ``ok``; a point that does not ends a segment."""
@@ -343,9 +356,7 @@ def _line_extent(c: LineChart, segs_by_series: list[list[list[tuple[float, float
             xs_all.extend(p[0] for p in seg)
             ys_all.extend(p[1] for p in seg)
         if s.err:
-            for x, y, e in zip(s.x, s.y, s.err):
-                if _finite(x) and _finite(y) and _finite(e):
-                    ys_all.extend(v for v in (y - e, y + e) if ok(v))
+            ys_all.extend(v for x, y, e in zip(s.x, s.y, s.err) if _finite(x) for v in error_bar(y, e, c.log_y) or ())
     ys_all += [h.y for h in c.hlines if ok(h.y)]
     # markers above the data sit on the top edge rather than squash it
     xs_all += [m.x for m in c.markers if _finite(m.x)]
@@ -407,9 +418,10 @@ def _line_data(c: LineChart, plot: _Plot, segs_by_series: list[list[list[tuple[f
                        f'</circle>')
         if s.err:
             for xi, yi, e in zip(s.x, s.y, s.err):
-                if not (_finite(xi) and _finite(yi) and _finite(e)) or not ok(yi - e if c.log_y else yi):
+                ends = error_bar(yi, e, c.log_y)
+                if ends is None or not _finite(xi):
                     continue
-                px, y0, y1 = sx(xi), sy(yi - e), sy(yi + e)
+                px, y0, y1 = sx(xi), sy(ends[0]), sy(ends[1])
                 out.append(f'<path class="errorbar" d="M{px:.1f},{y0:.1f} L{px:.1f},{y1:.1f} M{px - 3:.1f},{y0:.1f} '
                            f'L{px + 3:.1f},{y0:.1f} M{px - 3:.1f},{y1:.1f} L{px + 3:.1f},{y1:.1f}" '
                            f'stroke="{esc(s.color)}" stroke-width="1" fill="none"/>')
