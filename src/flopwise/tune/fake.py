@@ -409,9 +409,10 @@ class LiveMemory:
     it sees compiled graphs run too. Every fake tensor is made through ``FakeTensor.__new__``;
     a storage counts from its first tensor until the storage is freed. Storages start as
     ``activations`` while :attr:`phase` says forward, ``temporaries`` otherwise; parameters,
-    optimizer state and gradients are moved to their own kinds when told (:meth:`mark`)."""
+    optimizer state, gradients and the loader's batches on the device are moved to their own
+    kinds when told (:meth:`mark`)."""
 
-    KINDS = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+    KINDS = ("parameters", "gradients", "optimizer", "activations", "temporaries", "batches")
 
     def __init__(self, mode: FakeTensorMode) -> None:
         self.mode = mode  # tensors of other fake modes (dynamo's and AOTAutograd's, while tracing) are not memory

@@ -146,17 +146,50 @@ def planned(cfg: RunConfig, precision: str, strategy: str, world: int, micro_bat
     return {k: round(v, 3) for k, v in est.gb().items()}
 
 
-def _random_batches(cfg: RunConfig, device: torch.device, micro_batch: int) -> Any:
+TOKEN_BYTES = 8  # the loader delivers token and document ids as int64, whatever the shards store
+
+
+def loader_buffers(cfg: RunConfig, micro_batch: int) -> dict[str, int]:
+    """What the run's loader (``data/loader.py``) holds for its batches on CUDA, in bytes, by its
+    own rules. A batch is its tokens, ``(B, T+1)`` int64, and with ``model.doc_mask`` its
+    document ids, ``(B, T)`` int64. With ``data.pin_memory`` each batch is copied into pinned
+    host memory and sent with ``non_blocking``: its pinned sources are held while the batch is
+    assembled ahead (``data.prefetch`` of them) and, once handed out, until its copy has run (at
+    most ``max(1, prefetch)``; without prefetch the host allocator keeps the one block until the
+    copy ends). Pinned memory is host memory, not the GPU's: reported apart, never in the peak.
+    torch's pinned allocator (CachingHostAllocator) rounds each block up to a power of two, so
+    it reserves ``host_pinned_reserved`` for them. On the device, the prefetched batches' copies
+    wait through the step beside the current one (the trace holds them: kind ``batches``)."""
+    B, T, n = micro_batch, cfg.train.seq_len, cfg.data.prefetch
+    blocks = [B * (T + 1) * TOKEN_BYTES] + ([B * T * TOKEN_BYTES] if cfg.model.doc_mask else [])
+    pinned = n + max(1, n) if cfg.data.pin_memory else 0
+    return {"batch": sum(blocks), "host_pinned_batches": pinned, "host_pinned": pinned * sum(blocks),
+            "host_pinned_reserved": pinned * sum(1 << (b - 1).bit_length() for b in blocks),
+            "device_prefetched_batches": n, "device_prefetched": n * sum(blocks)}
+
+
+def _random_batches(cfg: RunConfig, device: torch.device, micro_batch: int, memory: fake.LiveMemory) -> Any:
     """The batches the traced step takes: random token ids made on the device (a run's come from
-    its loader), in the loader's shapes."""
-    V, T, m = cfg.model.vocab_size, cfg.train.seq_len, cfg.model
+    its loader), in the loader's shapes, counted as ``batches``; with ``data.prefetch`` the
+    device copies of the batches the loader holds ahead (:func:`loader_buffers`), made once,
+    before the step's kernels are logged, and alive through every step."""
+    V, T, m, B = cfg.model.vocab_size, cfg.train.seq_len, cfg.model, micro_batch
+    ahead = [torch.empty((B, T + 1), dtype=torch.int64, device=device) for _ in range(cfg.data.prefetch)]
+    if m.doc_mask:
+        ahead += [torch.empty((B, T), dtype=torch.int64, device=device) for _ in range(cfg.data.prefetch)]
+    memory.mark(ahead, "batches")
 
     class Batches:
+        held = ahead
+
         def next_batch(self) -> tuple[torch.Tensor, ...]:
-            x = torch.randint(0, V, (micro_batch, T), device=device)
-            y = torch.randint(0, V, (micro_batch, T), device=device)
+            x = torch.randint(0, V, (B, T), device=device)
+            y = torch.randint(0, V, (B, T), device=device)
             if m.doc_mask:  # document ids: non-decreasing along the sequence, as the loader makes them
-                return x, y, torch.randint(0, 2, (micro_batch, T), device=device).cumsum(1)
+                docs = torch.randint(0, 2, (B, T), device=device).cumsum(1)
+                memory.mark([x, y, docs], "batches")
+                return x, y, docs
+            memory.mark([x, y], "batches")
             return x, y
 
         def state_dict(self) -> dict[str, Any]:
@@ -259,7 +292,8 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
     t.global_batch_size = micro_batch * accum * env.world_size
     step_tokens = t.global_batch_size * t.seq_len
     torch._dynamo.reset()
-    out: dict[str, Any] = {"micro_batch": micro_batch, "traced_accum": accum}
+    out: dict[str, Any] = {"micro_batch": micro_batch, "traced_accum": accum,
+                           "loader": loader_buffers(cfg, micro_batch)}  # host pinned: apart from the GPU's peak
     compiled = t.compile != "off"
     mode = fake.fake_mode()
     gc.collect()
@@ -268,7 +302,7 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
     wraps = diloco_strategy(cfg, env.world_size).step if strategy == "diloco" else strategy
     with mode, fake.LiveMemory(mode) as memory, _collected_between_steps(), _no_copy_event():
         parts = build_step(cfg, wraps, env, device, prec)
-        run = StepOnly.of(cfg, parts, env, device, prec, wraps, _random_batches(cfg, device, micro_batch))
+        run = StepOnly.of(cfg, parts, env, device, prec, wraps, _random_batches(cfg, device, micro_batch, memory))
         kernel_log: list[KernelLog] = []  # the reported eager step's, when full
         run.loss_fn = _in_forward(parts.loss_fn, memory, kernel_log)
         if strategy == "diloco":  # the run cuts what its optimizer steps into the fragments: refused as it refuses
