@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import io
-import json
 import os
 import pickle
 import re
@@ -43,7 +42,7 @@ from typing import Any, Callable
 import torch
 
 from flopwise.errors import FlopwiseError
-from flopwise.fsio import FileFormatError, fsync_dir, read_json
+from flopwise.fsio import FileFormatError, read_json, write_file, write_json
 
 CHECKPOINT_DIR = "checkpoints"
 MARKER = "COMPLETE"
@@ -103,16 +102,131 @@ def file_entry(path: Path) -> dict[str, int]:
     return {"bytes": path.stat().st_size, "crc32": _file_crc(path)}
 
 
+def data_entry(data: str | bytes) -> dict[str, int]:
+    """The manifest entry (size, CRC32) of ``data`` as it will be written."""
+    blob = data.encode("utf-8") if isinstance(data, str) else data
+    return {"bytes": len(blob), "crc32": zlib.crc32(blob) & 0xFFFFFFFF}
+
+
+def entry_problem(path: Path, want: dict[str, int]) -> str:
+    """"" when the file at ``path`` has the size and CRC32 of the manifest entry ``want``; else
+    how it differs. ``OSError`` (a missing file) as ``stat`` raises it."""
+    size = path.stat().st_size
+    if size != want["bytes"]:
+        return f"{size} bytes, the manifest says {want['bytes']} (truncated or replaced)"
+    crc = _file_crc(path)
+    if crc != want["crc32"]:
+        return f"checksum mismatch (crc32 {crc:08x}, expected {want['crc32']:08x}): the file is corrupted"
+    return ""
+
+
 def write_manifest(path: Path, **extra: Any) -> None:
     """Seal a directory of checkpoint files written by other means (an export, an adopted
     checkpoint): the sizes and CRC32s of every file, written atomically as its ``COMPLETE``."""
     files = {str(p.relative_to(path)): file_entry(p) for p in sorted(path.rglob("*"))
              if p.is_file() and p.name != MARKER}
-    step = json.loads((path / "state.json").read_text()).get("step")
-    manifest = json.dumps({"format": FORMAT_VERSION, "step": step, "files": files, **extra}, indent=2).encode()
-    write_checksummed(path / f".{MARKER}.tmp", lambda f: f.write(manifest))
-    os.replace(path / f".{MARKER}.tmp", path / MARKER)
-    fsync_dir(path)
+    state = read_state_json(path)
+    step = state.get("step") if isinstance(state, dict) else None
+    write_json(path / MARKER, {"format": FORMAT_VERSION, "step": step, "files": files, **extra})
+
+
+def read_manifest(marker: Path) -> dict[str, Any]:
+    """A manifest (a checkpoint's ``COMPLETE``, a run's ``manifest.json``) whose ``files`` map
+    names to ``{bytes, crc32}``; :class:`CheckpointError` naming it when it is not one."""
+    try:
+        manifest = read_json(marker)
+        files = manifest["files"]
+        if not isinstance(files, dict) or not all(_is_entry(w) for w in files.values()):
+            raise TypeError("'files' is not a map of name -> {bytes, crc32}")
+    except FileFormatError as e:
+        raise CheckpointError(f"{marker}: unreadable manifest ({e.reason})") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{marker}: unreadable manifest ({e})") from None
+    return manifest
+
+
+# --------------------------------------------------------------------------- the run directory's manifest
+#
+# The files of a run directory that a resume or a report trusts (config.yaml, plan.json,
+# run.json) are vouched for as a checkpoint's are: by a manifest of their sizes and CRC32s,
+# RUN/manifest.json, in COMPLETE's format. Unlike a checkpoint's, these files are rewritten one
+# by one as the run goes (run.json at its start and its end), so a write announces itself
+# first: the manifest lists the new entry with the old one as "was", then the file is replaced,
+# then the manifest is written without "was". A kill anywhere leaves each file matching an entry
+# listed for it; only a file changed by other means matches none.
+
+RUN_MANIFEST = "manifest.json"
+
+
+def seal_run_files(run_dir: Path, files: dict[str, str | bytes], kept: str = "") -> None:
+    """Write ``files`` (name -> content) into ``run_dir``, each atomically and listed in its
+    manifest (see above). A write fault is a ``fsio.WriteError`` naming the file, then ``kept``."""
+    run_dir = Path(run_dir)
+    listed = _listed(run_dir)
+    settled = dict(listed)
+    for name, data in files.items():
+        settled[name] = data_entry(data)
+        old = listed.get(name) or (file_entry(run_dir / name) if (run_dir / name).is_file() else None)
+        listed[name] = {**settled[name], **({"was": _plain(old)} if old else {})}
+    write_json(run_dir / RUN_MANIFEST, {"format": FORMAT_VERSION, "files": listed}, "the run's manifest", kept)
+    for name, data in files.items():
+        write_file(run_dir / name, data, kept=kept)
+    write_json(run_dir / RUN_MANIFEST, {"format": FORMAT_VERSION, "files": settled}, "the run's manifest", kept)
+
+
+def _is_entry(entry: Any) -> bool:
+    return isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and isinstance(entry.get("crc32"), int)
+
+
+def _plain(entry: dict[str, Any]) -> dict[str, int]:
+    return {"bytes": entry["bytes"], "crc32": entry["crc32"]}
+
+
+def _listed(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """What the run's manifest lists, each entry as settled (an unreadable or missing manifest:
+    nothing; the run's files are checked before they are rewritten)."""
+    try:
+        files = read_manifest(run_dir / RUN_MANIFEST)["files"]
+    except (CheckpointError, OSError):
+        return {}
+    return {name: _plain(entry) for name, entry in files.items()}
+
+
+def run_file_problem(run_dir: Path, name: str) -> str | None:
+    """Whether ``run_dir/name`` is as the run wrote it: "" when it matches the entry the run's
+    manifest lists for it (or the one it had while a write was under way), what is wrong when
+    it does not (or the manifest cannot be read), None when the manifest lists no such file (a
+    run recorded before the manifest: the caller reads the old form, if there is one).
+    ``OSError`` (a missing file) as ``stat`` raises it."""
+    manifest = Path(run_dir) / RUN_MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        entry = read_manifest(manifest)["files"].get(name)
+    except CheckpointError as e:
+        return f"not vouched for: {e}"
+    if entry is None:
+        return None
+    path = Path(run_dir) / name
+    problem = entry_problem(path, entry)
+    was = entry.get("was")
+    if problem and _is_entry(was) and not entry_problem(path, _plain(was)):
+        return ""  # a write the manifest announced was cut short: the file is still the one before it
+    return f"changed since the run wrote it ({problem}; {manifest} lists what it wrote)" if problem else ""
+
+
+def read_run_json(run_dir: Path, name: str) -> Any:
+    """The JSON of ``run_dir/name`` (run.json, plan.json), checked against the run's manifest
+    first: :class:`CheckpointError` naming the file when it was changed or torn since the run
+    wrote it. A file of a run recorded before the manifest is read unchecked, as it was then."""
+    path = Path(run_dir) / name
+    problem = run_file_problem(run_dir, name)
+    if problem:
+        raise CheckpointError(f"{path}: {problem}")
+    try:
+        return read_json(path)
+    except FileFormatError as e:
+        raise CheckpointError(str(e)) from None
 
 
 # --------------------------------------------------------------------------- find
@@ -154,16 +268,8 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: no {MARKER} marker, so nothing vouches for its files (a checkpoint is "
                               f"published with its manifest; this one was altered or written by a flopwise older "
                               f"than markers). If you trust it: `flopwise checkpoint adopt {path}`")
-    try:
-        manifest = read_json(marker)
-        files = manifest["files"]
-        if not isinstance(files, dict) or not all(isinstance(w, dict) and isinstance(w.get("bytes"), int)
-                                                   and isinstance(w.get("crc32"), int) for w in files.values()):
-            raise TypeError("'files' is not a map of name -> {bytes, crc32}")
-    except FileFormatError as e:
-        raise CheckpointError(f"{marker}: unreadable manifest ({e.reason})") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{marker}: unreadable manifest ({e})") from None
+    manifest = read_manifest(marker)
+    files = manifest["files"]
     if "state.json" not in files:
         raise CheckpointError(f"{marker}: the manifest lists no state.json")
     for name, want in files.items():
@@ -172,13 +278,9 @@ def verify_checkpoint(path: str | Path) -> dict[str, Any]:
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"{f}: missing from the checkpoint")
-        size = f.stat().st_size
-        if size != want["bytes"]:
-            raise CheckpointError(f"{f}: {size} bytes, the manifest says {want['bytes']} (truncated or replaced)")
-        crc = _file_crc(f)
-        if crc != want["crc32"]:
-            raise CheckpointError(f"{f}: checksum mismatch (crc32 {crc:08x}, expected {want['crc32']:08x}): "
-                                  "the file is corrupted")
+        problem = entry_problem(f, want)
+        if problem:
+            raise CheckpointError(f"{f}: {problem}")
     return manifest
 
 
@@ -268,18 +370,25 @@ _STATE_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
 def read_state(path: Path) -> dict[str, Any]:
     """A checkpoint's ``state.json``, checked field by field, with its RNG states under ``"rng"``."""
     f = path / "state.json"
-    try:
-        state = read_json(f)
-    except FileNotFoundError:
-        raise CheckpointError(f"{f}: missing from the checkpoint") from None
-    except FileFormatError as e:
-        raise CheckpointError(str(e)) from None
+    state = read_state_json(path)
     problems = state_problems(state, path)
     if problems:
         raise CheckpointError(f"{f}: " + "; ".join(problems))
     if (path / "rng.pt").is_file():
         state["rng"] = _check_rng(load_tensors(path / "rng.pt"), path / "rng.pt")
     return state
+
+
+def read_state_json(path: Path) -> Any:
+    """The JSON of a checkpoint's ``state.json``, unchecked; :class:`CheckpointError` naming it
+    when it is missing or not JSON."""
+    f = path / "state.json"
+    try:
+        return read_json(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{f}: missing from the checkpoint") from None
+    except FileFormatError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def state_problems(state: Any, path: Path) -> list[str]:

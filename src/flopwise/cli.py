@@ -18,7 +18,7 @@ from typing import Any
 from flopwise import __version__, deps
 from flopwise.config import DEFAULT_PRESET, ConfigError, TrainConfig, build_config, preset_names
 from flopwise.errors import FlopwiseError, is_out_of_memory
-from flopwise.fsio import atomic_write, is_disk_full
+from flopwise.fsio import is_disk_full, write_json
 from flopwise.plan import hardware
 from flopwise.plan.budget import PlanError, PlanInputs, build_plan, peak_dtype, plan_inputs_for_run, planned_loss
 from flopwise.plan.flops import param_counts
@@ -390,7 +390,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
-    from flopwise.checkpoints import CheckpointError  # lazy: torch
     from flopwise.train.stopping import NonFiniteError  # lazy: torch
     from flopwise.train.trainer import train  # lazy: torch
 
@@ -405,19 +404,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     except NonFiniteError as e:
         print(f"flopwise train: {e}", file=sys.stderr)
         return 3
-    except CheckpointError as e:
-        print(f"flopwise train: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:  # a full disk outside a save (metrics, TensorBoard, samples): same one line
-        if isinstance(e, FlopwiseError) or not is_disk_full(e):
-            raise  # a WriteError names its file and what was kept: the boundary prints it
-        from flopwise.checkpoints import latest_checkpoint  # lazy: torch
-
-        last = latest_checkpoint(cfg.train.run_dir) if cfg.train.run_dir else None
-        kept = f"; the checkpoint {last} is intact" if last else ""
-        print(f"flopwise train: could not write {e.filename or cfg.train.run_dir}: no space left on the device{kept}",
-              file=sys.stderr)
-        return 2
+    # a failed save (CheckpointError) or write (WriteError) names its file and the checkpoint that is
+    # intact; main's one boundary prints it
     return 0
 
 
@@ -600,7 +588,7 @@ def _virtual_preflight(cfg, args: argparse.Namespace, say) -> int:
         return 1
     source = [f"--config {args.config}"] if args.config else [f"--preset {args.preset}"] if args.preset else []
     if args.out:
-        atomic_write(Path(args.out) / "virtual.json", json.dumps({"virtual": result}, indent=2, default=str))
+        write_json(Path(args.out) / "virtual.json", {"virtual": result})
     if args.json:
         print(json.dumps({"virtual": result}, indent=2, default=str))
     else:

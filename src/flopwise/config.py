@@ -1060,18 +1060,15 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return f"{where}{problem}" + (f" ({context})" if context else "")
 
 
+# The last line of a run's config.yaml as flopwise wrote it before the run's manifest.json
+# (``checkpoints.seal_run_files``) held the checksums of a run's files: still read, never written.
 CHECKSUM_MARK = "# flopwise sha256 of the lines above: "
 
 
-def with_checksum(text: str) -> str:
-    """A run's ``config.yaml``: ``text`` and a last comment line holding its SHA-256, by which
-    a resumed run knows the file is the one it wrote (YAML readers skip the comment)."""
-    return f"{text}{CHECKSUM_MARK}{hashlib.sha256(text.encode()).hexdigest()}\n"
-
-
 def checksum_problem(path: str | Path) -> str:
-    """"" when the file at ``path`` ends in the checksum :func:`with_checksum` wrote and matches
-    it (or holds none: a file from before checksums, or one a user wrote); else what is wrong."""
+    """"" when the file at ``path`` ends in the checksum line (:data:`CHECKSUM_MARK`) of a run
+    recorded before the run's manifest and matches it (or holds none: a file from before
+    checksums, or one a user wrote); else what is wrong."""
     text = Path(path).read_bytes().decode("utf-8", errors="replace")
     body, mark, digest = text.rpartition(CHECKSUM_MARK)
     if not mark:

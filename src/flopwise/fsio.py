@@ -269,24 +269,31 @@ def write_error(path: str | Path, e: BaseException, what: str = "", kept: str = 
                       write_fault_errno(e), str(path))
 
 
-def write_file(path: str | Path, data: str | bytes, what: str = "") -> None:
+def write_file(path: str | Path, data: str | bytes, what: str = "", kept: str = "") -> None:
     """:func:`atomic_write`, a write fault becoming a :class:`WriteError` that names ``path``
-    (not the temporary file beside it) and says the earlier copy, if any, is intact."""
+    (not the temporary file beside it) and says the earlier copy, if any, is intact, then
+    ``kept``: what else the caller knows to be intact (a run's checkpoint)."""
     path = Path(path)
     try:
         atomic_write(path, data)
     except Exception as e:
         if not is_write_fault(e) or isinstance(e, WriteError):
             raise
-        had = path.exists()
-        raise write_error(path, e, what, f"the earlier {path.name} is unchanged" if had else "") from e
+        had = f"the earlier {path.name} is unchanged" if path.exists() else ""
+        raise write_error(path, e, what, "; ".join(k for k in (had, kept) if k)) from e
 
 
-def write_json(path: str | Path, obj: Any, what: str = "") -> None:
-    """``obj`` as an indented JSON document at ``path``, written by :func:`write_file` (all at
-    once; a write fault is a :class:`WriteError` naming ``path``). Read it back with
-    :func:`read_json`. Values JSON has no type for (paths, dates) are written as their ``str``."""
-    write_file(path, json.dumps(obj, indent=2, default=str) + "\n", what)
+def json_text(obj: Any) -> str:
+    """``obj`` as the indented JSON document :func:`write_json` writes. Values JSON has no type
+    for (paths, dates) are written as their ``str``."""
+    return json.dumps(obj, indent=2, default=str) + "\n"
+
+
+def write_json(path: str | Path, obj: Any, what: str = "", kept: str = "") -> None:
+    """``obj`` as an indented JSON document at ``path`` (:func:`json_text`), written by
+    :func:`write_file` (all at once; a write fault is a :class:`WriteError` naming ``path``).
+    Read it back with :func:`read_json`."""
+    write_file(path, json_text(obj), what, kept)
 
 
 class AppendFile:

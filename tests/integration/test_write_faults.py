@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from helpers import tiny_model_overrides
 
-from flopwise.checkpoints import latest_checkpoint, verify_checkpoint
+from flopwise.checkpoints import latest_checkpoint, run_file_problem, verify_checkpoint
 from flopwise.config import build_config
 from flopwise.errors import FlopwiseError
 from flopwise.fsio import AppendFile, WriteError
@@ -224,6 +224,26 @@ def test_a_full_disk_under_the_metrics_mid_run(trained_run, run_overrides, small
     assert 2 < max(steps) < 150  # it did log rows on this disk before it filled
     assert sums(ckpt) == before and latest_checkpoint(run) == ckpt
     verify_checkpoint(ckpt)
+    assert hidden_leftovers(run) == []
+
+
+def test_a_full_disk_as_a_resumed_run_writes_its_files_names_the_intact_checkpoint(trained_run, run_overrides,
+                                                                                   small_fs, fill_fs, cli):
+    """Room for the start's probe, not for the run's files (config.yaml, plan.json, run.json, the
+    tokenizer): the error the trainer raises itself says which checkpoint is intact -- no handler
+    of ``train``'s own adds it -- and nothing the run wrote before is changed."""
+    fs = small_fs("4m")
+    run = copy_run(trained_run, fs)
+    ckpt = latest_checkpoint(run)
+    before = sums(ckpt)
+    fill_fs(fs, 8 << 10)
+    proc = cli("train", *run_overrides, "train.max_steps=4", f"train.run_dir={run}")
+    last = one_line_failure(proc, "train", "no space left on the device",
+                            f"the checkpoint {ckpt} is intact: the same command resumes from it once there is room")
+    assert last.startswith(f"flopwise train: cannot write {run}"), last
+    assert sums(ckpt) == before and latest_checkpoint(run) == ckpt
+    # what was written before the disk filled is vouched for by the run's manifest, whatever it was
+    assert [run_file_problem(run, name) for name in ("config.yaml", "plan.json", "run.json")] == ["", "", ""]
     assert hidden_leftovers(run) == []
 
 

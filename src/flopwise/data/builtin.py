@@ -50,7 +50,7 @@ from pathlib import Path
 
 import tokenizers
 
-from ..fsio import atomic_write, fsync_dir, read_json, umask
+from ..fsio import fsync_dir, read_json, umask, write_file
 from .meta import write_meta
 from .shards import FORMAT_VERSION, ShardError, SplitWriter, dtype_for_vocab, read_header
 from .tokenizer import encode_documents, eos_id, train_bpe
@@ -273,7 +273,7 @@ def _build(files: list[SourceFile], fp: str, out: Path, vocab_size: int, max_mb:
     try:
         t = time.perf_counter()
         tok = train_bpe((read_text(f) for f in train_files), vocab_size)
-        atomic_write(tmp / "tokenizer.json", tok.to_str(pretty=True))  # the bytes tok.save() writes
+        write_file(tmp / "tokenizer.json", tok.to_str(pretty=True))  # the bytes tok.save() writes
         real_vocab = tok.get_vocab_size()
         eos = eos_id(tok)
         log(f"data: trained byte-level BPE, vocab {real_vocab}, in {time.perf_counter() - t:.1f}s")

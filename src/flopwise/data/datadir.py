@@ -22,7 +22,6 @@ shards are simply read at every start.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ import numpy as np
 
 from flopwise.errors import FlopwiseError
 
-from ..fsio import FileFormatError, atomic_write, describe_write_error, read_json
+from ..fsio import FileFormatError, WriteError, describe_write_error, read_json, write_json
 from .builtin import prepare_builtin
 from .shards import FORMAT_VERSION, ShardError, ShardHeader, dtype_for_vocab, read_header, read_shard, scan_tokens
 from .tokenizer import file_sha256, load_tokenizer
@@ -172,9 +171,9 @@ class DataDir:
             blob = {"version": CHECK_CACHE_VERSION, "data_dir": os.path.realpath(self.path), "shards": records}
             try:
                 cache_file.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write(cache_file, json.dumps(blob, indent=1) + "\n")
+                write_json(cache_file, blob)
             except OSError as e:  # a read-only or full cache folder: check again next time
-                saved = f"{cache_file}: {describe_write_error(e)}"
+                saved = str(e) if isinstance(e, WriteError) else f"{cache_file}: {describe_write_error(e)}"
         return {"read": read, "bytes": nbytes, "cached": sum(len(v) for v in self._paths.values()) - read,
                 "saved": saved}
 

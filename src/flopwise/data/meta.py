@@ -12,12 +12,11 @@ when the tokenizer has none), ``splits`` (per split: shard names, tokens, docume
 
 from __future__ import annotations
 
-import json
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ..fsio import atomic_write
+from ..fsio import write_json
 from .shards import FORMAT_VERSION, dtype_for_vocab
 from .tokenizer import file_sha256
 
@@ -28,7 +27,7 @@ TOKENIZER_FILE = "tokenizer.json"
 def write_meta(directory: Path, *, source: str, vocab_size: int, eos_id: int, bos_id: int | None,
                splits: dict[str, dict[str, Any]], fingerprint: str, recipe: dict[str, Any]) -> dict[str, Any]:
     """Write ``directory/meta.json`` atomically for the shards and ``tokenizer.json`` already in
-    ``directory``; return what was written. A failed write raises ``OSError`` naming meta.json."""
+    ``directory``; return what was written. A failed write raises ``fsio.WriteError`` naming meta.json."""
     meta = {
         "format_version": FORMAT_VERSION,
         "source": source,
@@ -44,16 +43,8 @@ def write_meta(directory: Path, *, source: str, vocab_size: int, eos_id: int, bo
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "recipe": recipe,
     }
-    write_text(directory / META_FILE, json.dumps(meta, indent=2) + "\n")
+    write_json(directory / META_FILE, meta)
     return meta
-
-
-def write_text(path: Path, text: str) -> None:
-    """``atomic_write``, its errors naming ``path`` (not the temporary file beside it)."""
-    try:
-        atomic_write(path, text)
-    except OSError as e:
-        raise OSError(e.errno, e.strerror or str(e), str(path)) from e
 
 
 def held_out_overlap_note(meta: dict[str, Any]) -> str:

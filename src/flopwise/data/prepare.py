@@ -98,10 +98,11 @@ from ..fsio import (
     is_disk_full,
     read_json,
     replace_dir,
+    write_file,
     write_reason,
 )
 from .datadir import DataDir
-from .meta import TOKENIZER_FILE, write_meta, write_text
+from .meta import TOKENIZER_FILE, write_meta
 from .shards import FORMAT_VERSION, SplitWriter, dtype_for_vocab
 from .sources import Source, open_source
 from .tokenizer import encode_documents, file_sha256, load_tokenizer, special_ids, train_bpe
@@ -908,7 +909,7 @@ def _save_tokenizer(opts: PrepareOptions, source: Source, partial: Path, log: Lo
     if eos is None:
         raise PrepareError(f"--tokenizer {opts.tokenizer!r} defines no end-of-text token "
                            f"(looked for {', '.join(specials['eos_candidates'])})")
-    write_text(partial / TOKENIZER_FILE, tok.to_str(pretty=True))  # the bytes tok.save() writes
+    write_file(partial / TOKENIZER_FILE, tok.to_str(pretty=True))  # the bytes tok.save() writes
     return tok, bos, eos
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -50,7 +49,16 @@ from flopwise.checkpoints import (
 from flopwise.config import ModelConfig, load_run_config
 from flopwise.data.tokenizer import load_tokenizer, special_ids
 from flopwise.errors import FlopwiseError
-from flopwise.fsio import FileFormatError, fsync_dir, is_write_fault, read_json, replace_dir, umask, write_error
+from flopwise.fsio import (
+    FileFormatError,
+    fsync_dir,
+    is_write_fault,
+    read_json,
+    replace_dir,
+    umask,
+    write_error,
+    write_json,
+)
 from flopwise.model.hf import (
     SPECIAL_KEYS,
     check_exportable,
@@ -290,15 +298,15 @@ def export_hf(path: str | os.PathLike, out: str | os.PathLike, overwrite: bool =
             sd.pop("lm_head.weight")  # the same tensor as the embedding; transformers re-ties it
         save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         gen = {k: special[k] for k in SPECIAL_KEYS}
-        (tmp / "generation_config.json").write_text(json.dumps({**gen, "_from_model_config": True}, indent=2) + "\n")
+        write_json(tmp / "generation_config.json", {**gen, "_from_model_config": True})
         record = _export_record(src)
         if record is not None:
-            (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+            write_json(tmp / EXPORT_RECORD, record)
         if src.tokenizer_path is not None:
             shutil.copyfile(src.tokenizer_path, tmp / "tokenizer.json")
             tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.cfg.max_seq_len,
                        **{k: v for k, v in special.items() if not k.endswith("_id")}}
-            (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+            write_json(tmp / "tokenizer_config.json", tok_cfg)
         mode = _file_mode()  # safetensors writes through a 0600 temporary file
         for f in tmp.iterdir():
             f.chmod(mode)
@@ -323,8 +331,8 @@ def export_consolidated(path: str | os.PathLike, out: str | os.PathLike, overwri
     with _published(out) as tmp:
         torch.save(model.state_dict(), tmp / "model.pt")
         shutil.copyfile(src.path / "config.yaml", tmp / "config.yaml")
-        (tmp / "state.json").write_text(json.dumps({"step": state.get("step"), "tokens": state.get("tokens"),
-                                                    "consolidated_from": str(src.path)}, indent=2) + "\n")
+        write_json(tmp / "state.json", {"step": state.get("step"), "tokens": state.get("tokens"),
+                                        "consolidated_from": str(src.path)})
         if src.tokenizer_path is not None:
             shutil.copyfile(src.tokenizer_path, tmp / "tokenizer.json")
         write_manifest(tmp, exported=True)  # loaded like any checkpoint: verified against its manifest first

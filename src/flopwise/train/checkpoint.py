@@ -11,8 +11,8 @@ run ends. A second ``flopwise train`` on the same directory is refused with the 
 and command; the lock of a killed run dies with its process, so resuming after ``kill -9``
 just works. What a resume is checked against is the configuration its latest checkpoint was
 trained with -- the copy saved with the weights -- whatever became of the run's ``config.yaml``
-(written atomically with its checksum in a last comment line, yet perhaps edited by hand,
-checksum line and all, or cut): a refusal names the field, the checkpoint's value and this
+(written atomically and listed with its checksum in the run's ``manifest.json``, yet perhaps
+edited by hand or cut): a refusal names the field, the checkpoint's value and this
 configuration's, and the resume note lists every setting that trains differently from the
 checkpoint's (:func:`config_changes`). Only a run with no checkpoint yet is checked against its
 ``config.yaml``, if that is still the file the run wrote.
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import random
 import shutil
@@ -57,14 +56,25 @@ from flopwise.checkpoints import (
     MARKER,
     CheckpointError,
     checkpoint_path,
+    file_entry,
     latest_checkpoint,
     list_checkpoints,
+    run_file_problem,
     unmarked_checkpoints,
     write_checksummed,
 )
 from flopwise.config import SECTIONS, ConfigError, RunConfig, checksum_problem, load_run_config, recorded_paths
 from flopwise.errors import shown
-from flopwise.fsio import DirLock, LockedError, describe_write_error, fsync_dir, write_file, write_reason
+from flopwise.fsio import (
+    DirLock,
+    LockedError,
+    describe_write_error,
+    fsync_dir,
+    loads_json,
+    write_file,
+    write_json,
+    write_reason,
+)
 
 # --------------------------------------------------------------------------- RNG
 
@@ -145,12 +155,10 @@ def save_checkpoint(
                                                       lambda f: torch.save(optimizer.state_dict(), f))
         if rng is not None:
             files["rng.pt"] = write_checksummed(tmp / "rng.pt", lambda f: torch.save(rng, f))
-        blob = json.dumps({"step": step, **state}, indent=2).encode()
-        files["state.json"] = write_checksummed(tmp / "state.json", lambda f: f.write(blob))
+        write_json(tmp / "state.json", {"step": step, **state})
+        files["state.json"] = file_entry(tmp / "state.json")
         files["config.yaml"] = write_checksummed(tmp / "config.yaml", lambda f: f.write(config_yaml.encode()))
-        manifest = json.dumps({"format": FORMAT_VERSION, "step": step, "files": files}, indent=2).encode()
-        write_checksummed(tmp / MARKER, lambda f: f.write(manifest))
-        fsync_dir(tmp)
+        write_json(tmp / MARKER, {"format": FORMAT_VERSION, "step": step, "files": files})  # last: the seal
         if final.exists():  # re-saving the same step: the old copy goes first (older steps stay)
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -317,6 +325,11 @@ def _decide(cfg: RunConfig, run_dir: Path, fresh: bool, held: contextlib.ExitSta
     if not holds_run:
         _check_writable(run_dir)
         return RunStart(run_dir, None, False, "new run")
+    record = run_dir / "run.json"  # the run's starts go on in it: a changed or torn one is refused, not extended
+    problem = run_file_problem(run_dir, record.name) if record.is_file() else None
+    if problem:
+        raise CheckpointError(f"{record}: {problem}; restore it, or pass --fresh to start over (the old run is kept, "
+                              "renamed aside)")
     ckpt = latest_checkpoint(run_dir)
     old, source, note = _previous_config(run_dir, ckpt)
     conflicts = resume_conflicts(old, cfg)
@@ -345,12 +358,14 @@ MAX_CHANGES_SHOWN = 8  # settings the resume note lists; the rest are counted
 def _previous_config(run_dir: Path, ckpt: Path | None) -> tuple[RunConfig, str, str]:
     """What a resume must agree with: the configuration the latest checkpoint ``ckpt`` was trained
     with (its own copy, written with its weights), whatever became of the run's ``config.yaml``
-    -- edited by hand, checksum line and all, or cut. Without a checkpoint (or one whose copy
+    -- edited by hand or cut. Without a checkpoint (or one whose copy
     cannot be read) the run's ``config.yaml``, if it is the one the run wrote. Returns it, where
     it came from (for an error), and a note on the run's config.yaml ("" when it is as written)."""
     own = run_dir / "config.yaml"
     try:
-        edited = checksum_problem(own)  # an edited file is not read: nothing it says is trusted
+        edited = run_file_problem(run_dir, "config.yaml")  # an edited file is not read: nothing it says is trusted
+        if edited is None:  # recorded before the run's manifest: its checksum is a comment line in it
+            edited = checksum_problem(own)
         own_cfg, problem = (None, f"was {edited}") if edited else (load_run_config(own), "")
     except (ConfigError, OSError) as e:
         own_cfg = None
@@ -370,17 +385,18 @@ def _previous_config(run_dir: Path, ckpt: Path | None) -> tuple[RunConfig, str, 
                        "with a readable copy of it; pass --fresh to start over"])
 
 
-def truncate_metrics(path: Path, step: int) -> None:
+def truncate_metrics(path: Path, step: int, kept: str = "") -> None:
     """Keep the rows of ``metrics.jsonl`` up to ``step``: a crashed run may have logged steps
     its last checkpoint does not hold, and they are about to be trained again."""
     if not path.is_file():
         return
-    kept = []
+    rows = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            row = json.loads(line)
+            row = loads_json(line, str(path))
         except ValueError:  # a line cut by a kill
             continue
         if isinstance(row, dict) and row.get("step", 0) <= step:
-            kept.append(line)
-    write_file(path, "".join(f"{line}\n" for line in kept), "the metrics")  # a full disk leaves the old file, no .tmp
+            rows.append(line)
+    # a full disk leaves the old file, no .tmp; its error says so, then ``kept`` (the run's checkpoint)
+    write_file(path, "".join(f"{line}\n" for line in rows), "the metrics", kept)

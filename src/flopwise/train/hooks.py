@@ -5,7 +5,6 @@ the closing lines). Each hook reads and updates the :class:`~flopwise.train.setu
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict
 from pathlib import Path
@@ -13,11 +12,12 @@ from typing import Any
 
 import torch
 
+from flopwise.checkpoints import seal_run_files
 from flopwise.data.datadir import DataDir
 from flopwise.evaluate.generate import Sampling, generate
 from flopwise.evaluate.loss import Shard, bits_per_byte, evaluate_loss, perplexity
 from flopwise.evaluate.tasks import evaluate_tasks
-from flopwise.fsio import AppendFile, write_file
+from flopwise.fsio import AppendFile, json_text
 from flopwise.measure.meter import format_memory, memory_stats
 from flopwise.measure.sinks import format_mfu, human
 from flopwise.measure.timing import format_breakdown
@@ -342,8 +342,8 @@ def finish(run: Run, stopped: str, train_time: float, sample: str = "") -> Train
     summary = {k: (str(v) if isinstance(v, Path) else None if isinstance(v, float) and not math.isfinite(v) else v)
                for k, v in asdict(result).items()}
     if run.env.is_main:
-        write_file(run.run_dir / "run.json", json.dumps({**run.record, "result": summary,
-                                                           "train_time_s": train_time}, indent=2))
+        record = {**run.record, "result": summary, "train_time_s": train_time}
+        seal_run_files(run.run_dir, {"run.json": json_text(record)})
     avg_tps = "n/a" if avg["tok_per_s"] is None else f"{human(avg['tok_per_s'])} tok/s"
     log(f"{'stopped' if stopped else 'done'}: {p.step:,} steps · {human(p.tokens)} tokens · train "
         f"{fmt_time(train_time)} · wall {fmt_time(wall)} · {avg_tps} (after warm-up) · mfu {format_mfu(avg['mfu'])}")

@@ -3,7 +3,6 @@ commit) and what it gave (:class:`TrainResult`), including for a run that was al
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import subprocess
@@ -18,6 +17,7 @@ import tokenizers
 import torch
 
 from flopwise import __version__
+from flopwise.checkpoints import CheckpointError, read_run_json
 from flopwise.train.defaults import device_label
 
 
@@ -72,12 +72,16 @@ def code_version() -> dict[str, Any]:
     return {"git_commit": commit, "git_dirty": dirty}
 
 
-def read_json(path: Path) -> dict:
-    """A JSON file's object; {} when it is missing or unreadable."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+def read_run_record(run_dir: Path) -> dict:
+    """The object in ``run_dir/run.json``; {} when there is none. One changed or torn since the
+    run wrote it (the run's manifest says) is refused: :class:`CheckpointError` naming it."""
+    if not (run_dir / "run.json").is_file():
         return {}
+    try:
+        record = read_run_json(run_dir, "run.json")
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; restore it, or pass --fresh to start over") from None
+    return record if isinstance(record, dict) else {}
 
 
 def finished_run(run_dir: Path, checkpoint: Path, total_steps: int, uniform: float, wall_s: float,
@@ -86,7 +90,7 @@ def finished_run(run_dir: Path, checkpoint: Path, total_steps: int, uniform: flo
     say so and change nothing -- no run.json, metrics, config or checkpoint is rewritten.
     The result is the one the run recorded when it finished (run.json), where there is one."""
     done = int(checkpoint.name[5:])
-    prev = read_json(run_dir / "run.json").get("result") or {}
+    prev = read_run_record(run_dir).get("result") or {}
     if not isinstance(prev, dict) or prev.get("steps") != done:
         prev = {}
     if done == total_steps:

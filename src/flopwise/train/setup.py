@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,12 +25,12 @@ from typing import Any, Callable, cast
 
 import torch
 
-from flopwise.checkpoints import read_state
-from flopwise.config import ConfigError, RunConfig, batch_split_problems, recorded_paths, with_checksum
+from flopwise.checkpoints import read_state, seal_run_files
+from flopwise.config import ConfigError, RunConfig, batch_split_problems, recorded_paths
 from flopwise.data.datadir import DataDir, open_data_dir
 from flopwise.data.loader import LoaderOptions, fixed_windows, make_loader
 from flopwise.evaluate.loss import target_bytes
-from flopwise.fsio import MAX_JSON_BYTES, FileFormatError, loads_json, read_bytes, write_file
+from flopwise.fsio import MAX_JSON_BYTES, FileFormatError, json_text, loads_json, read_bytes, write_file
 from flopwise.measure.meter import ThroughputMeter
 from flopwise.measure.timing import StepTimer
 from flopwise.measure.tracking import NullTracker, Tracker, check_wandb_login
@@ -56,7 +55,7 @@ from flopwise.train.dist_checkpoint import RankParts, load_distributed
 from flopwise.train.optim import CombinedOptimizer, build_optimizer
 from flopwise.train.precision import MasterWeights, Precision, apply_fp8, autocast_factory
 from flopwise.train.precision import resolve as resolve_precision
-from flopwise.train.record import TrainResult, finished_run, read_json, run_record
+from flopwise.train.record import TrainResult, finished_run, read_run_record, run_record
 from flopwise.train.schedule import (
     Continuation,
     RampPlan,
@@ -524,22 +523,23 @@ def restore(run: Run, checkpoint: Path) -> None:
 def write_run_files(run: Run) -> None:
     """Rank 0: config.yaml, plan.json, run.json (with this start), the tokenizer, the preflight."""
     run_dir, step = run.run_dir, run.progress.step
+    ckpt = run.start.checkpoint  # what a full disk here leaves a resume: the user's next step
+    kept = f"the checkpoint {ckpt} is intact: the same command resumes from it once there is room" if ckpt else ""
     if run.start.resumed_run:
-        truncate_metrics(run_dir / "metrics.jsonl", step)
+        truncate_metrics(run_dir / "metrics.jsonl", step, kept)
     run_dir.mkdir(parents=True, exist_ok=True)
-    # a kill mid-write leaves the old copy, never half; the checksum tells a resume it is this copy
-    write_file(run_dir / "config.yaml", with_checksum(run.config_yaml))
-    previous = read_json(run_dir / "run.json") if run.start.resumed_run else {}
+    previous = read_run_record(run_dir) if run.start.resumed_run else {}
     run.record["starts"] = previous.get("starts", []) + [{"at_step": step, "started": run.record["started"],
                                                           "world_size": run.world}]
-    write_file(run_dir / "plan.json", json.dumps(run.plan, indent=2))
-    write_file(run_dir / "run.json", json.dumps(run.record, indent=2))
+    # a kill mid-write leaves the old copy, never half; the run's manifest tells a resume or a report it is this copy
+    seal_run_files(run_dir, {"config.yaml": run.config_yaml, "plan.json": json_text(run.plan),
+                             "run.json": json_text(run.record)}, kept)
     # the run is self-contained; replaced whole (a full disk never leaves the resumed run half a tokenizer)
-    write_file(run_dir / "tokenizer.json", (run.data.path / "tokenizer.json").read_bytes())
+    write_file(run_dir / "tokenizer.json", (run.data.path / "tokenizer.json").read_bytes(), kept=kept)
     if run.preflight is not None:  # plan vs preflight vs actual, in the report
-        write_file(run_dir / "preflight.json", run.preflight)
+        write_file(run_dir / "preflight.json", run.preflight, kept=kept)
     if run.virtual is not None:  # the virtual preflight's predictions beside them
-        write_file(run_dir / VIRTUAL, run.virtual)
+        write_file(run_dir / VIRTUAL, run.virtual, kept=kept)
 
 
 def open_tracker(run: Run):
