@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from flopwise import __version__, deps
-from flopwise.config import DEFAULT_PRESET, ConfigError, TrainConfig, build_config, preset_names
+from flopwise.config import DEFAULT_PRESET, Compile, ConfigError, TrainConfig, build_config, preset_names
 from flopwise.errors import FlopwiseError, is_out_of_memory
 from flopwise.fsio import is_disk_full, write_json
 from flopwise.plan import hardware
@@ -25,6 +25,7 @@ from flopwise.plan.flops import param_counts
 from flopwise.plan.memory import MemorySettings, current_name
 from flopwise.plan.render import format_gpu_table, format_plan
 from flopwise.report import ReportError, build_report
+from flopwise.train.defaults import resolve_compile, step_wrapper
 from flopwise.tune.dryrun import DEFAULT_GPU, DryRunFailed, dry_run, for_json, render
 from flopwise.tune.shim import DryRunUnavailable
 from flopwise.tune.virtual import render as render_virtual
@@ -704,7 +705,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import json
     from dataclasses import replace
 
-
     if args.list_gpus:
         print(format_gpu_table())
         return 0
@@ -732,6 +732,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model, name = None, ""
     run: dict[str, Any] = {}
     cfg, source = _plan_config(args)
+    # the step a default `train` takes on a GPU: compile, loss and attention as auto resolves them
+    cfg, speed = (None, {}) if cfg is None else _default_step(cfg, strategy, args)
     if cfg is not None and (args.config or args.overrides):  # the run as configured: every setting it models
         run, run_notes = plan_inputs_for_run(cfg, gpus=args.gpus, gpu=gpu, strategy=strategy,
                                              gpus_per_node=args.gpus_per_node)
@@ -741,12 +743,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     elif cfg is not None:  # --model alone: the preset's model, the batch the planner recommends
         model, name, run = cfg.model, args.model, {"seq_len": cfg.train.seq_len}
     data = _plan_data(cfg, notes)
+    mode: Compile = cfg.train.compile if cfg is not None else "off"  # as _default_step resolved it
     memory = run.get("memory") or MemorySettings(strategy=strategy or ("ddp" if args.gpus > 1 else "single"),
-                                                 n_gpus=args.gpus)
+                                                 n_gpus=args.gpus, compiled=mode != "off",
+                                                 loss_in_graph=mode == "model")
     loss = args.loss
     if loss in ("auto", "fused"):  # train.loss's names; the memory model knows plain and chunked
-        loss, note = planned_loss(TrainConfig(loss=loss))
+        loss, note = planned_loss(TrainConfig(loss=loss, compile=mode if cfg is not None else "auto"))
         notes.append(note)
+    elif loss is None and "loss" in speed:  # --model alone: train.loss=auto, as compiled or not
+        loss = planned_loss(TrainConfig(loss="auto", compile=mode))[0]
     flags = {"precision": precision, "attention": args.attention, "activation_checkpointing": args.checkpointing,
              "activation_checkpointing_every": args.checkpointing_every, "loss": loss}
     memory = replace(memory, **{k: v for k, v in flags.items() if v},
@@ -779,7 +785,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.trace and (gpu is None or model is None):
         raise PlanError("--trace traces the planned step: it needs --gpu and --model (or --config)")
     plan = build_plan(inp)
-    plan["notes"] = notes
+    plan["notes"], plan["defaults"] = notes, speed
     _print_notes("plan", notes)
     trace = _trace_plan(source, plan, args) if args.trace else None
     prediction = (trace or {}).get("prediction") or {}
@@ -787,7 +793,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         how = (f"{100 * prediction['mfu']:.1f}% for the planned step on {prediction['gpu']}, from its traced kernels "
                "(flopwise preflight --dry-run)")
         plan = build_plan(dataclasses.replace(inp, mfu=min(1.0, prediction["mfu"]), mfu_predicted_by=how))
-        plan["notes"] = notes
+        plan["notes"], plan["defaults"] = notes, speed
     if args.json:
         print(json.dumps({**plan, **({"trace": for_json(trace)} if trace else {})}, indent=2, default=str))
         return 0
@@ -819,6 +825,29 @@ def _plan_config(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     return build_config(**source, read_hf_config=_read_hf_config), source
 
 
+def _default_step(cfg: Any, strategy: str, args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
+    """``cfg`` with ``train.compile`` as ``auto`` resolves it on a GPU (``--gpu``'s, or any) for the
+    run of ``strategy`` (the planner's choice where empty) over ``--gpus``, by train/defaults.py's
+    rule -- the one the trainer and the dry run apply --, and the plan's ``defaults``: what each
+    ``auto`` of the step became (``compile``; ``loss`` and ``attention`` where neither the config
+    nor a flag names them), for the settings line."""
+    import copy
+
+    asked = copy.deepcopy(cfg)  # the layout the wrapper is decided for; the plan's cfg keeps its own
+    pc = asked.parallel
+    pc.strategy = strategy or ("auto" if pc.strategy == "single" and args.gpus > 1 else pc.strategy)
+    pc.inner_strategy = args.inner_strategy or pc.inner_strategy
+    pc.group_size = pc.group_size if args.group_size is None else args.group_size
+    out = copy.deepcopy(cfg)
+    out.train.compile, why = resolve_compile(cfg.train.compile, "cuda", step_wrapper(asked, args.gpus))
+    speed = {"compile": f"auto -> {out.train.compile} ({why})" if why else out.train.compile}
+    if cfg.train.loss == "auto" and not args.loss:
+        speed["loss"] = f"auto -> {planned_loss(out.train)[0]}"
+    if cfg.model.attention == "auto" and not args.attention:
+        speed["attention"] = "auto -> flash or SDPA, as the GPU's install has them (planned alike)"
+    return out, speed
+
+
 def _plan_data(cfg: Any, notes: list[str]) -> dict[str, Any]:
     """``PlanInputs``' data fields: the train tokens of the config's ``data.path``, read as train
     opens it (meta.json and the shards' headers; no token is read). Data that is not here is a
@@ -839,20 +868,27 @@ def _plan_data(cfg: Any, notes: list[str]) -> dict[str, Any]:
 def _trace_plan(source: dict, plan: dict, args: argparse.Namespace) -> dict:
     """``flopwise preflight --dry-run`` of the step the plan recommends: its batch and strategy
     on ``--gpus`` of ``--gpu`` (``--gpus-per-node`` to a node)."""
-    b, gpus, per_node = plan["batch"], args.gpus, args.gpus_per_node
+    gpus, per_node = args.gpus, args.gpus_per_node
     if gpus > per_node and gpus % per_node:
         raise PlanError(f"--trace: --gpus {gpus} is not whole nodes of --gpus-per-node {per_node}")
-    strategy = plan["fit"]["strategy"] if isinstance(plan.get("fit"), dict) else "auto"
-    traced = build_config(**{**source, "overrides": [  # the user's overrides, then the planned step's
-        *source.get("overrides", []), f"train.seq_len={b['seq_len']}", f"train.micro_batch_size={b['micro_batch']}",
-        f"train.global_batch_size={b['global_batch']}", f"parallel.strategy={strategy if gpus > 1 else 'single'}"]},
-        read_hf_config=_read_hf_config)
+    traced = planned_step_config(source, plan, gpus)
 
     def say(s: str) -> None:
         print(s, file=sys.stderr, flush=True)
 
     return dry_run(traced, gpu=args.gpu, nproc_per_node=min(gpus, per_node), nnodes=max(1, gpus // per_node),
                    memory_gb=args.memory_gb, headroom=args.headroom, log=say)
+
+
+def planned_step_config(source: dict, plan: dict, gpus: int) -> Any:
+    """The run config of the step ``plan`` recommends (its batch and strategy over ``gpus``), built
+    from ``source`` (:func:`_plan_config`'s) as train builds it: what ``--trace`` traces."""
+    b = plan["batch"]
+    strategy = plan["fit"]["strategy"] if isinstance(plan.get("fit"), dict) else "auto"
+    return build_config(**{**source, "overrides": [  # the user's overrides, then the planned step's
+        *source.get("overrides", []), f"train.seq_len={b['seq_len']}", f"train.micro_batch_size={b['micro_batch']}",
+        f"train.global_batch_size={b['global_batch']}", f"parallel.strategy={strategy if gpus > 1 else 'single'}"]},
+        read_hf_config=_read_hf_config)
 
 
 def _read_hf_config(path: str):

@@ -800,7 +800,8 @@ def memory_settings_for_run(cfg: "RunConfig", precision: str, loss: str = "plain
     holds the full logits and is modelled as chunked), ``strategy`` the resolved
     ``parallel.strategy`` over ``gpus``. Activation checkpointing (none, full, selective
     with its every-k), the attention (eager or not), the micro-batches per step and whether
-    it is compiled (``train.compile`` model or blocks; ``auto`` as eager: resolve it first) are
+    it is compiled (``train.compile`` model or blocks, the loss in the graph under model; ``auto``
+    as eager: resolve it first) are
     the config's. Under ``diloco`` so are ``parallel.inner_strategy`` and ``outer_dtype``, and
     the group is ``parallel.group_size`` ranks, its 0 meaning the ranks of one node:
     ``gpus_per_node`` when given, else all ``gpus``."""
@@ -816,7 +817,8 @@ def memory_settings_for_run(cfg: "RunConfig", precision: str, loss: str = "plain
         activation_checkpointing_every=t.activation_checkpointing_every,
         strategy=strategy, n_gpus=gpus,
         loss="plain" if loss == "plain" else "chunked", loss_chunk_tokens=t.loss_chunk_tokens,
-        grad_accum=max(1, cfg.grad_accum_steps(gpus)), compiled=t.compile in ("model", "blocks"), **diloco)
+        grad_accum=max(1, cfg.grad_accum_steps(gpus)), compiled=t.compile in ("model", "blocks"),
+        loss_in_graph=t.compile == "model", **diloco)
 
 
 def peak_dtype(precision: str) -> str:
@@ -838,7 +840,8 @@ def planned_precision(precision: str, gpu: hardware.DeviceSpec | None) -> tuple[
 def planned_loss(t: "TrainConfig") -> tuple[str, str]:
     """``(loss, note)``: ``train.loss`` as the memory model sees it (plain or chunked) and,
     when that is not the name given, why: ``auto`` is plain under ``compile=model`` (and under
-    ``compile=auto``, which is ``model`` on a GPU; the trainer picks the chunked loss instead
+    ``compile=auto``, which is ``model`` on one GPU -- ``blocks`` under a data-parallel wrapper:
+    ``flopwise plan`` resolves it first, with ``train/defaults.py``; the trainer picks the chunked loss instead
     when the full logits do not fit, which this plan then shows), else
     the chunked loss or, on CUDA with Liger-Kernel installed, the fused kernel -- which
     holds no full logits either and is modelled as chunked, as is ``fused``."""

@@ -206,6 +206,11 @@ class MemorySettings:
     # (it recomputes cheap pointwise results in backward rather than keeping them), see
     # compiled_layer_terms; the temporaries are still modelled as eager's (inductor fuses some).
     compiled: bool = False
+    # train.compile=model: the plain loss is compiled in one graph with the model. Inductor's
+    # cross-entropy then saves neither the logits nor the float32 log-softmax (recomputed in
+    # backward, where 12 bytes a logit are live at the peak): the dry run traced tiny's step at
+    # 3.00 GiB of temporaries and 0.63 GiB saved for 0.25 G logits, where eager's count is 14.
+    loss_in_graph: bool = False
     # strategy "diloco" only (parallel.inner_strategy, group_size, outer_dtype): the strategy
     # inside a worker group, the group's ranks (0: all n_gpus; the callers resolve the config's
     # "0 = the ranks of one node"), and the dtype of the pseudo-gradient buffer
@@ -483,6 +488,8 @@ def compiled_layer_terms(cfg: ModelConfig, micro_batch: int, seq_len: int,
 def _logits_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: MemorySettings) -> int:
     c = _dtypes(settings)["compute"]
     N, V = micro_batch * seq_len, cfg.vocab_size
+    if settings.loss == "plain" and settings.loss_in_graph:  # int64 targets, a float32 log-sum-exp a row
+        return N * 8 + N * 4
     if settings.loss == "chunked":
         # model/loss.py with the gradients computed in the forward: the (N, D) input
         # gradient in the compute dtype and the (V, D) float32 head gradient are held until
@@ -511,13 +518,16 @@ def _transient(cfg: ModelConfig, B: int, T: int, settings: MemorySettings, terms
     loss_tmp = 8 * N * V
     if settings.loss == "chunked":  # one chunk's logits (compute dtype) and its float32 softmax and gradient
         loss_tmp = min(settings.loss_chunk_tokens, N) * V * (c + 8)
+    in_graph = settings.loss == "plain" and settings.loss_in_graph
+    if in_graph:  # compiled with the model: recomputed logits and their gradients (MemorySettings.loss_in_graph)
+        loss_tmp = 12 * N * V
     if settings.attention == "eager":
         block_tmp = 2 * B * cfg.n_heads * T * T * 4 - terms["mlp_norm"] - terms.get("swiglu", 0) \
             - terms.get("experts", 0)
     else:
         width = 2 * cfg.moe_top_k * cfg.expert_ffn_hidden if cfg.is_moe else 2 * cfg.ffn_hidden
         block_tmp = N * c * width
-    freed = (4 * N * V if settings.loss == "plain" else 0) + final_norm  # log-softmax, final norm's tensors
+    freed = (4 * N * V if settings.loss == "plain" and not in_graph else 0) + final_norm  # log-softmax, final norm
     if settings.recomputed_blocks(cfg.n_layers):
         # The recomputed block (counted in `activations`) exists only during its own
         # backward, after the loss temporaries are gone: the worst moment is either.

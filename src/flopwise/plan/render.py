@@ -70,6 +70,7 @@ class PlanView:
         self.gpu: dict[str, Any] = plan["gpu"]
         self.memory: dict[str, Any] = plan["memory"]
         self.settings: dict[str, Any] = self.memory["settings"]
+        self.defaults: dict[str, str] = plan.get("defaults") or {}  # flopwise plan's: what each auto became
         self.batch: dict[str, Any] = plan["batch"]
         self.scaling: dict[str, Any] = plan["scaling"]
         self.diloco: dict[str, Any] = plan.get("diloco") or {}
@@ -350,8 +351,28 @@ def _settings_line(v: PlanView) -> str:
     strategy = s["strategy"]
     if strategy == "diloco":
         strategy += f" ({s['inner_strategy']} in groups of {s['group_size']})"
-    return (f"settings: precision {s['precision']}{weights} · attention {s['attention']} · checkpointing {ckpt}"
-            f" · loss {s['loss']} · {strategy} on {s['n_gpus']} GPU(s)")
+    return (f"settings: precision {s['precision']}{weights} · compile {_compile_mode(v)} · attention {s['attention']}"
+            f" · checkpointing {ckpt} · loss {s['loss']} · {strategy} on {s['n_gpus']} GPU(s)")
+
+
+def _compile_mode(v: PlanView) -> str:
+    """``train.compile`` as planned: the mode ``flopwise plan`` resolved (its ``defaults``), else
+    whether the memory model counts the step compiled."""
+    mode = v.defaults.get("compile", "").removeprefix("auto -> ").split(" ")[0]
+    return mode or ("on" if v.settings.get("compiled") else "off")
+
+
+def _defaults_line(v: PlanView) -> str:
+    """What each ``auto`` of the planned step became, as a default ``train`` resolves it on a GPU."""
+    return "as a default train on a GPU: " + " · ".join(f"{k} {x}" for k, x in v.defaults.items() if "auto" in x)
+
+
+def _logits_how(v: PlanView) -> str:
+    if v.settings["loss"] != "plain":
+        return "chunked: head-input and head-weight gradients computed in forward"
+    if v.settings.get("loss_in_graph"):
+        return "in the compiled graph: int64 targets and a float32 log-sum-exp a row; no logits saved"
+    return "LM-head output and float32 log-softmax"
 
 
 def _counted(v: PlanView) -> bool:
@@ -391,6 +412,7 @@ MEMORY_EXTRAS = (("weight_copies", "autocast weight copies", "2-byte copies of t
 
 MEMORY = Section("Memory per GPU", (
     Line(_settings_line),
+    Line(_defaults_line, when=lambda v: any("auto" in x for x in v.defaults.values())),
     Row("parameters", _memory("params"), _gb),
     Row("gradients", _memory("grads"), _gb),
     Row("optimizer (AdamW)", _memory("optimizer"), _gb, "exp_avg + exp_avg_sq, fp32"),
@@ -401,9 +423,7 @@ MEMORY = Section("Memory per GPU", (
         when=_memory("outer")),
     Row("activations", _memory("activations"), _gb,
         lambda v: f"saved for backward, micro-batch {v.batch['micro_batch']} × seq {v.seq_len}", when=_counted),
-    Row("logits + loss", _memory("logits"), _gb,
-        lambda v: "LM-head output and float32 log-softmax" if v.settings["loss"] == "plain" else
-        "chunked: head-input and head-weight gradients computed in forward", when=_counted),
+    Row("logits + loss", _memory("logits"), _gb, _logits_how, when=_counted),
     Row("activations", "NOT counted", how="--params gives no model shape: activations, logits and FSDP buffers "
         "are left out (give --model or --config to count them)", when=lambda v: not _counted(v)),
     *(Row(label, _memory(key), _gb, how, when=_shown(key)) for key, label, how in MEMORY_EXTRAS),
