@@ -194,8 +194,8 @@ class DirLock:
 def _read_holder(fd: int) -> str:
     try:
         raw = os.pread(fd, 4096, 0)
-        info = json.loads(raw.decode() or "{}")
-    except (OSError, ValueError):
+        info = loads_json(raw or b"{}", LOCK_NAME)
+    except (OSError, ValueError):  # FileFormatError is a ValueError
         return "holder unknown"
     if not isinstance(info, dict) or "pid" not in info:
         return "holder unknown"

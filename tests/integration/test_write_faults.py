@@ -205,17 +205,24 @@ def test_prepare_into_a_read_only_folder(small_fs, read_only, cli, tmp_path):
 
 # --------------------------------------------------------------------------- train
 
+def resume_on_a_full_disk(trained_run, args, leave: int, small_fs, fill_fs, cli):
+    """A copy of the trained run on a 4 MB tmpfs with ``leave`` bytes free, resumed by ``flopwise
+    train ARGS``: (the run, its latest checkpoint, that checkpoint's sums before, the process)."""
+    fs = small_fs("4m")
+    run = copy_run(trained_run, fs)
+    ckpt = latest_checkpoint(run)
+    before = sums(ckpt)
+    fill_fs(fs, leave)
+    return run, ckpt, before, cli("train", *args, f"train.run_dir={run}")
+
+
 def test_a_full_disk_under_the_metrics_mid_run(trained_run, run_overrides, small_fs, fill_fs, cli):
     """The run resumes on a disk with room for its start-up files and a few dozen metrics rows,
     not for 150: the run stops with one line naming the file that did not fit -- metrics.jsonl,
     or TensorBoard's events when installed (its writer thread races the metrics) -- and the
     intact checkpoint, no thread's traceback, and metrics.jsonl ends in a whole line."""
-    fs = small_fs("4m")
-    run = copy_run(trained_run, fs)
-    ckpt = latest_checkpoint(run)
-    before = sums(ckpt)
-    fill_fs(fs, 32 << 10)
-    proc = cli("train", *run_overrides, "train.max_steps=150", f"train.run_dir={run}")
+    run, ckpt, before, proc = resume_on_a_full_disk(trained_run, [*run_overrides, "train.max_steps=150"], 32 << 10,
+                                                    small_fs, fill_fs, cli)
     last = one_line_failure(proc, "train", "no space left on the device", f"{ckpt} is intact")
     assert str(run / "metrics.jsonl") in last or str(run / "tensorboard") in last, last
     text = (run / "metrics.jsonl").read_text()
@@ -232,12 +239,8 @@ def test_a_full_disk_as_a_resumed_run_writes_its_files_names_the_intact_checkpoi
     """Room for the start's probe, not for the run's files (config.yaml, plan.json, run.json, the
     tokenizer): the error the trainer raises itself says which checkpoint is intact -- no handler
     of ``train``'s own adds it -- and nothing the run wrote before is changed."""
-    fs = small_fs("4m")
-    run = copy_run(trained_run, fs)
-    ckpt = latest_checkpoint(run)
-    before = sums(ckpt)
-    fill_fs(fs, 8 << 10)
-    proc = cli("train", *run_overrides, "train.max_steps=4", f"train.run_dir={run}")
+    run, ckpt, before, proc = resume_on_a_full_disk(trained_run, [*run_overrides, "train.max_steps=4"], 8 << 10,
+                                                    small_fs, fill_fs, cli)
     last = one_line_failure(proc, "train", "no space left on the device",
                             f"the checkpoint {ckpt} is intact: the same command resumes from it once there is room")
     assert last.startswith(f"flopwise train: cannot write {run}"), last
