@@ -68,7 +68,7 @@ def test_a_long_step_is_announced_with_an_estimate_and_followed_micro_batch_by_m
                                                                                           tmp_path):
     from flopwise.config import build_config
     from flopwise.tune.preflight import preflight
-    from flopwise.tune.request import TuneRequest
+    from flopwise.tune.request import TuneHooks, TuneRequest
 
     # a datasheet peak of 1 MFLOP/s makes a step of the tiny model (~1 GFLOP) minutes long
     cfg = build_config(overrides=tiny_overrides + [
@@ -80,8 +80,8 @@ def test_a_long_step_is_announced_with_an_estimate_and_followed_micro_batch_by_m
                 "data_share": 0.01, "first_loss": 9.0}
 
     lines: list[str] = []
-    preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", measure_fn=scripted, log=lines.append, remeasure_rounds=0,
-                               clock=Ticks(3.0)))
+    preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", log=lines.append, remeasure_rounds=0),
+              TuneHooks(measure_fn=scripted, clock=Ticks(3.0)))
     done = next(i for i, x in enumerate(lines) if x.startswith("preflight: end to end OK"))
     said = [x for x in lines[:done] if x.startswith("preflight: end-to-end check: 4 steps")]
     assert said and "an estimate" in said[0] and "a step here" in said[0], lines[:done]

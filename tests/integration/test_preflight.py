@@ -9,7 +9,7 @@ import torch
 from flopwise.cli import main as cli_main
 from flopwise.config import build_config
 from flopwise.tune.preflight import preflight
-from flopwise.tune.request import TuneRequest
+from flopwise.tune.request import TuneHooks, TuneRequest
 from flopwise.tune.trial import TrialSpec, measure
 
 
@@ -25,22 +25,26 @@ def fake_measure(speeds, oom_from=None):
 
 
 def test_search_skips_what_cannot_fit_catches_oom_and_picks_the_fastest(tiny_overrides, tmp_path):
-    cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100"])  # global batch 16
+    """The one search (tune/choice.search) from the configured micro-batch 16: the planner says it
+    cannot fit, so it goes down -- 8 runs out of memory (going down, a smaller one may fit), 4 is
+    the fastest, 2 is slower and 1 is not run -- then checkpointing, smallest first while it pays."""
+    cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100", "train.micro_batch_size=16"])  # global 16
     lines = []
-    speeds = {1: 100.0, 2: 180.0, 4: 300.0, 8: 350.0, 16: 400.0}
+    speeds = {1: 100.0, 2: 180.0, 4: 260.0, 8: 350.0, 16: 400.0}
     # The planner puts micro-batch 16 at ~0.020 GiB without checkpointing and ~0.010 with it:
     # a 0.015 GiB device fits 16 only with checkpointing.
     report = preflight(cfg, TuneRequest(memory_gb=0.015, headroom=1.0, out_dir=tmp_path / "pf",
-                                        measure_fn=fake_measure(speeds, oom_from=8), log=lines.append))
+                                        log=lines.append), TuneHooks(measure_fn=fake_measure(speeds, oom_from=8)))
     status = {(t["micro_batch"], t["checkpointing"]): t["status"] for t in report["trials"]}
-    assert status[(1, "none")] == status[(2, "none")] == status[(4, "none")] == "ok"
+    assert status[(2, "none")] == status[(4, "none")] == "ok"
+    assert status[(1, "none")] == "skipped"  # 2 was slower than 4: tokens/s falls past the fastest size
     assert status[(8, "none")] == "oom"  # caught, noted, not fatal
     assert status[(16, "none")] == "no-fit"  # the planner says it cannot fit: not even tried
     assert (4, "full") not in status  # checkpointing is only tried where plain training does not fit
     assert status[(8, "full")] == status[(16, "full")] == "ok"
     assert report["end_to_end"]["finite"] and report["end_to_end"]["falling"]
     assert report["end_to_end"]["checkpoint_identical"]
-    # 16 with checkpointing: 400 x 0.8 = 320 tok/s beats 4 without (300)
+    # 8 with checkpointing (280 tok/s) beats 4 without (260), so 16 is tried: 400 x 0.8 = 320 tok/s
     assert report["chosen"] == {"micro_batch_size": 16, "activation_checkpointing": "full"}
     # the measured GEMM ceiling at the chosen micro-batch, and the chosen trial's share of it
     c = report["ceiling"]
@@ -70,17 +74,21 @@ def test_progress_per_trial_repeated_windows_and_the_simpler_choice_within_noise
         return {"tok_per_s": rates[1], "tok_per_s_windows": rates, "peak_gb": None, "data_share": 0.01}
 
     lines = []
-    report = preflight(cfg, TuneRequest(steps=1, out_dir=tmp_path / "pf", measure_fn=windows, log=lines.append))
+    report = preflight(cfg, TuneRequest(steps=1, out_dir=tmp_path / "pf", log=lines.append),
+                       TuneHooks(measure_fn=windows))
     assert set(asked) == {3}  # --steps 1 still times three windows: one gives no spread
-    # the search (5 sizes without checkpointing, 2 with), then three rounds of the three tied trials
-    assert order[7:] == [(4, "none"), (8, "full"), (16, "full")] * 3 and len(order) == 16
+    # the search from the configured 8 (out of memory: 16 is not run), down to 4 and 2 (slower: 1 is not
+    # run), 8 with checkpointing (within the noise of 4: 16 is not tried), then three rounds of the two tied
+    assert order == [(8, "none"), (4, "none"), (2, "none"), (8, "full")] + [(4, "none"), (8, "full")] * 3
     progress = [line for line in lines if line.startswith("preflight: trial ")]
     table = next(i for i, line in enumerate(lines) if line.lstrip().startswith("micro-batch"))
-    assert len(progress) == 5 + 2 and all(lines.index(line) < table for line in progress)
-    assert progress[0].startswith("preflight: trial 1/5 without checkpointing: micro-batch 1 ")
-    assert "± 1.0% (median of 3)" in progress[0] and "MFU n/a" in progress[0]
-    assert progress[-1].startswith("preflight: trial 2/2 with checkpointing: micro-batch 16 ")
-    assert " oom" in progress[3]
+    assert len(progress) == 5 + 1 and all(lines.index(line) < table for line in progress)
+    assert progress[0].startswith("preflight: trial 1/5 without checkpointing: micro-batch 8 ")
+    assert " oom" in progress[0]
+    assert progress[1].startswith("preflight: trial 2/5 without checkpointing: micro-batch 16 · skipped: ")
+    assert progress[2].startswith("preflight: trial 3/5 without checkpointing: micro-batch 4 ")
+    assert "± 1.0% (median of 3)" in progress[2] and "MFU n/a" in progress[2]
+    assert progress[-1].startswith("preflight: trial 1 with checkpointing: micro-batch 8 ")
     assert report["chosen"] == {"micro_batch_size": 4, "activation_checkpointing": "none"}
     assert "within the noise" in report["choice_reason"]
     assert any(line.startswith("preflight: chose micro-batch 4 without checkpointing") for line in lines)
@@ -89,11 +97,11 @@ def test_progress_per_trial_repeated_windows_and_the_simpler_choice_within_noise
     assert t["tok_per_s"] == 300.0 and t["spread"] == pytest.approx(0.01) and t["windows"] == 3 + 3 * 3
     assert t["rounds"] == 3 and len(t["rates"]) == 12
     assert lines[table].split()[5] == "steps"
-    steps = {tuple(line.split()[:2]): line.split()[5] for line in lines[table + 1:table + 8]}
-    assert steps[("2", "none")] == "3" and steps[("4", "none")] == steps[("16", "full")] == "12"
-    assert steps[("8", "none")] == "-"  # out of memory: no timed step
+    steps = {tuple(line.split()[:2]): line.split()[5] for line in lines[table + 1:table + 7]}
+    assert steps[("2", "none")] == "3" and steps[("4", "none")] == steps[("8", "full")] == "12"
+    assert steps[("8", "none")] == steps[("1", "none")] == "-"  # out of memory, not run: no timed step
     saved = json.loads((tmp_path / "pf" / "preflight.json").read_text())
-    assert [x["windows"] for x in saved["trials"]] == [3, 3, 12, 0, 0, 12, 12]
+    assert [x["windows"] for x in saved["trials"]] == [0, 3, 12, 0, 0, 12]  # the table's order: 1 .. 16, then 8
     pf = saved["prediction"]
     assert pf["mfu"] is None and pf["memory_basis"] == "assumed"  # CPU: no peak, no measured memory
 
@@ -101,15 +109,15 @@ def test_progress_per_trial_repeated_windows_and_the_simpler_choice_within_noise
 def test_nothing_fits_is_a_clear_error(tiny_overrides, tmp_path):
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100"])
     with pytest.raises(RuntimeError, match="no micro-batch fits"):
-        preflight(cfg, TuneRequest(memory_gb=0.001, out_dir=tmp_path / "pf", measure_fn=fake_measure({}),
-                                   log=lambda s: None))
+        preflight(cfg, TuneRequest(memory_gb=0.001, out_dir=tmp_path / "pf", log=lambda s: None),
+                  TuneHooks(measure_fn=fake_measure({})))
 
 
 def test_tuned_config_and_predictions(tiny_overrides, tmp_path):
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100"])
     speeds = {1: 100.0, 2: 180.0, 4: 300.0, 8: 350.0, 16: 320.0}
     report = preflight(cfg, TuneRequest(hours=2.0, price_per_gpu_hour=3.0, out_dir=tmp_path / "pf",
-                                        measure_fn=fake_measure(speeds), log=lambda s: None))
+                                        log=lambda s: None), TuneHooks(measure_fn=fake_measure(speeds)))
     p = report["prediction"]
     assert report["chosen"]["micro_batch_size"] == 8 and p["tok_per_s"] == 350.0
     assert p["tokens"] == int(2.0 * 3600 * 350.0) and p["wall_time_s"] == pytest.approx(p["tokens"] / 350.0)
@@ -135,8 +143,8 @@ def test_real_measurement_and_the_tuned_run_carries_preflight_into_its_report(ti
 
 def test_max_hours_caps_the_prediction(tiny_overrides, tmp_path):
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=0", "train.max_tokens=1e9", "train.max_hours=1"])
-    report = preflight(cfg, TuneRequest(tokens=10**9, out_dir=tmp_path / "pf", log=lambda s: None,
-                                        measure_fn=fake_measure({1: 10.0, 2: 20.0, 4: 30.0, 8: 40.0, 16: 50.0})))
+    report = preflight(cfg, TuneRequest(tokens=10**9, out_dir=tmp_path / "pf", log=lambda s: None),
+                       TuneHooks(measure_fn=fake_measure({1: 10.0, 2: 20.0, 4: 30.0, 8: 40.0, 16: 50.0})))
     assert report["stops_at_max_hours"] and report["prediction"]["tokens"] == 3600 * 50
     assert report["prediction"]["hours"] == pytest.approx(1.0)
 
@@ -145,8 +153,8 @@ def test_max_hours_caps_the_prediction(tiny_overrides, tmp_path):
 def test_compile_diagnostics_are_part_of_the_report(tiny_overrides, tmp_path):
     cfg = build_config(overrides=tiny_overrides + ["train.max_steps=100", "train.compile=blocks"])
     lines = []
-    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", log=lines.append,
-                                        measure_fn=fake_measure({1: 1.0, 2: 2.0, 4: 3.0, 8: 4.0, 16: 5.0})))
+    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", log=lines.append),
+                       TuneHooks(measure_fn=fake_measure({1: 1.0, 2: 2.0, 4: 3.0, 8: 4.0, 16: 5.0})))
     assert report["compile"]["graphs"] >= 1 and "graph_breaks" in report["compile"]
     assert report["end_to_end"]["recompiles"] == []  # fixed shapes: nothing recompiled after warm-up
     assert any(line.startswith("explain: ") for line in lines)
@@ -193,7 +201,8 @@ def test_the_search_times_a_probe_of_a_large_global_batch(tiny_overrides, tmp_pa
         probes.append(spec.probe_sequences)
         return {"tok_per_s": 100.0 * spec.micro_batch, "peak_gb": None, "data_share": 0.01}
 
-    report = preflight(cfg, TuneRequest(memory_gb=0.05, out_dir=tmp_path / "pf", measure_fn=run, log=lambda s: None))
+    report = preflight(cfg, TuneRequest(memory_gb=0.05, out_dir=tmp_path / "pf", log=lambda s: None),
+                       TuneHooks(measure_fn=run))
     assert 0 < report["probe_sequences"] < 256 and set(probes) == {report["probe_sequences"]}
 
 
@@ -212,13 +221,15 @@ def test_the_search_measures_each_size_in_a_fresh_process_when_isolated(tiny_ove
         calls["spawned"].append((spec.micro_batch, world, spec.probe_sequences))
         return {"tok_per_s": 100.0 * spec.micro_batch, "peak_gb": None, "data_share": 0.01}
 
-    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "a", measure_fn=here, spawn_fn=spawned, log=lambda s: None,
-                                        isolation="process"))
-    assert calls["here"] == 0 and [b for b, _, _ in calls["spawned"]] == [1, 2, 4, 8, 16]
+    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "a", log=lambda s: None,
+                                        isolation="process"), TuneHooks(measure_fn=here, spawn_fn=spawned))
+    # from the configured 8 up to 16, then down to 4 (slower: 2 and 1 are not run)
+    assert calls["here"] == 0 and [b for b, _, _ in calls["spawned"]] == [8, 16, 4]
     assert report["isolation"] == "process" and report["chosen"]["micro_batch_size"] == 16
     calls.update(here=0, spawned=[])
-    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "b", measure_fn=here, spawn_fn=spawned, log=lambda s: None))
-    assert calls["here"] == 5 and not calls["spawned"] and report["isolation"] == "reset"
+    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "b", log=lambda s: None),
+                       TuneHooks(measure_fn=here, spawn_fn=spawned))
+    assert calls["here"] == 3 and not calls["spawned"] and report["isolation"] == "reset"
 
 
 @pytest.mark.slow
@@ -230,8 +241,11 @@ def test_an_isolated_search_on_a_cpu_measures_for_real(tiny_overrides, tmp_path)
     # a loaded machine more sizes tie, and the rounds took this test from 26 s to 114 s in CI
     report = preflight(cfg, TuneRequest(steps=3, warmup=1, out_dir=tmp_path / "pf", log=lines.append,
                                         isolation="process", remeasure_rounds=0))
+    # the configured 4 and outward from it, each direction to where tokens/s falls: which sizes that is,
+    # the measurement says; every size is measured or skipped past a slower one
     ok = [t for t in report["trials"] if t["status"] == "ok"]
-    assert [t["micro_batch"] for t in ok] == [1, 2, 4, 8] and all(t["tok_per_s"] > 0 for t in ok), report["trials"]
+    assert 4 in [t["micro_batch"] for t in ok] and all(t["tok_per_s"] > 0 for t in ok), report["trials"]
+    assert {t["status"] for t in report["trials"]} <= {"ok", "skipped"}, report["trials"]
     assert report["isolation"] == "process"
 
 
@@ -246,7 +260,8 @@ def test_a_float32_preflight_on_a_cpu_with_native_bf16_points_at_the_ladder(tiny
         return {"tok_per_s": rates[1], "tok_per_s_windows": rates, "peak_gb": None, "data_share": 0.01}
 
     lines = []
-    report = preflight(cfg, TuneRequest(steps=1, out_dir=tmp_path / "pf", measure_fn=steady, log=lines.append))
+    report = preflight(cfg, TuneRequest(steps=1, out_dir=tmp_path / "pf", log=lines.append),
+                       TuneHooks(measure_fn=steady))
     notes = [line for line in lines if "multiplies bf16 natively" in line]
     if native:
         assert report["native_bf16"] == native and len(notes) == 1 and "--ladder" in notes[0], notes

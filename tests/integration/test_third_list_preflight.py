@@ -27,7 +27,7 @@ from flopwise.cli import user_error
 from flopwise.config import build_config
 from flopwise.errors import FlopwiseError
 from flopwise.tune.preflight import end_to_end, preflight
-from flopwise.tune.request import TuneRequest
+from flopwise.tune.request import TuneHooks, TuneRequest
 
 WAIT_S = 600.0  # a generous bound on waiting for a phase's marker or the process's end (a loaded machine)
 
@@ -235,7 +235,7 @@ def test_every_trial_out_of_memory_is_a_clear_error_not_a_traceback(tiny_overrid
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     with pytest.raises(FlopwiseError) as e:
-        preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", measure_fn=out_of_memory, log=lambda s: None))
+        preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", log=lambda s: None), TuneHooks(measure_fn=out_of_memory))
     line = user_error(e.value)  # what the command line prints, exit 2
     assert line is not None and line.startswith("no micro-batch fits"), line
     assert "micro-batch 1 without checkpointing: oom" in line and "\n" not in line, line

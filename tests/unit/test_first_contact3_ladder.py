@@ -14,7 +14,7 @@ from flopwise.measure.ceiling import Ceiling
 from flopwise.plan.flops import flops_per_token
 from flopwise.tune.ladder import climb
 from flopwise.tune.preflight import preflight
-from flopwise.tune.request import Bench, TuneRequest
+from flopwise.tune.request import Bench, TuneHooks, TuneRequest
 
 START, KEPT, CONFIRMED = 5355.0, 5355.0 * 1.171, 4821.0
 
@@ -84,8 +84,8 @@ def test_preflight_yaml_ships_the_start_when_the_confirmation_is_slower(tiny_ove
         return measure_one(c)
 
     lines = []
-    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", measure_fn=measure_fn, log=lines.append,
-                                        ladder=True))
+    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", log=lines.append,
+                                        ladder=True), TuneHooks(measure_fn=measure_fn))
     tuned = yaml.safe_load((tmp_path / "pf" / "preflight.yaml").read_text())
     assert tuned["train"]["compile"] == "off", tuned["train"]  # not the compile=blocks that measured slower
     assert report["prediction"]["tok_per_s"] == START
@@ -110,8 +110,8 @@ def test_a_ceiling_below_the_measured_throughput_is_measured_again_and_the_secon
     measured = ceilings(rate * fpt / 5.62, rate * fpt / 0.5)  # "reaches 562% of it", then a quiet 50%
     monkeypatch.setattr("flopwise.tune.preflight.measure_ceiling", measured)
     lines = []
-    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", measure_fn=lambda c, s, d: row(rate),
-                                        log=lines.append, remeasure_rounds=0))
+    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", log=lines.append, remeasure_rounds=0),
+                       TuneHooks(measure_fn=lambda c, s, d: row(rate)))
     assert measured.calls == 2
     c = report["ceiling"]
     assert not c["disturbed"] and c["share_of_ceiling"] == pytest.approx(0.5) and c["remeasured"], c
@@ -128,8 +128,8 @@ def test_a_ceiling_disturbed_twice_is_flagged_and_never_offered_to_plan_with(tin
     measured = ceilings(1000.0 * fpt / 5.62, 1000.0 * fpt / 3.0)
     monkeypatch.setattr("flopwise.tune.preflight.measure_ceiling", measured)
     lines = []
-    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", measure_fn=lambda c, s, d: row(1000.0),
-                                        log=lines.append, remeasure_rounds=0))
+    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", log=lines.append, remeasure_rounds=0),
+                       TuneHooks(measure_fn=lambda c, s, d: row(1000.0)))
     assert measured.calls == 2  # once more, not until it agrees
     c = report["ceiling"]
     assert c["disturbed"] and c["share_of_ceiling"] is None and c["share_of_ceiling_measured"] == pytest.approx(3.0)

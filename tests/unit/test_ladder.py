@@ -10,7 +10,7 @@ import torch
 from flopwise.config import build_config
 from flopwise.tune.ladder import climb, rungs
 from flopwise.tune.preflight import preflight
-from flopwise.tune.request import Bench, TuneRequest
+from flopwise.tune.request import Bench, TuneHooks, TuneRequest
 from flopwise.tune.trial import TrialSpec
 
 CPU = torch.device("cpu")
@@ -248,7 +248,7 @@ def test_the_time_budget_stops_the_climb_and_says_so():
         now["t"] += 60
         return scripted({})(cfg)
 
-    lad = climb(base(), measure_one, [8, 16, 32], bench(), ask(budget_minutes=200 / 60, clock=lambda: now["t"]))
+    lad = climb(base(), measure_one, [8, 16, 32], bench(), ask(budget_minutes=200 / 60), lambda: now["t"])
     skipped = [r for r in lad["rungs"] if r["why"] == "the time budget is spent"]
     measured = [r for r in lad["rungs"] if r["status"] == "ok"]
     assert len(measured) == 2 and skipped  # 2 x 60 s of warm-up + start, then 2 options fit the 200 s
@@ -262,7 +262,8 @@ def test_preflight_ladder_writes_the_ladder_and_the_tuned_config(tiny_overrides,
         return scripted({("off", "plain", 8, "none"): 3000.0})(c)
 
     lines = []
-    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", measure_fn=measure_fn, log=lines.append, ladder=True))
+    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", log=lines.append, ladder=True),
+                       TuneHooks(measure_fn=measure_fn))
     assert report["ladder"]["chosen"] == {"train.loss": "plain"}
     assert report["prediction"]["tok_per_s"] == 3000.0 and report["choice_reason"] == "the ladder's last kept rung"
     saved = json.loads((tmp_path / "pf" / "preflight.json").read_text())
@@ -372,8 +373,8 @@ def test_preflight_sends_n_rank_and_isolated_trials_to_fresh_processes(tiny_over
         return scripted({}, extra=scaling({}))(c, world)
 
     lines = []
-    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "a", measure_fn=measure_fn, spawn_fn=spawn_fn,
-                                        log=lines.append, ladder=True, world=2))
+    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "a", log=lines.append, ladder=True, world=2),
+                       TuneHooks(measure_fn=measure_fn, spawn_fn=spawn_fn))
     assert f"(torchrun --nproc-per-node 2 -m flopwise train --config {tmp_path / 'a' / 'preflight.yaml'})" in lines[-1]
     measured_here = sum(r["status"] == "ok" for r in report["ladder"]["rungs"] if r["rung"] not in N_RANK_RUNGS)
     # auto on a CPU: one-rank trials in this process, after one untimed warm-up of the start
@@ -389,9 +390,9 @@ def test_preflight_sends_n_rank_and_isolated_trials_to_fresh_processes(tiny_over
         now["t"] += 1
         return now["t"]
 
-    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "b", measure_fn=measure_fn, spawn_fn=spawn_fn,
-                                        log=lambda s: None, ladder=True, isolation="process", budget_minutes=1,
-                                        clock=clock))
+    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "b", log=lambda s: None, ladder=True, isolation="process",
+                                        budget_minutes=1),
+                       TuneHooks(measure_fn=measure_fn, spawn_fn=spawn_fn, clock=clock))
     start, *options = calls["timeouts"]
     assert start is None and options and all(0 < t < 60 for t in options)  # the start is not timed out
     assert options == sorted(options, reverse=True)  # each option gets what is left of the minute
@@ -412,7 +413,7 @@ def test_preflight_refuses_a_launch_it_cannot_make_before_any_work(tiny_override
 
     cfg = build_config(overrides=tiny_overrides + ["train.compile=off"])
     with pytest.raises(ConfigError, match=problem.replace("(", r"\(")):
-        preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", measure_fn=None, log=lambda s: None, **kwargs))
+        preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", log=lambda s: None, **kwargs), TuneHooks(measure_fn=None))
     assert not (tmp_path / "pf" / "preflight.json").exists()
 
 
@@ -483,8 +484,8 @@ def test_preflight_probes_the_ladder_where_a_memory_size_bounds_the_micro_batch(
         probes.append(spec.probe_sequences)
         return scripted({})(c)
 
-    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", measure_fn=measure_fn, log=lambda s: None,
-                                        ladder=True, memory_gb=0.05))
+    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", log=lambda s: None,
+                                        ladder=True, memory_gb=0.05), TuneHooks(measure_fn=measure_fn))
     assert report["ladder_probe_sequences"] and set(probes) == {report["ladder_probe_sequences"]}
 
 
@@ -518,7 +519,7 @@ def test_nothing_kept_nothing_to_confirm_and_no_budget_no_confirmation():
         now["t"] += 60
         return scripted({("blocks", "chunked", 16, "none"): 2000.0})(cfg)
 
-    lad = climb(base(), measure_one, [16], bench(), ask(budget_minutes=2.5, clock=lambda: now["t"]))
+    lad = climb(base(), measure_one, [16], bench(), ask(budget_minutes=2.5), lambda: now["t"])
     confirm = lad["rungs"][-1]
     assert confirm["rung"] == "confirm" and confirm["status"] == "skipped" and "may read high" in confirm["why"]
     assert lad["final"]["tok_per_s"] == 2000.0
@@ -535,7 +536,7 @@ def test_time_is_held_back_so_the_climb_ends_confirmed():
         timeouts.append(timeout_s)
         return scripted({("blocks", "chunked", 16, "none"): 2000.0})(cfg)
 
-    lad = climb(base(), measure_one, [8, 16, 32], bench(), ask(budget_minutes=5, clock=lambda: now["t"]))
+    lad = climb(base(), measure_one, [8, 16, 32], bench(), ask(budget_minutes=5), lambda: now["t"])
     rows = lad["rungs"]
     assert [r["rung"] for r in rows if r["status"] == "ok"] == ["compile", "compile", "confirm"], rows
     assert rows[-1]["kept"] and lad["final"]["tok_per_s"] == 2000.0

@@ -102,8 +102,8 @@ def test_the_budget_bounds_the_rounds():
         return windows_at({4: 1000.0, 8: 1000.0}, calls)(t)
 
     trials = pair()
-    request = TuneRequest(remeasure_rounds=10, clock=lambda: now[0], log=lines.append)
-    assert remeasure(trials, run, request, budget_s=45.0) == 2
+    request = TuneRequest(remeasure_rounds=10, log=lines.append)
+    assert remeasure(trials, run, request, budget_s=45.0, clock=lambda: now[0]) == 2
     assert calls == [4, 8, 4, 8] and now[0] == 40.0  # a third round would end at 60 s > 45 s: not started
     assert lines[-1].startswith("preflight: re-measuring stops after 2 round(s)")
     assert choose(trials)[1].endswith("after 2 re-measure rounds: a tie goes to the faster median (on a CPU)")
@@ -241,3 +241,92 @@ def test_preflight_writes_through_the_one_writer_and_a_full_disk_names_the_file(
     monkeypatch.setattr("flopwise.fsio.atomic_write", full)
     with pytest.raises(WriteError, match=r"cannot write preflight report .*preflight\.json: no space left"):
         _write(tmp_path, {"chosen": {}}, cfg, build_config(preset="tiny"), lambda s: None)
+
+
+def test_a_request_holds_what_a_user_asks_and_the_hooks_what_a_test_injects():
+    """TuneRequest is the command line's; the measuring functions and the clock travel apart, as
+    TuneHooks, whose defaults are the real ones, and the command line never builds one."""
+    import dataclasses
+    import inspect
+    import time
+
+    from flopwise import cli
+    from flopwise.tune.request import TuneHooks
+    from flopwise.tune.trial import measure, measure_in_processes
+
+    assert not {f.name for f in dataclasses.fields(TuneRequest)} & {"measure_fn", "spawn_fn", "clock"}
+    hooks = TuneHooks()
+    assert (hooks.measure_fn, hooks.spawn_fn, hooks.clock) == (measure, measure_in_processes, time.perf_counter)
+    assert "TuneHooks" not in inspect.getsource(cli)
+
+
+def scripted_sizes(rates, spread=0.005):
+    """The one search's measure: a trial per (micro-batch, checkpointing) from ``rates`` ("oom":
+    out of memory), recording what was run, and its decided: every (size, mode, status, best) heard."""
+    from flopwise.tune.choice import Trial
+
+    ran, heard = [], []
+
+    def measure(b, mode):
+        ran.append((b, mode))
+        r = rates.get((b, mode), "oom")
+        if r == "oom":
+            return Trial(b, mode, "oom", note="CUDA out of memory")
+        return Trial(b, mode, "ok", tok_per_s=r, spread=spread)
+
+    def decided(t, best_now, why):
+        heard.append((t.micro_batch, t.checkpointing, t.status, best_now))
+
+    return measure, decided, ran, heard
+
+
+def test_the_one_search_goes_outward_and_stops_each_direction_past_the_fastest():
+    from flopwise.tune.choice import Trial, search
+
+    measure, decided, ran, heard = scripted_sizes({(32, "none"): 1200.0, (64, "none"): 1100.0, (8, "none"): 900.0})
+    start = Trial(16, "none", "ok", tok_per_s=1000.0, spread=0.005)
+    best, bigger = search(start, [1, 2, 4, 8, 16, 32, 64, 128], measure, decided)
+    assert best.micro_batch == 32 and bigger == []
+    assert ran == [(32, "none"), (64, "none"), (8, "none")]  # 128, then 4, 2, 1 are past a slower size
+    assert heard == [(32, "none", "ok", True), (64, "none", "ok", False), (128, "none", "skipped", False),
+                     (8, "none", "ok", False), (4, "none", "skipped", False), (2, "none", "skipped", False),
+                     (1, "none", "skipped", False)]
+
+
+def test_the_one_search_checkpoints_what_did_not_fit_smallest_first_while_it_pays():
+    from flopwise.tune.choice import Trial, search
+
+    rates = {(32, "selective"): 900.0, (32, "full"): 800.0, (64, "selective"): 5000.0}  # 64: never reached
+    measure, decided, ran, heard = scripted_sizes(rates)
+    start = Trial(16, "none", "ok", tok_per_s=1000.0, spread=0.005)
+    best, bigger = search(start, [16, 32, 64], measure, decided, modes=("selective", "full"))
+    assert best is start and bigger == [32, 64]  # 32 ran out of memory; 64 was not run without checkpointing
+    assert ran == [(32, "none"), (32, "selective"), (32, "full")]
+    assert (64, "none", "skipped", False) in heard
+
+
+def test_the_one_search_from_a_size_that_does_not_fit_goes_down_past_what_does_not_fit():
+    """The plain search starts at the configured micro-batch, which may not fit: going up is then
+    skipped, going down goes on past sizes that do not fit either, and checkpointing is tried for
+    every size above the best that did not fit."""
+    from flopwise.tune.choice import Trial, search
+
+    rates = {(2, "none"): 200.0, (1, "none"): 100.0, (4, "full"): 300.0, (8, "full"): 250.0}
+    measure, decided, ran, heard = scripted_sizes(rates)
+    start = Trial(8, "none", "oom", note="CUDA out of memory")
+    best, bigger = search(start, [1, 2, 4, 8, 16], measure, decided)
+    assert best.micro_batch == 4 and best.checkpointing == "full" and bigger == [4, 8, 16]
+    assert ran == [(4, "none"), (2, "none"), (1, "none"), (4, "full"), (8, "full")]  # 16 after 8's did not pay
+    assert heard[0] == (16, "none", "skipped", False)
+
+
+@pytest.mark.parametrize("device, best", [("cpu", 16), ("cuda", 32)])
+def test_the_one_search_keeps_a_size_by_the_tie_rule_and_still_stops_where_it_is_slower(device, best):
+    """32 is 0.5% slower than 16, within the noise: on a GPU the larger micro-batch is the best
+    (choose's tie rule), on a CPU the faster median; either way tokens/s fell, so 64 is not run."""
+    from flopwise.tune.choice import Trial, search
+
+    measure, decided, ran, _ = scripted_sizes({(32, "none"): 995.0, (64, "none"): 2000.0})
+    start = Trial(16, "none", "ok", tok_per_s=1000.0, spread=0.005)
+    got, _ = search(start, [16, 32, 64], measure, decided, device)
+    assert got.micro_batch == best and ran == [(32, "none")]

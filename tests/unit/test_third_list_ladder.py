@@ -11,7 +11,7 @@ from flopwise.config import build_config
 from flopwise.measure.ceiling import Ceiling
 from flopwise.plan.flops import flops_per_token
 from flopwise.tune.preflight import preflight
-from flopwise.tune.request import TuneRequest
+from flopwise.tune.request import TuneHooks, TuneRequest
 from flopwise.tune.trial import TrialError
 
 ONE_RANK = 1000.0  # tok/s of every one-rank trial below
@@ -56,8 +56,8 @@ def test_a_scale_out_not_measured_gives_no_n_rank_launch_nor_its_prediction(tiny
 
     lines = []
     report = preflight(config(tiny_overrides), TuneRequest(
-        out_dir=tmp_path / "pf", measure_fn=here, spawn_fn=spawned, log=lines.append, ladder=True, world=2,
-        budget_minutes=1, price_per_gpu_hour=3.0, clock=lambda: now["t"]))
+        out_dir=tmp_path / "pf", log=lines.append, ladder=True, world=2,
+        budget_minutes=1, price_per_gpu_hour=3.0), TuneHooks(measure_fn=here, spawn_fn=spawned, clock=lambda: now["t"]))
     lad = report["ladder"]
     ranks = next(r for r in lad["rungs"] if r["rung"] == "ranks")
     assert ranks["status"] == ("skipped" if how == "skipped" else "error") and not ranks["kept"]
@@ -80,9 +80,9 @@ def test_a_measured_scale_out_is_predicted_with_every_devices_hours_and_a_per_de
         return result(TWO_RANKS if world == 2 else ONE_RANK, world)
 
     lines = []
-    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", measure_fn=lambda c, s, d: result(ONE_RANK),
-                                        spawn_fn=spawned, log=lines.append, ladder=True, world=2,
-                                        price_per_gpu_hour=3.0))
+    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", log=lines.append, ladder=True, world=2,
+                                        price_per_gpu_hour=3.0),
+                       TuneHooks(measure_fn=lambda c, s, d: result(ONE_RANK), spawn_fn=spawned))
     assert report["ladder"]["world"] == 2
     p = report["prediction"]
     assert p["world"] == 2 and p["tok_per_s"] == TWO_RANKS
@@ -99,8 +99,8 @@ def test_a_share_of_the_measured_ceiling_above_100_percent_is_flagged_not_report
     rate = 500.0
     monkeypatch.setattr("flopwise.tune.preflight.measure_ceiling", ceiling_at(rate * fpt / 23.48))  # a disturbed one
     lines = []
-    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", measure_fn=lambda c, s, d: result(rate),
-                                        log=lines.append, remeasure_rounds=0))
+    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", log=lines.append, remeasure_rounds=0),
+                       TuneHooks(measure_fn=lambda c, s, d: result(rate)))
     c = report["ceiling"]
     assert c["share_of_ceiling"] is None and c["disturbed"], c  # no result
     assert c["share_of_ceiling_measured"] == pytest.approx(23.48)  # kept, as what was seen
@@ -120,7 +120,7 @@ def test_the_ceiling_is_measured_in_the_runs_dtype_on_the_chosen_micro_batch(tin
         return Ceiling(1000.0 * fpt / 0.68, 0.01, [], str(dtype))
 
     monkeypatch.setattr("flopwise.tune.preflight.measure_ceiling", fixed)
-    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", measure_fn=lambda c, s, d: result(1000.0),
-                                        log=lambda s: None, remeasure_rounds=0))
+    report = preflight(cfg, TuneRequest(out_dir=tmp_path / "pf", log=lambda s: None, remeasure_rounds=0),
+                       TuneHooks(measure_fn=lambda c, s, d: result(1000.0)))
     assert report["ceiling"]["share_of_ceiling"] == pytest.approx(0.68) and not report["ceiling"].get("disturbed")
     assert seen["device"] == torch.device("cpu")

@@ -1,5 +1,6 @@
-"""The one rule that picks among timed configurations, for the micro-batch search and the
-ladder's micro-batch and checkpointing rungs alike (``tune/preflight.py``, ``tune/ladder.py``).
+"""The one rule that picks among timed configurations, and the one micro-batch search that
+applies it, for preflight's micro-batch search and the ladder's micro-batch and checkpointing
+rungs alike (``tune/preflight.py``, ``tune/ladder.py``).
 
 A :class:`Trial` is one configuration's timing: the median of its windows' tokens/s and that
 median's noise (:func:`median_spread`). :func:`choose` takes the fastest when it leads every
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 from flopwise.measure.meter import MIN_NOISE, median
 
@@ -128,3 +130,71 @@ def choose(trials: list[Trial], device_type: str = "cpu", min_noise: float = MIN
                       f"{noise(fastest, runner, min_noise):.1%}){after}: a tie goes to {why}")
     return best, (f"within the noise of the fastest ({label(fastest)}, {1 - rate(best) / rate(fastest):.1%}"
                   f" faster, noise {noise(fastest, best, min_noise):.1%}){after}: a tie goes to {why}")
+
+
+MeasureSize = Callable[[int, str], Trial]  # a micro-batch at a checkpointing mode timed, or why not (its status)
+Decided = Callable[[Trial, bool, str], None]  # a size's trial, whether it is now the best, and why
+
+
+def search(start: Trial, sizes: list[int], measure: MeasureSize, decided: Decided, device_type: str = "cpu",
+           modes: tuple[str, ...] = ("full",)) -> tuple[Trial | None, list[int]]:
+    """The one micro-batch search, from ``start`` (already timed, at its own checkpointing)
+    outward through ``sizes``: the larger ones first (ascending), then the smaller (descending).
+    Tokens/s rises with the micro-batch to a peak and then falls or runs out of memory, so a
+    direction stops at its first size that is slower than the best so far or fails, and going
+    up at its first that does not fit (an out-of-memory or the planner's no: a larger one would
+    not fit either; going down a smaller one may); the sizes left in it are not measured (a
+    "skipped" trial saying why). Then activation checkpointing,
+    each of ``modes`` in turn, for the sizes larger than the best that did not fit without it,
+    smallest first, while a size's checkpointed trial becomes the best: recomputing the forward
+    costs about a third of a step, and a size it does not pay for leaves the larger ones further
+    behind. Each trial becomes the best by :func:`choose` between it and the best so far (the
+    tie rule); ``measure(size, mode)`` times one (status "ok" only where it may be chosen),
+    ``decided(trial, best_now, why)`` hears of every size, measured or skipped, in order.
+    Returns the best (None when nothing fitted) and the sizes checkpointing was for."""
+    best = start if start.status == "ok" else None
+    mode, too_big = start.checkpointing, [] if best else [start.micro_batch]
+    no_fit = f"micro-batch {start.micro_batch} did not fit: a larger one would not either"
+    start_too_big = start.status in ("oom", "no-fit")
+    for direction, (stop, past_fit) in ((sorted(b for b in sizes if b > start.micro_batch),
+                                         (no_fit, True) if start_too_big else ("", False)),
+                                        (sorted((b for b in sizes if b < start.micro_batch), reverse=True),
+                                         ("", False))):
+        for b in direction:
+            if stop:
+                decided(Trial(b, mode, "skipped", note=stop), False, stop)
+                too_big += [b] if past_fit else []
+                continue
+            before = best
+            t = measure(b, mode)
+            best, why = _better(best, t, device_type)
+            decided(t, best is t, why)
+            if t.status in ("oom", "no-fit"):  # going down, a smaller one may still fit
+                too_big.append(b)
+                if b > start.micro_batch:
+                    stop, past_fit = f"micro-batch {b} did not fit: a larger one would not either", True
+            elif t.status != "ok":
+                stop = t.note if t.status == "skipped" else f"micro-batch {b} failed"
+            elif before is not None and rate(t) <= rate(before):
+                stop = f"micro-batch {b} was slower: tokens/s falls past the fastest size"
+    bigger = sorted(b for b in set(too_big) if b > (best.micro_batch if best else 0))
+    for b in bigger:
+        won = False
+        for m in (x for x in modes if x != mode):
+            t = measure(b, m)
+            best, why = _better(best, t, device_type)
+            decided(t, best is t, why)
+            won = won or best is t
+        if not won:
+            break
+    return best, bigger
+
+
+def _better(best: Trial | None, t: Trial, device_type: str) -> tuple[Trial | None, str]:
+    """The best of ``best`` and the new trial ``t`` by :func:`choose`, and why (a trial that
+    cannot be chosen: its note)."""
+    if t.status != "ok" or not t.tok_per_s:
+        return best, t.note
+    if best is None:
+        return t, "the first size that fits"
+    return choose([best, t], device_type)

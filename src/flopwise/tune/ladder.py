@@ -18,9 +18,10 @@ which is how N-rank options always run), and is **kept** only when
 
 - it is faster than the best so far by more than the noise (the two measurements' spreads
   added, never less than ``MIN_NOISE``) -- for a micro-batch or checkpointing row, it is the
-  one :func:`~flopwise.tune.choice.choose` picks of the two, the micro-batch search's rule:
-  beyond the noise the faster, within it no checkpointing first, then on a GPU the larger
-  micro-batch, on a CPU the faster median;
+  one :func:`~flopwise.tune.choice.choose` picks of the two in the one micro-batch search
+  (:func:`~flopwise.tune.choice.search`, the plain search's too): beyond the noise the faster,
+  within it no checkpointing first, then on a GPU the larger micro-batch, on a CPU the faster
+  median;
 - its first step's loss -- the same initial weights on the same first global batch -- is
   within ``SAME_NUMERICS`` of the kept configuration's (``CHANGED_NUMERICS`` for a rung that
   changes numerics on purpose, such as bf16; fp8 is measured where it runs and kept only
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -62,7 +64,7 @@ from flopwise.plan.flops import param_counts
 from flopwise.plan.memory import estimate, state_bytes
 from flopwise.train.precision import cpu_native_bf16, fp8_problem
 from flopwise.train.precision import resolve as resolve_precision
-from flopwise.tune.choice import Trial, choose, median_spread
+from flopwise.tune.choice import Trial, median_spread, search
 from flopwise.tune.request import Bench, TuneRequest
 from flopwise.tune.trial import failure_status
 
@@ -134,9 +136,9 @@ def data_parallel_rungs(cfg: RunConfig, precision: str, strategy: str) -> list[t
 
 
 def climb(cfg: RunConfig, measure_one: Callable[..., dict[str, Any]], sizes: list[int], bench: Bench,
-          request: TuneRequest) -> dict[str, Any]:
-    """Climb from ``cfg`` on ``bench`` as ``request`` asks (its budget, ranks, fp8, run, clock
-    and log); ``measure_one(cfg, world=1, timeout_s=None)`` times a configuration on ``world``
+          request: TuneRequest, clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+    """Climb from ``cfg`` on ``bench`` as ``request`` asks (its budget, ranks, fp8, run and log),
+    its budget kept by ``clock``; ``measure_one(cfg, world=1, timeout_s=None)`` times a configuration on ``world``
     ranks (``trial.measure``'s dict, with ``first_loss``: preflight gives a ``trial.TrialRunner``),
     within ``timeout_s`` where it can stop a trial (one in its own processes), or raises (an
     out-of-memory is a result). ``sizes``: the micro-batches the micro-batch rung may try.
@@ -144,7 +146,7 @@ def climb(cfg: RunConfig, measure_one: Callable[..., dict[str, Any]], sizes: lis
     is then scaled out to that many ranks and the strategy and bucket rungs run there. Returns
     the ladder as ``preflight.json`` records it (``report`` draws it) with the chosen settings.
     Where trials share this process (not ``bench.fresh``), the start is measured once untimed first."""
-    c = Climb(measure_one, bench, request, request.tokens or cfg.total_steps() * cfg.tokens_per_step)
+    c = Climb(measure_one, bench, request, request.tokens or cfg.total_steps() * cfg.tokens_per_step, clock)
     if not bench.fresh:  # the first measurement in a process pays its warm-up (threads, allocator, caches)
         measure_one(cfg)
     t0 = c.clock()
@@ -187,11 +189,11 @@ class Climb:
     the configuration so far, its figures, the settings kept and the rows."""
 
     def __init__(self, measure_one: Callable[..., dict[str, Any]], bench: Bench, request: TuneRequest,
-                 run_tokens: int):
+                 run_tokens: int, clock: Callable[[], float] = time.perf_counter):
         self.measure_one, self.bench, self.device, self.run_tokens = measure_one, bench, bench.device, run_tokens
         self.budget_s, self.fp8 = request.budget_minutes * 60, request.ladder_fp8
         self.price = request.price_per_gpu_hour
-        self.clock, self.log, self.t0 = request.clock, request.log, request.clock()
+        self.clock, self.log, self.t0 = clock, request.log, clock()
         self.world = 1  # ranks the options are measured on now
         self.chosen: Settings = {}
 
@@ -269,7 +271,8 @@ class Climb:
                      "status": "skipped", "kept": False, "why": why, **_empty()}, settings)
 
     def judge(self, name: str, settings: Settings, numerics: str) -> dict[str, Any]:
-        """One option measured against the best so far: its row, ``kept`` or not and why."""
+        """One option measured against the best so far: its row, ``kept`` or not and why (a
+        micro-batch or checkpointing row that passes: without a why, for the search to decide)."""
         row = {"rung": name, "change": _changes(settings), "numerics": numerics, "kept": False, **_empty()}
         cand = with_settings(self.cfg, settings)
         problems = validate(cand)
@@ -293,16 +296,8 @@ class Climb:
                     "why": f"peak {row['peak_gb']:.2f} GiB > {headroom:.0%} of {memory:.1f} GiB"}
         if drift > tol:
             return {**row, "why": f"first-step loss moved {drift:.1e} (tolerance {tol:.0e}): not the same training"}
-        if name in ("micro-batch", "checkpointing"):  # the search's rule, between the best and this size
-            t = self.cfg.train
-            now = Trial(t.micro_batch_size, t.activation_checkpointing, "ok", tok_per_s=best["tok_per_s"],
-                        spread=best.get("spread"))
-            size = Trial(cand.train.micro_batch_size, cand.train.activation_checkpointing, "ok",
-                         tok_per_s=row["tok_per_s"], spread=row["spread"])
-            pick, why = choose([now, size], self.device.type)
-            if pick is now:
-                return {**row, "why": f"{row['delta_prev']:+.1%}: {why}"}
-            return {**row, "kept": True, "why": f"{row['delta_prev']:+.1%}: {why}; loss within {tol:.0e}"}
+        if name in ("micro-batch", "checkpointing"):  # kept or not by the one search (choice.search)
+            return row
         if row["delta_prev"] <= 0:
             return {**row, "why": f"{row['delta_prev']:+.1%}: slower than the best so far"}
         if row["delta_prev"] <= noise:
@@ -312,46 +307,44 @@ class Climb:
         return {**row, "kept": True, "why": f"{row['delta_prev']:+.1%} (noise {noise:.1%}); loss within {tol:.0e}"}
 
     def micro_batches(self, sizes: list[int]) -> list[int]:
-        """The micro-batch rung: outward from the current size, larger ones first (ascending),
-        then smaller (descending). Tokens/s rises with the micro-batch to a peak and then falls
-        or runs out of memory, so a direction stops at its first size that is slower than the
-        best so far, fails or does not fit; the sizes left in it get a row saying why and are
-        not measured. Returns the sizes that did not fit without checkpointing (measured, or
-        left out beyond one that did not)."""
-        current = self.cfg.train.micro_batch_size
-        too_big: list[int] = []
-        for direction in (sorted(b for b in sizes if b > current),
-                          sorted((b for b in sizes if b < current), reverse=True)):
-            stop, past_fit = "", False
-            for b in direction:
-                settings = {"train.micro_batch_size": b}
-                if stop:
-                    self.skip("micro-batch", settings, stop)
-                    too_big += [b] if past_fit else []
-                    continue
-                row = self.attempt("micro-batch", settings, "same")
-                if row["status"] in ("oom", "no-fit"):
-                    too_big.append(b)
-                    stop, past_fit = f"micro-batch {b} did not fit: a larger one would not either", True
-                elif row["status"] != "ok":
-                    stop = row["why"] if row["status"] == "skipped" else f"micro-batch {b} failed"
-                elif row["delta_prev"] <= 0:
-                    stop = f"micro-batch {b} was slower: tokens/s falls past the fastest size"
-        return too_big
+        """The micro-batch rung, then the checkpointing rung's rows: the one micro-batch search
+        (:func:`~flopwise.tune.choice.search`, the plain search's too) from the current size,
+        each size judged here (fit, numerics) and kept by its rule; checkpointing selective,
+        then full. Returns the sizes checkpointing was tried for (none: the checkpointing rung
+        says so)."""
+        t = self.cfg.train
+        start = Trial(t.micro_batch_size, t.activation_checkpointing, "ok", tok_per_s=self.best["tok_per_s"],
+                      spread=self.best.get("spread"))
+        pending: dict[int, dict[str, Any]] = {}  # a measured size's row, by its trial, until it is decided
 
-    def checkpointing(self, too_big: list[int]) -> None:
-        """Activation checkpointing, only for micro-batches larger than the current one that did
-        not fit without it, smallest first: selective, then full. A larger size is tried only
-        while the one before it paid: recomputing the forward costs about a third of a step, and
-        a size whose checkpointed step is not faster leaves the larger ones further behind."""
-        bigger = sorted(b for b in too_big if b > self.cfg.train.micro_batch_size)
+        def measure(b: int, mode: str) -> Trial:
+            name, settings = _size_rung(b, mode, start.checkpointing)
+            row = self.judge(name, settings, "same")
+            # a row the judge turned down (numerics, memory) is not a size the search may choose
+            status = row["status"] if row["status"] != "ok" or "why" not in row else "error"
+            trial = Trial(b, mode, status, tok_per_s=row["tok_per_s"], spread=row["spread"], note=row.get("why", ""))
+            pending[id(trial)] = row
+            return trial
+
+        def decided(trial: Trial, best_now: bool, why: str) -> None:
+            name, settings = _size_rung(trial.micro_batch, trial.checkpointing, start.checkpointing)
+            row = pending.pop(id(trial), None)
+            if row is None:  # not measured: past where its direction stopped
+                self.skip(name, settings, why)
+                return
+            if trial.status == "ok":
+                row["kept"], row["why"] = best_now, (f"{row['delta_prev']:+.1%}: {why}"
+                                                     + (f"; loss within {SAME_NUMERICS:.0e}" if best_now else ""))
+            self.record(row, settings)
+
+        _, bigger = search(start, sizes, measure, decided, self.device.type, ("selective", "full"))
+        return bigger
+
+    def checkpointing(self, bigger: list[int]) -> None:
+        """The checkpointing rung's rows came with the micro-batch search's; without a size that
+        needed it, a row says so."""
         if not bigger:
             self.skip("checkpointing", {}, "every micro-batch tried fits without it")
-        for b in bigger:
-            rows = [self.attempt("checkpointing", {"train.micro_batch_size": b, "train.activation_checkpointing": mode},
-                                 "same") for mode in ("selective", "full")]
-            if not any(r["kept"] for r in rows):
-                break
 
     def confirm(self) -> None:
         """The climbed configuration measured once more, as the ladder's final rate. A kept rung's
@@ -442,6 +435,14 @@ class Climb:
                         continue
                     one_bucket = settings["parallel.bucket_mb"]
                 self.attempt(name, settings, numerics)
+
+
+def _size_rung(micro_batch: int, mode: str, start_mode: str) -> tuple[str, Settings]:
+    """A size the micro-batch search tries as a ladder row: the micro-batch rung at the current
+    checkpointing, the checkpointing rung at another."""
+    if mode == start_mode:
+        return "micro-batch", {"train.micro_batch_size": micro_batch}
+    return "checkpointing", {"train.micro_batch_size": micro_batch, "train.activation_checkpointing": mode}
 
 
 def gradient_mb(cfg: RunConfig, precision: str) -> float:

@@ -3,11 +3,14 @@
 1. **End to end**: a few real training steps in a scratch run directory -- data readable,
    model built, loss finite and falling, a checkpoint saved and loaded back identically.
 2. **Compile**: graphs and graph breaks with reasons (``train --explain``'s report).
-3. **Micro-batch search** at the configured global batch: powers of two and the planner's
-   largest fitting micro-batch, each timed after warm-up (tokens/s, MFU, peak memory); an
-   out-of-memory is caught and noted; sizes the memory model says cannot fit under the
-   headroom are not run (on a CPU, ``--memory-gb`` simulates a device). Activation
-   checkpointing is tried where it makes a larger micro-batch fit. Each trial times at least
+3. **Micro-batch search** at the configured global batch, over powers of two: from the
+   configured micro-batch outward, larger ones first, each timed after warm-up (tokens/s, MFU,
+   peak memory), a direction stopping where tokens/s falls or, going up, a size does not fit
+   (the sizes past it are "skipped" rows); an out-of-memory is caught and noted; sizes the
+   memory model says cannot fit under the headroom are not run (on a CPU, ``--memory-gb``
+   simulates a device). Activation checkpointing is tried where it makes a larger micro-batch
+   fit, smallest first, while it pays. That is the one search (``choice.search``) the ladder's
+   micro-batch rung takes too, with its tie rule. Each trial times at least
    ``request.MIN_WINDOWS`` windows (one optimizer step each) and keeps their median and
    spread; a line is printed as each trial finishes. The trials within the noise of the
    fastest are then re-measured in turn (:func:`remeasure`: A B A B ..., up to
@@ -74,13 +77,15 @@ from flopwise.train.defaults import device_peak, resolve_speed
 from flopwise.train.precision import cpu_native_bf16, resolve
 from flopwise.train.trainer import train
 from flopwise.tune.choice import Trial, choose, label, median_spread, rate, short, tied
+from flopwise.tune.choice import search as search_sizes
 from flopwise.tune.explain import explain_run
 from flopwise.tune.ladder import climb, planned_gb, with_settings
 from flopwise.tune.progress import StepProgress
-from flopwise.tune.request import Bench, Log, TuneRequest
+from flopwise.tune.request import Bench, Log, TuneHooks, TuneRequest
 from flopwise.tune.trial import TrialRunner, failure_status, ready_processes
 
 STARVATION_WARN = 0.05  # waiting for data above 5% of step time deserves a look
+Clock = Callable[[], float]
 MeasureTrial = Callable[[Trial], dict[str, Any]]  # one trial's configuration timed: trial.measure's dict
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -131,18 +136,18 @@ def stopping_on_signals() -> Iterator[None]:
 
 
 def remeasure(trials: list[Trial], measure_one: MeasureTrial, request: TuneRequest | None = None,
-              budget_s: float = math.inf, bench: Bench | None = None) -> int:
+              budget_s: float = math.inf, bench: Bench | None = None, clock: Clock = time.perf_counter) -> int:
     """Measure the trials :func:`tied` with the fastest again, into their own samples, until
     the fastest leads by more than the noise; the rounds run. A round measures each of them
     once more with ``measure_one`` (the trial's own measurement, as the search took it: its
     warm-up and windows), in the same order every round -- A B A B -- so drift, heat and the
     load of other processes fall on all of them alike. It stops after ``request.remeasure_rounds``
     rounds, or before a round that would take longer (as long as their last measurements took)
-    than what is left of ``budget_s`` by ``request.clock``; ``bench`` judges the measurements
+    than what is left of ``budget_s`` by ``clock``; ``bench`` judges the measurements
     (MFU, fit; without one, a CPU without a memory limit or a peak). A trial that fails on a
     re-measure (an out-of-memory) is a failed trial: a size that fits only sometimes is not one to run."""
     request, bench = request or TuneRequest(), bench or Bench()
-    rounds, clock, log = request.remeasure_rounds, request.clock, request.log
+    rounds, log = request.remeasure_rounds, request.log
     t0, done = clock(), 0
     while done < rounds:
         group = tied(trials)
@@ -180,7 +185,7 @@ def candidates(cfg: RunConfig) -> list[int]:
     return out
 
 
-def preflight(cfg: RunConfig, request: TuneRequest) -> dict[str, Any]:
+def preflight(cfg: RunConfig, request: TuneRequest, hooks: TuneHooks | None = None) -> dict[str, Any]:
     """Preflight ``cfg`` on this machine as ``request`` asks (the module docstring lists the
     steps). With ``request.ladder`` the micro-batch search is replaced by the optimization
     ladder (``tune/ladder.py``), which with ``request.world > 1`` also scales out to that many
@@ -190,23 +195,23 @@ def preflight(cfg: RunConfig, request: TuneRequest) -> dict[str, Any]:
     or a crashed kernel must not take the next trial's memory or the preflight with it; reset
     on a CPU, where a process costs more than a tiny trial). The search re-measures the trials
     tied with the fastest (:func:`remeasure`) for up to ``request.remeasure_rounds`` rounds,
-    within ``request.budget_minutes`` of its start. ``request.measure_fn`` (in this process) and
-    ``request.spawn_fn`` (in fresh ones) are injectable for tests."""
+    within ``request.budget_minutes`` of its start. ``hooks`` (a test's: how a trial is measured
+    in this process and in fresh ones, and the clock) are the real ones unless given."""
     device = resolve_device(cfg.train.device)
     problems = _launch_problems(cfg, device, request)
     if problems:  # before any work
         raise ConfigError(problems)
     with stopping_on_signals(), _output_dir(request.out(cfg.preset)):
-        return _preflight(cfg, device, request)
+        return _preflight(cfg, device, request, hooks or TuneHooks())
 
 
-def _preflight(cfg: RunConfig, device: torch.device, request: TuneRequest) -> dict[str, Any]:
+def _preflight(cfg: RunConfig, device: torch.device, request: TuneRequest, hooks: TuneHooks) -> dict[str, Any]:
     """:func:`preflight`'s steps, its launch options checked."""
     report: dict[str, Any] = {"preset": cfg.preset, "device": str(device)}
     cfg, bench = _resolve(cfg, device, request, report)
     log = request.log
     _refuse_what_cannot_fit(cfg, bench, request)  # before the end-to-end check and any trial
-    progress = StepProgress(cfg, bench, log, request.clock)
+    progress = StepProgress(cfg, bench, log, hooks.clock)
     with micro_batch_progress(progress):  # lines within long steps: the end-to-end check's, a trial's here
         report["end_to_end"] = end_to_end(cfg, device, log, progress)  # 1. four real steps, a checkpoint round trip
         if cfg.train.compile != "off":  # 2. graphs and breaks; recompiles seen after warm-up in the steps above
@@ -214,7 +219,7 @@ def _preflight(cfg: RunConfig, device: torch.device, request: TuneRequest) -> di
             for warning in report["end_to_end"]["recompiles"]:
                 log(f"preflight: {warning}")
         report["isolation"] = "process" if bench.fresh else "reset"
-        cfg, trials, best, reason = _search_or_climb(cfg, report, bench, request, progress)  # 3. search or ladder
+        cfg, trials, best, reason = _search_or_climb(cfg, report, bench, request, progress, hooks)  # 3. search/ladder
     report["trials"] = [x.__dict__ for x in trials]
     report["chosen"] = {"micro_batch_size": best.micro_batch, "activation_checkpointing": best.checkpointing}
     report["choice_reason"] = reason
@@ -276,31 +281,32 @@ def _resolve(cfg: RunConfig, device: torch.device, request: TuneRequest,
 
 
 def _search_or_climb(cfg: RunConfig, report: dict[str, Any], bench: Bench, request: TuneRequest,
-                     progress: StepProgress) -> tuple[RunConfig, list[Trial], Trial, str]:
+                     progress: StepProgress, hooks: TuneHooks) -> tuple[RunConfig, list[Trial], Trial, str]:
     """Preflight's step 3 -- every rung of the ladder, one change at a time, the micro-batch among
     them, or the micro-batch search -- with one :class:`~flopwise.tune.trial.TrialRunner` for
     both: the configuration that follows, the trials, the one chosen and why."""
     device = bench.device
     if bench.fresh and device.type == "cuda":
         torch.cuda.empty_cache()  # the trials' processes share the GPU with this one: hold nothing cached
-    runner = TrialRunner(device, request.warmup, request.windows, bench.fresh, measure_fn=request.measure_fn,
-                         spawn_fn=request.spawn_fn)
+    runner = TrialRunner(device, request.warmup, request.windows, bench.fresh, measure_fn=hooks.measure_fn,
+                         spawn_fn=hooks.spawn_fn)
     # On a GPU the next trial's process imports while one runs (on a CPU that would take the cores being timed)
     ready = ready_processes() if bench.fresh and device.type == "cuda" else contextlib.nullcontext()
     with ready:
         if request.ladder:
-            cfg, best = climb_ladder(cfg, report, runner, bench, request, progress)
+            cfg, best = climb_ladder(cfg, report, runner, bench, request, progress, hooks.clock)
             back = report["ladder"].get("fell_back")
             return cfg, [best], best, (f"{back['to']}: the climbed configuration measured {back['behind']:+.1%} "
                                        "against it when confirmed" if back else "the ladder's last kept rung")
-        trials = micro_batch_search(cfg, report, runner, bench, request, progress)
+        trials = micro_batch_search(cfg, report, runner, bench, request, progress, hooks.clock)
     best, reason = choose(trials, device.type)
     return cfg, trials, best, reason
 
 
 def micro_batch_search(cfg: RunConfig, report: dict[str, Any], runner: TrialRunner, bench: Bench,
-                       request: TuneRequest, progress: StepProgress | None = None) -> list[Trial]:
-    """Preflight's step 3 without ``--ladder``: every candidate (:func:`search`), each trial on a
+                       request: TuneRequest, progress: StepProgress | None = None,
+                       clock: Clock = time.perf_counter) -> list[Trial]:
+    """Preflight's step 3 without ``--ladder``: the candidates (:func:`search`), each trial on a
     probe of the batch where memory bounds the micro-batch (``report["probe_sequences"]``), then
     the trials tied with the fastest re-measured (:func:`remeasure`) in what is left of
     ``request.budget_minutes``."""
@@ -315,14 +321,15 @@ def micro_batch_search(cfg: RunConfig, report: dict[str, Any], runner: TrialRunn
         return runner(with_settings(cfg, {"train.micro_batch_size": t.micro_batch,
                                           "train.activation_checkpointing": t.checkpointing}))
 
-    t0 = request.clock()
-    trials = search(cfg, measure_one, bench, request)
-    remeasure(trials, measure_one, request, request.budget_minutes * 60 - (request.clock() - t0), bench)
+    t0 = clock()
+    trials = search(cfg, measure_one, bench, request, clock)
+    remeasure(trials, measure_one, request, request.budget_minutes * 60 - (clock() - t0), bench, clock)
     return trials
 
 
 def climb_ladder(cfg: RunConfig, report: dict[str, Any], runner: TrialRunner, bench: Bench,
-                 request: TuneRequest, progress: StepProgress | None = None) -> tuple[RunConfig, Trial]:
+                 request: TuneRequest, progress: StepProgress | None = None,
+                 clock: Clock = time.perf_counter) -> tuple[RunConfig, Trial]:
     """Preflight's step 3 with ``--ladder``: the climb (``report["ladder"]``), its trials by
     ``runner`` on a probe of the batch (``report["ladder_probe_sequences"]``); the climbed
     configuration and its final rung as a trial."""
@@ -338,7 +345,7 @@ def climb_ladder(cfg: RunConfig, report: dict[str, Any], runner: TrialRunner, be
             progress.begin(f"ladder trial at micro-batch {c.train.micro_batch_size}", request.warmup + request.windows)
         return probed(c, world=world, timeout_s=timeout_s)
 
-    report["ladder"] = lad = climb(cfg, measure_one, sizes, bench, request)
+    report["ladder"] = lad = climb(cfg, measure_one, sizes, bench, request, clock)
     if lad["world"] < request.world:  # the N-rank launch was not measured: nothing is said of it
         ranks = next((r for r in lad["rungs"] if r["rung"] == "ranks"), {"status": "not tried", "why": ""})
         request.log(f"preflight: the {request.world}-rank launch was not measured (ranks {ranks['status']}: "
@@ -468,35 +475,52 @@ def _stopped_early(stopped: str | None) -> None:
     raise PreflightError(f"the end-to-end check stopped before its fourth step: {stopped}")
 
 
-def search(cfg: RunConfig, measure_one: MeasureTrial, bench: Bench, request: TuneRequest) -> list[Trial]:
-    """Every candidate micro-batch without activation checkpointing, then with it where a
-    larger one does not fit without; a size the planner says cannot fit on ``bench`` is not
-    run. ``measure_one`` times a trial's configuration (:func:`remeasure` takes the same)."""
-    sizes, log = candidates(cfg), request.log
-    log(f"preflight: micro-batch search: {len(sizes)} sizes without activation checkpointing, then with it "
-        f"where a larger one does not fit; each {request.warmup} warm-up + {request.windows} timed steps")
+def search(cfg: RunConfig, measure_one: MeasureTrial, bench: Bench, request: TuneRequest,
+           clock: Clock = time.perf_counter) -> list[Trial]:
+    """The micro-batch search's trials, by the one search the ladder's micro-batch rung takes
+    too (:func:`~flopwise.tune.choice.search`): from the configured micro-batch outward through
+    the candidates without activation checkpointing, a direction stopping where tokens/s falls
+    or a size does not fit, then with full checkpointing for the larger sizes that did not fit
+    while it pays; a size the planner says cannot fit on ``bench`` is not run. ``measure_one``
+    times a trial's configuration (:func:`remeasure` takes the same). The trials come back in
+    the table's order: without checkpointing, then with, each by micro-batch."""
+    sizes, log, first = candidates(cfg), request.log, cfg.train.micro_batch_size
+    log(f"preflight: micro-batch search: from micro-batch {first} outward through {len(sizes)} sizes, a direction "
+        "stopping where tokens/s falls or a size does not fit, then with activation checkpointing where a larger "
+        f"one does not fit; each {request.warmup} warm-up + {request.windows} timed steps")
     trials: list[Trial] = []
-    for ckpt in ("none", "full"):
-        todo = [b for b in sizes if not (ckpt == "full" and any(
-            x.status == "ok" and x.checkpointing == "none" and x.micro_batch >= b for x in trials))]
-        for i, b in enumerate(todo, 1):
-            pred = planned_gb(with_settings(cfg, {"train.micro_batch_size": b, "train.activation_checkpointing": ckpt}),
-                              bench.device)
-            trial = Trial(b, ckpt, "ok", predicted_gb=pred)
-            if not bench.fits(pred):
-                trial.status = "no-fit"
-                trial.note = f"planner: {pred:.2f} GiB > {bench.headroom:.0%} of {bench.memory_gb:g} GiB"
-            else:
-                t0 = request.clock()
-                _run_trial(trial, functools.partial(measure_one, trial), bench)
-                trial.seconds = request.clock() - t0
-            trials.append(trial)
-            log(f"preflight: trial {i}/{len(todo)} {'without' if ckpt == 'none' else 'with'} checkpointing: "
-                + _trial_line(trial))
+    plain = len(set(sizes) | {first})  # every size is decided once without checkpointing, measured or not
+
+    def planned(b: int, ckpt: str) -> float:
+        return planned_gb(with_settings(cfg, {"train.micro_batch_size": b, "train.activation_checkpointing": ckpt}),
+                          bench.device)
+
+    def measure(b: int, ckpt: str) -> Trial:
+        trial = Trial(b, ckpt, "ok", predicted_gb=planned(b, ckpt))
+        if not bench.fits(cast(float, trial.predicted_gb)):
+            trial.status = "no-fit"
+            trial.note = f"planner: {trial.predicted_gb:.2f} GiB > {bench.headroom:.0%} of {bench.memory_gb:g} GiB"
+        else:
+            t0 = clock()
+            _run_trial(trial, functools.partial(measure_one, trial), bench)
+            trial.seconds = clock() - t0
+        return trial
+
+    def decided(trial: Trial, best_now: bool, why: str) -> None:
+        if trial.predicted_gb is None:  # a size the search did not run: the table still gives its plan
+            trial.predicted_gb = planned(trial.micro_batch, trial.checkpointing)
+        trials.append(trial)
+        count = sum(t.checkpointing == trial.checkpointing for t in trials)
+        log(f"preflight: trial {count}{f'/{plain}' if trial.checkpointing == 'none' else ''} "
+            f"{'without' if trial.checkpointing == 'none' else 'with'} checkpointing: " + _trial_line(trial))
+
+    start = measure(first, "none")
+    decided(start, start.status == "ok", "")
+    search_sizes(start, sizes, measure, decided, bench.device.type)
     if not any(x.status == "ok" for x in trials):
         raise PreflightError("no micro-batch fits: " + "; ".join(
             f"{label(x)}: {x.status}" + (f" ({x.note[:120]})" if x.note else "") for x in trials))
-    return trials
+    return sorted(trials, key=lambda t: (t.checkpointing != "none", t.micro_batch))
 
 
 def _conclude(cfg: RunConfig, report: dict[str, Any], best: Trial, bench: Bench, request: TuneRequest) -> None:

@@ -6,7 +6,8 @@ ranks, the run being predicted, where the output goes and where progress lines g
 :class:`Bench` is what preflight resolves from it, the configuration and the device before
 the first trial: the memory a trial must fit, whether trials run in fresh processes, and the
 FLOPs and peak their rates are turned into MFU with. The micro-batch search, the ladder and
-the prediction read both instead of a dozen loose arguments each.
+the prediction read both instead of a dozen loose arguments each. :class:`TuneHooks` is what
+a test injects instead (the measuring functions, the clock), passed beside the request.
 """
 
 from __future__ import annotations
@@ -60,11 +61,6 @@ class TuneRequest:
     # Where preflight.json and preflight.yaml go ("": runs/PRESET-preflight); where progress lines go.
     out_dir: str | Path = ""
     log: Log = print
-    # How a trial is measured here and in fresh processes (``tune/trial.py``), and the clock the
-    # budgets are kept by: tests give their own.
-    measure_fn: Callable[..., dict[str, Any]] = measure
-    spawn_fn: Callable[..., dict[str, Any]] = measure_in_processes
-    clock: Callable[[], float] = time.perf_counter
 
     @property
     def windows(self) -> int:
@@ -74,6 +70,18 @@ class TuneRequest:
     def out(self, preset: str) -> Path:
         """The directory preflight.json and preflight.yaml go to."""
         return Path(self.out_dir or f"runs/{preset or 'run'}-preflight")
+
+
+@dataclass(frozen=True)
+class TuneHooks:
+    """What a test puts in place of the real thing under a preflight, apart from what a user asks
+    (:class:`TuneRequest`): how a trial is measured in this process and in fresh ones
+    (``tune/trial.py``) and the clock the budgets and progress lines are kept by. The defaults
+    are the real ones; the command line never builds one."""
+
+    measure_fn: Callable[..., dict[str, Any]] = measure
+    spawn_fn: Callable[..., dict[str, Any]] = measure_in_processes
+    clock: Callable[[], float] = time.perf_counter
 
 
 @dataclass(frozen=True)
