@@ -6,7 +6,7 @@ the closing lines). Each hook reads and updates the :class:`~flopwise.train.setu
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -142,8 +142,9 @@ def on_stop(run: Run, stopped: str, last: StepOutcome | None) -> str:
     signal's stop does what takes at most :data:`SIGNAL_STOP_S` -- else the log says the end
     was not measured (and run.json holds null). Returns the sample ("" when none)."""
     p = run.progress
+    at = due(run, p.step)
     if last is not None and p.steps_in_window > 0:
-        log_step(run, last, last.lr, is_last=False, do_val=False)
+        log_step(run, last, last.lr, replace(at, last=False, val=False))  # validated below, where there is time
     save_on_stop(run, stopped)
     if p.step == 0:  # nothing trained: step 0's validation is the end's, and a sample would be noise
         return ""
@@ -156,7 +157,7 @@ def on_stop(run: Run, stopped: str, last: StepOutcome | None) -> str:
     if do_val:
         val = validate(run, p.step)
         run.sink.write({"step": p.step, "tokens": p.tokens, **val_metrics(run, val)})
-    return take_sample(run, p.step) if do_sample and not _samples(run, p.step) else ""
+    return take_sample(run, p.step) if do_sample and not at.sample else ""
 
 
 def _stop_work(run: Run, signal_: bool) -> tuple[bool, bool, str]:
@@ -195,23 +196,40 @@ def count_step(run: Run, step_tokens: int, step_s: float) -> None:
         run.recompiles.arm()  # compiling is warm-up; from here on a compile is a recompile
 
 
-def reads_now(run: Run) -> bool:
-    """Whether the step just counted is read at once, before the next step: it logs, validates,
-    saves, is the last, or took per-layer statistics. Any other step is read one step late."""
-    p, t, tr = run.progress, run.cfg.train, run.cfg.tracking
-    return (_logs(run, p.step) or (t.checkpoint_every > 0 and p.step % t.checkpoint_every == 0)
-            or (tr.grad_norms_every > 0 and p.step % tr.grad_norms_every == 0) or _samples(run, p.step))
+@dataclass(frozen=True)
+class Due:
+    """What is due after step ``step`` (1-based), decided once when the step is counted; the loop
+    and every hook after it read this one record."""
+
+    step: int
+    last: bool  # the run's last step
+    val: bool  # a validation: eval.every, or the last step
+    log: bool  # a training row: train.log_every, a validation, the last step
+    tasks: bool  # eval.tasks: eval.tasks_every, or the last step (on a step that logs)
+    save: bool  # a checkpoint: train.checkpoint_every, or the last step
+    sample: bool  # a sample during training: eval.sample_every (the last step's is the end's: finish)
+    layer_stats: bool  # per-layer statistics were taken (tracking.grad_norms_every)
+
+    @property
+    def read_now(self) -> bool:
+        """Whether the step is read at once, before the next step; any other is read one step late."""
+        return self.log or self.save or self.layer_stats or self.sample
 
 
-def _samples(run: Run, step: int) -> bool:
-    """Whether step ``step`` (1-based) writes a sample during training (``eval.sample_every``;
-    the last step's is the end's, in :func:`finish`)."""
-    e = run.cfg.eval
-    return e.sample_every > 0 and e.sample_tokens > 0 and step % e.sample_every == 0 and step != run.total_steps
+def due(run: Run, step: int) -> Due:
+    """What is due after step ``step`` (1-based)."""
+    t, e, tr = run.cfg.train, run.cfg.eval, run.cfg.tracking
+    last = step == run.total_steps
+    val = last or (e.every > 0 and step % e.every == 0)
+    return Due(step=step, last=last, val=val, log=val or step % t.log_every == 0,
+               tasks=bool(run.task_names) and (last or (e.tasks_every > 0 and step % e.tasks_every == 0)),
+               save=last or (t.checkpoint_every > 0 and step % t.checkpoint_every == 0),
+               sample=e.sample_every > 0 and e.sample_tokens > 0 and step % e.sample_every == 0 and not last,
+               layer_stats=tr.grad_norms_every > 0 and step % tr.grad_norms_every == 0)
 
 
-def record_good(run: Run, out: StepOutcome) -> None:
-    """A good step's loss, as read: into the log window; a spike logged."""
+def record_good(run: Run, out: StepOutcome, due_: Due) -> None:
+    """A good step's loss, as read: into the log window; a spike logged (``due_``: the step's)."""
     p = run.progress
     ratio = run.guard.spike(out.loss)
     if ratio is not None:
@@ -219,44 +237,33 @@ def record_good(run: Run, out: StepOutcome) -> None:
         run.sink.write({"step": out.step + 1, "event": "loss_spike", "loss": out.loss, "ratio": ratio})
     p.loss_sum += out.loss
     p.steps_in_window += 1
-    if out.layer_stats is not None and not _logs(run, out.step + 1):
+    if out.layer_stats is not None and not due_.log:
         run.sink.write({"step": out.step + 1, **out.layer_stats})
 
 
-def _logs(run: Run, step: int) -> bool:
-    """Whether step ``step`` (1-based) writes a training row: a log step, a validation, the last."""
-    e = run.cfg.eval
-    return (step % run.cfg.train.log_every == 0 or step == run.total_steps
-            or (e.every > 0 and step % e.every == 0))
-
-
-def after_step(run: Run, out: StepOutcome, good: bool = True) -> None:
-    """Log, validate, run tasks and save when they are due after step ``out`` (read now). A
-    skipped step (not ``good``) still ends where it was due -- validated, saved -- with no
-    training row of its own (its loss is in the event the guard wrote)."""
-    p, t, e = run.progress, run.cfg.train, run.cfg.eval
-    is_last = p.step == run.total_steps
-    do_val = is_last or (e.every > 0 and p.step % e.every == 0)
-    if good and _logs(run, p.step):
-        log_step(run, out, out.lr, is_last, do_val)
-    elif do_val:
+def after_step(run: Run, out: StepOutcome, due_: Due, good: bool = True) -> None:
+    """Log, validate, run tasks and save when they are due (``due_``) after step ``out`` (read
+    now). A skipped step (not ``good``) still ends where it was due -- validated, saved -- with
+    no training row of its own (its loss is in the event the guard wrote)."""
+    p = run.progress
+    if good and due_.log:
+        log_step(run, out, out.lr, due_)
+    elif due_.val:
         p.val_end = validate(run, p.step)
         run.sink.write({"step": p.step, "tokens": p.tokens, **val_metrics(run, p.val_end)})
-    do_save = is_last or (t.checkpoint_every > 0 and p.step % t.checkpoint_every == 0)
-    if do_save:
+    if due_.save:
         save(run)
-    do_sample = _samples(run, p.step)
-    if do_sample:
+    if due_.sample:
         text = " ⏎ ".join(take_sample(run, p.step).splitlines())
         run.log(f"  sample step {p.step:>6} | {text[:160]}")
-    if do_val or do_save or do_sample:
+    if due_.val or due_.save or due_.sample:
         run.meter.pause()  # evaluation, saving and sampling are not training throughput
 
 
-def log_step(run: Run, out: StepOutcome, lr: float, is_last: bool, do_val: bool) -> None:
+def log_step(run: Run, out: StepOutcome, lr: float, due_: Due) -> None:
     """The metrics row and the log line of the window since the last one (a log step: the step's
     values were read at once, and on CUDA the window's timing events are waited for)."""
-    p, e, world = run.progress, run.cfg.eval, run.world
+    p, world = run.progress, run.world
     p.last_loss = p.loss_sum / p.steps_in_window
     t_log = run.clock()
     rates = run.meter.window()
@@ -290,10 +297,10 @@ def log_step(run: Run, out: StepOutcome, lr: float, is_last: bool, do_val: bool)
             f" | {format_memory(mem)} | {1000 * rates['step_time_s']:.0f} ms/step"
             f" | {format_breakdown(parts, rates['step_time_s'])}{outer_text(outer)}"
             f" | ETA {eta_text(row, run.deadline)}")
-    if do_val:
+    if due_.val:
         p.val_end = validate(run, p.step)
         row.update(val_metrics(run, p.val_end))
-    if run.task_names and (is_last or (e.tasks_every > 0 and p.step % e.tasks_every == 0)):
+    if due_.tasks:
         row["eval"] = run_tasks(run, p.step)
     if out.layer_stats is not None:
         row.update(out.layer_stats)

@@ -184,7 +184,7 @@ class Muon(torch.optim.Optimizer):
         found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
         keep = None if found_inf is None else found_inf != 0
         for group in self.param_groups:
-            lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+            mu = group["momentum"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -193,17 +193,24 @@ class Muon(torch.optim.Optimizer):
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
                 buf = state["momentum_buffer"]
-                new_buf = buf.lerp(g, 1 - mu)
-                update = g.lerp(new_buf, mu) if group["nesterov"] else new_buf
-                o = newton_schulz(update, group["ns_steps"], group["ns_coefficients"], group["eps"])
-                new_p = p.mul(1 - lr * wd).add_(o, alpha=-lr * muon_lr_scale(p.shape))
-                if keep is None:
-                    buf.copy_(new_buf)
-                    p.copy_(new_p)
+                if keep is None:  # nothing needs the old values: buffer and weights updated in place
+                    self._update(p, buf.lerp_(g, 1 - mu), group, in_place=True)
                 else:  # one parameter's temporaries at a time; NaN in the unchosen side goes nowhere
-                    buf.copy_(torch.where(keep, buf, new_buf))
-                    p.copy_(torch.where(keep, p, new_p))
+                    new_buf = buf.lerp(g, 1 - mu)
+                    new_p = self._update(p, new_buf, group, in_place=False)
+                    torch.where(keep, buf, new_buf, out=buf)  # written where read: elementwise, no copy back
+                    torch.where(keep, p, new_p, out=p)
         return loss
+
+    @staticmethod
+    def _update(p: torch.Tensor, buf: torch.Tensor, group: dict, in_place: bool) -> torch.Tensor:
+        """``p``'s new weights from the new momentum ``buf`` -- decayed, then moved by the
+        orthogonalised (Nesterov) update -- into ``p`` itself (``in_place``) or a new tensor."""
+        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        assert p.grad is not None  # step() passes parameters with a gradient only
+        update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
+        o = newton_schulz(update, group["ns_steps"], group["ns_coefficients"], group["eps"])
+        return (p.mul_ if in_place else p.mul)(1 - lr * wd).add_(o, alpha=-lr * muon_lr_scale(p.shape))
 
 
 def muon_class() -> type[Muon]:

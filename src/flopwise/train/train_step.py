@@ -38,6 +38,23 @@ from flopwise.train.setup import Run, StepParts, grad_clip
 from flopwise.train.stopping import NonFiniteError
 
 
+@dataclass(frozen=True)
+class StepFixed:
+    """What set-up fixed about every step, decided once: whether the optimizer skips a bad step
+    on the device (:func:`~flopwise.train.optim.skips_on_device`; else the step is read before
+    its update), and whether fp16 loss scaling is on (the scaler then skips an overflowing
+    update, and a non-finite loss reaches it as overflowing gradients: :func:`forward_backward`)."""
+
+    on_device: bool
+    fp16: bool
+    set_to_none: bool  # zero_grad drops the gradients (``parallel.strategy.grads_set_to_none``)
+
+    @classmethod
+    def of(cls, optimizer: Any, scaler: Any, strategy: str) -> "StepFixed":
+        return cls(on_device=skips_on_device(optimizer), fp16=scaler is not None and scaler.is_enabled(),
+                   set_to_none=grads_set_to_none(strategy))
+
+
 @dataclass
 class StepOnly:
     """A step without the run around it -- what a preflight trial times and the dry run traces:
@@ -58,6 +75,7 @@ class StepOnly:
     opt_params: list[torch.nn.Parameter]
     clip: float
     state_model: torch.nn.Module
+    fixed: StepFixed
 
     @classmethod
     def of(cls, cfg: RunConfig, parts: StepParts, env: DistEnv, device: torch.device, prec: Precision,
@@ -69,7 +87,8 @@ class StepOnly:
                    world=env.world_size, autocast=autocast_factory(device, prec.autocast_dtype),
                    loss_fn=parts.loss_fn, master=parts.master,
                    opt_params=[q for g in parts.optimizer.param_groups for q in g["params"]],
-                   clip=grad_clip(cfg), state_model=parts.master.master if parts.master else parts.model)
+                   clip=grad_clip(cfg), state_model=parts.master.master if parts.master else parts.model,
+                   fixed=StepFixed.of(parts.optimizer, prec.scaler, strategy))
 
 
 @dataclass
@@ -83,8 +102,37 @@ class StepOutcome:
     lr: float = 0.0
     bad: str = ""  # "" (the update was made), "nonfinite" (it was not) or "collapse" (:func:`settle` decides)
     layer_stats: dict[str, Any] | None = None  # per-parameter gradient norms (and update ratios), when due
-    loader_state: dict[str, Any] | None = None  # where the loader stood after this step
+    loader_mark: "LoaderMark | None" = None  # where the loader stood after this step
     votes: list[float] = field(default_factory=list)  # the ranks' stop votes, summed (``stopping.stop_votes``)
+
+    @property
+    def loader_state(self) -> dict[str, Any] | None:
+        """Where the loader stood after this step (taken when first asked: :class:`LoaderMark`)."""
+        return self.loader_mark.state() if self.loader_mark is not None else None
+
+
+class LoaderMark:
+    """Where a loader stood after a step, taken only when read: a rollback or a stop's diagnostics
+    read it, which few steps do. :meth:`state` takes it while the loader has not moved on (a step
+    read at once); :meth:`keep` takes it before the loader hands out the next step's batches (a
+    step read one step late). ``batches`` (what the loaders count) tells a state asked too late."""
+
+    def __init__(self, loader: Any):
+        self.loader, self.drawn = loader, getattr(loader, "batches", None)
+        self._state: dict[str, Any] | None = None
+
+    def state(self) -> dict[str, Any]:
+        """The loader's ``state_dict()`` after the step (taken now, unless kept already)."""
+        if self._state is None:
+            if getattr(self.loader, "batches", None) != self.drawn:
+                raise RuntimeError("a step's loader state was asked for after the loader moved on: keep() it "
+                                   "before the next step draws its batches")
+            self._state = self.loader.state_dict()
+        return self._state
+
+    def keep(self) -> None:
+        """Take :meth:`state` now: the loader is about to hand out the next step's batches."""
+        self.state()
 
 
 class PendingStep:
@@ -94,10 +142,10 @@ class PendingStep:
     an event behind the copy); :meth:`read` waits for that copy alone -- when the loop reads one
     step late the next step is already queued behind it, so the device stays busy."""
 
-    def __init__(self, step: int, values: torch.Tensor, tokens: int, lr: float, loader_state: dict[str, Any],
+    def __init__(self, step: int, values: torch.Tensor, tokens: int, lr: float, loader: Any,
                  layer_stats: dict[str, Any] | None = None, read: bool = False):
-        self.step, self.tokens, self.lr = step, tokens, lr
-        self.loader_state, self.layer_stats = loader_state, layer_stats
+        self.step, self.tokens, self.lr, self.layer_stats = step, tokens, lr, layer_stats
+        self.loader_mark = LoaderMark(loader)
         self._values, self._event = values, None
         self._outcome: StepOutcome | None = None
         if values.device.type != "cpu":
@@ -114,8 +162,12 @@ class PendingStep:
                 self._event.synchronize()
             loss, grad_norm, bad, *votes = self._values.tolist()
             self._outcome = StepOutcome(self.step, loss, grad_norm, self.tokens, self.lr, "nonfinite" if bad else "",
-                                        self.layer_stats, self.loader_state, votes)
+                                        self.layer_stats, self.loader_mark, votes)
         return self._outcome
+
+    def keep_loader_state(self) -> None:
+        """Take the loader's state after this step now: the loader is about to move on."""
+        self.loader_mark.keep()
 
 
 def copy_done(device: torch.device) -> Any:
@@ -135,11 +187,16 @@ def set_rate(optimizer: torch.optim.Optimizer, lr: float, peak_lr: float) -> Non
 
 
 def train_step(run: Run | StepOnly, step: int, accum: int, step_tokens: int, lr: float,
-               votes: list[float] | None = None) -> PendingStep:
+               votes: list[float] | None = None, fixed: StepFixed | None = None) -> PendingStep:
     """Optimizer step ``step`` (0-based) of ``accum`` micro-batches per rank, ``step_tokens`` tokens
     over all ranks, at rate ``lr``; ``votes`` (data parallelism) travel in the step's all-reduce.
     The update is made unless the step is bad -- decided on the device. No host read, except
-    where a per-layer statistics step is due or the optimizer cannot skip on the device."""
+    where a per-layer statistics step is due or the optimizer cannot skip on the device.
+    ``fixed``: what set-up fixed (:class:`StepFixed`; a :class:`StepOnly` holds its own), made
+    once by the caller rather than decided again every step."""
+    if fixed is None:
+        fixed = run.fixed if isinstance(run, StepOnly) else StepFixed.of(run.optimizer, run.prec.scaler,
+                                                                          run.strategy.step)
     t, timer, scaler, optimizer = run.cfg.train, run.timer, run.prec.scaler, run.optimizer
     set_rate(optimizer, lr, run.cfg.optim.lr)
     with timer.part("fwd_bwd"), nvtx(t.nvtx, "forward_backward"):
@@ -148,7 +205,7 @@ def train_step(run: Run | StepOnly, step: int, accum: int, step_tokens: int, lr:
         # on this step's last micro-batch (a batch ramp changes their number per step).
         sync = grad_sync(run.train_model, run.strategy.step, accum) if run.strategy.step != "single" else None
         loss = forward_backward(run.train_model, micro, step_tokens // run.world, run.autocast, run.loss_fn,
-                                scaler, sync)
+                                scaler, sync, accum)
     with timer.part("optim"), nvtx(t.nvtx, "optimizer"):
         grad_norm = unscale_and_clip(optimizer, scaler, run.master, run.opt_params, run.clip)
         values = step_values(run.env, loss, grad_norm, scaler is None, votes or [])
@@ -158,24 +215,22 @@ def train_step(run: Run | StepOnly, step: int, accum: int, step_tokens: int, lr:
         stats = layer_grad_norms(run.state_model)
         if tr.update_ratios:
             before = {n: p.detach().clone() for n, p in run.state_model.named_parameters()}
-    on_device = skips_on_device(optimizer)
-    pending = PendingStep(step, values, step_tokens, lr, run.train_loader.state_dict(), stats, read=not on_device)
+    pending = PendingStep(step, values, step_tokens, lr, run.train_loader, stats, read=not fixed.on_device)
     with timer.part("optim"), nvtx(t.nvtx, "optimizer"):
-        if on_device:
-            bad = values[2].to(torch.float32)
-            if scaler is not None and scaler.is_enabled():  # it hands the optimizer its found_inf: ours added
-                fold_into_scaler(scaler, optimizer, bad)
+        if fixed.on_device and fixed.fp16:
+            # The scaler hands the optimizer its found_inf (scaler.step): a non-finite loss made the
+            # gradients non-finite in the backward (forward_backward), so that skips this update too.
+            apply_update(optimizer, scaler, run.master)
+        elif fixed.on_device:
+            with skipped_if(optimizer, values[2].to(torch.float32)):
                 apply_update(optimizer, scaler, run.master)
-            else:
-                with skipped_if(optimizer, bad):
-                    apply_update(optimizer, scaler, run.master)
         elif not pending.read().bad:  # decided on the host, before the update: one read per step
             apply_update(optimizer, scaler, run.master)
         elif scaler is not None:
             scaler.update()  # closes this step's unscale_ so the next step can unscale again
     if before is not None and stats is not None:
         stats["update_ratios"] = update_ratios(run.state_model, before)
-    optimizer.zero_grad(set_to_none=grads_set_to_none(run.strategy.step))
+    optimizer.zero_grad(set_to_none=fixed.set_to_none)
     return pending
 
 
@@ -187,6 +242,7 @@ def forward_backward(
     loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     scaler: "torch.amp.GradScaler | None" = None,
     sync: Callable[[int], contextlib.AbstractContextManager] | None = None,
+    count: int = 0,
 ) -> torch.Tensor:
     """Accumulate gradients over ``micro_batches``; return the step's mean loss (detached).
 
@@ -201,7 +257,9 @@ def forward_backward(
     is done without holding activations for the others. A micro-batch is ``(x, y)`` or
     ``(x, y, doc_ids)``. The returned loss is the language-model loss only (a model's
     aux loss -- MoE load balance -- is trained on, not reported in it). ``loss_fn`` is
-    :func:`make_loss_fn`'s (default: the plain one); ``scaler`` scales fp16 losses.
+    :func:`make_loss_fn`'s (default: the plain one); ``scaler`` scales fp16 losses (a
+    non-finite one's gradients made NaN: :func:`nonfinite_to_nan`, once a step, on the last of
+    ``count`` micro-batches, where the gradients are summed over ranks; 0: on each).
     ``sync(i)`` is the context micro-batch ``i`` runs in: under data parallelism it holds
     back the gradient all-reduce until the last micro-batch of the step (``parallel/strategy.py``).
     Under data parallelism ``step_tokens`` is this rank's share: DDP and FSDP average the
@@ -220,6 +278,8 @@ def forward_backward(
                 # MoE: the weighted load-balance (+ z) loss of this micro-batch. Its weight is per
                 # micro-batch, so each adds aux * its share of the step's tokens.
                 loss = loss + aux * (y.numel() / step_tokens)
+            if scaler is not None and scaler.is_enabled() and i + 1 >= count:  # the last (count unknown: each)
+                loss = loss * nonfinite_to_nan(s.detach() if total is None else total + s.detach())
             (scaler.scale(loss) if scaler is not None else loss).backward()
         total = s.detach() if total is None else total + s.detach()
     assert total is not None, "a step needs at least one micro-batch"
@@ -249,13 +309,16 @@ def step_values(env: DistEnv, loss: torch.Tensor, grad_norm: torch.Tensor, check
     return head if votes_t is None else torch.cat([head, votes_t])
 
 
-def fold_into_scaler(scaler: Any, optimizer: Any, bad: torch.Tensor) -> None:
-    """Under fp16 loss scaling the scaler hands its own ``found_inf`` (overflowing gradients) to
-    the optimizer's step: a non-finite loss with finite gradients is added to it, on the device,
-    so the scaler skips that update too (and lowers its scale, as for any overflow)."""
-    state = scaler._per_optimizer_states[id(optimizer)]  # torch.amp.GradScaler's per-optimizer record
-    for found in state["found_inf_per_device"].values():
-        found.add_(bad.to(found.device, found.dtype))
+def nonfinite_to_nan(s: torch.Tensor) -> torch.Tensor:
+    """1.0 where ``s`` (detached) is finite, NaN where it is not (0-dim, on the device, nothing read).
+
+    Under fp16 loss scaling the step's last micro-batch's loss is multiplied by it (``s``: the
+    step's loss sum on this rank) before its backward: the same loss and gradients when the
+    loss is finite (times 1.0), NaN gradients when it is not -- which the GradScaler's own
+    unscale_ finds, so its step skips the update and its update() lowers the scale, as for any
+    overflow, through its public calls alone. Under data parallelism that backward's all-reduce
+    carries the NaN to every rank, so all skip alike."""
+    return torch.where(torch.isfinite(s), 1.0, float("nan")).to(s.dtype)
 
 
 def unscale_and_clip(optimizer: torch.optim.Optimizer, scaler, master: MasterWeights | None,

@@ -32,7 +32,7 @@ from flopwise.train.record import TrainResult
 from flopwise.train.schedule import lr_for_step
 from flopwise.train.setup import Run, setup
 from flopwise.train.stopping import SignalStop, ignore_sigterm, stop_reason, stop_votes
-from flopwise.train.train_step import PendingStep, StepOutcome, settle, train_step
+from flopwise.train.train_step import PendingStep, StepFixed, StepOutcome, settle, train_step
 
 Log = Callable[[str], None]
 
@@ -116,13 +116,14 @@ def _loop(run: Run) -> tuple[str, str]:
 
     A step is issued, then the previous step's values are read -- one step late, so the host
     never waits on the step it just queued -- and the guard settles it; a step that logs,
-    validates or saves is read at once (``hooks.reads_now``). A bad step read late was skipped on
+    validates or saves is read at once (``hooks.due``: ``read_now``). A bad step read late was skipped on
     the device already; a rollback it calls for undoes the step issued after it too."""
     p, o, t = run.progress, run.cfg.optim, run.cfg.train
     stopped, sample = "", ""
-    late: PendingStep | None = None
+    late: tuple[PendingStep, hooks.Due] | None = None  # a step to read once the next one is issued, and its due
     last: StepOutcome | None = None  # the latest good step read: the stop's training row
     agreed: list[float] | None = None  # the ranks' stop votes, as last read
+    fixed = StepFixed.of(run.optimizer, run.prec.scaler, run.strategy.step)  # the same for every step
 
     def reload(path: Any) -> dict:
         return hooks.reload(run, path)
@@ -141,12 +142,16 @@ def _loop(run: Run) -> tuple[str, str]:
             if run.fit is not None and run.fit.done(p.step):
                 stopped = "the time budget is used with the decay finished"  # a fitted WSD stops itself
                 break
-            now = train_step(run, p.step, accum, step_tokens, lr, stop_votes(run.env, signals, run.deadline, run.fit))
+            if late is not None:  # a rollback it calls for restores the loader to where it stood after it
+                late[0].keep_loader_state()
+            now = train_step(run, p.step, accum, step_tokens, lr, stop_votes(run.env, signals, run.deadline, run.fit),
+                             fixed)
             if late is not None:
-                out, late = late.read(), None
+                (pending, late_due), late = late, None
+                out = pending.read()
                 agreed = out.votes
                 if settle(run, out, reload):
-                    hooks.record_good(run, out)
+                    hooks.record_good(run, out, late_due)
                     last = out
                 elif run.guard.policy == "rollback":
                     continue  # the step just issued ran on weights the rollback replaced: undone with them
@@ -154,21 +159,22 @@ def _loop(run: Run) -> tuple[str, str]:
                 run.outer.after_step(p.step + 1, last=p.step + 1 == run.total_steps)
             hooks.count_step(run, step_tokens, run.clock() - t_step)
             prof.step()
-            if not hooks.reads_now(run):
-                late = now
+            due = hooks.due(run, p.step)
+            if not due.read_now:
+                late = (now, due)
                 continue
             out = now.read()
             agreed = out.votes
             if settle(run, out, reload):
-                hooks.record_good(run, out)
+                hooks.record_good(run, out, due)
                 last = out
-                hooks.after_step(run, out)
+                hooks.after_step(run, out, due)
             elif run.guard.policy == "skip":
-                hooks.after_step(run, out, good=False)  # its save and validation, when they were due
+                hooks.after_step(run, out, due, good=False)  # its save and validation, when they were due
         if late is not None:  # the last step issued before a stop: read before the stop's save
-            out = late.read()
+            out = late[0].read()
             if settle(run, out, reload):
-                hooks.record_good(run, out)
+                hooks.record_good(run, out, late[1])
                 last = out
         if stopped:
             sample = hooks.on_stop(run, stopped, last)
