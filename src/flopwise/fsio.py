@@ -2,9 +2,11 @@
 
 The bottom layer: nothing here imports flopwise, so ``config``, ``data`` and ``train`` all use it.
 
-- :func:`atomic_write` writes beside the target and renames over it (fsynced), so a reader --
-  or a run resumed after ``kill -9`` -- sees the old file or the new one, never half of one.
-  A failure (a full disk) removes the temporary file and re-raises.
+- :func:`write_file` (and :func:`write_json` for JSON) is the one writer: it writes beside the
+  target and renames over it (fsynced), so a reader -- or a run resumed after ``kill -9`` --
+  sees the old file or the new one, never half of one. A failure removes the temporary file; a
+  fault of the machine (a full disk) is a :class:`WriteError` naming the target, not the
+  temporary file, and saying what was kept.
 - :class:`DirLock` is one writer's claim on a directory (a run, a data directory being
   prepared): an exclusive ``flock`` on ``<dir>/.lock``. The kernel releases it when the
   holder exits in any way, ``SIGKILL`` included, so a lock left by a dead process never blocks
@@ -65,8 +67,9 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str | Path, data: str | bytes, mode: int = 0o666) -> None:
-    """Replace ``path`` with ``data`` all at once: temporary file, fsync, rename, fsync the directory."""
+def _atomic_write(path: str | Path, data: str | bytes, mode: int = 0o666) -> None:
+    """Replace ``path`` with ``data`` all at once: temporary file, fsync, rename, fsync the directory.
+    Private: callers use :func:`write_file`, whose errors name the target."""
     path = Path(path)
     blob = data.encode("utf-8") if isinstance(data, str) else data
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -270,12 +273,12 @@ def write_error(path: str | Path, e: BaseException, what: str = "", kept: str = 
 
 
 def write_file(path: str | Path, data: str | bytes, what: str = "", kept: str = "") -> None:
-    """:func:`atomic_write`, a write fault becoming a :class:`WriteError` that names ``path``
+    """:func:`_atomic_write`, a write fault becoming a :class:`WriteError` that names ``path``
     (not the temporary file beside it) and says the earlier copy, if any, is intact, then
     ``kept``: what else the caller knows to be intact (a run's checkpoint)."""
     path = Path(path)
     try:
-        atomic_write(path, data)
+        _atomic_write(path, data)
     except Exception as e:
         if not is_write_fault(e) or isinstance(e, WriteError):
             raise

@@ -24,7 +24,7 @@ import flopwise
 from flopwise.checkpoints import CheckpointError, file_entry, latest_checkpoint, list_checkpoints
 from flopwise.config import ConfigError, build_config
 from flopwise.evaluate.runner import EvalOptions, evaluate
-from flopwise.fsio import DirLock, LockedError, atomic_write
+from flopwise.fsio import DirLock, LockedError, WriteError, write_file
 from flopwise.model.io import ModelSourceError, export_consolidated, export_hf
 from flopwise.train.trainer import train
 
@@ -233,10 +233,11 @@ def test_a_full_disk_before_the_run_is_refused_and_leaves_nothing(tiny_overrides
 
 def test_an_atomic_write_on_a_full_disk_keeps_the_old_file(small_fs, fill_fs):
     fs = small_fs("128k")
-    atomic_write(fs / "config.yaml", "model: {old: 1}\n")
+    write_file(fs / "config.yaml", "model: {old: 1}\n")
     fill_fs(fs, 0)
-    with pytest.raises(OSError):
-        atomic_write(fs / "config.yaml", "x" * 200_000)
+    with pytest.raises(WriteError, match=f"cannot write {fs / 'config.yaml'}: no space left on the device; "
+                                         "the earlier config.yaml is unchanged"):
+        write_file(fs / "config.yaml", "x" * 200_000)
     assert (fs / "config.yaml").read_text() == "model: {old: 1}\n"
     assert sorted(p.name for p in fs.iterdir()) == ["ballast", "config.yaml"]
 

@@ -238,7 +238,7 @@ def test_preflight_writes_through_the_one_writer_and_a_full_disk_names_the_file(
     def full(path, data, mode=0o666):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("flopwise.fsio.atomic_write", full)
+    monkeypatch.setattr("flopwise.fsio._atomic_write", full)
     with pytest.raises(WriteError, match=r"cannot write preflight report .*preflight\.json: no space left"):
         _write(tmp_path, {"chosen": {}}, cfg, build_config(preset="tiny"), lambda s: None)
 
