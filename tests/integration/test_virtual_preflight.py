@@ -169,12 +169,14 @@ def test_rank_without_dry_run_is_refused_before_any_work(capsys):
 
 
 def test_a_batch_trace_that_does_not_finish_in_time_is_stopped_and_said(shim, tmp_path, monkeypatch):
-    """dry_run_batch waits for each trace at most ``timeout_s`` after the one before it, then kills
+    """dry_run_batch waits for each trace at most TIMEOUT_S after the one before it, then kills
     its tracing process and says which trace it was (it waited forever before). A 0.01 s limit:
     starting the process and importing torch alone take far longer."""
+    from flopwise.tune import dryrun
     from flopwise.tune.dryrun import DryRunFailed, dry_run_batch
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(dryrun, "TIMEOUT_S", 0.01)
     with pytest.raises(DryRunFailed, match=r"trace 1 of 2 did not finish in 0.01 s"):
-        dry_run_batch([CFG, CFG], "H100", log=lambda *_: None, timeout_s=0.01)
+        dry_run_batch([CFG, CFG], "H100", log=lambda *_: None)
     assert not list(tmp_path.glob("flopwise-dryrun-*")), "the batch's trace directory was left behind"

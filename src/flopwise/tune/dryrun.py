@@ -109,14 +109,14 @@ def dry_run(cfg: RunConfig, gpu: str | None = None, nproc_per_node: int = 1, nno
 
 def dry_run_batch(cfgs: list[RunConfig], gpu: str | None = None, nproc_per_node: int = 1, nnodes: int = 1,
                   memory_gb: float = 0.0, headroom: float = 0.9, log: Log = print,
-                  done: Callable[[int, dict[str, Any]], None] | None = None,
-                  timeout_s: float = TIMEOUT_S) -> list[dict[str, Any]]:
+                  done: Callable[[int, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
     """Each of ``cfgs`` traced as :func:`dry_run` traces one, without the largest-fit search, in ONE
     tracing process (torch and the shim imported once: the worker's batch mode), each predicted.
     A step that fails is not raised: its result holds ``error`` (and ``where``). ``done(i, result)``
     is called as each trace finishes, in order. Raises as :func:`dry_run` does for bad input (the
     first config's) or a tracing process that dies; DryRunFailed when a trace does not finish
-    within ``timeout_s`` of the one before it (the process is killed)."""
+    within :data:`TIMEOUT_S` of the one before it (the process is killed)."""
+    timeout_s = TIMEOUT_S  # read now: a test sets the module's
     spec = gpu_spec(gpu)
     if not cfgs:
         return []
