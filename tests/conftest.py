@@ -3,8 +3,12 @@ the command line as a user runs it, and a real small filesystem to fill. Compari
 tests share (weights relative to their norm, logged gradient norms) are in helpers.py.
 
 ``pytest -m "not slow"`` is the fast lane (under two minutes on 2 cores); ``pytest`` runs
-everything, the end-to-end runs marked ``slow`` included."""
+everything but the on-request lane, the end-to-end runs marked ``slow`` included; ``pytest -m
+extended`` runs the on-request lane: tests marked ``extended`` repeat, at more cost, a
+configuration the default lane already covers (each says which), and are deselected unless the
+``-m`` expression names ``extended``."""
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -41,14 +45,65 @@ def cli():
     return _run_cli
 
 
+# Files whose tests cost the most (the dry-run matrix, the docs lane, the 2-rank ladder, the virtual
+# preflight), heaviest first: they run first, so each of the two workers starts on one of the two largest
+# and the run ends on small files; without this xdist hands out files by their number of tests, and two
+# large ones could queue on one worker while the other finishes (pyproject: --no-loadscope-reorder).
+HEAVY_FIRST = ("integration/test_dryrun.py", "integration/test_doc_commands.py", "integration/test_preflight.py",
+               "integration/test_virtual_preflight.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The heavy files first (:data:`HEAVY_FIRST`), and the on-request lane (marked ``extended``)
+    deselected unless ``-m`` names it."""
+    def rank(item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return next((i for i, name in enumerate(HEAVY_FIRST) if path.endswith(name)), len(HEAVY_FIRST))
+
+    items.sort(key=rank)  # stable: the order within a file and among the rest is kept
+    if "extended" in (config.getoption("markexpr") or ""):
+        return
+    extended = [item for item in items if item.get_closest_marker("extended")]
+    if extended:
+        config.hook.pytest_deselected(items=extended)
+        items[:] = [item for item in items if not item.get_closest_marker("extended")]
+
+
+def _shared_dir(tmp_path_factory, name: str) -> Path:
+    """A directory every xdist worker of this run shares (the run's temporary root; this process's
+    own under ``-n0``): what one worker builds there, the others find."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # basetemp is <run root>/popen-gwN under xdist
+    path = root / name
+    path.mkdir(exist_ok=True)
+    return path
+
+
 @pytest.fixture(scope="session")
 def small_builtin(tmp_path_factory):
-    """The embedded corpus capped at 0.6 MB of source, a 512-token BPE: a real data directory."""
+    """The embedded corpus capped at 0.6 MB of source, a 512-token BPE: a real data directory,
+    prepared once per run (``prepare_builtin`` serialises the workers on its lock file: one
+    builds, the others find it cached)."""
     from flopwise.data.builtin import prepare_builtin
 
-    cache = tmp_path_factory.mktemp("flopwise-cache")
+    cache = _shared_dir(tmp_path_factory, "flopwise-cache")
     path = prepare_builtin(cache, vocab_size=512, max_mb=0.6, log=lambda s: None)
     return cache, path
+
+
+@pytest.fixture(scope="session")
+def fake_cuda_shim(tmp_path_factory) -> Path:
+    """The dry run's fake-CUDA shim (``flopwise.tune.shim``), built once per torch install: the
+    workers wait on one lock, so the first builds it (about 15 s of a core) and the others find it
+    in the user's cache, where the dry run's own processes look. Skipped without a C++ compiler."""
+    from flopwise.tune.shim import compiler, ensure_shim
+
+    if compiler() is None:
+        pytest.skip("no C++ compiler: the dry run's shim cannot be built (install g++)")
+    with open(_shared_dir(tmp_path_factory, "locks") / "fake-cuda-shim.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return ensure_shim()
 
 
 @pytest.fixture
