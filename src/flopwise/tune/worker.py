@@ -15,6 +15,9 @@ trainer's ``train_step``:
 2. two eager steps under the recorders: host synchronisations with their source lines,
    collectives with their bytes, FLOPs (``FlopCounterMode``) and memory by kind.
 
+Memory is the GPU's (the batches the loader keeps on the device among it); the pinned host
+memory the loader copies batches from is reported apart (:func:`loader_buffers`).
+
 The traced step accumulates at most :data:`TRACED_MICRO_BATCHES` micro-batches (what the
 run does with more repeats them); FLOPs are scaled to the run's accumulation.
 """
@@ -25,7 +28,6 @@ import contextlib
 import copy
 import dataclasses
 import gc
-import json
 import logging
 import os
 import sys
@@ -39,6 +41,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from flopwise.config import ConfigError, RunConfig, batch_split_problems, load_run_config
+from flopwise.fsio import read_json, write_json
 from flopwise.parallel.diloco import DiLoCo, Groups, fragments
 from flopwise.parallel.distributed import DistEnv
 from flopwise.parallel.strategy import diloco_strategy, resolve_strategy
@@ -62,14 +65,12 @@ ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_eff
 
 def main(argv: list[str]) -> int:
     request_path, result_path = Path(argv[0]), Path(argv[1])
-    request = json.loads(request_path.read_text())
+    request = read_json(request_path)
     if "configs" in request:  # a batch (the traced test matrix): one process, the same GPU and ranks
         result = {"results": [_answer(dict(request, config_path=path, fit=False)) for path in request["configs"]]}
     else:
         result = _answer(request)
-    tmp = result_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1, default=str))
-    os.replace(tmp, result_path)
+    write_json(result_path, result, "the dry run's result")  # whole or not at all: the caller reads it when it is there
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # a normal exit can abort in the fake-CUDA shim's teardown
