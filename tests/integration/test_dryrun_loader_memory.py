@@ -18,7 +18,6 @@ import pytest
 from flopwise.config import build_config
 from flopwise.plan import hardware
 from flopwise.tune.dryrun import torch_name
-from flopwise.tune.shim import compiler, ensure_shim
 
 B, T = 4, 128
 GIB = 1024**3
@@ -30,10 +29,8 @@ CONFIGS = {  # name -> overrides of the tiny preset (eager: the loader's part do
 
 
 @pytest.fixture(scope="module")
-def traced(tmp_path_factory) -> dict[str, dict]:
-    if compiler() is None:
-        pytest.skip("no C++ compiler: the dry run's shim cannot be built (install g++)")
-    shim = ensure_shim()
+def traced(fake_cuda_shim, tmp_path_factory) -> dict[str, dict]:
+    shim = fake_cuda_shim
     tmp = tmp_path_factory.mktemp("loader-memory")
     paths = []
     for i, overrides in enumerate(CONFIGS.values()):
