@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -44,7 +45,8 @@ RUNNERS = ("flopwise", "python", "torchrun")
 SUBSTITUTE: list[tuple[str, str]] = [
     ("--vocab-size 8192", "--vocab-size 512"), ("--vocab-size 16384", "--vocab-size 512"),
     ("model.vocab_size=8192", "model.vocab_size=512"),
-    ("--train-tokens 5M", "--train-tokens 40K"), ("--val-tokens 200K", "--val-tokens 4K"),
+    # and the BPE trained on 1 MB of the text, not on all of it (31.5 MB of the stdlib: 20 s of a core for 40K tokens)
+    ("--train-tokens 5M", "--train-tokens 40K --tokenizer-sample-mb 1"), ("--val-tokens 200K", "--val-tokens 4K"),
     ("--test-tokens 200K", "--test-tokens 4K"), ("--limit 500", "--limit 4"),
     ("--max-tokens 200", "--max-tokens 16"),
     ("--memory-gb 0.3", "--memory-gb 0.055"),  # the tiny preset's 0.3 GiB, for the SMALL model: micro-batch 8 does not fit
@@ -247,11 +249,27 @@ def _run_page(page: Path, ws: Path, env: dict) -> tuple[list[str], dict[str, str
     return failures, outputs
 
 
+def _seed_cache(ws: Path, request) -> None:
+    """The workspace's ``~/.cache/flopwise`` starts with what the session already built and a
+    user's cache keeps after first use: the small embedded corpus that ``SMALL`` names (the
+    pages' ``train`` without ``data.path``) and the dry run's fake-CUDA shim; building them again
+    here would repeat tests/unit/test_builtin.py and test_third_list_dryrun.py's first-use checks."""
+    from flopwise.tune.shim import compiler
+
+    cache = ws / ".cache" / "flopwise"
+    _, corpus = request.getfixturevalue("small_builtin")
+    shutil.copytree(corpus, cache / Path(corpus).name)
+    if compiler() is not None:  # no compiler: the page's dry run fails here as it would for a user
+        shim = request.getfixturevalue("fake_cuda_shim")
+        shutil.copytree(shim.parent, cache / "fake-cuda" / shim.parent.name)
+
+
 @pytest.fixture(scope="module")
-def ran(tmp_path_factory) -> dict:
+def ran(tmp_path_factory, request) -> dict:
     """Every page's commands, run once in one workspace."""
     ws = tmp_path_factory.mktemp("docs-workspace")
     _write_workspace(ws)
+    _seed_cache(ws, request)
     env = {**os.environ, "HOME": str(ws), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     env.pop("FLOPWISE_CACHE", None)
     # the run the evaluation page works on, and the data directories pages name without making
