@@ -732,8 +732,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     model, name = None, ""
     run: dict[str, Any] = {}
     cfg, source = _plan_config(args)
-    # the step a default `train` takes on a GPU: compile, loss and attention as auto resolves them
-    cfg, speed = (None, {}) if cfg is None else _default_step(cfg, strategy, args)
+    # without --config: the step a default `train` takes on a GPU (compile, loss, attention as auto resolves them)
+    cfg, speed, respeed = (cfg, {}, None) if cfg is None or args.config else _default_step(cfg, strategy, args)
     if cfg is not None and (args.config or args.overrides):  # the run as configured: every setting it models
         run, run_notes = plan_inputs_for_run(cfg, gpus=args.gpus, gpu=gpu, strategy=strategy,
                                              gpus_per_node=args.gpus_per_node)
@@ -780,7 +780,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         headroom=args.headroom, memory=memory, interconnect=args.interconnect, network=args.network,
         auto_strategy=not strategy and run.get("auto_strategy", True),
         inner_steps=args.inner_steps if args.inner_steps is not None else run.get("inner_steps", 50),
-        comm_share=args.comm_share if args.comm_share is not None else 0.05, **data,
+        comm_share=args.comm_share if args.comm_share is not None else 0.05, defaults=respeed, **data,
     )
     if args.trace and (gpu is None or model is None):
         raise PlanError("--trace traces the planned step: it needs --gpu and --model (or --config)")
@@ -825,27 +825,36 @@ def _plan_config(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     return build_config(**source, read_hf_config=_read_hf_config), source
 
 
-def _default_step(cfg: Any, strategy: str, args: argparse.Namespace) -> tuple[Any, dict[str, str]]:
+def _default_step(cfg: Any, strategy: str, args: argparse.Namespace) -> tuple[Any, dict[str, str], Any]:
     """``cfg`` with ``train.compile`` as ``auto`` resolves it on a GPU (``--gpu``'s, or any) for the
     run of ``strategy`` (the planner's choice where empty) over ``--gpus``, by train/defaults.py's
-    rule -- the one the trainer and the dry run apply --, and the plan's ``defaults``: what each
+    rule -- the one the trainer and the dry run apply --; the plan's ``defaults``: what each
     ``auto`` of the step became (``compile``; ``loss`` and ``attention`` where neither the config
-    nor a flag names them), for the settings line."""
+    nor a flag names them), for the settings line; and ``PlanInputs.defaults``, the same rule for
+    the memory settings of another strategy or GPU count (the plan's suggestions)."""
     import copy
 
-    asked = copy.deepcopy(cfg)  # the layout the wrapper is decided for; the plan's cfg keeps its own
-    pc = asked.parallel
-    pc.strategy = strategy or ("auto" if pc.strategy == "single" and args.gpus > 1 else pc.strategy)
-    pc.inner_strategy = args.inner_strategy or pc.inner_strategy
-    pc.group_size = pc.group_size if args.group_size is None else args.group_size
+    def compile_for(strategy: str, gpus: int, inner: str | None, group: int | None) -> tuple[Compile, str]:
+        layout = copy.deepcopy(cfg)  # the layout the wrapper is decided for
+        pc = layout.parallel
+        pc.strategy = strategy or ("auto" if pc.strategy == "single" and gpus > 1 else pc.strategy)
+        pc.inner_strategy = inner or pc.inner_strategy
+        pc.group_size = pc.group_size if group is None else group
+        return resolve_compile(cfg.train.compile, "cuda", step_wrapper(layout, gpus))
+
+    def respeed(mem: MemorySettings) -> MemorySettings:
+        mode = compile_for(mem.strategy, mem.n_gpus, mem.inner_strategy, mem.group_size)[0]
+        loss = planned_loss(TrainConfig(loss="auto", compile=mode))[0] if "loss" in speed else mem.loss
+        return dataclasses.replace(mem, compiled=mode != "off", loss_in_graph=mode == "model", loss=loss)
+
     out = copy.deepcopy(cfg)
-    out.train.compile, why = resolve_compile(cfg.train.compile, "cuda", step_wrapper(asked, args.gpus))
+    out.train.compile, why = compile_for(strategy, args.gpus, args.inner_strategy, args.group_size)
     speed = {"compile": f"auto -> {out.train.compile} ({why})" if why else out.train.compile}
     if cfg.train.loss == "auto" and not args.loss:
         speed["loss"] = f"auto -> {planned_loss(out.train)[0]}"
     if cfg.model.attention == "auto" and not args.attention:
         speed["attention"] = "auto -> flash or SDPA, as the GPU's install has them (planned alike)"
-    return out, speed
+    return out, speed, respeed
 
 
 def _plan_data(cfg: Any, notes: list[str]) -> dict[str, Any]:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from flopwise.config import ModelConfig, batch_split_problems
 from flopwise.errors import FlopwiseError
@@ -105,6 +105,10 @@ class PlanInputs:
     # its train split's tokens say how many epochs the token budget is.
     data_path: str = ""
     data_train_tokens: int = 0
+    # How a default `train` sets compile and loss for memory settings of another strategy or GPU
+    # count (a suggestion's): flopwise plan passes train/defaults.py's rule, which this layer
+    # cannot import; None keeps them as they are.
+    defaults: Callable[[MemorySettings], MemorySettings] | None = None
 
     def validate(self) -> None:
         """Raise :class:`PlanError` listing every bad flag."""
@@ -532,6 +536,7 @@ def fit_suggestions(inp: PlanInputs) -> list[dict[str, Any]]:
 
     def plan_of(gpus: int, strategy: str, checkpointing: str, micro_batch: int = -1) -> dict[str, Any]:
         mem = replace(inp.memory, strategy=strategy, activation_checkpointing=checkpointing, n_gpus=gpus)
+        mem = inp.defaults(mem) if inp.defaults else mem  # what a default train compiles there
         return _build_plan(replace(inp, gpus=gpus, memory=mem,
                                    micro_batch=inp.micro_batch if micro_batch < 0 else micro_batch))
 
