@@ -137,6 +137,7 @@ def test_a_run_without_a_recorded_cwd_still_says_where_its_data_is_not(old_form_
     record = read_json(run / "run.json")
     del record["cwd"]
     (run / "run.json").write_text(json.dumps(record))
+    (run / "manifest.json").unlink(missing_ok=True)  # a run that old had no manifest either
     monkeypatch.chdir(tmp_path)
     with pytest.raises(runner.DataDirError, match=r"data directory data_cl is not here: give --data DIR"):
         runner.evaluate(run, runner.EvalOptions(device="cpu"), log=lambda s: None)

@@ -122,6 +122,26 @@ def test_a_run_lists_its_files_and_a_flipped_byte_in_run_json_refuses_the_resume
     assert latest_checkpoint(first.run_dir).name == "step-0000002"  # refused before anything was trained
 
 
+@pytest.mark.parametrize("name", ["plan.json", "run.json"])
+def test_report_and_eval_refuse_a_file_the_manifest_no_longer_vouches_for(tiny_overrides, capsys, name):
+    """What a resume trusts, the report and eval trust alike: a flipped byte is one line naming the
+    file (exit 2), not a report or an evaluation drawn from a file the run did not write. The
+    change keeps the file valid JSON (a digit changed), as a hand edit would."""
+    overrides = [*tiny_overrides, *QUIET]
+    run = train(build_config(overrides=overrides + ["train.max_steps=2"]), log=lambda s: None).run_dir
+    text = (run / name).read_text()
+    at = next(i for i, c in enumerate(text) if c in "12345678")
+    (run / name).write_text(text[:at] + str(int(text[at]) + 1) + text[at + 1:])
+    commands = [["report", str(run), "--out", str(run.parent / "report")]]
+    if name == "run.json":  # eval reads run.json (where the run started), not plan.json
+        commands.append(["eval", str(run), "--windows", "2"])
+    for command in commands:
+        capsys.readouterr()
+        assert main(command) == 2, command
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and str(run / name) in err[0] and "checksum mismatch" in err[0], (command, err)
+
+
 def test_a_run_recorded_in_the_old_form_resumes_and_is_written_in_the_new(tiny_overrides):
     overrides = [*tiny_overrides, *QUIET]
     first = train(build_config(overrides=overrides + ["train.max_steps=2"]), log=lambda s: None)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from flopwise.checkpoints import latest_checkpoint, list_checkpoints, read_state
+from flopwise.checkpoints import CheckpointError, latest_checkpoint, list_checkpoints, read_run_json, read_state
 from flopwise.config import (
     CHECKPOINTS,
     MAX_VAL_TOKENS,
@@ -57,7 +57,7 @@ from flopwise.data.tokenizer import load_tokenizer
 from flopwise.errors import shown
 from flopwise.evaluate.loss import bits_per_byte, evaluate_loss, perplexity, target_bytes
 from flopwise.evaluate.tasks import evaluate_tasks
-from flopwise.fsio import AppendFile, FileFormatError, WriteError, is_write_fault, loads_json, read_json, write_error
+from flopwise.fsio import AppendFile, WriteError, is_write_fault, loads_json, write_error
 from flopwise.model.io import EXPORT_RECORD, ModelSource, ModelSourceError, load_model, read_export_record, resolve
 
 Log = Callable[[str], None]
@@ -233,14 +233,11 @@ def _check_readable(dd: DataDir, n: int, T: int, src: ModelSource, options: Eval
 
 def _run_record(source: Path) -> dict[str, Any]:
     """The object in the ``run.json`` of the run ``source`` belongs to (a checkpoint's run is two
-    levels up); {} when there is none or it cannot be read (it only adds to what eval says)."""
+    levels up); {} when there is none. One changed or torn since the run wrote it (its manifest
+    says) is refused, a CheckpointError naming it, as a resume refuses it."""
     for run_dir in (source, source.parent.parent):
-        record = run_dir / "run.json"
-        if record.is_file():
-            try:
-                found = read_json(record)
-            except FileFormatError:
-                return {}
+        if (run_dir / "run.json").is_file():
+            found = read_run_json(run_dir, "run.json")
             return found if isinstance(found, dict) else {}
     return {}
 
@@ -403,9 +400,9 @@ def evaluated_steps(run_dir: Path) -> set[int]:
 def run_finished(run_dir: Path) -> bool:
     """The training process wrote its result and its last checkpoint is the run's final step."""
     try:
-        record_ = read_json(run_dir / "run.json")
+        record_ = read_run_json(run_dir, "run.json")
         total = load_run_config(run_dir / "config.yaml").total_steps()
-    except (OSError, ValueError):
+    except (OSError, ValueError, CheckpointError):  # not a finished run as it wrote itself
         return False
     last = latest_checkpoint(run_dir)
     return isinstance(record_, dict) and "result" in record_ and last is not None and int(last.name[5:]) >= total

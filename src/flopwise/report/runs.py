@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flopwise.checkpoints import run_file_problem
 from flopwise.config import ConfigError, read_yaml
 from flopwise.errors import FlopwiseError
 from flopwise.fsio import FileFormatError, loads_json, read_json
@@ -158,8 +159,12 @@ def read_jsonl(path: Path, warnings: list[str]) -> tuple[list[dict[str, Any]], l
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
+    """A JSON object of the run's; one its manifest lists (plan.json, run.json) checked against it first."""
     if not path.is_file():
         return None
+    problem = run_file_problem(path.parent, path.name)
+    if problem:
+        raise ReportError(f"{path}: {problem}")
     try:
         data = read_json(path)
     except FileFormatError as e:
