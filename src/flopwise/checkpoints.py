@@ -229,6 +229,13 @@ def read_run_json(run_dir: Path, name: str) -> Any:
         raise CheckpointError(str(e)) from None
 
 
+def intact_note(checkpoint: Path | str | None) -> str:
+    """What a write fault leaves a run: its last checkpoint, which the same command resumes from
+    (a WriteError's ``kept``); "" when none was saved yet."""
+    return f"the checkpoint {checkpoint} is intact: the same command resumes from it once there is room" \
+        if checkpoint else ""
+
+
 # --------------------------------------------------------------------------- find
 
 def is_complete(path: Path) -> bool:

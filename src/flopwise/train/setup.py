@@ -25,7 +25,7 @@ from typing import Any, Callable, cast
 
 import torch
 
-from flopwise.checkpoints import read_state, seal_run_files
+from flopwise.checkpoints import intact_note, read_state, seal_run_files
 from flopwise.config import ConfigError, RunConfig, batch_split_problems, recorded_paths
 from flopwise.data.datadir import DataDir, open_data_dir
 from flopwise.data.loader import LoaderOptions, fixed_windows, make_loader
@@ -524,7 +524,7 @@ def write_run_files(run: Run) -> None:
     """Rank 0: config.yaml, plan.json, run.json (with this start), the tokenizer, the preflight."""
     run_dir, step = run.run_dir, run.progress.step
     ckpt = run.start.checkpoint  # what a full disk here leaves a resume: the user's next step
-    kept = f"the checkpoint {ckpt} is intact: the same command resumes from it once there is room" if ckpt else ""
+    kept = intact_note(ckpt)
     if run.start.resumed_run:
         truncate_metrics(run_dir / "metrics.jsonl", step, kept)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from flopwise.checkpoints import intact_note
 from flopwise.config import RunConfig
 from flopwise.deps import missing_for_run, require
 from flopwise.fsio import WriteError
@@ -102,10 +103,8 @@ def _train(run: Run) -> TrainResult:
     except WriteError as e:  # a full disk under metrics.jsonl, TensorBoard, samples.txt, run.json
         with contextlib.suppress(Exception):
             run.sink.close()
-        last = run.progress.last_saved
-        kept = (f"the checkpoint {last} is intact: the same command resumes from it once there is room" if last
-                else "no checkpoint was saved yet")
-        raise WriteError(f"{e}; {kept}", e.errno, e.filename) from e
+        kept = intact_note(run.progress.last_saved) or "no checkpoint was saved yet"
+        raise WriteError(f"{e}; {kept}", e.errno, e.filename) from e  # the write site cannot know it
 
 
 def _loop(run: Run) -> tuple[str, str]:
