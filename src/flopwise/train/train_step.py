@@ -20,7 +20,6 @@ reads the values before its update instead -- one host sync per step, said in th
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -28,6 +27,7 @@ from typing import Any, Callable
 import torch
 
 from flopwise.config import RunConfig
+from flopwise.fsio import write_json
 from flopwise.measure.timing import StepTimer, nvtx
 from flopwise.model.loss import make_loss_fn
 from flopwise.parallel.distributed import DistEnv
@@ -384,13 +384,13 @@ def handle_bad_step(run: Run, out: StepOutcome, reload: Callable[[Any], dict]) -
             log(f"  event {what}: stopping: {refusal}")
         diag = run.run_dir / f"nonfinite-step-{bad_step:07d}.json"
         if run.env.is_main:
-            diag.write_text(json.dumps({
+            write_json(diag, {
                 "step": bad_step, "event": out.bad, "loss": out.loss, "grad_norm": out.grad_norm, "lr": out.lr,
                 "policy": guard.policy, "stopped_because": refusal, "in_a_row": guard.in_a_row,
                 "skipped": guard.skipped, "rollbacks": guard.rollbacks, "rollbacks_to": guard.rollbacks_to,
                 "loader_after_step": out.loader_state,
                 "last_checkpoint": str(last_saved) if last_saved else None,
-            }, indent=2, default=str))
+            }, "the diagnostics of the stop")
         raise NonFiniteError(f"{what}; diagnostics in {diag}; last checkpoint {last_saved}; {refusal}")
     run.meter.pause()
     if guard.policy == "skip":
