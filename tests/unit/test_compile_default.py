@@ -16,7 +16,7 @@ GiB = 2**30
 
 
 @pytest.mark.parametrize("strategy, world, wrapper", [
-    ("ddp", 8, "ddp"), ("zero1", 8, "zero1"), ("fsdp2", 8, "fsdp2"), ("auto", 8, "data-parallel"),
+    ("ddp", 8, "ddp"), ("zero1", 8, "zero1"), ("fsdp2", 8, "fsdp2"), ("auto", 8, "ddp, zero1 or fsdp2"),
     ("auto", 1, ""), ("single", 1, ""), ("ddp", 1, ""),
     ("diloco", 8, "ddp"),  # groups of 4 with DDP inside
 ])

@@ -43,13 +43,13 @@ WRAPPERS = ("ddp", "zero1", "fsdp2")
 
 def step_wrapper(cfg: RunConfig, world: int) -> str:
     """The data-parallel wrapper the step's model runs in at ``world`` ranks: ``ddp``, ``zero1``,
-    ``fsdp2`` (``auto`` over several ranks picks one of them, named here ``data-parallel``), the
+    ``fsdp2`` (``auto`` over several ranks picks one of them: ``ddp, zero1 or fsdp2``), the
     inner strategy of a DiLoCo group of several ranks; ``""`` for none (one rank, ``single``)."""
     strategy = cfg.parallel.strategy
     if world <= 1 or strategy == "single":
         return ""
     if strategy == "auto":
-        return "data-parallel"
+        return "ddp, zero1 or fsdp2"
     if strategy == "diloco":
         from flopwise.parallel.diloco import group_size  # lazy: torch, and only DiLoCo asks
 
