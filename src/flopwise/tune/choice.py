@@ -141,7 +141,8 @@ def search(start: Trial, sizes: list[int], measure: MeasureSize, decided: Decide
     """The one micro-batch search, from ``start`` (already timed, at its own checkpointing)
     outward through ``sizes``: the larger ones first (ascending), then the smaller (descending).
     Tokens/s rises with the micro-batch to a peak and then falls or runs out of memory, so a
-    direction stops at its first size that is slower than the best so far or fails, and going
+    direction stops at its first size that is slower than the best so far by more than the noise
+    (:func:`noise`: one slow window of a noisy timing does not end it) or fails, and going
     up at its first that does not fit (an out-of-memory or the planner's no: a larger one would
     not fit either; going down a smaller one may); the sizes left in it are not measured (a
     "skipped" trial saying why). Then activation checkpointing,
@@ -175,7 +176,7 @@ def search(start: Trial, sizes: list[int], measure: MeasureSize, decided: Decide
                     stop, past_fit = f"micro-batch {b} did not fit: a larger one would not either", True
             elif t.status != "ok":
                 stop = t.note if t.status == "skipped" else f"micro-batch {b} failed"
-            elif before is not None and rate(t) <= rate(before):
+            elif before is not None and rate(before) - rate(t) > noise(before, t, MIN_NOISE) * rate(before):
                 stop = f"micro-batch {b} was slower: tokens/s falls past the fastest size"
     bigger = sorted(b for b in set(too_big) if b > (best.micro_batch if best else 0))
     for b in bigger:
