@@ -27,6 +27,7 @@ The files are parsed (``ast``), never imported.
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,7 +93,8 @@ def _modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(SRC.rglob("*.py"))}
 
 
-def collect() -> list[Import]:
+@functools.cache  # the tree does not change during a run: parsed once for the five tests, not five times
+def collect() -> tuple[Import, ...]:
     """Every import of a flopwise module in src/flopwise, resolved to the module it loads."""
     modules = _modules()
     out: list[Import] = []
@@ -115,7 +117,7 @@ def collect() -> list[Import]:
                 visit(child, in_function or func, type_checking or tc)
 
         visit(ast.parse(text, filename=str(path)), False, False)
-    return out
+    return tuple(out)
 
 
 def _targets(node: ast.Import | ast.ImportFrom, package: str, modules: dict[str, Path]) -> list[str]:
@@ -155,7 +157,7 @@ def test_no_module_imports_a_higher_layer():
     assert not problems, _report(problems, "imports of a higher layer")
 
 
-def _cycles(imports: list[Import]) -> list[list[str]]:
+def _cycles(imports: tuple[Import, ...]) -> list[list[str]]:
     """Strongly connected components (more than one module) of the runtime import graph (Tarjan)."""
     graph: dict[str, set[str]] = {}
     for i in imports:
