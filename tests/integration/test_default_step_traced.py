@@ -1,5 +1,6 @@
-"""The step a default ``train`` takes on a GPU, traced on fake tensors (the dry run): under DDP,
-ZeRO-1 and FSDP2 ``train.compile=auto`` compiles each block, with no graph break; and ``flopwise
+"""The step a default ``train`` takes on a GPU, traced on fake tensors (the dry run): under ZeRO-1
+``train.compile=auto`` compiles each block, with no graph break (DDP and FSDP2: the dry-run
+matrix, tests/integration/test_dryrun.py); and ``flopwise
 plan --model PRESET --gpu GPU`` plans that step -- compiled where auto compiles, its loss and
 attention as auto resolves them there -- within 10% of the traced memory and at the traced FLOPs.
 Every figure here is traced, none measured: two tracing processes, a few minutes on 2 cores."""
@@ -18,7 +19,9 @@ from flopwise.tune.dryrun import dry_run_batch
 from flopwise.tune.shim import compiler
 
 RANKS = 8
-WRAPPERS = ("ddp", "zero1", "fsdp2")
+# ZeRO-1's default step; the dry-run matrix's "ddp auto" and "fsdp2 auto" rows hold DDP and FSDP2 to
+# the same (blocks, no break), so they are not traced a second time here
+WRAPPERS = ("zero1",)
 # (preset, GPU, GPUs, plan's flags): one process compiles the whole model (the plain loss inside
 # its graph); at eight ranks auto picks a wrapper and compiles blocks (the chunked loss outside them)
 PLANNED = [("tiny", "a100", 1, ("--seq-len", "256")), ("smollm-135m", "h100", RANKS, ())]

@@ -5,6 +5,7 @@ their own (pytester) that reads this project's conftest."""
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 pytest_plugins = ["pytester"]
@@ -18,7 +19,12 @@ FILES = {
 }
 
 
-def _project(pytester) -> None:
+def _project(pytester, monkeypatch) -> None:
+    """The stand-in project. Its heavy files carry the real ones' module names (HEAVY_FIRST is by
+    name), so a worker that ran the real ones first has them in sys.modules: the in-process run
+    would refuse them as another file's ("import file mismatch"). They are set aside meanwhile."""
+    for name in FILES:
+        monkeypatch.delitem(sys.modules, Path(name).stem, raising=False)
     for name in ("conftest.py", "helpers.py"):
         shutil.copy(TESTS / name, pytester.path / name)
     pytester.makeini("[pytest]\nmarkers =\n    extended: on request\n")
@@ -27,8 +33,8 @@ def _project(pytester) -> None:
         (pytester.path / name).write_text(text)
 
 
-def test_the_extended_lane_runs_only_when_asked(pytester):
-    _project(pytester)
+def test_the_extended_lane_runs_only_when_asked(pytester, monkeypatch):
+    _project(pytester, monkeypatch)
     default = pytester.runpytest_inprocess("-q")
     default.assert_outcomes(passed=3, deselected=1)
     asked = pytester.runpytest_inprocess("-q", "-m", "extended")
@@ -37,8 +43,8 @@ def test_the_extended_lane_runs_only_when_asked(pytester):
     fast.assert_outcomes(passed=3, deselected=1)
 
 
-def test_the_heavy_files_come_first(pytester):
-    _project(pytester)
+def test_the_heavy_files_come_first(pytester, monkeypatch):
+    _project(pytester, monkeypatch)
     done = pytester.runpytest_inprocess("--collect-only", "-q")
     files = [line.split("::")[0] for line in done.outlines if "::" in line]
     assert files == ["integration/test_dryrun.py", "integration/test_doc_commands.py", "test_cheap.py"], files
