@@ -1061,7 +1061,7 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
 
 
 # The last line of a run's config.yaml as flopwise wrote it before the run's manifest.json
-# (``checkpoints.seal_run_files``) held the checksums of a run's files: still read, never written.
+# (``manifest.seal_run_files``) held the checksums of a run's files: still read, never written.
 CHECKSUM_MARK = "# flopwise sha256 of the lines above: "
 
 

@@ -13,8 +13,8 @@ import re
 import pytest
 import yaml
 
-from flopwise.checkpoints import file_entry
 from flopwise.cli import main as cli_main
+from flopwise.manifest import file_entry
 from tests.helpers import tiny_model_overrides
 
 VAL = re.compile(r"val +loss ([0-9.]+) .*\((\d+) windows x (\d+) tokens: (.*)\)")

@@ -11,10 +11,11 @@ import time
 import pytest
 import torch
 
-from flopwise.checkpoints import latest_checkpoint, list_checkpoints, run_file_problem
+from flopwise.checkpoints import latest_checkpoint, list_checkpoints
 from flopwise.config import ConfigError, TrainConfig, build_config
 from flopwise.data.datadir import open_data_dir
 from flopwise.data.loader import LoaderOptions, make_loader
+from flopwise.manifest import run_file_problem
 from flopwise.train.stopping import Deadline, NonFiniteError, NonFiniteGuard
 from flopwise.train.trainer import train
 

@@ -1,6 +1,6 @@
 """One checksum format for a run directory: config.yaml, plan.json and run.json are listed in the
 run's ``manifest.json`` with their sizes and CRC32s, as a checkpoint's files are in its
-``COMPLETE`` (``checkpoints.seal_run_files``). A flipped byte or a cut file is refused in one
+``COMPLETE`` (``manifest.seal_run_files``). A flipped byte or a cut file is refused in one
 line naming it; a write cut short by a kill leaves a file the manifest still vouches for; a run
 recorded before the manifest (config.yaml's checksum comment line, no manifest) still resumes and
 is written in the new form. Real files, real corruption."""
@@ -13,17 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from flopwise import checkpoints
-from flopwise.checkpoints import (
-    RUN_MANIFEST,
-    CheckpointError,
-    latest_checkpoint,
-    read_run_json,
-    run_file_problem,
-    seal_run_files,
-)
+from flopwise import manifest as run_files
+from flopwise.checkpoints import CheckpointError, latest_checkpoint
 from flopwise.cli import main
 from flopwise.config import CHECKSUM_MARK, build_config
+from flopwise.manifest import RUN_MANIFEST, read_run_json, run_file_problem, seal_run_files
 from flopwise.train.trainer import train
 
 QUIET = ["eval.every=0", "eval.sample_tokens=0", "train.log_every=1", "train.checkpoint_every=2"]
@@ -57,7 +51,7 @@ def test_sealed_files_read_back_and_list_in_the_checkpoint_format(tmp_path):
     manifest = json.loads((run / RUN_MANIFEST).read_text())
     assert sorted(manifest["files"]) == sorted(NAMES)
     for name in NAMES:
-        assert manifest["files"][name] == checkpoints.file_entry(run / name)  # COMPLETE's entries: bytes, crc32
+        assert manifest["files"][name] == run_files.file_entry(run / name)  # COMPLETE's entries: bytes, crc32
         assert run_file_problem(run, name) == ""
     assert read_run_json(run, "plan.json") == {"flops": 1.5e15}
     assert run_file_problem(run, "preflight.json") is None  # not listed: nothing vouches either way
@@ -86,19 +80,19 @@ def test_a_torn_file_is_refused_naming_it(tmp_path):
 def test_a_write_killed_part_way_leaves_files_the_manifest_vouches_for(tmp_path, monkeypatch):
     run = sealed(tmp_path)
     old = (run / "run.json").read_bytes()
-    real = checkpoints.write_file
+    real = run_files.write_file
 
     def killed(path, data, what="", kept=""):
         if Path(path).name == "run.json":
             raise KeyboardInterrupt  # the kill lands after the manifest announced the new run.json
         real(path, data, what, kept)
 
-    monkeypatch.setattr(checkpoints, "write_file", killed)
+    monkeypatch.setattr(run_files, "write_file", killed)
     with pytest.raises(KeyboardInterrupt):
         seal_run_files(run, {"run.json": json.dumps({"starts": [{"at_step": 0}, {"at_step": 2}]})})
     assert "was" in json.loads((run / RUN_MANIFEST).read_text())["files"]["run.json"]
     assert (run / "run.json").read_bytes() == old and run_file_problem(run, "run.json") == ""
-    monkeypatch.setattr(checkpoints, "write_file", real)
+    monkeypatch.setattr(run_files, "write_file", real)
     seal_run_files(run, {"run.json": json.dumps({"starts": [{"at_step": 0}, {"at_step": 2}]})})
     assert "was" not in json.loads((run / RUN_MANIFEST).read_text())["files"]["run.json"]
     assert [run_file_problem(run, n) for n in NAMES] == ["", "", ""]

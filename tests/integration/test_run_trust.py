@@ -21,10 +21,11 @@ import torch
 import yaml
 
 import flopwise
-from flopwise.checkpoints import CheckpointError, file_entry, latest_checkpoint, list_checkpoints
+from flopwise.checkpoints import CheckpointError, latest_checkpoint, list_checkpoints
 from flopwise.config import ConfigError, build_config
 from flopwise.evaluate.runner import EvalOptions, evaluate
 from flopwise.fsio import DirLock, LockedError, WriteError, write_file
+from flopwise.manifest import file_entry
 from flopwise.model.io import ModelSourceError, export_consolidated, export_hf
 from flopwise.train.trainer import train
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from flopwise import checkpoints as checkpoint_module
+from flopwise import manifest as manifest_module
 from flopwise.checkpoints import CheckpointError, list_checkpoints
 from flopwise.config import build_config
 from flopwise.evaluate import runner
@@ -48,7 +48,7 @@ def test_a_checkpoint_deleted_between_listing_and_loading_is_skipped(run_dir):
 def test_a_checkpoint_deleted_while_its_files_are_verified_is_skipped(run_dir, monkeypatch):
     """Retention renames step-2 away after the first of its files passed its checksum: the next
     file is 'missing from the checkpoint' (a CheckpointError), and the checkpoint is gone."""
-    real_crc = checkpoint_module._file_crc
+    real_crc = manifest_module._file_crc
     pruned = []
 
     def crc_then_prune(path):
@@ -57,7 +57,7 @@ def test_a_checkpoint_deleted_while_its_files_are_verified_is_skipped(run_dir, m
             pruned.extend(apply_retention(run_dir, keep_last=2))  # step-2 only
         return crc
 
-    monkeypatch.setattr(checkpoint_module, "_file_crc", crc_then_prune)
+    monkeypatch.setattr(manifest_module, "_file_crc", crc_then_prune)
     errors = []
     real_evaluate = runner.evaluate
 

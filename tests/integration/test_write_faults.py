@@ -21,10 +21,11 @@ from pathlib import Path
 import pytest
 from helpers import tiny_model_overrides
 
-from flopwise.checkpoints import latest_checkpoint, run_file_problem, verify_checkpoint
+from flopwise.checkpoints import latest_checkpoint, verify_checkpoint
 from flopwise.config import build_config
 from flopwise.errors import FlopwiseError
 from flopwise.fsio import AppendFile, WriteError
+from flopwise.manifest import run_file_problem
 from flopwise.model.io import export_hf
 from flopwise.report import build_report
 from flopwise.train.trainer import train

@@ -14,7 +14,6 @@ import torch
 from flopwise.checkpoints import (
     CheckpointError,
     adopt_checkpoint,
-    file_entry,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -22,6 +21,7 @@ from flopwise.checkpoints import (
     verify_checkpoint,
 )
 from flopwise.fsio import describe_write_error
+from flopwise.manifest import file_entry
 from flopwise.train.checkpoint import apply_retention, rng_state, save_checkpoint, set_rng_state
 
 

@@ -2,7 +2,7 @@
 
 Layers, low to high (a module may import its own layer and the ones below, never above):
 
-    0  flopwise (__init__), errors, fsio, deps, config, checkpoints
+    0  flopwise (__init__), errors, fsio, deps, config, manifest, checkpoints
     1  model, data, plan, measure
     2  evaluate, parallel (process groups, DDP/ZeRO-1/FSDP2 wrapping, DiLoCo)
     3  train
@@ -10,7 +10,8 @@ Layers, low to high (a module may import its own layer and the ones below, never
     5  cli, __main__
 
 ``checkpoints`` (the checkpoint directory: find, verify, read) sits with ``fsio`` at the bottom:
-it is a file format that ``train`` writes and ``model/io`` and ``evaluate`` read. ``evaluate``
+it is a file format that ``train`` writes and ``model/io`` and ``evaluate`` read; ``manifest``
+(the size and CRC32 of a checkpoint's or a run's files) below it, free of torch, for ``report``. ``evaluate``
 (validation loss, multiple-choice tasks, generation) sits below ``train``: it needs only a model
 and data, and training validates, scores tasks and samples as it goes.
 
@@ -37,14 +38,14 @@ SRC = Path(flopwise.__file__).resolve().parent  # src/flopwise
 PACKAGE = SRC.name
 
 LAYERS: dict[str, int] = {
-    "__init__": 0, "errors": 0, "fsio": 0, "deps": 0, "config": 0, "checkpoints": 0,
+    "__init__": 0, "errors": 0, "fsio": 0, "deps": 0, "config": 0, "manifest": 0, "checkpoints": 0,
     "model": 1, "data": 1, "plan": 1, "measure": 1,
     "evaluate": 2, "parallel": 2,
     "train": 3,
     "report": 4, "tune": 4,
     "cli": 5, "__main__": 5,
 }
-LAYER_NAMES = {0: "base (errors/fsio/deps/config/checkpoints)", 1: "model/data/plan/measure", 2: "evaluate/parallel", 3: "train",
+LAYER_NAMES = {0: "base (errors/fsio/deps/config/manifest/checkpoints)", 1: "model/data/plan/measure", 2: "evaluate/parallel", 3: "train",
                4: "report/tune", 5: "cli"}
 
 # (file relative to src/flopwise, imported module) -> why it is still inside a function without `# lazy:`

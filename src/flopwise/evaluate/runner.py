@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from flopwise.checkpoints import CheckpointError, latest_checkpoint, list_checkpoints, read_run_json, read_state
+from flopwise.checkpoints import CheckpointError, latest_checkpoint, list_checkpoints, read_state
 from flopwise.config import (
     CHECKPOINTS,
     MAX_VAL_TOKENS,
@@ -58,6 +58,7 @@ from flopwise.errors import shown
 from flopwise.evaluate.loss import bits_per_byte, evaluate_loss, perplexity, target_bytes
 from flopwise.evaluate.tasks import evaluate_tasks
 from flopwise.fsio import AppendFile, WriteError, is_write_fault, loads_json, write_error
+from flopwise.manifest import read_run_json
 from flopwise.model.io import EXPORT_RECORD, ModelSource, ModelSourceError, load_model, read_export_record, resolve
 
 Log = Callable[[str], None]

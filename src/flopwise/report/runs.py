@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flopwise.checkpoints import run_file_problem
 from flopwise.config import ConfigError, read_yaml
 from flopwise.errors import FlopwiseError
 from flopwise.fsio import FileFormatError, loads_json, read_json
+from flopwise.manifest import run_file_problem
 
 METRICS = "metrics.jsonl"
 EVALS = "evals.jsonl"  # written by ``flopwise eval`` beside the training metrics

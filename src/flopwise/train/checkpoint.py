@@ -52,16 +52,12 @@ import torch
 
 from flopwise.checkpoints import (
     CHECKPOINT_DIR,
-    FORMAT_VERSION,
     MARKER,
     CheckpointError,
     checkpoint_path,
-    file_entry,
     latest_checkpoint,
     list_checkpoints,
-    run_file_problem,
     unmarked_checkpoints,
-    write_checksummed,
 )
 from flopwise.config import SECTIONS, ConfigError, RunConfig, checksum_problem, load_run_config, recorded_paths
 from flopwise.errors import shown
@@ -75,6 +71,7 @@ from flopwise.fsio import (
     write_json,
     write_reason,
 )
+from flopwise.manifest import FORMAT_VERSION, file_entry, run_file_problem, write_checksummed
 
 # --------------------------------------------------------------------------- RNG
 

@@ -46,16 +46,15 @@ import torch
 
 from flopwise.checkpoints import (
     SHARDED,
-    file_entry,
     first_failure,
     load_checkpoint,
     load_sharded,
     load_tensors,
     read_state,
     verify_checkpoint,
-    write_checksummed,
 )
 from flopwise.config import ConfigError
+from flopwise.manifest import file_entry, write_checksummed
 from flopwise.parallel.diloco import DiLoCo, leave_diloco
 from flopwise.parallel.distributed import DistEnv
 from flopwise.train.checkpoint import begin_save, discard_save, rng_state, save_checkpoint, save_failed

@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
-from flopwise.checkpoints import seal_run_files
 from flopwise.data.datadir import DataDir
 from flopwise.evaluate.generate import Sampling, generate
 from flopwise.evaluate.loss import Shard, bits_per_byte, evaluate_loss, perplexity
 from flopwise.evaluate.tasks import evaluate_tasks
 from flopwise.fsio import AppendFile, json_text
+from flopwise.manifest import seal_run_files
 from flopwise.measure.meter import format_memory, memory_stats
 from flopwise.measure.sinks import format_mfu, human
 from flopwise.measure.timing import format_breakdown

@@ -17,7 +17,8 @@ import tokenizers
 import torch
 
 from flopwise import __version__
-from flopwise.checkpoints import CheckpointError, read_run_json
+from flopwise.checkpoints import CheckpointError
+from flopwise.manifest import read_run_json
 from flopwise.train.defaults import device_label
 
 

@@ -25,12 +25,13 @@ from typing import Any, Callable, cast
 
 import torch
 
-from flopwise.checkpoints import intact_note, read_state, seal_run_files
+from flopwise.checkpoints import intact_note, read_state
 from flopwise.config import ConfigError, RunConfig, batch_split_problems, recorded_paths
 from flopwise.data.datadir import DataDir, open_data_dir
 from flopwise.data.loader import LoaderOptions, fixed_windows, make_loader
 from flopwise.evaluate.loss import target_bytes
 from flopwise.fsio import MAX_JSON_BYTES, FileFormatError, json_text, loads_json, read_bytes, write_file
+from flopwise.manifest import seal_run_files
 from flopwise.measure.meter import ThroughputMeter
 from flopwise.measure.timing import StepTimer
 from flopwise.measure.tracking import NullTracker, Tracker, check_wandb_login
