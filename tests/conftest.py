@@ -12,11 +12,10 @@ import fcntl
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import tiny_model_overrides
+from helpers import run_flopwise, tiny_model_overrides
 
 # One intra-op thread in the test process and, through the environment, in every CLI and
 # torchrun child, unless the caller set OMP_NUM_THREADS: the tests' tiny tensors gain
@@ -34,14 +33,13 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def _run_cli(*args, cwd=None):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "flopwise", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=600)
+    return run_flopwise(list(args), cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=600)
 
 
 @pytest.fixture
 def cli():
-    """``cli("train", ...)`` runs ``python -m flopwise`` and returns the CompletedProcess."""
+    """``cli("train", ...)`` runs ``python -m flopwise`` in a process of its own and returns the
+    CompletedProcess (forked from a forkserver that imported torch once: helpers.run_flopwise)."""
     return _run_cli
 
 

@@ -144,3 +144,72 @@ def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
 
     mp.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the forkserver starts: the first call in this worker
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
+def _flopwise_command(argv: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
+    """In a process forked by :func:`run_flopwise`: what ``python -m flopwise ARGV`` does in
+    ``cwd`` with ``env``, its stdout and stderr into the files ``out`` and ``err``."""
+    import atexit
+    import os
+    import sys
+    import traceback
+
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, path in ((1, out), (2, err)):
+        file = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(file, fd)
+        os.close(file)
+    import flopwise
+
+    sys.argv = [str(Path(flopwise.__file__).with_name("__main__.py")), *argv]  # as -m sets it (run.json records it)
+    try:
+        from flopwise.cli import main
+
+        code = main(argv)
+    except SystemExit as e:  # argparse's usage errors and --help, as the interpreter ends on them
+        code = e.code
+    except BaseException:  # a bug: its traceback and status 1, as the interpreter's
+        traceback.print_exc()
+        code = 1
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
+def run_flopwise(args: list[str], cwd=None, env: dict[str, str] | None = None, timeout: float = 600):
+    """``subprocess.run([python, "-m", "flopwise", *args], cwd=cwd, env=env, capture_output=True,
+    text=True, timeout=timeout)``, the process forked from the forkserver :func:`spawn_ranks` and
+    preflight's trials use (torch, dynamo and torch.distributed imported once) rather than a new
+    interpreter importing them again: about 4 s of CPU a command here. The command is still a
+    process of its own, nothing run in it before -- its own directory, environment, argv, exit
+    status and output; what it does not repeat is ``python -m flopwise``'s start, which the docs
+    lane's ``python`` commands, the README's main job and the tests that signal or watch a CLI
+    process (``subprocess``, the console script) keep running for real."""
+    import os
+    import subprocess
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from flopwise.tune.trial import FORKSERVER_PRELOAD
+
+    mp.set_forkserver_preload(FORKSERVER_PRELOAD)  # read when the forkserver starts: the first call in this worker
+    argv = [str(a) for a in args]
+    with tempfile.TemporaryDirectory(prefix="flopwise-cli-") as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        proc = mp.get_context("forkserver").Process(target=_flopwise_command, args=(
+            argv, str(cwd or os.getcwd()), dict(os.environ if env is None else env), out, err))
+        proc.start()
+        proc.join(timeout)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired(["flopwise", *argv], timeout)
+        read = [Path(p).read_text(errors="replace") if Path(p).exists() else "" for p in (out, err)]
+    return subprocess.CompletedProcess(["flopwise", *argv], proc.exitcode, read[0], read[1])

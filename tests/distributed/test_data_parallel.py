@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import assert_grad_norms_close, assert_weights_close, grad_norms, torchrun_children
+from helpers import assert_grad_norms_close, assert_weights_close, grad_norms, run_flopwise, torchrun_children
 
 STEPS = 8
 STRATEGIES = ("ddp", "zero1", "fsdp2")
@@ -42,8 +42,7 @@ def torchrun(nproc: int, overrides: list[str], timeout: int = 300) -> subprocess
 
 
 def one_process(overrides: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flopwise", "train", *overrides], capture_output=True, text=True,
-                          env=_env(), timeout=300)
+    return run_flopwise(["train", *overrides], env=_env(), timeout=300)
 
 
 def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -4,7 +4,9 @@ The lane reads the fenced code blocks of the pages: every line of a ``bash`` blo
 ``$ `` lines of an untagged block (a transcript), that starts ``flopwise``, ``python`` or
 ``torchrun``. It runs them in doc order, page by page, as separate processes in one workspace
 (``HOME`` there too, so ``~/`` and the builtin corpus's cache are the workspace's) that holds
-the small inputs the pages name (:func:`workspace`). Three documented changes make them
+the small inputs the pages name (:func:`workspace`): a ``flopwise`` command forked from a
+forkserver that imported torch once (``helpers.run_flopwise``: about 4 s of CPU a command), a
+``python`` command as a new interpreter. Three documented changes make them
 affordable here; nothing else is changed:
 
 - :data:`SUBSTITUTE`: sizes a small corpus can fill (a vocabulary of 512, token budgets);
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from helpers import run_flopwise
 
 from flopwise.cli import build_parser
 from flopwise.config import build_config
@@ -178,13 +181,14 @@ def _write_workspace(ws: Path) -> None:
         "hidden_act": "silu"}))
 
 
-def _argv(words: list[str]) -> list[str]:
-    """The words as this test's interpreter runs them."""
-    if words[0] == "flopwise":
-        return [sys.executable, "-m", "flopwise", *words[1:]]
-    if words[0] == "python":
-        return [sys.executable, *words[1:]]
-    return words
+def _run(words: list[str], ws: Path, env: dict) -> subprocess.CompletedProcess:
+    """The command run in ``ws``: ``flopwise ...`` (or ``python -m flopwise ...``) as
+    ``helpers.run_flopwise`` runs it, ``python ...`` with this test's interpreter."""
+    fw = _flopwise_words(words)
+    if fw is not None and words[0] in ("flopwise", "python"):
+        return run_flopwise(fw, cwd=ws, env=env, timeout=900)
+    argv = [sys.executable, *words[1:]] if words[0] == "python" else words
+    return subprocess.run(argv, cwd=ws, env=env, capture_output=True, text=True, timeout=900)
 
 
 def _flopwise_words(words: list[str]) -> list[str] | None:
@@ -240,8 +244,7 @@ def _run_page(page: Path, ws: Path, env: dict) -> tuple[list[str], dict[str, str
                     failures.append(f"{cmd.where}: `{part}` ({why}: parsed only) does not parse: {e!r}")
                 continue
             expected = EXPECTED_STATUS.get(part, 0)
-            argv = _argv(_prepared(words) if expected == 0 else words)  # an error shown runs as written
-            done = subprocess.run(argv, cwd=ws, env=env, capture_output=True, text=True, timeout=900)
+            done = _run(_prepared(words) if expected == 0 else words, ws, env)  # an error shown runs as written
             outputs[part] = done.stdout + done.stderr
             if done.returncode != expected:
                 failures.append(f"{cmd.where}: `{part}` exited {done.returncode} (expected {expected}):\n"
@@ -276,7 +279,7 @@ def ran(tmp_path_factory, request) -> dict:
     setup = [["flopwise", "prepare", "my_texts/", "--out", "DIR", "--vocab-size", "512"],
              ["flopwise", "train", "data.path=DIR", "train.run_dir=runs/my-run", *SMALL]]
     for words in setup:
-        done = subprocess.run(_argv(words), cwd=ws, env=env, capture_output=True, text=True, timeout=900)
+        done = _run(words, ws, env)
         assert done.returncode == 0, f"workspace set-up `{shlex.join(words)}`:\n{done.stderr[-2500:]}"
     (ws / "data").mkdir()
     (ws / "data" / "fineweb-10B").symlink_to(ws / "DIR")

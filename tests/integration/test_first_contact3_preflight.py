@@ -12,17 +12,15 @@ import re
 import shlex
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
-from helpers import tiny_model_overrides
+from helpers import run_flopwise, tiny_model_overrides
 
 
 def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run([sys.executable, "-m", "flopwise", *args], capture_output=True, text=True, cwd=cwd,
-                          env=env, timeout=900)
+    return run_flopwise(args, cwd=cwd, env=env, timeout=900)
 
 
 def test_the_command_preflight_prints_trains_from_another_directory(small_builtin, tmp_path):

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import run_flopwise
 
 SMALL = ["model.vocab_size=512", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
          "model.ffn_hidden=64", "model.max_seq_len=32", "train.seq_len=32", "train.micro_batch_size=2",
@@ -20,9 +21,7 @@ SMALL = ["model.vocab_size=512", "model.d_model=32", "model.n_layers=1", "model.
 
 
 def flopwise(*args, cwd):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "flopwise", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, env=env, timeout=600)
+    return run_flopwise([str(a) for a in args], cwd=cwd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,10 @@ import hashlib
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_flopwise
 
 from flopwise.checkpoints import latest_checkpoint
 from flopwise.cli import main
@@ -119,8 +119,7 @@ def test_a_copied_run_is_trained_in_the_copy_by_a_separate_process(tiny_override
     before = tree_digest(original)
     copy = tmp_path / "copy-cli"
     subprocess.run(["cp", "-r", str(original), str(copy)], check=True)
-    done = subprocess.run([sys.executable, "-m", "flopwise", "train", "--config", str(copy / "config.yaml"),
-                           "train.max_steps=4"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    done = run_flopwise(["train", "--config", str(copy / "config.yaml"), "train.max_steps=4"], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "copied or moved" in done.stderr and latest_checkpoint(copy).name == "step-0000004"
     assert tree_digest(original) == before

@@ -10,11 +10,10 @@ config.json whose sizes say so, never a tensor."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_flopwise
 
 from flopwise.config import ConfigError, ModelConfig, build_config, load_run_config, model_problems
 from flopwise.errors import FlopwiseError
@@ -214,8 +213,7 @@ def test_a_yaml_syntax_error_is_a_config_error_of_one_line_with_its_place(tmp_pa
 def test_train_with_a_config_that_is_not_utf8_is_one_clear_error_through_the_real_cli(tmp_path):
     f = tmp_path / "bad.yaml"
     f.write_bytes(b"train:\n  seed: \xff\xfe\n")
-    run = subprocess.run([sys.executable, "-m", "flopwise", "train", "--config", str(f)], capture_output=True,
-                         text=True, timeout=120, cwd=tmp_path)
+    run = run_flopwise(["train", "--config", str(f)], cwd=tmp_path, timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr, run.stderr
     first, *rest = run.stderr.splitlines()
     assert first.startswith("flopwise train: ") and all(line.startswith("  - ") for line in rest), run.stderr
