@@ -75,7 +75,7 @@ def test_only_selects_steps_and_merge_joins_them(acceptance, tmp_path, monkeypat
     assert acceptance.main(["--only", "7", "--out", str(b), "--work", str(tmp_path / "w")]) == 0
     first = json.loads(next(a.glob("*.json")).read_text())
     assert [r["name"] for r in first["steps"]] == ["gpu-tests"] + [f"train-{p}" for p in acceptance.MODEL_PRESETS]
-    assert acceptance.main(["--only", "no-such-step", "--out", str(a)]) == 2
+    assert acceptance.main(["--only", "no-such-step", "--out", str(a), "--work", str(tmp_path / "w")]) == 2
     merged = tmp_path / "m"
     assert acceptance.main(["--merge", str(next(a.glob("*.json"))), str(next(b.glob("*.json"))),
                             "--out", str(merged)]) == 0
