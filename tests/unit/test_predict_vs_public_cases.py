@@ -164,3 +164,53 @@ def test_a_prediction_gives_the_ratio_and_the_network_and_the_trace_is_kept(benc
     assert s["predicted_cases"] == 3 and s["largest_case"] == "TL-1"
     assert s["largest_abs_error"] == pytest.approx(0.5) and s["median_abs_error"] == pytest.approx(0.1)
     assert s["within_25pct"] == 2
+
+
+def test_the_sources_that_ran_flashattention_v1_are_predicted_at_its_speed(cases):
+    """llm-foundry (its Triton port of v1) and flash-attention's README (2022, before v2) ran
+    FlashAttention v1; the rest run the kernel flopwise's trace chose or one no figure measured."""
+    v1 = {cid for cid, c in cases.items() if c.attention_as == "flash1"}
+    assert v1 == {cid for cid in BATCHES if cid.startswith(("MF-", "FA-"))}
+    assert all(c.attention_as is None for cid, c in cases.items() if cid not in v1)
+    for c in cases.values():
+        if c.attention_as:
+            assert any(c.attention_as in line for line in c.differs), c.id  # said, not silently applied
+
+
+def _kept_trace(kernel: str = "flash") -> dict:
+    """A dry run's result as the benchmark keeps it: one forward and one backward SDPA kernel and a
+    matmul, on 8 A100s."""
+    def attn(way: str) -> dict:
+        return {"kind": "attn", "op": "sdpa", "kernel": kernel, "way": way, "batch": 8, "heads": 16, "kv_heads": 16,
+                "q_len": 2048, "k_len": 2048, "head_dim": 64, "causal": True, "dtype": "bfloat16", "flops": 0,
+                "reads": [], "writes": [], "phase": "forward" if way == "fwd" else "backward", "micro": 1, "host": 1}
+    mm = {"kind": "mm", "op": "mm", "m": 16384, "n": 4096, "k": 1024, "batch": 1, "dtype": "bfloat16", "reads": [],
+          "writes": [], "phase": "forward", "micro": 1, "host": 1}
+    kernels = {"records": [mm, attn("fwd"), attn("bwd")], "tail_host": 0, "traced_accum": 1, "run_accum": 1,
+               "micro_batch": 8, "seq_len": 2048, "world": 8}
+    return {"request": {"gpu": {"spec": "A100 SXM 80GB"}, "nproc_per_node": 8, "nnodes": 1}, "precision": "bf16",
+            "compile": "off", "loss": "plain", "trace": {"kernels": kernels, "flops": {}}}
+
+
+def test_the_sources_attention_kernel_slows_the_prediction_by_its_measured_speed(bench, cases, tmp_path):
+    import json
+
+    from flopwise.plan import steptime
+
+    (tmp_path / "MF-a.json").write_text(json.dumps(_kept_trace()))
+    row = bench.predict(cases["MF-a"], tmp_path)
+    assert row["attention_as"] == "flash1" and row["ratio"] < row["ratio_flopwise_attention"]
+    a100 = steptime.gpu("a100")
+    records = _kept_trace()["trace"]["kernels"]["records"]
+    flash = sum(steptime.attention_s(a100, r) for r in records[1:])
+    v1 = sum(steptime.attention_s(a100, {**r, "kernel": "flash1"}) for r in records[1:])
+    assert v1 / flash == pytest.approx(140 / 77)  # the A100 figure, causal, head dim 64, 2k: v2 140, v1 77
+    step_own = 8 * 2048 / (row["ratio_flopwise_attention"] * cases["MF-a"].measured)
+    step_v1 = 8 * 2048 / (row["ratio"] * cases["MF-a"].measured)
+    assert step_v1 - step_own == pytest.approx(v1 - flash, rel=1e-6)  # the kernels run back to back here
+    # as_source leaves the trace it was given as it was, and other kernels as traced
+    kept = _kept_trace("efficient")
+    assert bench.as_source(kept, "flash1") == kept
+    (tmp_path / "TT-6.json").write_text(json.dumps(_kept_trace()))
+    same = bench.predict(cases["TT-6"], tmp_path)
+    assert same["attention_as"] is None and same["ratio"] == same["ratio_flopwise_attention"]

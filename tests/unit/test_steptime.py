@@ -60,18 +60,47 @@ def attn(causal: bool, way: str = "fwd", kernel: str = "flash", head_dim: int = 
                head_dim=head_dim, causal=causal, dtype="bfloat16", flops=0)
 
 
-def test_causal_attention_skips_the_tiles_above_the_diagonal():
+def tflops(g: steptime.Gpu, r: dict) -> float:
+    """The speed a kernel record is predicted at, FLOPs counted as the FlashAttention figures count
+    them (half when causal, 2.5 x for the backward), in TFLOP/s."""
+    f = 4.0 * r["batch"] * r["heads"] * r["q_len"] * r["k_len"] * r["head_dim"] * (0.5 if r["causal"] else 1.0)
+    return f * (2.5 if r["way"] == "bwd" else 1.0) / steptime.attention_s(g, r) / 1e12
+
+
+def test_a_measured_kernel_runs_at_its_figure_speed_forward_and_backward():
+    """A100 figure, FlashAttention-2, head dim 128 at 2k: 187 TFLOP/s full, 155 causal; the H100
+    figure's causal head-dim-64 FlashAttention v1 at 2k: 136."""
+    assert tflops(A100, attn(False)) == pytest.approx(187, rel=1e-9)
+    assert tflops(A100, attn(True)) == pytest.approx(155, rel=1e-9)
+    assert tflops(A100, attn(True, "bwd")) == pytest.approx(155, rel=1e-9)
+    assert tflops(H100, attn(True, kernel="flash1", head_dim=64)) == pytest.approx(136, rel=1e-9)
+    # a causal kernel does half the work: at its (lower) measured speed it takes a bit more than half
     full, causal = steptime.attention_s(A100, attn(False)), steptime.attention_s(A100, attn(True))
-    blocks = 2048 // steptime.ATTENTION_TILE
-    assert causal / full == pytest.approx((blocks + 1) / (2 * blocks))
+    assert causal / full == pytest.approx(0.5 * 187 / 155, rel=1e-9)
 
 
-def test_attention_backward_and_kernel_choice_change_the_time():
+def test_the_speed_follows_the_sequence_length_between_measured_ones():
+    assert tflops(A100, attn(True, t=1024)) == pytest.approx(133, rel=1e-9)
+    mid = tflops(A100, attn(True, t=2896))  # ~ 2^11.5: half way between 2k (155) and 4k (173) in log2
+    assert mid == pytest.approx(164, abs=0.1)
+    assert tflops(A100, attn(True, t=256)) == pytest.approx(99, rel=1e-9)  # below 512: 512's speed
+    assert tflops(A100, attn(True, t=65536)) == pytest.approx(189, rel=1e-9)  # above 16k: 16k's
+    # head dims up to 64 take the 64 figures, anything above them the 128 ones
+    assert tflops(A100, attn(True, head_dim=32)) == pytest.approx(140, rel=1e-9)
+    assert tflops(A100, attn(True, head_dim=96)) == pytest.approx(155, rel=1e-9)
+
+
+def test_attention_kernel_choice_changes_the_time():
     fwd, bwd = steptime.attention_s(A100, attn(True)), steptime.attention_s(A100, attn(True, "bwd"))
-    assert bwd > 2 * fwd  # 2.5x the FLOPs at a lower efficiency
-    assert steptime.attention_s(A100, attn(True, kernel="efficient")) > fwd
+    assert bwd == pytest.approx(2.5 * fwd)  # the figures time both together: one speed, 2.5x the FLOPs
+    assert steptime.attention_s(A100, attn(True, kernel="efficient")) == pytest.approx(fwd * 155 / 82)
+    assert steptime.attention_s(A100, attn(True, kernel="flash1")) == pytest.approx(fwd * 155 / 69)
+    # a kernel the figures lack takes its published fraction of the peak: cuDNN forward, head dim 128
+    assert tflops(H100, attn(True, kernel="cudnn")) == pytest.approx(0.60 * 989.4, rel=1e-3)
     with pytest.raises(steptime.Unpredictable, match="math"):
         steptime.attention_s(A100, attn(True, kernel="math"))
+    with pytest.raises(steptime.Unpredictable, match="flash_triton"):  # a kernel no figure measured
+        steptime.attention_s(A100, attn(True, kernel="flash_triton"))
 
 
 # --------------------------------------------------------------------------- fusion

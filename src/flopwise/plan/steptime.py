@@ -10,8 +10,8 @@ time on a GPU of the hardware table, each kernel by the resource that bounds it:
   bf16 tile) spread over the SMs in waves, the last wave partly empty; a grid smaller than the SMs
   is split along K as cuBLAS does. Never faster than its bytes at the achievable bandwidth;
 - attention: the kernel the trace chose (flash, memory-efficient, cuDNN), forward and backward,
-  at the efficiency its authors published for that GPU and head dimension; a causal kernel
-  skips the tiles above the diagonal (tiles of 128: the diagonal ones are computed whole);
+  at the speed its authors measured on that GPU for its head dimension, sequence length and
+  causality (:data:`ATTENTION_TFLOPS`); a causal kernel does half the FLOPs of a full one;
 - anything else: bytes read and written over the achievable bandwidth (:data:`HBM_FRACTION`),
   at least :data:`KERNEL_MIN_S`. Under ``torch.compile`` the elementwise ops between two matrix
   multiplies (or attention, or a collective) of the forward and the backward are one fused
@@ -58,23 +58,48 @@ GEMM_FRACTION: dict[str, float] = {
 # memory-copy measurements and NVIDIA's own STREAM-type figures put A100 and H100 at 85-92%;
 # 0.85, the low end, as the elementwise kernels of a training step are short.
 HBM_FRACTION = 0.85
-# SDPA kernels' published efficiency, as a fraction of the dense bf16 peak, (kernel, way) ->
-# (head_dim <= 64, head_dim 128), FLOPs counted as their authors count them (forward 4·B·H·T·T·D
-# on the tiles computed, backward 2.5 x the forward). A100: FlashAttention-2 paper (Dao, 2023),
-# figures for A100 80GB SXM4, causal, sequence 2k-8k; memory-efficient (xFormers cutlass) from
-# the same figures' xformers baseline. H100: PyTorch's own SDPA flash kernel (FlashAttention-2)
-# measured by pytorch/benchmark (PR 2296, H100, head_dim 128, forward): 287-304 TFLOP/s over
-# sequences of 1k-16k, 0.30 of the peak; the backward and head_dim 64 in the A100 figures'
-# proportions; cuDNN's kernel from the FlashAttention-3 paper's comparisons (Shah et al., 2024).
+# SDPA kernels' measured speed, forward and backward together, in TFLOP/s at sequence lengths
+# ATTENTION_SEQS, by architecture -> kernel -> (causal, head dimension 64 or 128). The source is
+# the FlashAttention repository's own figures (Dao-AILab/flash-attention, assets/
+# flash2_a100_fwd_bwd_benchmark.png on an A100 80GB SXM4 and flash2_h100_fwd_bwd_benchmark.png
+# on an H100 80GB SXM5, as in the FlashAttention-2 paper; its benchmarks/benchmark_flash_attention.py
+# runs 16k tokens a call at hidden size 2048). FLOPs are counted as that script counts them:
+# 4·B·H·T·T·D forward, half of it when causal, 2.5 x the forward for the backward; the figures
+# time forward and backward together, and each is charged at that speed by its FLOPs. Kernels:
+# - flash: FlashAttention-2, the kernel PyTorch's SDPA runs as its flash backend;
+# - efficient: xFormers' cutlass kernel ("xformers" in the figure), which PyTorch's
+#   memory-efficient SDPA backend is built from (A100 only: the H100 figure does not have it);
+# - flash1: FlashAttention (v1), which no SDPA backend runs: it is here to predict published runs
+#   that used it (benchmarks/predict_vs_public.py). Its Triton port, which llm-foundry runs, is
+#   within 3% of it at sequence 2048 in the A100 figure ("FlashAttention Triton").
+ATTENTION_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+ATTENTION_TFLOPS: dict[str, dict[str, dict[tuple[bool, int], tuple[float, ...]]]] = {
+    "sm80": {
+        "flash": {(False, 64): (132, 153, 162, 171, 175, 176), (False, 128): (151, 173, 187, 196, 201, 203),
+                  (True, 64): (88, 119, 140, 156, 165, 171), (True, 128): (99, 133, 155, 173, 182, 189)},
+        "efficient": {(False, 64): (68, 73, 76, 77, 75, 75), (False, 128): (83, 91, 95, 96, 97, 98),
+                      (True, 64): (51, 60, 66, 68, 69, 67), (True, 128): (58, 72, 82, 87, 91, 92)},
+        "flash1": {(False, 64): (91, 92, 104, 108, 110, 110), (False, 128): (76, 72, 76, 80, 82, 83),
+                   (True, 64): (58, 70, 77, 87, 92, 97), (True, 128): (55, 62, 69, 76, 80, 83)},
+    },
+    "sm90": {
+        "flash": {(False, 64): (215, 254, 274, 288, 294, 296), (False, 128): (248, 294, 320, 326, 335, 338),
+                  (True, 64): (141, 192, 232, 257, 273, 284), (True, 128): (163, 221, 265, 294, 308, 328)},
+        "flash1": {(False, 64): (157, 159, 161, 161, 166, 168), (False, 128): (127, 127, 128, 131, 137, 139),
+                   (True, 64): (104, 123, 136, 138, 149, 156), (True, 128): (98, 109, 108, 126, 135, 137)},
+    },
+}
+# The dense bf16 (= fp16) peak of the GPU each figure ran on: its speeds become fractions of the
+# peak, which carry to the other GPUs of the architecture (A100 40GB, A100 PCIe, H200, GH200).
+ATTENTION_FIGURE_PEAK = {"sm80": 312.0, "sm90": 989.4}
+# Kernels the figures lack, as a fraction of the dense bf16 peak, (kernel, way) -> (head_dim <= 64,
+# head_dim 128), FLOPs counted as above: cuDNN's kernel from the FlashAttention-3 paper's
+# comparisons (Shah et al., 2024); memory-efficient on H100 in the A100 figure's proportion to flash.
 ATTENTION_FRACTION: dict[str, dict[tuple[str, str], tuple[float, float]]] = {
-    "sm80": {("flash", "fwd"): (0.56, 0.66), ("flash", "bwd"): (0.45, 0.55),
-             ("efficient", "fwd"): (0.38, 0.45), ("efficient", "bwd"): (0.28, 0.33),
-             ("cudnn", "fwd"): (0.50, 0.60), ("cudnn", "bwd"): (0.40, 0.48)},
-    "sm90": {("flash", "fwd"): (0.25, 0.30), ("flash", "bwd"): (0.21, 0.25),
-             ("efficient", "fwd"): (0.17, 0.20), ("efficient", "bwd"): (0.13, 0.15),
+    "sm80": {("cudnn", "fwd"): (0.50, 0.60), ("cudnn", "bwd"): (0.40, 0.48)},
+    "sm90": {("efficient", "fwd"): (0.17, 0.20), ("efficient", "bwd"): (0.13, 0.15),
              ("cudnn", "fwd"): (0.50, 0.60), ("cudnn", "bwd"): (0.40, 0.48)},
 }
-ATTENTION_TILE = 128  # FlashAttention-2's query/key block on A100 and H100 (the paper's kernel)
 GEMM_TILE = (128, 128)  # cuBLAS's common bf16 output tile (CUTLASS's default for sm80/sm90 tensor ops)
 SPLIT_K_MIN = 512  # a split-K slice keeps at least this much of K (CUTLASS's split-K heuristics)
 # Host and launch costs. PyTorch's eager dispatch of one op, from Python through the dispatcher to
@@ -110,7 +135,7 @@ class Gpu:
     sms: int
     hbm_bytes_s: float  # datasheet
     gemm_fraction: float
-    attention: dict[tuple[str, str], tuple[float, float]]
+    arch: str  # sm80, sm90: which measured attention speeds apply
     link_bytes_s: float  # in a node, one direction, per GPU (nominal)
     network_bytes_s: float  # between nodes, per GPU (nominal)
     per_node: int = 8
@@ -128,8 +153,8 @@ def gpu(spec_name: str, link: str | None = None, network: str | None = None, per
         raise Unpredictable(f"{spec_name!r} is not in the hardware table")
     missing = [what for what, value in (("dense bf16 peak", spec.bf16), ("SM count", hardware.SMS.get(spec.name)),
                                         ("measured matmul ceiling (GEMM_FRACTION)", GEMM_FRACTION.get(spec.name)),
-                                        ("published attention efficiencies for its architecture",
-                                         ATTENTION_FRACTION.get(_arch(spec.name)))) if value is None]
+                                        ("published attention speeds for its architecture",
+                                         ATTENTION_TFLOPS.get(_arch(spec.name)))) if value is None]
     if missing:
         raise Unpredictable(f"{spec.name} has no {missing[0]}: no step time is predicted for it")
     intra = hardware.find_link(link or hardware.default_link(spec))
@@ -140,7 +165,7 @@ def gpu(spec_name: str, link: str | None = None, network: str | None = None, per
     tf32 = spec.tf32 if spec.tf32 is not None else spec.bf16 / 2
     return Gpu(spec.name, {"bfloat16": spec.bf16 * 1e12, "float16": (spec.fp16 or spec.bf16) * 1e12,
                            "float32": tf32 * 1e12}, hardware.SMS[spec.name], spec.bandwidth_tbs * 1e12,
-               GEMM_FRACTION[spec.name], ATTENTION_FRACTION[_arch(spec.name)], intra.gb_per_s * 1e9,
+               GEMM_FRACTION[spec.name], _arch(spec.name), intra.gb_per_s * 1e9,
                inter.gb_per_s * 1e9, per_node)
 
 
@@ -176,17 +201,35 @@ def tile_efficiency(sms: int, m: int, n: int, k: int, batch: int = 1) -> float:
 
 
 def attention_s(g: Gpu, r: dict[str, Any]) -> float:
-    """An SDPA kernel from its record (kernel, way, shapes, causality)."""
-    fractions = g.attention.get((r["kernel"], r["way"]))
-    if fractions is None:  # the math path is not one kernel: its bmm/softmax ops are in the trace
-        raise Unpredictable(f"no efficiency for attention kernel {r['kernel']} {r['way']}")
-    fraction = fractions[0] if r["head_dim"] <= 64 else fractions[1]
-    forward = 4.0 * r["batch"] * r["heads"] * r["q_len"] * r["k_len"] * r["head_dim"]
-    if r["causal"]:
-        blocks = math.ceil(r["q_len"] / ATTENTION_TILE)
-        forward *= (blocks + 1) / (2 * blocks)  # the diagonal tiles are computed whole
+    """An SDPA kernel from its record (kernel, way, shapes, causality): its FLOPs (half when
+    causal) at the speed measured for its kernel, head dimension (64 or 128: up to 64 uses the
+    64 figures) and sequence length (between two measured lengths, log-linear; outside them,
+    the nearest)."""
+    hd = 64 if r["head_dim"] <= 64 else 128
+    measured = ATTENTION_TFLOPS.get(g.arch, {}).get(r["kernel"], {}).get((bool(r["causal"]), hd))
+    if measured is not None:
+        fraction = _at_length(measured, r["k_len"]) / ATTENTION_FIGURE_PEAK[g.arch]
+    else:
+        fractions = ATTENTION_FRACTION.get(g.arch, {}).get((r["kernel"], r["way"]))
+        if fractions is None:  # the math path is not one kernel: its bmm/softmax ops are in the trace
+            raise Unpredictable(f"no measured speed for attention kernel {r['kernel']} {r['way']} on {g.name}")
+        fraction = fractions[0] if hd == 64 else fractions[1]
+    forward = 4.0 * r["batch"] * r["heads"] * r["q_len"] * r["k_len"] * r["head_dim"] * (0.5 if r["causal"] else 1.0)
     flops = forward * (2.5 if r["way"] == "bwd" else 1.0)
     return max(flops / (g.peak.get(r["dtype"], g.peak["bfloat16"]) * fraction), KERNEL_MIN_S)
+
+
+def _at_length(speeds: tuple[float, ...], length: int) -> float:
+    """``speeds`` (at :data:`ATTENTION_SEQS`) at sequence ``length``: log-linear between the two
+    measured lengths around it, the nearest measured one outside them."""
+    seqs = ATTENTION_SEQS
+    if length <= seqs[0]:
+        return speeds[0]
+    if length >= seqs[-1]:
+        return speeds[-1]
+    i = next(j for j in range(1, len(seqs)) if seqs[j] >= length)
+    f = math.log2(length / seqs[i - 1]) / math.log2(seqs[i] / seqs[i - 1])
+    return speeds[i - 1] + f * (speeds[i] - speeds[i - 1])
 
 
 def memory_s(g: Gpu, nbytes: float) -> float:
