@@ -214,3 +214,25 @@ def test_the_sources_attention_kernel_slows_the_prediction_by_its_measured_speed
     (tmp_path / "TT-6.json").write_text(json.dumps(_kept_trace()))
     same = bench.predict(cases["TT-6"], tmp_path)
     assert same["attention_as"] is None and same["ratio"] == same["ratio_flopwise_attention"]
+
+
+# NumParams of some held-out llm-foundry rows as the README gives them (the position table grows with seq)
+FOUNDRY_PARAMS = {"MF-125m-a100-8k": 130_030_080, "MF-350m-a100-8k": 362_276_864, "MF-760m-h100-4k": 763_616_256,
+                  "MF-1b-a100-4k": 1_320_144_896, "MF-1b-h100-1k": 1_313_853_440}
+
+
+def test_the_held_out_foundry_rows_follow_their_rule_and_the_sources_shapes(bench):
+    rows = {c.id: c for c in bench.foundry_rows()}
+    assert len(rows) == 18 and not set(rows) & {c.id for c in bench.cases()}
+    for cid, c in rows.items():
+        cfg = c.config()
+        size, gpu, seq = cid.split("-")[1:]
+        assert size in ("125m", "350m", "760m", "1b") and cfg.train.seq_len in (1024, 4096, 8192), cid
+        assert f"{cfg.train.seq_len // 1024}k" == seq and c.gpus == 8 and c.nnodes == 1, cid
+        assert hardware.find(c.gpu).name == {"a100": "A100 SXM 80GB", "h100": "H100 SXM"}[gpu], cid
+        assert cfg.train.activation_checkpointing == "none" and c.attention_as == "flash1", cid
+        total = param_counts(cfg.model)["total"]
+        assert abs(total / c.params - 1) <= 0.02, (cid, total, c.params)
+    for cid, count in FOUNDRY_PARAMS.items():
+        assert rows[cid].params == count, cid
+    assert {c.id for c in bench.holdouts()} >= set(rows)
