@@ -12,6 +12,7 @@ import fcntl
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -242,3 +243,12 @@ class TickClock:
 def tick_clock() -> TickClock:
     """``train(cfg, clock=tick_clock)``: 0.1 s passes at every reading of the run's clock."""
     return TickClock()
+
+
+@pytest.fixture
+def short_tmp():
+    """The TMPDIR of one preflight: short, since the trials' forkserver makes a Unix socket under it
+    (107 bytes at most), and pytest's tmp_path under xdist is long enough to pass that."""
+    tmp = Path(tempfile.mkdtemp(prefix="fw-pf-", dir="/tmp"))
+    yield tmp
+    shutil.rmtree(tmp, ignore_errors=True)

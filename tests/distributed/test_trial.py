@@ -138,14 +138,15 @@ def _wait_until(condition, what: str, limit_s: float = 120.0) -> None:
 
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the trial's processes in /proc")
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_killed_preflight_takes_its_trial_processes_and_forkserver_with_it(cfg, tiny_overrides, world):
+def test_a_killed_preflight_takes_its_trial_processes_and_forkserver_with_it(cfg, tiny_overrides, world, short_tmp):
     """kill -9 of the preflight mid-trial: the trial's processes (forked by the forkserver, so
     not the preflight's children: prctl's death signal cannot reach them) end, and then the
-    forkserver, whose pipe they held open."""
+    forkserver, whose pipe they held open; the trial's temporary directory, which the killed
+    preflight could not remove, goes with them."""
     mark = f"flopwise-trial-test-{os.getpid()}-{world}"
     overrides = tiny_overrides + ["train.compile=off", "train.threads=1", "data.loader=epoch", "train.global_batch_size=32"]
     preflight = subprocess.Popen([sys.executable, "-c", PREFLIGHT, str(world), *overrides],
-                                 env={**os.environ, "FLOPWISE_TEST_MARK": mark})
+                                 env={**os.environ, "FLOPWISE_TEST_MARK": mark, "TMPDIR": str(short_tmp)})
     try:
         def trials() -> list[int]:
             procs = _marked(mark)
@@ -159,6 +160,8 @@ def test_a_killed_preflight_takes_its_trial_processes_and_forkserver_with_it(cfg
         preflight.wait()
         _wait_until(lambda: not _marked(mark), "left running after the preflight was killed (the trial's were "
                     f"{started}): " + "; ".join(f"{pid} {cmd[:70]!r}" for pid, (_, cmd) in _marked(mark).items()))
+        # and the trial's directory, which the killed preflight could not remove, went with them
+        assert sorted(p.name for p in short_tmp.glob("flopwise-trial-*")) == []
     finally:
         if preflight.poll() is None:
             preflight.kill()

@@ -13,10 +13,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -66,15 +64,6 @@ class Preflight:
 
     def left_behind(self) -> list[str]:
         return sorted(p.name for p in self.tmp.glob("flopwise-*"))
-
-
-@pytest.fixture
-def short_tmp():
-    """The TMPDIR of one preflight: short, since the trials' forkserver makes a Unix socket under it
-    (107 bytes at most), and pytest's tmp_path under xdist is long enough to pass that."""
-    tmp = Path(tempfile.mkdtemp(prefix="fw-pf-", dir="/tmp"))
-    yield tmp
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _scratch_runs(tmp: Path) -> list[Path]:

@@ -25,7 +25,9 @@ hangs in its first parallel region), no CUDA (initialised only in the trial). A 
 therefore still starts with nothing run, and imports only flopwise. Two consequences: its
 environment is the one preflight had when its first trial started the forkserver (nothing
 sets variables between trials), and its parent is the forkserver, so it ends with the
-preflight through :func:`~flopwise.data.prepare.die_with` rather than prctl's death signal.
+preflight through :func:`~flopwise.data.prepare.die_with` rather than prctl's death signal --
+and, since a ``kill -9``ed preflight cannot remove the trial's temporary directory, removes it
+as it goes.
 Inside :func:`ready_processes`, which preflight opens around its trials, the next one-rank
 trial's process is started while the current one runs and waits, imported, for its trial:
 still a process that has run nothing, so the isolation is the same, and its start is off the
@@ -41,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -119,11 +122,14 @@ def measure_in_processes(cfg: RunConfig, spec: TrialSpec, device: torch.device, 
     if device.type == "cuda" and world > torch.cuda.device_count():
         raise ConfigError([f"a {world}-rank trial needs {world} GPUs; this machine has {torch.cuda.device_count()}"])
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    # a one-rank trial's process is there before its directory is: from then on, whatever kills
+    # this preflight, a process that knows the directory removes it (see _standby)
+    worker = _worker() if world == 1 else None
     with tempfile.TemporaryDirectory(prefix="flopwise-trial-") as tmp:
         out = Path(tmp) / "result.json"
         job = _Job(world, free_port(), cfg, spec, str(device), str(out), os.getpid())
-        if world == 1:
-            return _in_one_process(job, deadline, timeout_s)
+        if worker is not None:
+            return _in_one_process(worker, job, deadline, timeout_s)
         ctx = mp.start_processes(_rank, args=(job,), nprocs=world, join=False, start_method=_forkserver())
         try:
             while not ctx.join(timeout=0.5):
@@ -216,11 +222,17 @@ def ready_processes() -> Iterator[None]:
             _ready.pop().close()
 
 
-def _in_one_process(job: _Job, deadline: float | None, timeout_s: float | None) -> dict[str, Any]:
-    """One trial in a process of its own (the one made ready for it, if any), its result or a TrialError."""
+def _worker() -> _Process:
+    """The process for a one-rank trial: the one made ready for it, if any; within
+    :func:`ready_processes`, the next one starts now and imports while this trial runs."""
     worker = _ready.pop() if _ready else _Process()
     if _keep_ready:
-        _ready.append(_Process())  # imports while this trial runs
+        _ready.append(_Process())
+    return worker
+
+
+def _in_one_process(worker: _Process, job: _Job, deadline: float | None, timeout_s: float | None) -> dict[str, Any]:
+    """One trial in ``worker``, its result or a TrialError; the worker is ended either way."""
     try:
         try:
             worker.conn.send(job)  # to the process started for us, over a pipe: nothing read from a file
@@ -246,15 +258,28 @@ def _in_one_process(job: _Job, deadline: float | None, timeout_s: float | None) 
 def _standby(conn: Any, parent_pid: int) -> None:
     """A one-rank trial's process: wait for the trial (or for the pipe to close: not needed after
     all), run it; an exception's last line goes to ``error.txt`` beside the result file."""
-    die_with(parent_pid)
+    given: list[_Job] = []  # the trial, once sent: its directory is removed if the preflight dies
+
+    def forget() -> None:
+        if not given:  # the preflight died before this process took its trial: it may be in the pipe
+            try:
+                if conn.poll():
+                    given.append(conn.recv())
+            except (EOFError, OSError):
+                pass
+        for sent in given:
+            _remove_trial_dir(sent)
+
+    die_with(parent_pid, before_exit=forget)
     try:
         job = conn.recv()
     except (EOFError, OSError):
         return
     finally:
         conn.close()
+    given.append(job)
     try:
-        _rank(0, job)
+        _rank(0, job, watched=True)
     except BaseException:  # noqa: BLE001 - the trial's failure is its result, told to the parent
         write_file(Path(job.out).with_name("error.txt"), _last_line(traceback.format_exc()), "trial error")
         raise SystemExit(1) from None
@@ -268,11 +293,14 @@ def _kill(ctx: "mp.ProcessContext") -> None:
         proc.join()
 
 
-def _rank(local_rank: int, job: _Job) -> None:
+def _rank(local_rank: int, job: _Job, watched: bool = False) -> None:
     """One process of a trial (``mp.start_processes`` passes ``local_rank`` first). One rank
     measures on the parent's device (``cuda:1`` stays ``cuda:1``); N ranks on ``cuda:LOCAL_RANK``.
-    It ends with the preflight that started it, however that ends (``kill -9`` included)."""
-    die_with(job.parent_pid)
+    It ends with the preflight that started it, however that ends (``kill -9`` included), and
+    then removes the trial's directory, which a killed preflight cannot (``watched``: the caller
+    set that up already)."""
+    if not watched:
+        die_with(job.parent_pid, before_exit=lambda: _remove_trial_dir(job))
     cfg, world = job.cfg, job.world
     env, device = DistEnv(), torch.device(job.device)
     if device.type == "cuda" and world == 1:
@@ -290,6 +318,12 @@ def _rank(local_rank: int, job: _Job) -> None:
         if env.is_main:
             write_json(Path(job.out), result, "trial result")
         env.barrier()  # ranks leave together: a group torn down under a rank still using it aborts (SIGABRT)
+
+
+def _remove_trial_dir(job: _Job) -> None:
+    """The trial's temporary directory (the result file's), once its preflight is gone: every
+    rank may try, the first removes it."""
+    shutil.rmtree(Path(job.out).parent, ignore_errors=True)
 
 
 def measure(cfg: RunConfig, spec: TrialSpec, device: torch.device, env: DistEnv | None = None) -> dict[str, Any]:
