@@ -80,8 +80,9 @@ NonFinitePolicy = Literal["stop", "skip", "rollback"]
 Compile = Literal["auto", "off", "model", "blocks"]
 CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 # none; full: every block recomputed in backward; selective: blocks 0, k, 2k, ...
-# (k = train.activation_checkpointing_every)
-ActivationCheckpointing = Literal["none", "full", "selective"]
+# (k = train.activation_checkpointing_every); selective_op: every block keeps its matmul and
+# attention outputs and recomputes the rest (norms, RoPE, activations) in backward
+ActivationCheckpointing = Literal["none", "full", "selective", "selective_op"]
 Loss = Literal["auto", "plain", "chunked", "fused"]
 WandbMode = Literal["online", "offline"]
 Strategy = Literal["single", "ddp", "zero1", "fsdp2", "diloco"]
@@ -425,6 +426,7 @@ class TrainConfig:
     compile_mode: CompileMode = "default"  # default | reduce-overhead (CUDA graphs) | max-autotune
     # Activation checkpointing (recompute in backward), not the saving of checkpoints above:
     # none | full (every block) | selective (blocks 0, k, 2k, ... with k = activation_checkpointing_every)
+    # | selective_op (every block, per op: matmul and attention outputs saved, the rest recomputed)
     activation_checkpointing: ActivationCheckpointing = "none"
     activation_checkpointing_every: int = 2  # selective: every k-th block is recomputed (was checkpoint_every_k)
     loss: Loss = "auto"  # auto | plain | chunked (LM head + loss in chunks, no full logits) | fused (kernel)

@@ -146,6 +146,21 @@ def test_two_ranks_train_what_one_process_trains(strategy, reference, two_ranks)
     assert (run / "checkpoints" / f"step-{STEPS:07d}" / fmt).exists()
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_per_op_checkpointing_trains_what_one_process_trains(strategy, base, reference, tmp_path):
+    """train.activation_checkpointing=selective_op under DDP and FSDP2: the checkpointed region is
+    the block's forward, inside DDP's hooks and FSDP2's per-block all-gather (its recompute runs in
+    the block's backward, with the parameters gathered again), and its gradients are the plain
+    ones -- the same curve and weights as one process without checkpointing."""
+    root, common = base
+    run = tmp_path / "run"
+    proc = ok(torchrun(2, common + ["train.micro_batch_size=4", f"parallel.strategy={strategy}",
+                                    "train.activation_checkpointing=selective_op", f"train.run_dir={run}"]))
+    assert "activation checkpointing selective_op" in proc.stdout
+    assert_same_curve(reference, run)
+    assert_same_training(run, reference, what=f"{strategy} + selective_op at 2 ranks vs 1 process")
+
+
 def test_zero1_and_fsdp2_reach_the_parameters_of_ddp(two_ranks):
     for strategy in ("zero1", "fsdp2"):
         assert_same_training(two_ranks[strategy][0], two_ranks["ddp"][0], what=f"{strategy} vs ddp")

@@ -28,7 +28,7 @@ from flopwise.config import build_config, preset_names
 from flopwise.plan import hardware, steptime
 from flopwise.plan.budget import memory_settings_for_run
 from flopwise.plan.flops import param_counts
-from flopwise.plan.memory import compiled_layer_terms
+from flopwise.plan.memory import compiled_layer_terms, selective_op_layer_terms
 from flopwise.tune.dryrun import render, torch_name
 from flopwise.tune.shim import DryRunUnavailable, ensure_shim
 
@@ -49,6 +49,7 @@ SHALLOW = "model.n_layers=4"
 # (on request: -m extended). FSDP2 compiled per block and FSDP2 of llama3.2-1b stay at full depth: at
 # 8 layers the planner is 18.5% and 10.0% over their traces.
 MID = "model.n_layers=8"
+OP_CKPT = "selective_op checkpointing, blocks"
 
 # (name, preset, overrides) at one GPU; global batch = 2 micro-batches
 PRESETS = [(f"{p} eager", p, ["train.compile=off"]) for p in preset_names() if p != "tiny"]
@@ -61,6 +62,8 @@ SINGLE = [(name, preset, [MID, *overrides]) for name, preset, overrides in PRESE
     ("bf16-pure", SMALL, [SHALLOW, "train.precision=bf16-pure", "train.compile=model"]),
     ("full checkpointing, blocks", SMALL, [MID, "train.activation_checkpointing=full", "train.compile=blocks"]),
     ("selective checkpointing, model", SMALL, [SHALLOW, "train.activation_checkpointing=selective", "train.compile=model"]),
+    # per-op: every block keeps its matmul and attention outputs; no matmul recomputed (matmul_expected)
+    (OP_CKPT, SMALL, [MID, "train.activation_checkpointing=selective_op", "train.compile=blocks"]),
     ("qk-norm moe, compile model", "qwen3-moe-500m-a330m", [SHALLOW, "train.compile=model"]),
 ]
 # at 8 ranks (fake process group)
@@ -275,6 +278,19 @@ def test_ddp_holds_one_copy_of_the_gradients(single, multi):
     a, b = one["trace"]["eager_memory"]["peak_gib"], ddp["trace"]["eager_memory"]["peak_gib"]
     grads = one["trace"]["eager_memory"]["by_kind_gib"]["gradients"]
     assert b <= a + 0.05 * grads, f"ddp peaks at {b:.3f} GiB against {a:.3f} on one GPU (gradients: {grads:.3f})"
+
+
+@pytest.mark.slow
+def test_planner_keeps_what_selective_op_keeps(single):
+    """train.activation_checkpointing=selective_op under compile=blocks: what a block's backward takes
+    from its forward -- its input and the matmul and attention outputs the policy marks MUST_SAVE,
+    those backward reads -- against the planner's terms (exact when last traced: 26,025,984 B)."""
+    saved = single[OP_CKPT]["trace"]["compiled"]["saved"]
+    traced = max(g["activation_bytes"] for g in saved)
+    cfg = build_config(SMALL, overrides=[*SHAPE, "train.compile=blocks", "train.activation_checkpointing=selective_op"])
+    settings = memory_settings_for_run(cfg, "bf16", "chunked", "single", 1)
+    planned = sum(selective_op_layer_terms(cfg.model, 2, 1024, settings).values())
+    assert planned == pytest.approx(traced, rel=0.02), f"planner {planned:,} B vs traced {traced:,} B"
 
 
 @pytest.mark.slow

@@ -225,7 +225,7 @@ def test_a_choice_outside_its_literal_is_refused_where_it_is_read(tmp_path):
     with pytest.raises(ConfigError) as err:
         build_config(config_file=f)
     assert err.value.problems == [f"{f}: train.activation_checkpointing 'selctive' (did you mean 'selective'?): "
-                                  "choose none, full, selective"]
+                                  "choose none, full, selective, selective_op"]
 
 
 def test_yaml_booleans_become_the_choices_words(tmp_path):

@@ -44,6 +44,7 @@ from flopwise.plan.memory import (
     state_bytes,
 )
 from flopwise.train.optim import build_optimizer
+from flopwise.train.wrap import apply_activation_checkpointing
 
 ACT_TOL = 0.02
 PEAK_TOL = 0.02
@@ -352,7 +353,9 @@ def _peak_bytes(cfg, B, T, amp=False, math=False, ckpt="none") -> int:
 
     mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
     model = build_model(cfg)
-    if ckpt != "none":
+    if ckpt == "selective_op":  # the per-op policy is train/wrap.py's
+        apply_activation_checkpointing(model, ckpt)
+    elif ckpt != "none":
         _checkpoint_blocks(model, checkpointed_blocks(cfg.n_layers, ckpt, 2))
     opt = build_optimizer(model, OptimConfig(), CPU)
     idx = torch.randint(0, cfg.vocab_size, (B, T))
@@ -378,7 +381,7 @@ def _peak_bytes(cfg, B, T, amp=False, math=False, ckpt="none") -> int:
 
 
 @pytest.mark.parametrize("mode", ["fp32-sdpa", "amp-sdpa", "amp-eager"])
-@pytest.mark.parametrize("ckpt", ["none", "full", "selective"])
+@pytest.mark.parametrize("ckpt", ["none", "full", "selective", "selective_op"])
 def test_total_matches_the_measured_peak(mode, ckpt):
     cfg = tiny(vocab_size=1024, qk_norm=True, arch="qwen3")
     amp, math = mode.startswith("amp"), mode.endswith("eager")

@@ -33,7 +33,7 @@ Elementwise work (norms, RoPE, SiLU, softmax, residual adds, the loss) is not co
 comparison, never instead of it. With activation checkpointing, hardware FLOPs add
 the recomputed forward pass of each checkpointed block: see
 :func:`hardware_flops_per_token`, :func:`recompute_flops_per_token` and
-:func:`checkpointed_blocks`.
+:func:`checkpointed_blocks` (``selective_op`` recomputes no matmul: :func:`recomputed_fraction`).
 """
 
 from __future__ import annotations
@@ -135,20 +135,27 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
 
 
 def checkpointed_blocks(n_layers: int, mode: str, every: int = 2) -> list[int]:
-    """The blocks whose forward is recomputed in backward under ``train.activation_checkpointing``
+    """The blocks that run under activation checkpointing with ``train.activation_checkpointing``
     = ``mode``: none; ``full``: all; ``selective``: 0, k, 2k, ... (k = ``every``,
-    ``train.activation_checkpointing_every``)."""
-    if mode == "full":
+    ``train.activation_checkpointing_every``); ``selective_op``: all, each keeping its matmul and
+    attention outputs (``train/wrap.py``: ``selective_op_policy``)."""
+    if mode in ("full", "selective_op"):
         return list(range(n_layers))
     if mode == "selective":
         return list(range(0, n_layers, max(1, every)))
     if mode != "none":
-        raise ValueError(f"activation checkpointing {mode!r}: choose none, full or selective")
+        raise ValueError(f"activation checkpointing {mode!r}: choose none, full, selective or selective_op")
     return []
 
 
 def recomputed_fraction(n_layers: int, mode: str, every: int = 2) -> float:
-    """The fraction of blocks recomputed in backward (see :func:`checkpointed_blocks`)."""
+    """The fraction of blocks whose forward is recomputed in backward (see
+    :func:`checkpointed_blocks`), the weight of :func:`recompute_flops_per_token` in HFU.
+    ``selective_op``: 0 -- its blocks save every matmul's and the attention kernel's output and
+    recompute only elementwise work (norms, RoPE, activation functions, casts), which the FLOPs
+    convention does not count (module docstring): HFU equals MFU there."""
+    if mode == "selective_op":
+        return 0.0
     return len(checkpointed_blocks(n_layers, mode, every)) / n_layers if n_layers else 0.0
 
 

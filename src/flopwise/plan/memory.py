@@ -48,7 +48,10 @@ What is counted (per GPU, at the peak of a training step)
   ``L * input + one block's activations``. With ``"selective"`` the R blocks 0, k, 2k, ...
   (k = ``activation_checkpointing_every``, R = ceil(L / k)) keep only their input and the
   others all their activations: ``(L - R) * block + R * input + one block's activations``;
-  autocast weight copies are saved by the blocks that are not recomputed.
+  autocast weight copies are saved by the blocks that are not recomputed. With
+  ``"selective_op"`` every block keeps its input and the outputs of its matmuls and attention
+  kernel (:func:`selective_op_layer_terms`, exact against ``MemTracker`` on CPU) and, at the
+  peak, one block's recomputed rest (:func:`_selective_op_recompute`).
 
 * **Logits and loss** (``logits``): the (B, T, V) logits in the compute dtype (held by
   ``train/train_step.py`` until its backward ends), the float32 log-softmax that
@@ -189,6 +192,7 @@ class MemorySettings:
     master_weights: bool = True  # "bf16-pure" only: an fp32 master copy (and fp32 AdamW state)
     attention: str = "sdpa"  # sdpa (flash/efficient: O(T) saved per head) | eager (SDPA math: (T x T) probs)
     # none | full (each block's input; one block recomputed) | selective (blocks 0, k, 2k, ...)
+    # | selective_op (each block's input, matmul and attention outputs; one block's rest recomputed)
     activation_checkpointing: str = "none"
     activation_checkpointing_every: int = 2  # selective: k
     strategy: str = "single"  # single | ddp | zero1 | fsdp2 | diloco, as parallel.strategy
@@ -270,8 +274,17 @@ class MemorySettings:
         return replace(self, strategy=self.inner_strategy, n_gpus=self.group_ranks)
 
     def recomputed_blocks(self, n_layers: int) -> int:
-        """Blocks recomputed in backward (each keeps only its input in forward)."""
+        """Blocks recomputed in backward (each keeps only its input in forward); none under
+        ``selective_op``, whose blocks keep their matmul outputs and recompute no matmul (the
+        budget weighs HFU's recompute by this)."""
+        if self.op_checkpointed:
+            return 0
         return len(checkpointed_blocks(n_layers, self.activation_checkpointing, self.activation_checkpointing_every))
+
+    @property
+    def op_checkpointed(self) -> bool:
+        """``selective_op``: every block keeps its matmul and attention outputs, recomputes the rest."""
+        return self.activation_checkpointing == "selective_op"
 
 
 @dataclass
@@ -485,6 +498,58 @@ def compiled_layer_terms(cfg: ModelConfig, micro_batch: int, seq_len: int,
     return t
 
 
+def selective_op_layer_terms(cfg: ModelConfig, micro_batch: int, seq_len: int,
+                             settings: MemorySettings) -> dict[str, int]:
+    """Bytes one block keeps from forward to backward under ``selective_op`` (``train/wrap.py``:
+    ``selective_op_policy``): its input, held by the checkpoint to recompute from, and the cached
+    outputs of its matmuls and attention kernel; norms, RoPE, activation functions and casts are
+    recomputed. Eager, every matmul output is kept, the down projection's too (nobody reads it:
+    the residual add saves nothing); compiled, the partitioner keeps only what backward reads, so
+    not that one. Exact against ``MemTracker`` on CPU (``tests/unit/test_memory_selective_op.py``)."""
+    d = _dtypes(settings)
+    c, r = d["compute"], d["residual"]
+    D, H, KV, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
+    q, kv = H * hd, KV * hd
+    B, T = micro_batch, seq_len
+    N = B * T
+    t = {"block_input": N * r * D, "qkv": N * c * (q + 2 * kv)}
+    if settings.attention == "sdpa":
+        t["attn_out"] = N * c * q  # the kernel's output (B, H, T, hd) and float32 logsumexp (B, H, T)
+        t["logsumexp"] = N * 4 * H
+    else:  # SDPA's math backend: two bmm outputs, float32 (bf16 upcast): the scores and scores @ v
+        t["scores"] = B * H * T * T * 4
+        t["attn_out"] = N * 4 * q
+    t["attn_proj_out"] = N * c * D  # wo's output: the MLP half's residual sum is recomputed from it
+    if cfg.is_moe:
+        E, k, Fe = cfg.n_experts, cfg.moe_top_k, cfg.expert_ffn_hidden
+        t["router"] = N * c * E  # the router's logits
+        t["experts"] = N * k * c * (2 * Fe + D)  # each token-slot's gate|up and down outputs (weighted after)
+    else:
+        t["mlp_up"] = N * c * (2 if cfg.mlp == "swiglu" else 1) * cfg.ffn_hidden  # gate|up, or up
+        if not settings.compiled:
+            t["mlp_down"] = N * c * D  # w_down's output, cached though backward does not read it
+    return t
+
+
+def _selective_op_recompute(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: MemorySettings,
+                            terms: dict[str, int]) -> int:
+    """What one block's recompute adds during its backward under ``selective_op``: what it saves
+    without checkpointing (``terms``, :func:`layer_activation_terms`) less what the cache already
+    holds (the qkv projection, the attention kernel's outputs, the MLP's up projection)."""
+    c = _dtypes(settings)["compute"]
+    N = micro_batch * seq_len
+    cached = terms.get("qkv", 0) + terms.get("logsumexp", 0)
+    if settings.attention == "sdpa":
+        cached += terms["attn_out"]
+    if cfg.is_moe:
+        cached += N * cfg.moe_top_k * c * 2 * cfg.expert_ffn_hidden
+    elif cfg.mlp == "swiglu":
+        cached += N * c * 2 * cfg.ffn_hidden  # gate|up of swiglu's 4F
+    else:
+        cached += N * c * cfg.ffn_hidden  # the up projection's output of mlp_act's 2F
+    return max(sum(terms.values()) - cached, 0)
+
+
 def _logits_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: MemorySettings) -> int:
     c = _dtypes(settings)["compute"]
     N, V = micro_batch * seq_len, cfg.vocab_size
@@ -501,7 +566,7 @@ def _logits_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: Me
 
 
 def _transient(cfg: ModelConfig, B: int, T: int, settings: MemorySettings, terms: dict[str, int],
-               final_norm: int) -> tuple[int, int, int]:
+               final_norm: int, recomputed: int = 0) -> tuple[int, int, int]:
     """Temporaries on top of the saved tensors at the worst moment of backward.
 
     Returns ``(transient, loss_tmp, block_tmp)``. The loss backward allocates the
@@ -528,12 +593,11 @@ def _transient(cfg: ModelConfig, B: int, T: int, settings: MemorySettings, terms
         width = 2 * cfg.moe_top_k * cfg.expert_ffn_hidden if cfg.is_moe else 2 * cfg.ffn_hidden
         block_tmp = N * c * width
     freed = (4 * N * V if settings.loss == "plain" and not in_graph else 0) + final_norm  # log-softmax, final norm
-    if settings.recomputed_blocks(cfg.n_layers):
-        # The recomputed block (counted in `activations`) exists only during its own
-        # backward, after the loss temporaries are gone: the worst moment is either.
-        per_layer = sum(terms.values())
-        block_tmp = max(per_layer + block_tmp - freed, 0)
-        return (max(loss_tmp, block_tmp) - per_layer if B else 0), loss_tmp, block_tmp
+    if recomputed:
+        # The recomputed block (``recomputed`` bytes, counted in `activations`) exists only during
+        # its own backward, after the loss temporaries are gone: the worst moment is either.
+        block_tmp = max(recomputed + block_tmp - freed, 0)
+        return (max(loss_tmp, block_tmp) - recomputed if B else 0), loss_tmp, block_tmp
     block_tmp = max(block_tmp - freed, 0)
     return (max(loss_tmp, block_tmp) if B else 0), loss_tmp, block_tmp
 
@@ -580,7 +644,9 @@ def estimate(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: MemoryS
         # the head's copy (tied: the cast embedding), those of the blocks that are not
         # recomputed, and one recomputed block's during its recompute: a checkpointed block
         # saves none, its cast cache dies with the autocast context of its forward
-        weight_copies = 2 * (V * D + (kept + (1 if R else 0)) * block_matmul)
+        # (selective_op: none saved, every block's casts are recomputed; one block's at the peak)
+        cast_blocks = 1 if settings.op_checkpointed and L else kept + (1 if R else 0)
+        weight_copies = 2 * (V * D + cast_blocks * block_matmul)
         notes.append(f"weight_copies: {settings.precision} autocast casts of the matmul weights, saved by linear "
                      "for backward")
 
@@ -594,7 +660,7 @@ def estimate(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: MemoryS
 
     terms = layer_activation_terms(cfg, B, T, settings)
     per_layer = sum(terms.values())
-    if settings.compiled and settings.attention == "sdpa" and not cfg.is_moe:
+    if settings.compiled and settings.attention == "sdpa" and not cfg.is_moe and not settings.op_checkpointed:
         # the partitioner's saved set; the eager terms still size the temporaries below
         per_layer = sum(compiled_layer_terms(cfg, B, T, settings).values())
         notes.append("activations: compiled, the min-cut partitioner's saved set (matmul inputs, the block's "
@@ -602,14 +668,25 @@ def estimate(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: MemoryS
     ids = N * 8  # int64 token ids saved by the embedding
     final_norm = N * (4 * D + 4 + r * D + c * D)
     # a recomputed block keeps only its input (B, T, D); at the peak one block is recomputed
-    activations = ids + kept * per_layer + R * N * D * r + final_norm + (per_layer if R else 0)
+    recomputed = per_layer if R else 0
+    activations = ids + kept * per_layer + R * N * D * r + final_norm + recomputed
+    if settings.op_checkpointed and L:
+        # every block keeps its input and its matmul and attention outputs; at the peak one block's
+        # rest is recomputed (eager's count: inductor's fused recompute is not modelled apart)
+        kept_terms = selective_op_layer_terms(cfg, B, T, settings)
+        recomputed = _selective_op_recompute(cfg, B, T, settings, terms)
+        activations = ids + L * sum(kept_terms.values()) + final_norm + recomputed
+        notes.append("activations: selective_op keeps each block's input and its matmul and attention outputs "
+                     f"({'compiled: ' if settings.compiled else ''}"
+                     f"{', '.join(kept_terms)}); one block's norms, RoPE and activations are recomputed during "
+                     "its backward (counted at the peak)")
     if R:
         k = settings.activation_checkpointing_every
         which = "each block" if R == L else f"{R} of {L} blocks (0, {k}, {2 * k}, ...)"
         notes.append(f"activations: checkpointing keeps only the input of {which}; one block's activations "
                      "are recomputed during its backward (counted at the peak)")
     logits = _logits_bytes(cfg, B, T, settings)
-    transient, loss_tmp, block_tmp = _transient(cfg, B, T, settings, terms, final_norm)
+    transient, loss_tmp, block_tmp = _transient(cfg, B, T, settings, terms, final_norm, recomputed)
     notes.append("logits: (B,T,V) logits in compute dtype + fp32 log-softmax saved by cross_entropy; "
                  f"transient: max(loss backward {loss_tmp:,} B, one block's backward {block_tmp:,} B)")
     buffers = 2 * cfg.max_seq_len * cfg.resolved_head_dim * 4  # RoPE cos/sin tables, float32
@@ -644,4 +721,4 @@ def max_micro_batch(cfg: ModelConfig, seq_len: int, memory_bytes: int, settings:
 
 
 __all__ = ["GIB", "MemoryEstimate", "MemorySettings", "estimate", "layer_activation_terms", "max_micro_batch",
-           "n_param_tensors", "outer_state_bytes", "outer_sync_bytes", "state_bytes"]
+           "n_param_tensors", "outer_state_bytes", "outer_sync_bytes", "selective_op_layer_terms", "state_bytes"]

@@ -5,7 +5,11 @@ compiled or sharded.
 
 - Activation checkpointing: ``full`` recomputes every block's forward in backward (keeps
   only each block's input); ``selective`` does it for every k-th block (0, k, 2k, ...), a
-  middle ground between memory and the ~1/3 extra compute of full.
+  middle ground between memory and the ~1/3 extra compute of full; ``selective_op`` runs
+  every block under a per-op policy (:func:`selective_op_policy`): the outputs of its matmuls
+  and attention kernel are saved, the cheap rest (norms, RoPE, activation functions, casts,
+  residual adds) is recomputed in backward -- about half a block's saved bytes for no matmul
+  recompute (torchtitan's ``selective_ac_option = "op"``).
 - Compile: ``model`` compiles the whole loss function (forward, head, loss); ``blocks``
   compiles each block on its own (shorter compile, one graph reused by every layer, and a
   graph break in one block cannot split the others). ``compile_mode=reduce-overhead``
@@ -21,7 +25,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from flopwise.parallel.strategy import apply_data_parallel
 from flopwise.plan.flops import checkpointed_blocks
@@ -30,12 +34,59 @@ if TYPE_CHECKING:
     from flopwise.model.transformer import Transformer
 
 
+_aten = torch.ops.aten
+# What train.activation_checkpointing=selective_op saves: every matmul's output and the attention
+# kernels' (output and logsumexp). Every matmul, not torchtitan's "all but every second mm": in
+# torchtitan's Llama a block makes seven separate projections and the alternation is a memory/compute
+# trade tuned to that layout; here a block makes four fused ones (wqkv, wo, w_gate_up|w_up, w_down),
+# an MoE block a data-dependent number, so a count-based rule would land on different matrices per
+# layout (and per batch for the MoE loop). Saving all of them makes the recompute matmul-free -- what
+# the planner counts (plan/flops.py: recomputed_fraction 0, HFU = MFU) and the dry run checks. The
+# price: w_down's output is kept though backward never reads it (the residual add saves nothing),
+# one (B, T, D) tensor a block in eager mode; compiled, the partitioner drops it (plan/memory.py).
+# bmm is the eager attention path's two matmuls (the scores, and scores @ v): saving them keeps that
+# reference path matmul-free too (its (B, H, T, T) float32 scores stay, as without checkpointing).
+# flex_attention is a higher-order op (traced as one node under compile); not run here: torch has no
+# CPU backward for it. Ops missing from an older torch are left out (GPU machines pin 2.11, these 2.13).
+_SAVED_ATEN = ("mm", "addmm", "bmm", "_grouped_mm",  # linear layers (flattened to 2-D), eager attention, MoE
+               "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+               "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+               "_scaled_dot_product_fused_attention_overrideable")
+_FLEX = getattr(torch.ops.higher_order, "flex_attention", None)
+SELECTIVE_OP_SAVED = frozenset([getattr(_aten, name).default for name in _SAVED_ATEN if hasattr(_aten, name)]
+                               + ([_FLEX] if _FLEX is not None else []))
+
+
+def selective_op_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """``train.activation_checkpointing=selective_op``: MUST_SAVE a matmul's or an attention
+    kernel's output (:data:`SELECTIVE_OP_SAVED`; the flash-attn package's custom ops, namespaces
+    ``flash_attn`` and ``flash_attn_3``, too), PREFER_RECOMPUTE anything else. Stateless, so one
+    function serves every block, forward and recompute, eager and traced by torch.compile."""
+    if func in SELECTIVE_OP_SAVED or getattr(func, "namespace", "").startswith("flash_attn"):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_op_context():
+    """``context_fn`` of :func:`torch.utils.checkpoint.checkpoint` under ``selective_op``: a fresh
+    pair of caching contexts per checkpointed call (they hold that block's saved outputs)."""
+    return create_selective_checkpoint_contexts(selective_op_policy)
+
+
 def apply_activation_checkpointing(model: Transformer, mode: str, every_k: int = 2) -> list[int]:
-    """Make the chosen blocks recompute their forward in backward (non-reentrant), in place.
+    """Make the chosen blocks recompute their forward in backward (non-reentrant), in place;
+    under ``selective_op`` every block, recomputing only what :func:`selective_op_policy` does
+    not save.
 
     The block's ``forward`` is replaced rather than the block wrapped in another module, so
-    parameter names -- checkpoints, exports, optimizer groups -- do not change."""
+    parameter names -- checkpoints, exports, optimizer groups -- do not change. It composes
+    with the rest of :func:`wrap_for_training`: torch.compile (``blocks`` or ``model``) traces
+    the replaced forward, the policy tagging each op for the partitioner (MUST_SAVE nodes kept,
+    the rest recomputed in the backward graph); DDP's hooks and FSDP2's per-block all-gather run
+    around the block's ``forward``, outside the checkpointed region, so no collective is cached
+    or replayed (torchtitan saves reduce-scatters for tensor parallelism, which flopwise lacks)."""
     chosen = checkpointed_blocks(len(model.layers), mode, every_k)
+    extra: dict[str, Any] = {"context_fn": selective_op_context} if mode == "selective_op" else {}
     for i in chosen:
         block = model.layers[i]
         inner = block.forward
@@ -43,7 +94,7 @@ def apply_activation_checkpointing(model: Transformer, mode: str, every_k: int =
         def forward(*args, _inner=inner, **kwargs):
             if not torch.is_grad_enabled():  # evaluation: nothing saved, nothing to recompute
                 return _inner(*args, **kwargs)
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **extra, **kwargs)
 
         block.forward = forward
     return chosen
@@ -64,7 +115,10 @@ def wrap_model(model: Transformer, train_cfg) -> list[str]:
     notes = []
     chosen = apply_activation_checkpointing(model, train_cfg.activation_checkpointing,
                                             train_cfg.activation_checkpointing_every)
-    if chosen:
+    if chosen and train_cfg.activation_checkpointing == "selective_op":
+        notes.append(f"activation checkpointing selective_op: each of the {len(chosen)} blocks keeps its matmul and "
+                     "attention outputs, the rest (norms, RoPE, activations, casts) is recomputed in backward")
+    elif chosen:
         notes.append(f"activation checkpointing {train_cfg.activation_checkpointing}: "
                      f"{len(chosen)} of {len(model.layers)} blocks recomputed in backward")
     if train_cfg.compile == "blocks":
