@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from flopwise.config import ConfigError, ParallelConfig
-from flopwise.parallel.distributed import DistEnv
+from flopwise.parallel.distributed import DistEnv, all_gather_into
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _CHUNK = 1 << 22  # values per chunk of the drift's float64 sums (32 MiB of temporaries)
@@ -103,12 +103,6 @@ def make_groups(env: DistEnv, pc: ParallelConfig) -> Groups:
 def _local(p: torch.Tensor) -> torch.Tensor:
     """The tensor this rank holds of parameter ``p`` (its shard under FSDP2), sharing storage."""
     return p.to_local() if hasattr(p, "to_local") else p
-
-
-def _all_gather(out: torch.Tensor, mine: torch.Tensor, group: Any) -> None:
-    """Every rank's ``mine`` concatenated into ``out`` (torch >= 2.13 names it all_gather_single)."""
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, mine, group=group)
 
 
 def fragments(sizes: list[int], count: int) -> list[list[int]]:
@@ -262,7 +256,7 @@ class DiLoCo:
         mine = self._slice(flight.buffer)
         mine.div_(self.g.count)
         if self.slices > 1:
-            _all_gather(flight.buffer, mine.clone(), self.g.inner)
+            all_gather_into(flight.buffer, mine.clone(), self.g.inner)
         mean = flight.buffer[: flight.delta.numel()].float()
         # the drift and the norm over what this rank holds (DDP inside: the whole fragment, as every
         # rank of its group; summed over the world when logged): float64 sums, a chunk at a time

@@ -225,6 +225,13 @@ class DistEnv:
             self.close()
 
 
+def all_gather_into(out: torch.Tensor, mine: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """Every rank's ``mine`` (the same size on each) concatenated into ``out``, rank by rank; with
+    ``async_op`` its work handle, to ``wait()`` on (torch >= 2.13 names it all_gather_single)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, mine, group=group, async_op=async_op)
+
+
 def read_launch_env(environ: dict[str, str] | None = None) -> tuple[int, int, int] | None:
     """(rank, local_rank, world_size) from torchrun's variables; None when none are set.
 

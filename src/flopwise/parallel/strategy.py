@@ -229,6 +229,17 @@ def grad_sync(wrapped: torch.nn.Module, strategy: str,
     return sync
 
 
+def replica_group(strategy: str, env: DistEnv) -> dist.ProcessGroup | None:
+    """The ranks that hold the whole model and, after the backward, the same averaged gradients:
+    DDP's group (a DiLoCo worker group, else all ranks). An optimizer splits over it the work each
+    of them would repeat (Muon's Newton-Schulz). None without such a group of 2 ranks or more
+    (one process; ZeRO-1 and FSDP2 shard the optimizer themselves)."""
+    if strategy != "ddp" or not env.distributed:
+        return None
+    group = env.group if env.group is not None else dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None
+
+
 def grads_set_to_none(strategy: str) -> bool:
     """Whether ``zero_grad`` drops the gradients (``set_to_none=True``) or zeroes them in place.
 

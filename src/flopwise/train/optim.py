@@ -26,6 +26,14 @@ whatever the shape, so a matrix with more outputs than inputs gets a proportiona
 larger step to keep the per-output update comparable. Muon's weight decay
 (``optim.muon_weight_decay``) is decoupled like AdamW's: ``p *= 1 - lr * wd``.
 
+Muon under data parallelism (DDP, and DDP inside a DiLoCo worker group): every rank holds the
+same averaged gradients, so each would otherwise run the same Newton-Schulz iterations on every
+matrix -- 5 x 3 matmuls per matrix per step, most of the optimizer's cost, N times over.
+Given the group (``build_optimizer``'s ``group``), :class:`Muon` deals the matrices round-robin
+over its ranks, each orthogonalises its own and the results are all-gathered (as modded-nanogpt
+and Moonlight do), so every rank applies the same bits a one-rank Muon would. The momentum
+stays whole on every rank, so the state dict is the same at any world size.
+
 Both kinds of groups carry ``base_lr`` (their peak rate: ``muon_lr`` or ``lr``), so a
 schedule is applied with one multiplier, :func:`set_lr_factor`; a Muon run returns a
 :class:`CombinedOptimizer` with the usual ``step`` / ``zero_grad`` / ``state_dict`` /
@@ -38,11 +46,13 @@ import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as dist
 
 from flopwise.config import OptimConfig
+from flopwise.parallel.distributed import all_gather_into
 
 if TYPE_CHECKING:
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -52,6 +62,7 @@ if TYPE_CHECKING:
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 NS_EPS = 1e-7
+NS_DTYPE = torch.bfloat16  # what Newton-Schulz computes in (bf16: see newton_schulz)
 
 # Wrapper modules that insert a component into parameter names (compile, DDP, FSDP1,
 # activation checkpointing); the Muon split looks through them.
@@ -110,14 +121,15 @@ def muon_split(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[tuple[s
 
 
 def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-                  eps: float = NS_EPS, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                  eps: float = NS_EPS, dtype: torch.dtype = NS_DTYPE,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Approximately orthogonalise ``g`` (..., m, n): U S V^T -> U S' V^T with S' ~ 1.
 
     The quintic iteration X <- a X + (b A + c A^2) X, A = X X^T, after scaling X to
     Frobenius norm 1 (so the spectral norm is <= 1). It runs on the wide orientation
     (m <= n) so that A is the small Gram matrix, in ``dtype`` (bf16: the iteration is
     robust to its rounding, and bf16 matmuls are the fast ones on accelerators).
-    Leading dimensions are a batch. Returns ``g``'s dtype."""
+    Leading dimensions are a batch. Returns ``out_dtype``, by default ``g``'s."""
     a, b, c = coefficients
     x = g.to(dtype)
     tall = x.size(-2) > x.size(-1)
@@ -129,7 +141,7 @@ def newton_schulz(g: torch.Tensor, steps: int = NS_STEPS, coefficients: tuple[fl
         x = a * x + (b * gram + c * (gram @ gram)) @ x
     if tall:
         x = x.mT
-    return x.to(g.dtype)
+    return x.to(g.dtype if out_dtype is None else out_dtype)
 
 
 def muon_lr_scale(shape: torch.Size | tuple[int, ...]) -> float:
@@ -158,10 +170,16 @@ class Muon(torch.optim.Optimizer):
     one: torch's ``ns_coefficients``, ``ns_steps`` and ``eps`` are given together as ``ns``, a
     :class:`NewtonSchulz` (the group keys keep torch's names). With ``found_inf`` set (a 0-dim
     tensor, non-zero on a bad step) each parameter and its momentum keep their old values
-    where it is non-zero -- chosen on the device, the same numbers otherwise."""
+    where it is non-zero -- chosen on the device, the same numbers otherwise.
+
+    ``group``: a process group whose ranks all hold these parameters and the same gradients
+    (DDP's, a DiLoCo worker group's). With more than one rank its Newton-Schulz work is split
+    over them (:meth:`_split_step`): each rank orthogonalises 1/N of the matrices and gets the
+    others' results by all-gather, making bitwise the update of one rank."""
 
     def __init__(self, params, lr: float = 0.02, weight_decay: float = 0.0, momentum: float = 0.95,
-                 nesterov: bool = True, ns: NewtonSchulz = NewtonSchulz(), adjust_lr_fn: str | None = "original"):
+                 nesterov: bool = True, ns: NewtonSchulz = NewtonSchulz(), adjust_lr_fn: str | None = "original",
+                 group: dist.ProcessGroup | None = None):
         if lr < 0 or weight_decay < 0 or momentum < 0:
             raise ValueError("Muon lr, weight_decay and momentum must be >= 0")
         if adjust_lr_fn not in (None, "original"):
@@ -170,10 +188,14 @@ class Muon(torch.optim.Optimizer):
                         ns_coefficients=tuple(ns.coefficients), eps=ns.eps, ns_steps=ns.steps,
                         adjust_lr_fn=adjust_lr_fn)
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            for p in group["params"]:
+        for g in self.param_groups:
+            for p in g["params"]:
                 if p.dim() != 2:
                     raise ValueError(f"Muon takes 2-D parameters only, got shape {tuple(p.shape)}")
+        # Not a group key (torch's Muon has none such, and a checkpoint must load at any world size).
+        self.group = group
+        self.ranks = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None):  # type: ignore[override]  # vs torch overloads
@@ -183,34 +205,125 @@ class Muon(torch.optim.Optimizer):
                 loss = closure()
         found_inf: torch.Tensor | None = getattr(self, "found_inf", None)
         keep = None if found_inf is None else found_inf != 0
+        if self.ranks > 1:
+            self._split_step(keep)
+            return loss
         for group in self.param_groups:
             mu = group["momentum"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 g = p.grad
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(g, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
+                buf = self._momentum(p)
                 if keep is None:  # nothing needs the old values: buffer and weights updated in place
-                    self._update(p, buf.lerp_(g, 1 - mu), group, in_place=True)
+                    self._moved(p, self._orthogonalised(p, buf.lerp_(g, 1 - mu), group), group, in_place=True)
                 else:  # one parameter's temporaries at a time; NaN in the unchosen side goes nowhere
                     new_buf = buf.lerp(g, 1 - mu)
-                    new_p = self._update(p, new_buf, group, in_place=False)
+                    new_p = self._moved(p, self._orthogonalised(p, new_buf, group), group, in_place=False)
                     torch.where(keep, buf, new_buf, out=buf)  # written where read: elementwise, no copy back
                     torch.where(keep, p, new_p, out=p)
         return loss
 
+    def _momentum(self, p: torch.Tensor) -> torch.Tensor:
+        """``p``'s momentum buffer (zeros like its gradient at its first step)."""
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            assert p.grad is not None  # the step's parameters have a gradient
+            state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+        return state["momentum_buffer"]
+
     @staticmethod
-    def _update(p: torch.Tensor, buf: torch.Tensor, group: dict, in_place: bool) -> torch.Tensor:
-        """``p``'s new weights from the new momentum ``buf`` -- decayed, then moved by the
-        orthogonalised (Nesterov) update -- into ``p`` itself (``in_place``) or a new tensor."""
-        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+    def _orthogonalised(p: torch.Tensor, buf: torch.Tensor, group: dict,
+                        out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Newton-Schulz of ``p``'s (Nesterov) update from its new momentum ``buf``. Calls the
+        module's :func:`newton_schulz` by name (a test counts the calls)."""
         assert p.grad is not None  # step() passes parameters with a gradient only
-        update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-        o = newton_schulz(update, group["ns_steps"], group["ns_coefficients"], group["eps"])
+        update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+        return newton_schulz(update, group["ns_steps"], group["ns_coefficients"], group["eps"], out_dtype=out_dtype)
+
+    @staticmethod
+    def _moved(p: torch.Tensor, o: torch.Tensor, group: dict, in_place: bool) -> torch.Tensor:
+        """``p``'s new weights -- decayed, then moved by the orthogonalised update ``o`` -- into
+        ``p`` itself (``in_place``) or a new tensor."""
+        lr, wd = group["lr"], group["weight_decay"]
         return (p.mul_ if in_place else p.mul)(1 - lr * wd).add_(o, alpha=-lr * muon_lr_scale(p.shape))
+
+    # ------------------------------------------------------------------ split over the ranks
+
+    def _split_step(self, keep: torch.Tensor | None) -> None:
+        """The step with its Newton-Schulz work split over the ``group``'s N ranks.
+
+        Every rank updates every momentum buffer (cheap, elementwise; the state stays whole on
+        each rank, as a one-rank run's, so checkpoints and resumes are unchanged). The matrices,
+        largest first (an order every rank agrees on: the same groups and shapes; a stable sort),
+        are dealt round-robin in rounds of N -- matrix i of the order to rank i mod N. Each rank
+        orthogonalises its matrix of a round; the round's results are all-gathered, each padded
+        to the round's largest (the sort keeps that padding small), and every rank applies all N
+        of them. A round's gather is in flight while the next round's Newton-Schulz runs; at most
+        two rounds' buffers are alive. On a bad step (``keep``) the momentum stays and so do the
+        weights, whatever the gathered results hold (NaN included), as in a one-rank step."""
+        work = [(p, g) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        for p, g in work:
+            buf = self._momentum(p)
+            if keep is None:
+                buf.lerp_(p.grad, 1 - g["momentum"])
+            else:  # a good step: the new buffer, the bits a one-rank step makes from it
+                torch.where(keep, buf, buf.lerp(p.grad, 1 - g["momentum"]), out=buf)
+        order = sorted(work, key=lambda w: -w[0].numel())
+        pending: _Round | None = None
+        for start in range(0, len(order), self.ranks):
+            launched = self._launch(order[start:start + self.ranks])
+            if pending is not None:
+                self._apply(pending, keep)
+            pending = launched
+        if pending is not None:
+            self._apply(pending, keep)
+
+    def _launch(self, round_: list[tuple[torch.Tensor, dict]]) -> _Round:
+        """This rank's matrix of ``round_`` orthogonalised (a rank past its end has none and sends
+        padding) and the round's all-gather started."""
+        size = max(p.numel() for p, _ in round_)
+        wire = _wire_dtype([p.dtype for p, _ in round_])
+        device = round_[0][0].device
+        gathered = torch.empty(self.ranks * size, dtype=wire, device=device)
+        sent = torch.empty(size, dtype=wire, device=device)
+        if self.rank < len(round_):
+            p, g = round_[self.rank]
+            o = self._orthogonalised(p, self.state[p]["momentum_buffer"], g,
+                                     out_dtype=wire if wire == NS_DTYPE else p.dtype)
+            sent[:p.numel()].view(p.shape).copy_(o)
+        return _Round(round_, gathered, sent, all_gather_into(gathered, sent, self.group, async_op=True))
+
+    def _apply(self, r: _Round, keep: torch.Tensor | None) -> None:
+        """Every matrix of a launched round moved by its owner's result, once the gather is done."""
+        r.work.wait()
+        size = r.sent.numel()
+        for j, (p, g) in enumerate(r.matrices):
+            o = r.gathered[j * size:j * size + p.numel()].view(p.shape)  # the owner's bits, exactly
+            if o.dtype != NS_DTYPE:  # float32 on the wire (fp16 weights): back to the dtype one rank adds
+                o = o.to(p.dtype)  # (fp16's add rounds alpha to fp16; bf16 into float32 adds as float32 would)
+            if keep is None:
+                self._moved(p, o, g, in_place=True)
+            else:
+                torch.where(keep, p, self._moved(p, o, g, in_place=False), out=p)
+
+
+@dataclass
+class _Round:
+    """A round of a split step in flight: its matrices (each with its group), the all-gather's
+    output, this rank's input (held until the gather is done with it) and the gather's work."""
+
+    matrices: list[tuple[torch.Tensor, dict]]
+    gathered: torch.Tensor
+    sent: torch.Tensor
+    work: Any
+
+
+def _wire_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
+    """What a round's Newton-Schulz results travel in: its bf16 (half float32's bytes) when every
+    matrix's own dtype holds each bf16 value exactly -- a float32 result is a bf16 one widened --,
+    else float32, which holds any of them exactly. Nothing is rounded that one rank would not round."""
+    return NS_DTYPE if all(d in (torch.float32, torch.float64, torch.bfloat16) for d in dtypes) else torch.float32
 
 
 def muon_class() -> type[Muon]:
@@ -218,12 +331,14 @@ def muon_class() -> type[Muon]:
     return Muon
 
 
-def make_muon(params: list[torch.Tensor], cfg: OptimConfig,
-              cls: Callable[..., torch.optim.Optimizer] | None = None) -> torch.optim.Optimizer:
-    """Muon over ``params`` from the config (Nesterov, 5 Newton-Schulz steps, "original" scaling)."""
+def make_muon(params: list[torch.Tensor], cfg: OptimConfig, cls: Callable[..., torch.optim.Optimizer] | None = None,
+              group: dist.ProcessGroup | None = None) -> torch.optim.Optimizer:
+    """Muon over ``params`` from the config (Nesterov, 5 Newton-Schulz steps, "original" scaling);
+    its Newton-Schulz work split over ``group``'s ranks when it has more than one (:class:`Muon`)."""
     cls = cls or muon_class()
+    split: dict[str, Any] = {"group": group} if group is not None else {}  # torch's Muon takes no group
     opt = cls(params, lr=cfg.muon_lr, weight_decay=cfg.muon_weight_decay, momentum=cfg.muon_momentum,
-              nesterov=True, adjust_lr_fn="original")
+              nesterov=True, adjust_lr_fn="original", **split)
     _keep_base_lr(opt, cfg.muon_lr)
     return opt
 
@@ -312,9 +427,11 @@ def _adamw(groups: list[dict], cfg: OptimConfig, device: torch.device) -> torch.
     return opt
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig,
-                    device: torch.device) -> torch.optim.AdamW | CombinedOptimizer:
-    """AdamW (``cfg.name == "adamw"``), or Muon + AdamW as one :class:`CombinedOptimizer`."""
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig, device: torch.device,
+                    group: dist.ProcessGroup | None = None) -> torch.optim.AdamW | CombinedOptimizer:
+    """AdamW (``cfg.name == "adamw"``), or Muon + AdamW as one :class:`CombinedOptimizer`.
+    ``group``: the ranks that hold the same parameters and gradients (DDP's; None: this
+    process alone), over which Muon splits its Newton-Schulz work."""
     name = getattr(cfg, "name", "adamw")
     if name == "adamw":
         return _adamw(param_groups(model, cfg.weight_decay), cfg, device)
@@ -323,7 +440,7 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig,
     hidden, rest = muon_split(model)
     optimizers: dict[str, torch.optim.Optimizer] = {}
     if hidden:
-        optimizers["muon"] = make_muon(hidden, cfg)
+        optimizers["muon"] = make_muon(hidden, cfg, group=group)
     optimizers["adamw"] = _adamw(_decay_groups((p for _, p in rest), cfg.weight_decay), cfg, device)
     return CombinedOptimizer(optimizers)
 
@@ -337,8 +454,10 @@ def describe_optimizer(optimizer) -> str:
         lr = opt.param_groups[0].get("base_lr", opt.defaults.get("lr"))
         extra = ""
         if "momentum" in opt.defaults and "nesterov" in opt.defaults:
+            ranks = getattr(opt, "ranks", 1)
+            split = f"; Newton-Schulz split over {ranks} ranks, results all-gathered" if ranks > 1 else ""
             extra = (f" (momentum {opt.defaults['momentum']:g}{', Nesterov' if opt.defaults['nesterov'] else ''}, "
-                     f"{opt.defaults['ns_steps']} Newton-Schulz steps, lr x sqrt(max(1, out/in)))")
+                     f"{opt.defaults['ns_steps']} Newton-Schulz steps, lr x sqrt(max(1, out/in)){split})")
         parts.append(f"{type(opt).__name__} lr {lr:g}{extra} for {n:,} parameters")
     return " · ".join(parts)
 

@@ -40,7 +40,7 @@ from flopwise.model.io import load_hf_weights
 from flopwise.model.loss import make_loss_fn
 from flopwise.parallel.diloco import DiLoCo, make_groups
 from flopwise.parallel.distributed import DistEnv
-from flopwise.parallel.strategy import Strategy, resolve_strategy, zero1_optimizer
+from flopwise.parallel.strategy import Strategy, replica_group, resolve_strategy, zero1_optimizer
 from flopwise.plan.budget import plan_for_run
 from flopwise.plan.fit import check_memory_fit, local_rank_count
 from flopwise.plan.flops import (
@@ -356,7 +356,8 @@ def build_step(cfg: RunConfig, strategy: str, env: DistEnv, device: torch.device
     loss_fn = make_loss_fn(train_model, t.loss, t.loss_chunk_tokens,
                            compile_mode=t.compile_mode if t.compile == "model" else None)
     optimizer: torch.optim.Optimizer | CombinedOptimizer = build_optimizer(master.master if master else model,
-                                                                          cfg.optim, device)
+                                                                          cfg.optim, device,
+                                                                          group=replica_group(strategy, env))
     if strategy == "zero1":
         optimizer = zero1_optimizer(optimizer)
     # a CombinedOptimizer stands in for an Optimizer (duck-typed: what the loop and checkpoints use)
