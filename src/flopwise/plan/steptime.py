@@ -107,6 +107,12 @@ SPLIT_K_MIN = 512  # a split-K slice keeps at least this much of K (CUTLASS's sp
 # He's "Making Deep Learning Go Brrrr"); a compiled graph launches its kernels from generated code.
 HOST_OP_S = 6e-6
 HOST_KERNEL_S = 3e-6
+# An eager matrix multiply costs the host more than an elementwise op: cuBLAS picks its kernel and
+# workspace per call. Back-to-back eager torch.mm calls at 1024^3, where the GPU kernel takes ~3 us,
+# measured 12.2 us a call on an H100 SXM, 9.9 on an H100 PCIe and 12.6 on an H800 PCIe (zzc0721/
+# torch-performance-test-data, issues 79, 95 and 112): the host's issue rate, whatever the GPU. The
+# middle one. What Muon's eager Newton-Schulz (thousands of small GEMMs a step) is bound by.
+HOST_GEMM_S = 12.2e-6
 KERNEL_MIN_S = 2.5e-6  # the shortest a launched kernel takes on the GPU (launch latency, nsight traces)
 # Collectives: nccl-tests on DGX A100 and DGX H100 report all-reduce bus bandwidth of about 80%
 # of NVLink's one-direction rate; across nodes NCCL reaches about 90% of the NIC's line rate.
@@ -120,6 +126,25 @@ REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "max", "min", "var_mean",
                         "cumsum", "_log_softmax_backward_data", "_softmax_backward_data", "native_layer_norm",
                         "native_layer_norm_backward", "logsumexp"})
 KINDS = ("matmul", "attention", "memory", "optimizer", "launch_host", "exposed_comm")
+
+
+# torch.compile's modes (``train.compile_mode``) as the prediction takes them: (CUDA graphs, what of
+# the mode is not modelled). reduce-overhead and max-autotune capture each compiled graph as a CUDA
+# graph (torch.compile's documentation; inductor's ``triton.cudagraphs``), replayed without a launch
+# from the host per kernel: their kernels cost no host time. max-autotune also benchmarks Triton
+# templates against cuBLAS for each matmul and keeps the fastest; no public measurement gives its
+# gain at these shapes, so the matmuls stay at cuBLAS's measured rate, and the prediction says so.
+COMPILE_MODES: dict[str, tuple[bool, str]] = {
+    "default": (False, ""),
+    "reduce-overhead": (True, ""),
+    "max-autotune": (True, "its matmul autotuning is not modelled (cuBLAS's measured rate)"),
+    "max-autotune-no-cudagraphs": (False, "its matmul autotuning is not modelled (cuBLAS's measured rate)"),
+}
+
+
+def compile_mode(mode: str) -> tuple[bool, str]:
+    """``(cuda_graphs, not_modelled)`` of a ``train.compile_mode`` (:data:`COMPILE_MODES`)."""
+    return COMPILE_MODES.get(mode, (False, f"compile mode {mode} is not modelled (priced as default)"))
 
 
 class Unpredictable(ValueError):
@@ -236,13 +261,15 @@ def memory_s(g: Gpu, nbytes: float) -> float:
     return max(nbytes / g.hbm, KERNEL_MIN_S)
 
 
-def collective_s(g: Gpu, op: str, nbytes: float, group: int) -> float:
-    """A ring collective of ``nbytes`` (the whole buffer) over ``group`` ranks."""
+def collective_s(g: Gpu, op: str, nbytes: float, group: int, ranks: list[int] | None = None) -> float:
+    """A ring collective of ``nbytes`` (the whole buffer) over ``group`` ranks; it crosses the
+    network when its ``ranks`` (global) lie on more than one node of ``g.per_node`` GPUs -- without
+    them, when the group is larger than a node."""
     if group <= 1:
         return 0.0
     base = op.rstrip("_").replace("_into_tensor", "").replace("_coalesced", "").replace("_base", "").lstrip("_")
     factor = next((f for name, f in RING_FACTOR.items() if base.startswith(name)), 1.0)
-    across = group > g.per_node
+    across = len({r // g.per_node for r in ranks}) > 1 if ranks else group > g.per_node
     bus = min(g.link_bytes_s * LINK_FRACTION, g.network_bytes_s * NETWORK_FRACTION) if across \
         else g.link_bytes_s * LINK_FRACTION
     return LATENCY_S["network" if across else "link"] + factor * (group - 1) / group * nbytes / bus
@@ -262,30 +289,48 @@ class Kernel:
     weight: float = 1.0  # DiLoCo's outer sync: once every inner_steps steps
 
 
-def kernels_of(records: list[dict[str, Any]], g: Gpu, compiled: bool, outer_every: int = 0) -> list[Kernel]:
-    """The records as kernels with their times; under compile the forward's and backward's
-    elementwise runs fused (:func:`fuse`)."""
+def in_graph(r: dict[str, Any], compiled: bool) -> bool:
+    """Whether the run launches record ``r`` from a compiled graph: as the trace marked it (its
+    ``graph``: the compiled blocks or loss function, ``tune/kernels.py``); a record without the
+    mark (an older trace) by ``compiled``, the whole forward and backward."""
+    if "graph" in r:
+        return bool(r["graph"])
+    return compiled and r["phase"] in ("forward", "backward")
+
+
+def kernels_of(records: list[dict[str, Any]], g: Gpu, compiled: bool, outer_every: int = 0,
+               cuda_graphs: bool = False) -> list[Kernel]:
+    """The records as kernels with their times; each run of elementwise records inside one
+    compiled graph fused (:func:`fuse`); what runs eagerly (:func:`in_graph`) kernel by kernel.
+    ``cuda_graphs``: the compiled graphs are replayed as CUDA graphs (:func:`compile_mode`), their
+    kernels launched without host time."""
+    launch = 0.0 if cuda_graphs else HOST_KERNEL_S
     out: list[Kernel] = []
     run: list[dict[str, Any]] = []
     last_read = {v: i for i, r in enumerate(records) for v, _ in r["reads"]}  # one pass, not one per region
     for i, r in enumerate(records):
-        fusible = compiled and r["kind"] == "mem" and r["phase"] in ("forward", "backward")
+        fusible = r["kind"] == "mem" and r["phase"] in ("forward", "backward") and in_graph(r, compiled)
         if fusible:
             run.append(r)
             continue
         if run:
-            out += fuse(run, last_read, i, g)
+            out += fuse(run, last_read, i, g, launch)
             run = []
-        out.append(_kernel(r, g, outer_every, compiled))
+        out.append(_kernel(r, g, outer_every, compiled, launch))
     if run:
-        out += fuse(run, last_read, len(records), g)
+        out += fuse(run, last_read, len(records), g, launch)
     return out
 
 
-def _kernel(r: dict[str, Any], g: Gpu, outer_every: int, compiled: bool = False) -> Kernel:
+def _kernel(r: dict[str, Any], g: Gpu, outer_every: int, compiled: bool = False,
+            launch: float = HOST_KERNEL_S) -> Kernel:
     reads, writes = [v for v, _ in r["reads"]], [v for v, _ in r["writes"]]
-    in_graph = compiled and r["phase"] in ("forward", "backward")  # launched by the compiled graph's code
-    host = HOST_KERNEL_S if in_graph else r["host"] * HOST_OP_S
+    if in_graph(r, compiled):  # a graph's code (or a CUDA graph) launches it
+        host = launch
+    elif r["kind"] == "mm":  # cuBLAS's dispatch, and the views dispatched before it
+        host = HOST_GEMM_S + max(0, r["host"] - 1) * HOST_OP_S
+    else:
+        host = r["host"] * HOST_OP_S
     weight = 1.0 / outer_every if r["phase"] == "outer" and outer_every > 0 else 1.0
     if r["kind"] == "mm":
         kind = "optimizer" if r["phase"] in ("step", "outer") else "matmul"
@@ -293,7 +338,8 @@ def _kernel(r: dict[str, Any], g: Gpu, outer_every: int, compiled: bool = False)
     if r["kind"] == "attn":
         return Kernel("attention", attention_s(g, r), host, reads, writes, weight)
     if r["kind"] == "coll":
-        return Kernel("comm", collective_s(g, r["op"], r["bytes"], r["group"]), host, reads, writes, weight)
+        return Kernel("comm", collective_s(g, r["op"], r["bytes"], r["group"], r.get("ranks")), host, reads, writes,
+                      weight)
     if r["kind"] == "sync":
         return Kernel("sync", 0.0, host, reads, writes, weight)
     nbytes = sum(n for _, n in r["reads"]) + sum(n for _, n in r["writes"])
@@ -301,7 +347,8 @@ def _kernel(r: dict[str, Any], g: Gpu, outer_every: int, compiled: bool = False)
     return Kernel(kind, memory_s(g, nbytes), host, reads, writes, weight)
 
 
-def fuse(run: list[dict[str, Any]], last_read: dict[int, int], end: int, g: Gpu) -> list[Kernel]:
+def fuse(run: list[dict[str, Any]], last_read: dict[int, int], end: int, g: Gpu,
+         launch: float = HOST_KERNEL_S) -> list[Kernel]:
     """Elementwise records ``run`` (ending before record ``end``; ``last_read``: the index of the
     last record that reads each value) as the fused kernels of one compiled region: a kernel per
     reduction in it (and one for the rest), together reading each value that comes from outside
@@ -315,7 +362,7 @@ def fuse(run: list[dict[str, Any]], last_read: dict[int, int], end: int, g: Gpu)
     n_kernels = 1 + sum(1 for r in run if r["op"] in REDUCTIONS)
     nbytes = sum(read.values()) + sum(written.values())
     seconds = max(nbytes / g.hbm, n_kernels * KERNEL_MIN_S)
-    return [Kernel("memory", seconds, n_kernels * HOST_KERNEL_S, list(read), list(written))]
+    return [Kernel("memory", seconds, n_kernels * launch, list(read), list(written))]
 
 
 @dataclass
@@ -365,10 +412,11 @@ class Timeline:
         return last
 
 
-def predict(kernels: dict[str, Any], g: Gpu, compiled: bool) -> dict[str, Any]:
+def predict(kernels: dict[str, Any], g: Gpu, compiled: bool, cuda_graphs: bool = False) -> dict[str, Any]:
     """The step's predicted time and throughput on ``g`` from the dry run's kernel list
     (``trace.kernels``: its records, the traced and the run's accumulation, micro-batch,
-    sequence length, ranks). The traced first micro-batch stands for each extra one of the run."""
+    sequence length, ranks). The traced first micro-batch stands for each extra one of the run.
+    ``cuda_graphs``: the compiled graphs replay as CUDA graphs (:func:`compile_mode`)."""
     records = kernels["records"]
     traced, run_accum = kernels["traced_accum"], kernels["run_accum"]
     timeline = Timeline()
@@ -380,7 +428,7 @@ def predict(kernels: dict[str, Any], g: Gpu, compiled: bool) -> dict[str, Any]:
     for m in order:
         sequence += [m] * (1 + (run_accum - traced) if m == 1 and traced >= 1 and run_accum > traced else 1)
     for m in sequence:
-        for k in kernels_of(by_micro[m], g, compiled, kernels.get("outer_every", 0)):
+        for k in kernels_of(by_micro[m], g, compiled, kernels.get("outer_every", 0), cuda_graphs):
             timeline.run(k)
     step_s = timeline.end(kernels.get("tail_host", 0) * HOST_OP_S)
     tokens = kernels["micro_batch"] * run_accum * kernels["seq_len"]

@@ -312,11 +312,17 @@ class _KeepBuckets:
 
 
 def _allreduce_hook(state, bucket):  # unannotated: DDP checks the annotations it finds
-    """DDP's default all-reduce (sum, then divide by the world), in Python: the fake process
-    group's works carry no tensors, which the built-in C++ hook asserts on."""
+    """DDP's default reduction in Python (the fake process group's works carry no tensors, which
+    the built-in C++ hook asserts on), in the order the C++ reducer runs it: the bucket divided
+    by the world *before* its all-reduce (``Reducer::mark_variable_ready_dense`` divides each
+    gradient as it is copied into, or already lies in, its bucket), then a sum. Nothing on the
+    compute stream reads the reduced bucket until the backward ends (``finalize_backward`` waits
+    for every bucket's work there), so each bucket's all-reduce overlaps the backward after it.
+    Dividing after the all-reduce, as this hook once did, made the compute stream wait for every
+    bucket at once: no overlap at all."""
     buf = bucket.buffer()
-    dist.all_reduce(buf)
-    buf.div_(dist.get_world_size())
+    buf.div_(dist.get_world_size(state))  # state: the wrapper's process group (a DiLoCo worker group's)
+    dist.all_reduce(buf, group=state)
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(buf)
     return fut
@@ -355,7 +361,7 @@ def _patch_ddp() -> None:
 
         def __init__(self, *args: Any, **kwargs: Any):
             super().__init__(*args, **kwargs)
-            self.register_comm_hook(None, _allreduce_hook)
+            self.register_comm_hook(self.process_group, _allreduce_hook)
             self.reducer = _KeepBuckets(self.reducer)  # type: ignore[assignment]  # forwards to the Reducer
 
     parallel.DDP = TracedDDP  # type: ignore[misc]  # flopwise's DDP, for the trace

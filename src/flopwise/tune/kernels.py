@@ -5,7 +5,7 @@ Each aten op the step dispatches on the fake GPU becomes one record -- a kernel 
 run launches it -- with what the time model needs and nothing it does not:
 
 - its kind: ``mm`` (a matrix multiply: M, N, K, batch, dtype), ``attn`` (an SDPA kernel: which one,
-  forward or backward, its shapes and causality), ``coll`` (a collective: its bytes and group size),
+  forward or backward, its shapes and causality), ``coll`` (a collective: its bytes, its group's size and ranks),
   ``sync`` (a host read of device data: the host waits for the GPU), ``mem`` (anything else: it
   moves bytes);
 - the values it reads and writes, each ``[id, bytes]``: each storage's writes are numbered, so a
@@ -14,6 +14,10 @@ run launches it -- with what the time model needs and nothing it does not:
   outside it), and it makes a compute op wait for the collective whose output it reads;
 - the phase (``forward``, ``backward`` -- autograd is running a node --, ``step``: the optimizer
   and the rest) and the micro-batch it belongs to;
+- ``graph``: whether the run launches it from a compiled graph (:meth:`KernelLog.compiled_region`:
+  the blocks under ``compile=blocks``, the loss function under ``compile=model``) or eagerly (the
+  loss after compiled blocks, DDP's and FSDP2's hooks, gradient accumulation, the optimizer). Only
+  a graph's elementwise ops are fused, and only its kernels launch without Python's dispatch;
 - ``host``: the ops the host dispatched for it, views and allocations included (they cost host
   time and launch nothing).
 
@@ -23,7 +27,7 @@ launch no kernel. Nothing here is a time: the arithmetic is ``plan/steptime.py``
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -43,7 +47,8 @@ ATTENTION = {
     "_efficient_attention_forward": ("efficient", "fwd"),
     "_efficient_attention_backward": ("efficient", "bwd"),
 }
-MATMUL = frozenset({"mm", "addmm", "bmm", "baddbmm", "_grouped_mm"})
+# matrix multiplies, in place (``addmm_``: a sum of products into its first argument) included
+MATMUL = frozenset({"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "addmm_", "baddbmm_"})
 # ops that make a tensor without writing it, or only describe another's storage: no kernel
 NO_KERNEL = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
                        "_local_scalar_dense", "is_same_size", "set_", "resize_", "record_stream", "wait_tensor",
@@ -87,6 +92,26 @@ class KernelLog(TorchDispatchMode):
         self._version: dict[int, int] = {}  # storage -> the id of the value it holds now
         self._next_id = 0
         self._host = 0  # ops dispatched since the last record
+        self._graph_depth = 0  # compiled regions the forward is inside now
+
+    # -------------------------------------------------------------- compiled regions
+
+    def compiled_region(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` (a module's forward call, or the whole loss function) marked as one region the run
+        compiles: the ops its forward dispatches are the graph's, and so are those of the autograd
+        nodes it made -- its backward -- which the backward finds by a flag in each node's
+        ``metadata``. What runs in the region's backward from nodes made outside it (gradient
+        accumulation, DDP's and FSDP2's hooks) is not."""
+        def region(*args: Any, **kwargs: Any) -> Any:
+            bounds = {id(t.grad_fn) for t in _tensors((args, kwargs)) if t.grad_fn is not None}
+            self._graph_depth += 1
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                self._graph_depth -= 1
+            _mark_graph_nodes([t.grad_fn for t in _tensors(out) if t.grad_fn is not None], bounds)
+            return out
+        return region
 
     def start_forward(self) -> None:
         self.micro += 1
@@ -128,7 +153,7 @@ class KernelLog(TorchDispatchMode):
             return
         if func.namespace in ("c10d", "_c10d_functional"):
             self._add("coll", packet, ins, outs, {"bytes": max(map(_nbytes, ins + outs), default=0),
-                                                  "group": _group_size(args)})
+                                                  **_group(args)})
             return
         if packet in SYNCING:
             self._add("sync", packet, ins, [], {})
@@ -136,10 +161,14 @@ class KernelLog(TorchDispatchMode):
         if packet in ("_to_copy", "copy_") and _to_host(packet, args, kwargs):
             self._add("sync" if _waits(packet, args, kwargs) else "mem", packet, ins, [], {})
             return
-        ins_storages = {t.untyped_storage()._cdata for t in ins}
-        if outs and not packet.endswith("_") and all(t.untyped_storage()._cdata in ins_storages for t in outs):
-            return  # a view of an input: no kernel
         mutated = _mutated(func, args, kwargs)
+        written = _written_only(func, args, kwargs)  # an out= argument: written, never read
+        if written:
+            ins = [t for t in ins if all(t is not w for w in written)]
+        ins_storages = {t.untyped_storage()._cdata for t in ins}
+        if (outs and not mutated and not packet.endswith("_")
+                and all(t.untyped_storage()._cdata in ins_storages for t in outs)):
+            return  # a view of an input: no kernel (an op writing into an argument is no view)
         if packet in MATMUL:
             self._add("mm", packet, ins, outs, _mm_shape(packet, args, func, kwargs, out), mutated)
         elif packet in ATTENTION:
@@ -159,7 +188,7 @@ class KernelLog(TorchDispatchMode):
         writes = {self._value(t, True): _nbytes(t) for t in written}
         record = {"kind": kind, "op": op, "reads": [[v, n] for v, n in reads.items()],
                   "writes": [[v, n] for v, n in writes.items()], "phase": self._phase(), "micro": self.micro,
-                  "host": self._host}
+                  "host": self._host, "graph": self._in_graph()}
         record.update(detail)
         self.records.append(record)
         self._host = 0
@@ -167,9 +196,34 @@ class KernelLog(TorchDispatchMode):
     def _phase(self) -> str:
         return "backward" if torch._C._current_autograd_node() is not None else self.phase
 
+    def _in_graph(self) -> bool:
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            return bool(getattr(node, "metadata", {}).get(GRAPH_FLAG))  # a dict (torch's stub: a method)
+        return self._graph_depth > 0
+
     def tail(self) -> int:
         """Host ops dispatched after the last record (views at the step's end)."""
         return self._host
+
+
+GRAPH_FLAG = "flopwise_compiled"  # set in the metadata of an autograd node a compiled region made
+
+
+def _mark_graph_nodes(roots: list[Any], bounds: set[int]) -> None:
+    """Flag the autograd nodes a compiled region made: every node reachable from its outputs'
+    ``roots`` without passing a node its inputs came from (``bounds``, by id) or a leaf's
+    gradient accumulator (accumulation runs eagerly, after the graph's backward)."""
+    stack, seen = list(roots), set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen or id(node) in bounds:
+            continue
+        seen.add(id(node))
+        if node.name().endswith("AccumulateGrad") or node.metadata.get(GRAPH_FLAG):
+            continue
+        node.metadata[GRAPH_FLAG] = True
+        stack.extend(n for n, _ in node.next_functions)
 
 
 def _mutated(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
@@ -182,21 +236,43 @@ def _mutated(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return out
 
 
-def _group_size(args: tuple) -> int:
+def _written_only(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The ``out=`` arguments of an op (``torch.mm(a, b, out=z)``): what it writes without
+    reading them (an in-place op's ``self`` it both reads and writes)."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.is_out:
+            out += _tensors(args[i] if i < len(args) else kwargs.get(arg.name))
+    return out
+
+
+def _group(args: tuple) -> dict[str, Any]:
+    """A collective's process group: ``group``, its size, and ``ranks``, its members' global ranks
+    (whether it crosses nodes: DiLoCo's outer group is 2 ranks on 2 nodes). A c10d op carries the
+    group boxed (a ScriptObject, whose ``size`` Python cannot see: unboxed here), a functional one
+    by name; the whole world when neither resolves."""
     for a in args:
-        if isinstance(a, str):
+        group: Any = None
+        if isinstance(a, torch.ScriptObject):
             try:
-                group: Any = dist.distributed_c10d._resolve_process_group(a)  # type: ignore[arg-type]  # a name
-                return int(group.size())
+                group = dist.ProcessGroup.unbox(a)
+            except Exception:  # noqa: BLE001 - another boxed argument (the ReduceOp)
+                continue
+        elif isinstance(a, str):
+            try:
+                group = dist.distributed_c10d._resolve_process_group(a)  # type: ignore[arg-type]  # a name
             except Exception:  # noqa: BLE001 - a name not a group's: the next argument
                 continue
-        size = getattr(a, "size", None)
-        if callable(size) and not isinstance(a, torch.Tensor):
+        elif isinstance(a, dist.ProcessGroup):
+            group = a
+        if group is not None:
             try:
-                return int(size())
-            except Exception:  # noqa: BLE001 - not a process group
-                continue
-    return dist.get_world_size() if dist.is_initialized() else 1
+                ranks = [int(r) for r in dist.get_process_group_ranks(group)]
+            except Exception:  # noqa: BLE001 - a group the default one does not know: its size alone
+                return {"group": int(group.size())}
+            return {"group": len(ranks), "ranks": ranks}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return {"group": world, "ranks": list(range(world))}
 
 
 def _to_host(packet: str, args: tuple, kwargs: dict) -> bool:
@@ -221,14 +297,15 @@ def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
 
 def _mm_shape(packet: str, args: tuple, func: Any, kwargs: dict, out: Any) -> dict[str, Any]:
     """M, N, K and batch of a matrix multiply, its FLOPs (torch's own count) and its input dtype."""
-    a, b = (args[1], args[2]) if packet in ("addmm", "baddbmm") else (args[0], args[1])
+    a, b = (args[1], args[2]) if packet.rstrip("_") in ("addmm", "baddbmm") else (args[0], args[1])
     flops = _flops(func, args, kwargs, out)
     if packet == "_grouped_mm":  # (S, K) x (G, K, N): the experts' rows as one M
         m, k = (a.shape[-2], a.shape[-1])
         n = b.shape[-1]
-        if not flops:
-            flops = 2 * out.numel() * k
-        return {"m": int(m), "n": int(n), "k": int(k), "batch": 1, "flops": flops, "dtype": _dtype(a)}
+        # each row meets one expert's weights: 2·M·N·K, as the dry run's FlopCounterMode counts it
+        # (tune/worker.py GROUPED_MM_FLOPS; torch's own formula, where it has one, counts every group)
+        return {"m": int(m), "n": int(n), "k": int(k), "batch": 1, "flops": 2 * int(m) * int(n) * int(k),
+                "dtype": _dtype(a)}
     batch = a.shape[0] if a.dim() == 3 else 1
     return {"m": int(a.shape[-2]), "n": int(b.shape[-1]), "k": int(a.shape[-1]), "batch": int(batch),
             "flops": flops, "dtype": _dtype(a)}

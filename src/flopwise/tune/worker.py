@@ -42,7 +42,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from flopwise.config import ConfigError, RunConfig, batch_split_problems, load_run_config
 from flopwise.fsio import read_json, write_json
-from flopwise.parallel.diloco import DiLoCo, Groups, fragments
+from flopwise.parallel.diloco import DiLoCo, Groups, fragments, make_groups
 from flopwise.parallel.distributed import DistEnv
 from flopwise.parallel.strategy import diloco_strategy, resolve_strategy
 from flopwise.plan.budget import memory_settings_for_run
@@ -106,6 +106,9 @@ def run_request(request: dict[str, Any]) -> dict[str, Any]:
                        int(request["gpu"]["memory_bytes"]), count=max(8, int(request["nproc_per_node"])))
     fake.install(gpu)
     world = int(request["world"])
+    # the node's ranks, as torchrun would tell each of them: DiLoCo's default groups (a node each) and
+    # the multi-node checks read it; without it 2 nodes of 8 were traced as one group of 16
+    os.environ["LOCAL_WORLD_SIZE"] = str(int(request.get("nproc_per_node", world)))
     if world > 1 and not dist.is_initialized():
         from torch.testing._internal.distributed.fake_pg import FakeStore  # lazy: only at N ranks
 
@@ -298,9 +301,7 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
     compiled = t.compile != "off"
     mode = fake.fake_mode()
     gc.collect()
-    # DiLoCo: the inner step as its groups take it, and its outer state synced after every step
-    # (the anchor, the momentum, the pseudo-gradient's buffers), with no group to talk to
-    wraps = diloco_strategy(cfg, env.world_size).step if strategy == "diloco" else strategy
+    wraps, env, groups = _layout(cfg, env, strategy)
     with mode, fake.LiveMemory(mode) as memory, _collected_between_steps(), _no_copy_event():
         parts = build_step(cfg, wraps, env, device, prec)
         run = StepOnly.of(cfg, parts, env, device, prec, wraps, _random_batches(cfg, device, micro_batch, memory))
@@ -312,7 +313,7 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
         memory.mark(params, "parameters")
         grads = _GradMarker(run.opt_params, memory)
         outer = (DiLoCo(run.opt_params, dataclasses.replace(cfg.parallel, inner_steps=1, fragments=1, overlap_steps=0),
-                        Groups(), device) if strategy == "diloco" else None)
+                        groups, device) if strategy == "diloco" else None)
 
         step = 0
         if compiled:
@@ -336,6 +337,9 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
                 del parts, run
                 return out
         watch = fake.StepWatch()
+        log = KernelLog() if full else None
+        if log is not None:
+            _mark_compiled_regions(log, cfg, parts, run)
         # Step 1 makes the optimizer state and, under FlopCounterMode, counts FLOPs (its module
         # tracking holds tensors of checkpointed blocks alive: it is kept off the step whose memory
         # is reported, and let go before it); step 2 is the one reported (memory, syncs,
@@ -354,8 +358,8 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
                 if i == 0 and full:
                     counter = modes.enter_context(FlopCounterMode(display=False, custom_mapping=GROUPED_MM_FLOPS))
                 modes.enter_context(watch)
-                if i == 1 and full:
-                    kernel_log.append(modes.enter_context(KernelLog()))
+                if i == 1 and log is not None:
+                    kernel_log.append(modes.enter_context(log))
                 _step(run, outer, step, accum, step_tokens, kernel_log)
             if counter is not None:
                 out["flops"] = _flops(counter, cfg, accum, run_accum, micro_batch)
@@ -379,6 +383,37 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
         grads.close()
         del parts, run, outer
     return out
+
+
+def _layout(cfg: RunConfig, env: DistEnv, strategy: str) -> tuple[str, DistEnv, Groups]:
+    """What wraps the traced step's model, this rank's place, and DiLoCo's groups. Under DiLoCo:
+    the inner strategy inside the run's worker group (its gradients averaged there only, as
+    ``train/setup.py`` sets it), and the outer sync across the groups, its state synced after
+    every traced step (the anchor, the momentum, the pseudo-gradient's buffers)."""
+    if strategy != "diloco":
+        return strategy, env, Groups()
+    wraps = diloco_strategy(cfg, env.world_size).step
+    if env.world_size == 1:
+        return wraps, env, Groups()
+    groups = make_groups(env, cfg.parallel)
+    return wraps, dataclasses.replace(env, group=groups.inner), groups
+
+
+def _mark_compiled_regions(log: KernelLog, cfg: RunConfig, parts: Any, run: StepOnly) -> None:
+    """Tell ``log`` which of the step's calls the run compiles (their kernels are priced as one
+    graph's; the rest as eager ops): each block under ``compile=blocks``; under ``compile=model``
+    the whole loss function -- the model, its head and the loss -- or, with the fused loss kernel
+    (which runs after the compiled graph, ``model/loss.py``), the model's forward alone. Called
+    after the compiled steps, so the compiled graphs are the run's own."""
+    t = cfg.train
+    model = parts.model
+    if t.compile == "blocks":
+        for block in model.layers:
+            block.forward = log.compiled_region(block.forward)
+    elif t.compile == "model" and t.loss == "fused":
+        model.forward = log.compiled_region(model.forward)
+    elif t.compile == "model":
+        run.loss_fn = log.compiled_region(run.loss_fn)
 
 
 def _step(run: StepOnly, outer: DiLoCo | None, step: int, accum: int, step_tokens: int,
