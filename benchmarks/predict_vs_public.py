@@ -55,7 +55,7 @@ class Case:
     source: str
     preset: str  # the preset the overrides go on top of
     overrides: tuple[str, ...]
-    gpu: str  # a name flopwise.plan.hardware.find knows
+    gpu: str  # a name flopwise.plan.hardware.find knows: the variant the source ran, where it says
     gpus: int  # all GPUs of the run
     measured: float  # tokens/s per GPU, as the source gives it or derived from its figures
     measured_how: str  # the source's own figure and, when derived, the arithmetic
@@ -68,6 +68,7 @@ class Case:
     # the attention kernel the source ran, as steptime.ATTENTION_TFLOPS names it, where it is not
     # the SDPA flash kernel flopwise's trace chose (None: the same kernel, or none measured)
     attention_as: str | None = None
+    gpu_why: str = ""  # where the GPU variant (memory, form factor, power limit) comes from
 
     @property
     def nnodes(self) -> int:
@@ -85,6 +86,13 @@ class Case:
 def _shape(layers: int, d: int, heads: int, kv: int, ffn: int, vocab: int, max_seq: int) -> list[str]:
     return [f"model.n_layers={layers}", f"model.d_model={d}", f"model.n_heads={heads}", f"model.n_kv_heads={kv}",
             f"model.ffn_hidden={ffn}", f"model.vocab_size={vocab}", f"model.max_seq_len={max_seq}"]
+
+
+# The loss over the full logits, as llm-foundry (torch's CrossEntropyLoss) and torchtitan compute
+# it: flopwise's plain loss. Left to train.loss=auto, an eager step takes the chunked loss, which
+# runs the head in chunks with the gradients formed in the forward -- another step than the source's.
+FULL_LOGITS = "train.loss=plain"
+FULL_LOGITS_WHY = "loss: {0} computes the full logits (cross-entropy over (B, T, V)): train.loss=plain, as it runs"
 
 
 def _step(seq: int, micro: int, accum: int, gpus: int, precision: str, compile_: str, ac: str,
@@ -119,16 +127,22 @@ def mpt(cid: str, size: str, gpu: str, micro: int, accum: int, measured: int, pu
     layers, d, heads, params = MPT_SHAPES[size]
     precision = "bf16"  # flopwise refuses bf16-pure under fsdp2 (its MixedPrecision already computes in bf16)
     overrides = ["model.arch=gpt2", *_shape(layers, d, heads, heads, 4 * d, 50368, seq),
-                 *_step(seq, micro, accum, 8, precision, "off", "none", "fsdp2")]
-    differs = MPT_DIFFERS + ((
+                 *_step(seq, micro, accum, 8, precision, "off", "none", "fsdp2"), FULL_LOGITS]
+    differs = MPT_DIFFERS + (FULL_LOGITS_WHY.format("llm-foundry"),) + ((
         "FSDP mixed precision PURE (bf16 parameters, gradients reduced in bf16); flopwise refuses bf16-pure under "
         "fsdp2, so its fsdp2 under bf16 autocast (gathered in bf16, reduced in fp32) is predicted",) if pure else (
         "FSDP mixed precision DEFAULT (gathered in bf16, reduced in fp32) is what flopwise's fsdp2 under bf16 "
         "autocast does",))
-    return Case(cid, FOUNDRY, "gpt2-124m", tuple(overrides), gpu, 8, measured,
+    return Case(cid, FOUNDRY, "gpt2-124m", tuple(overrides), FOUNDRY_GPUS[gpu], 8, measured,
                 "the table's tokens/s/GPU column", MPT_COMPILE, differs,
                 params=params + (seq - 2048) * d,  # the source's NumParams: its position table grows with seq
-                network_why="one node: NVLink only (RoCE between nodes is not crossed)", attention_as="flash1")
+                network_why="one node: NVLink only (RoCE between nodes is not crossed)", attention_as="flash1",
+                gpu_why=f"the table's GPU column ({FOUNDRY_COLUMN[gpu]}); SXM, as its nodes are NVLink-connected")
+
+
+# the README's GPU column (a100_80gb, a100_40gb, h100_80gb) as the hardware table names the variant
+FOUNDRY_GPUS = {"a100": "a100 sxm 80gb", "a100 40gb": "a100 sxm 40gb", "h100": "h100 sxm 80gb"}
+FOUNDRY_COLUMN = {"a100": "a100_80gb", "a100 40gb": "a100_40gb", "h100": "h100_80gb"}
 
 
 # --------------------------------------------------------------------------- flash-attention (GPT-3 shapes)
@@ -151,9 +165,10 @@ def flash(cid: str, layers: int, d: int, heads: int, micro: int, gbs: int, node_
     overrides = ["model.arch=gpt2", *_shape(layers, d, heads, heads, 4 * d, 50264, 2048),
                  *_step(2048, micro, accum, 8, "bf16", "model", "none", strategy)]
     differs = FLASH_DIFFERS + ("precision: Lightning's bf16 (autocast over fp32 weights) = flopwise bf16",)
-    return Case(cid, FLASH, "gpt2-124m", tuple(overrides), "a100", 8, node_k * 1000 / 8,
+    return Case(cid, FLASH, "gpt2-124m", tuple(overrides), "a100 sxm 80gb", 8, node_k * 1000 / 8,
                 f"{node_k}k tokens/s for the node of 8 (derived: / 8 GPUs)", FLASH_COMPILE, differs,
-                network_why="one node: NVLink only", attention_as="flash1")
+                network_why="one node: NVLink only", attention_as="flash1",
+                gpu_why="the README: 8 x A100 80GB SXM4 (400 W)")
 
 
 # --------------------------------------------------------------------------- llm.c (GPT-2)
@@ -175,7 +190,8 @@ def llmc(cid: str, shape: tuple[int, int, int], gpu: str, micro: int, accum: int
                  *_step(1024, micro, accum, 8, "bf16-pure", "model", "none", "zero1")]
     return Case(cid, LLMC, "gpt2-124m", tuple(overrides), gpu, 8, tokens / step_s / 8,
                 f"{tokens:,} tokens/step at {step_how} (derived: tokens / step_s / 8 GPUs)", LLMC_COMPILE,
-                LLMC_DIFFERS, network_why="one node: NVLink only")
+                LLMC_DIFFERS, network_why="one node: NVLink only",
+                gpu_why="the scripts' comments: 8 x A100 80GB SXM / 8 x H100 80GB SXM")
 
 
 def cases() -> list[Case]:
@@ -195,10 +211,10 @@ def cases() -> list[Case]:
         flash("FA-3", 24, 1536, 16, 16, 256, 245),
         flash("FA-4", 24, 2048, 16, 8, 512, 169),
         flash("FA-5", 32, 2560, 20, 4, 512, 85),
-        llmc("LC-1", (12, 768, 12), "a100", 64, 1, 524_288, 0.300, "~300 ms"),
-        llmc("LC-2", (24, 1024, 16), "a100", 64, 1, 524_288, 0.820, "~820 ms"),
-        llmc("LC-3", (36, 1280, 20), "a100", 32, 2, 524_288, 1.7, "~1.7 s"),
-        llmc("LC-4", (48, 1600, 25), "h100", 16, 8, 1_048_576, 2.80, "2.80 s"),
+        llmc("LC-1", (12, 768, 12), "a100 sxm 80gb", 64, 1, 524_288, 0.300, "~300 ms"),
+        llmc("LC-2", (24, 1024, 16), "a100 sxm 80gb", 64, 1, 524_288, 0.820, "~820 ms"),
+        llmc("LC-3", (36, 1280, 20), "a100 sxm 80gb", 32, 2, 524_288, 1.7, "~1.7 s"),
+        llmc("LC-4", (48, 1600, 25), "h100 sxm 80gb", 16, 8, 1_048_576, 2.80, "2.80 s"),
     ]
     return [*out, tinyllama(), torchtitan_8b()]
 
@@ -209,7 +225,7 @@ def tinyllama() -> Case:
     overrides = ["model.arch=llama", *_shape(22, 2048, 32, 4, 5632, 32000, 2048), "model.rope_theta=10000",
                  "model.tie_embeddings=false",
                  *_step(2048, 8, 8, 16, "bf16", "model", "none", "fsdp2")]
-    return Case("TL-1", TINYLLAMA, "llama3.2-1b", tuple(overrides), "a100 40gb", 16, 24_000,
+    return Case("TL-1", TINYLLAMA, "llama3.2-1b", tuple(overrides), "a100 sxm 40gb", 16, 24_000,
                 "24k tokens/s per A100-40G (the README's sentence)",
                 "model: the source's fused RMSNorm / SwiGLU / rotary / cross-entropy kernels are what flopwise "
                 "gets by compiling; eager would predict unfused ops the source does not run",
@@ -221,25 +237,26 @@ def tinyllama() -> Case:
                  "optimizer: torch AdamW with foreach=False (a loop over tensors); flopwise's fused AdamW is "
                  "predicted"),
                 network="ib-hdr", network_why="assumed: the source names no inter-node link; InfiniBand HDR "
-                "200 Gb/s per GPU is the usual A100 cluster's")
+                "200 Gb/s per GPU is the usual A100 cluster's",
+                gpu_why="the README's 'A100-40G'; SXM assumed (it names no form factor)")
 
 
 def torchtitan_8b() -> Case:
     overrides = ["model.arch=llama", *_shape(32, 4096, 32, 8, 14336, 128256, 8192), "model.rope_theta=500000",
                  "model.tie_embeddings=false",
                  *_step(8192, 1, 1, 64, "bf16", "off", "selective", "fsdp2"),
-                 "train.activation_checkpointing_every=2"]
-    return Case("TT-6", TITAN, "llama3.2-1b", tuple(overrides), "a100", 64, 2_904,
+                 "train.activation_checkpointing_every=2", FULL_LOGITS]
+    return Case("TT-6", TITAN, "llama3.2-1b", tuple(overrides), "a100 sxm 80gb", 64, 2_904,
                 "the table's tokens/s/GPU column",
                 "off: the measured row is torchtitan without torch.compile (eager)",
                 ("selective per-layer AC at torchtitan's default selective_ac_option 2 (every 2nd block recomputed) "
                  "= flopwise selective with activation_checkpointing_every=2",
                  "FSDP2 with bf16 param / fp32 reduce mixed precision = flopwise fsdp2 under bf16 autocast",
                  "attention: SDPA (the same kernels flopwise's SDPA chooses)",
-                 "loss: torchtitan computes the full logits; flopwise's train.loss=auto is left to choose (the "
-                 "dry run on this case chose chunked, for 128,256 x 8,192 logits) and the prediction counts that"),
+                 FULL_LOGITS_WHY.format("torchtitan")),
                 network="ib-hdr", network_why="assumed: the source names no inter-node link; InfiniBand HDR "
-                "200 Gb/s per GPU is the usual A100 cluster's")
+                "200 Gb/s per GPU is the usual A100 cluster's",
+                gpu_why="the page's 'A100 80GB'; SXM assumed (it names no form factor)")
 
 
 # --------------------------------------------------------------------------- held out
@@ -253,13 +270,16 @@ def titan(cid: str, shape: tuple[int, int, int, int, int, int], seq: int, micro:
           measured: int, row: str) -> Case:
     layers, d, heads, kv, ffn, vocab = shape
     overrides = ["model.arch=llama", *_shape(layers, d, heads, kv, ffn, vocab, seq), "model.tie_embeddings=false",
-                 *_step(seq, micro, 1, 64, "bf16", "off", ac, "fsdp2"), "train.activation_checkpointing_every=2"]
-    return Case(cid, TITAN, "llama3.2-1b", tuple(overrides), "a100", 64, measured, f"the table's WPS column: {row}",
+                 *_step(seq, micro, 1, 64, "bf16", "off", ac, "fsdp2"), "train.activation_checkpointing_every=2",
+                 FULL_LOGITS]
+    return Case(cid, TITAN, "llama3.2-1b", tuple(overrides), "a100 sxm 80gb", 64, measured,
+                f"the table's WPS column: {row}",
                 "off: torchtitan's measured rows ran without torch.compile (eager)",
                 ("FSDP2 with bf16 param / fp32 reduce mixed precision = flopwise fsdp2 under bf16 autocast",
                  "attention: SDPA (the same kernels flopwise's SDPA chooses)",
-                 "loss: torchtitan computes the full logits; flopwise's train.loss=auto chooses"),
-                network="ib-hdr", network_why="assumed: the source names no inter-node link")
+                 FULL_LOGITS_WHY.format("torchtitan")),
+                network="ib-hdr", network_why="assumed: the source names no inter-node link",
+                gpu_why="the page's 'A100 80GB'; SXM assumed (it names no form factor)")
 
 
 LLAMA2_13B = (40, 5120, 40, 40, 13824, 32000)
@@ -285,6 +305,59 @@ def foundry_rows() -> list[Case]:
             for gpu, rows in FOUNDRY_ROWS.items() for size, seq, micro, accum, measured in rows]
 
 
+# Llama 3 8B on H100. Taken by one rule, written before any was predicted: every bf16 (no float8) row
+# of Llama 3 / 3.1 8B on H100 that torchtitan or torchao publishes with FSDP alone (no TP, CP or PP)
+# at sequence 8192 -- torchtitan's benchmarks/llama3_h100_202412_torchtitan.md Tables 1 and 3 (8 and
+# 128 GPUs, local batch 2, selective AC, eager and torch.compile) and the bf16 baseline of torchao's
+# docs/source/workflows/training.md (8 GPUs, batch 1, torch.compile, per-op SAC; the reference's F-1).
+# Table 2 (full AC, float8, context parallel) and every float8 row are left out by the rule.
+TITAN_H100 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+TORCHAO = "pytorch/ao docs/source/workflows/training.md (torchao 0.10)"
+LLAMA3_8B = (32, 4096, 32, 8, 14336, 128256)
+H100_96GB_WHY = ("torchtitan's page: 'Each H100 GPU is equipped with 96GB HBM2e with 2.4 TB/sec peak memory "
+                 "bandwidth', 'We used the default 500W power limit'")
+PER_OP_SAC = ("activation checkpointing: the source ran torchtitan's per-op selective AC (every block: the outputs "
+              "of SDPA and of every 2nd matmul kept, the rest recomputed); flopwise's per-layer selective "
+              "(every 2nd block recomputed whole, its attention included) is predicted until "
+              "train.activation_checkpointing=selective_op exists")
+
+
+def titan_h100(cid: str, source: str, gpus: int, micro: int, compiled: bool, measured: float, how: str,
+               gpu_why: str) -> Case:
+    layers, d, heads, kv, ffn, vocab = LLAMA3_8B
+    overrides = ["model.arch=llama", *_shape(layers, d, heads, kv, ffn, vocab, 8192), "model.rope_theta=500000",
+                 "model.tie_embeddings=false",
+                 *_step(8192, micro, 1, gpus, "bf16", "blocks" if compiled else "off", "selective", "fsdp2"),
+                 "train.activation_checkpointing_every=2", FULL_LOGITS]
+    compile_why = ("blocks: torchtitan compiles each transformer block (apply_compile), as flopwise's "
+                   "train.compile=blocks does" if compiled else "off: the row ran without torch.compile (eager)")
+    return Case(cid, source, "llama3.2-1b", tuple(overrides), "h100 sxm 96gb", gpus, measured, how, compile_why,
+                (PER_OP_SAC,
+                 "FSDP2 with bf16 param / fp32 reduce mixed precision = flopwise fsdp2 under bf16 autocast",
+                 "attention: SDPA (the same kernels flopwise's SDPA chooses)",
+                 FULL_LOGITS_WHY.format("torchtitan" if source == TITAN_H100 else "torchao's torchtitan run")),
+                network="400gbit" if gpus > 8 else None,
+                network_why="the page: 'backend RDMA network with 400 Gb/s per GPU'" if gpus > 8 else
+                "one node: NVLink only", gpu_why=gpu_why)
+
+
+def titan_h100_rows() -> list[Case]:
+    return [
+        titan_h100("TTH-8", TITAN_H100, 8, 2, False, 5762, "Table 1 (8 GPUs): | FSDP | 5,762 | 82.4 |",
+                   H100_96GB_WHY),
+        titan_h100("TTH-8c", TITAN_H100, 8, 2, True, 6667, "Table 1 (8 GPUs): | FSDP + torch.compile | 6,667 | 77.0 |",
+                   H100_96GB_WHY),
+        titan_h100("TTH-128", TITAN_H100, 128, 2, False, 5605, "Table 3 (128 GPUs): | FSDP | 5,605 | 67.0 |",
+                   H100_96GB_WHY),
+        titan_h100("TTH-128c", TITAN_H100, 128, 2, True, 6514,
+                   "Table 3 (128 GPUs): | FSDP + torch.compile | 6,514 | 62.0 |", H100_96GB_WHY),
+        titan_h100("F-1-bf16", TORCHAO, 8, 1, True, 6150,
+                   "| Llama3-8b | none (bfloat16) | 47.65 | 6150 | - (median tokens/second)",
+                   "assumed: torchao's page says only '8xH100'; the PyTorch team's torchtitan H100 runs of the "
+                   "same months used Meta's 96GB HBM2e H100s at their 500 W default limit (" + TITAN_H100 + ")"),
+    ]
+
+
 def holdouts() -> list[Case]:
     """Held-out measurements (never used to set a constant): reported apart from the calibration set."""
     return [
@@ -293,6 +366,7 @@ def holdouts() -> list[Case]:
         titan("TT-13b", LLAMA2_13B, 4096, 2, "selective", 1914, "| 13B | 2 | selective layer | 1914 | 54.1% |"),
         titan("TT-70a", LLAMA_70B, 8192, 1, "full", 331, "| 70B | 1 | full | 331 | 51.7% | (Llama 3)"),
         titan("TT-70b", (*LLAMA_70B[:5], 32000), 4096, 2, "full", 353, "| 70B | 2 | full | 353 | 50.5% | (Llama 2)"),
+        *titan_h100_rows(),
     ]
 
 
@@ -305,7 +379,8 @@ def describe(case: Case) -> dict[str, Any]:
     spec = hardware.find(case.gpu)
     return {"id": case.id, "source": case.source, "gpu": spec.name if spec else case.gpu, "gpus": case.gpus,
             "nproc_per_node": case.nproc_per_node, "nnodes": case.nnodes, "network": case.network,
-            "network_why": case.network_why, "preset": case.preset, "overrides": list(case.overrides),
+            "network_why": case.network_why, "gpu_why": case.gpu_why, "preset": case.preset,
+            "overrides": list(case.overrides),
             "shape": f"{m.n_layers} layers, d {m.d_model}, {m.n_heads}/{m.n_kv_heads} heads, ffn {m.ffn_hidden}, "
                      f"vocab {m.vocab_size}, {m.norm}, {m.mlp}, {m.pos_emb}, tied {m.tie_embeddings}",
             "seq_len": t.seq_len, "micro_batch": t.micro_batch_size, "global_batch": t.global_batch_size,
@@ -394,6 +469,8 @@ def list_cases(chosen: list[Case]) -> None:
               f"{d['precision']}, {d['strategy']}, AC {d['activation_checkpointing']}, compile "
               f"{d['compile_why']}\n  measured {d['measured_tokens_per_s_per_gpu']:,.0f} tokens/s/GPU "
               f"({d['measured_how']})\n  --preset {d['preset']} {' '.join(d['overrides'])}")
+        if d["gpu_why"]:
+            print(f"  GPU: {d['gpu_why']}")
         for line in d["differs"]:
             print(f"  differs: {line}")
 
@@ -428,12 +505,14 @@ def main(argv: list[str] | None = None) -> int:
         r["set"] = "held out" if r["id"] in held else "calibration"
     calibration, held_out = ([r for r in rows if r["set"] == s] for s in ("calibration", "held out"))
     own = "ratio_flopwise_attention"
-    record = {"cases": rows, "bound": WITHIN, "summary": summary(calibration), "summary_held_out": summary(held_out),
-              "summary_flopwise_attention": summary(calibration, own),
-              "summary_held_out_flopwise_attention": summary(held_out, own)}
+    record: dict[str, Any] = {
+        "cases": rows, "bound": WITHIN, "summary": summary(calibration), "summary_held_out": summary(held_out),
+        "summary_flopwise_attention": summary(calibration, own),
+        "summary_held_out_flopwise_attention": summary(held_out, own)}
+    own_kernel = "every case with flopwise's SDPA flash kernel"
     for name, key in (("calibration set", "summary"), ("held out", "summary_held_out"),
-                      ("calibration set, every case with flopwise's SDPA flash kernel", "summary_flopwise_attention"),
-                      ("held out, every case with flopwise's SDPA flash kernel", "summary_held_out_flopwise_attention")):
+                      (f"calibration set, {own_kernel}", "summary_flopwise_attention"),
+                      (f"held out, {own_kernel}", "summary_held_out_flopwise_attention")):
         s = record[key]
         if s["predicted_cases"]:
             print(f"\n{name}: predicted against measured: median |ratio - 1| {s['median_abs_error']:.1%}, largest "

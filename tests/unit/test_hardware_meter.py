@@ -47,6 +47,10 @@ def test_device_names_map_to_dense_peaks(device_name, table_name, bf16):
     ("H100-SXM5", "H100 SXM", 80, 989.4),
     ("h100 pcie", "H100 PCIe", 80, 756.5),
     ("h100-nvl", "H100 NVL", 94, 835.0),
+    # issue 51: torchtitan's and torchao's H100s, the 96 GB HBM2e SXM part (run at 500 W)
+    ("h100 96gb", "H100 SXM 96GB", 96, 989.4),
+    ("H100 SXM 96GB", "H100 SXM 96GB", 96, 989.4),
+    ("H100 96GB HBM2e", "H100 SXM 96GB", 96, 989.4),
     ("h200", "H200", 141, 989.4),
     ("l4", "L4", 24, 121.0),
     ("L40S", "L40S", 48, 362.05),
@@ -126,3 +130,13 @@ def test_cpu_memory_reports_rss():
     import torch
     mem = memory_stats(torch.device("cpu"))
     assert mem["mem_rss_gb"] > 0 and mem["mem_rss_peak_gb"] >= mem["mem_rss_gb"] * 0.5
+
+
+def test_the_96gb_hbm2e_h100_is_its_own_entry_with_its_bandwidth_and_sms():
+    """torchtitan's H100s: "96GB HBM2e with 2.4 TB/sec", an SXM part (132 SMs, NVLink), not the
+    80 GB HBM3 H100 SXM (3.35 TB/s) nor the 94 GB H100 NVL."""
+    spec = hardware.find("h100 96gb")
+    assert spec is not None and spec.bandwidth_tbs == 2.4 and hardware.SMS[spec.name] == 132
+    assert hardware.CAPABILITY[spec.name] == (9, 0) and hardware.default_link(spec) == "nvlink4"
+    assert hardware.find("h100").bandwidth_tbs == 3.35 and hardware.find("h100 94gb").name == "H100 NVL"
+

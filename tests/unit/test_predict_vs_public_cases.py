@@ -143,7 +143,7 @@ def test_a_prediction_gives_the_ratio_and_the_network_and_the_trace_is_kept(benc
 
     def predicted(result, cfg, link=None, network=None):
         seen["network"] = network
-        if result["gpu"] != "a100 40gb":
+        if result["gpu"] != "a100 sxm 40gb":
             return {"predicted": False, "why": "no SM count for this GPU"}
         return {"predicted": True, "step_s": 1.0, "tokens_per_s_per_gpu": 12_000.0, "mfu": 0.5,
                 "breakdown": {"matmul": 0.8}}
@@ -151,10 +151,10 @@ def test_a_prediction_gives_the_ratio_and_the_network_and_the_trace_is_kept(benc
     monkeypatch.setattr(bench, "dry_run", dry_run)
     monkeypatch.setattr(bench, "predicted", predicted)
     row = bench.predict(cases["TL-1"], tmp_path)
-    assert seen == {"gpu": "a100 40gb", "nproc_per_node": 8, "nnodes": 2, "network": "ib-hdr"}
+    assert seen == {"gpu": "a100 sxm 40gb", "nproc_per_node": 8, "nnodes": 2, "network": "ib-hdr"}
     assert row["ratio"] == pytest.approx(0.5) and row["breakdown"] == {"matmul": 0.8}
     assert bench.predict(cases["TL-1"], tmp_path)["ratio"] == pytest.approx(0.5)
-    assert traced == ["a100 40gb"] and (tmp_path / "TL-1.json").is_file()  # the second read the kept trace
+    assert traced == ["a100 sxm 40gb"] and (tmp_path / "TL-1.json").is_file()  # the second read the kept trace
     line = bench._line({**bench.describe(cases["TL-1"]), **row})
     assert "12,000 (predicted)" in line and "24,000" in line and "predicted step 1.000 s: matmul 0.8" in line
     missing = bench.predict(cases["TT-6"])
@@ -236,3 +236,31 @@ def test_the_held_out_foundry_rows_follow_their_rule_and_the_sources_shapes(benc
     for cid, count in FOUNDRY_PARAMS.items():
         assert rows[cid].params == count, cid
     assert {c.id for c in bench.holdouts()} >= set(rows)
+
+
+def test_every_case_names_where_its_gpu_variant_comes_from(bench, cases):
+    """Issue 51: each source's GPU variant as it was (A100 80GB / 40GB, H100 SXM / 96 GB HBM2e)."""
+    for c in [*cases.values(), *bench.holdouts()]:
+        assert c.gpu_why and hardware.find(c.gpu) is not None, c.id
+    assert {hardware.find(c.gpu).name for c in cases.values()} == {"A100 SXM 80GB", "A100 SXM 40GB", "H100 SXM"}
+
+
+# Llama 3 8B on H100 (issue 51), as the sources give them: GPUs, local batch, compiled, tokens/s/GPU
+TITAN_H100 = {"TTH-8": (8, 2, False, 5762), "TTH-8c": (8, 2, True, 6667), "TTH-128": (128, 2, False, 5605),
+              "TTH-128c": (128, 2, True, 6514), "F-1-bf16": (8, 1, True, 6150)}
+
+
+def test_the_held_out_8b_h100_rows_follow_their_rule(bench, cases):
+    rows = {c.id: c for c in bench.titan_h100_rows()}
+    assert sorted(rows) == sorted(TITAN_H100) and not set(rows) & set(cases)
+    assert {c.id for c in bench.holdouts()} >= set(rows)
+    for cid, (gpus, micro, compiled, measured) in TITAN_H100.items():
+        c, cfg = rows[cid], rows[cid].config()
+        assert hardware.find(c.gpu).name == "H100 SXM 96GB" and c.gpus == gpus and c.measured == measured, cid
+        assert (cfg.train.seq_len, cfg.train.micro_batch_size, cfg.grad_accum_steps(gpus)) == (8192, micro, 1), cid
+        assert cfg.train.compile == ("blocks" if compiled else "off") and cfg.train.precision == "bf16", cid
+        assert cfg.parallel.strategy == "fsdp2" and cfg.train.activation_checkpointing == "selective", cid
+        assert any("per-op" in line for line in c.differs), cid  # the source's AC, said until flopwise has it
+        assert (c.network == "400gbit") == (gpus > 8) and c.attention_as is None, cid
+        assert abs(param_counts(cfg.model)["total"] / 8.03e9 - 1) <= 0.02, cid
+    assert hardware.find_link("400gbit").gb_per_s == 50.0  # "400 Gb/s per GPU"

@@ -236,6 +236,32 @@ def test_a_gpu_missing_a_constant_gets_no_prediction_and_says_which():
         steptime.gpu("l4")
 
 
+@pytest.mark.parametrize("name, table_name, sms, rated", [
+    ("h100 nvl", "H100 NVL", 132, 835.0), ("h100 pcie", "H100 PCIe", 114, 756.5),
+    ("h100 96gb", "H100 SXM 96GB", 132, 886.5),  # its 500 W default limit: between NVL's 835 and SXM's 989.4
+])
+def test_every_h100_variant_gets_a_step_time_from_its_own_constants(name, table_name, sms, rated):
+    """Issue 51: H100 NVL and PCIe said "no step time"; the 96 GB HBM2e H100 was not in the table."""
+    from flopwise.plan import hardware
+
+    g = steptime.gpu(name)
+    spec = hardware.find(name)
+    assert g.name == table_name and g.sms == sms and g.hbm_bytes_s == spec.bandwidth_tbs * 1e12
+    m = n = k = 128 * sms * 2  # whole waves, no padding: the sustained share of the rated rate
+    assert 2 * m * n * k / steptime.matmul_s(g, m, n, k) == pytest.approx(rated * 1e12 * 0.753, rel=1e-9)
+
+
+def test_a_power_limited_h100_runs_attention_and_matmuls_below_the_sxm_and_memory_at_its_own_bandwidth():
+    """The 96 GB HBM2e H100 at 500 W: its tensor cores (matmul and attention) at 886.5 / 989.4 of the
+    700 W H100 SXM's, its elementwise kernels at 2.4 / 3.35 of the SXM's bandwidth."""
+    g96 = steptime.gpu("h100 96gb")
+    m = n = k = 128 * 132 * 2
+    assert steptime.matmul_s(g96, m, n, k) / steptime.matmul_s(H100, m, n, k) == pytest.approx(989.4 / 886.5)
+    r = attn(True, t=8192)
+    assert steptime.attention_s(g96, r) / steptime.attention_s(H100, r) == pytest.approx(989.4 / 886.5)
+    assert steptime.memory_s(g96, 1 << 30) / steptime.memory_s(H100, 1 << 30) == pytest.approx(3.35 / 2.4)
+
+
 def test_the_dry_runs_prediction_names_the_missing_constant_and_refuses_fp8():
     from flopwise.config import build_config
     from flopwise.tune.predict import predicted, render

@@ -53,6 +53,11 @@ class DeviceSpec:
 # - H100 SXM / PCIe / NVL: NVIDIA H100 datasheet: bf16 1,979 / 1,513 / 1,671 sparse -> 989.4
 #   (whitepaper's 989.4) / 756.5 / 835 (NVL per GPU, 1,671/2 rounded); 80 / 80 / 94 GB;
 #   3.35 / 2.0 / 3.9 TB/s. H200, H200 NVL: NVIDIA H200 datasheet (1,979 / 1,671 sparse).
+# - H100 SXM 96GB: the HBM2e SXM H100 of Meta's Grand Teton hosts, on which torchtitan's and
+#   torchao's H100 benchmarks ran (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md:
+#   "96GB HBM2e with 2.4 TB/sec peak memory bandwidth", "the default 500W power limit, although
+#   tuning it up to 700W TDP can ..."). The same SXM5 GH100 (132 SMs) as the H100 SXM, so the SXM's
+#   dense peaks at its 700 W TDP; what its 500 W default limit costs is in plan/steptime.py.
 # - GH200 (96 GB HBM3, "GH200 480GB"), B200 (HGX B200 datasheet, per GPU: 4.5 PF sparse bf16).
 # - L4: L4 datasheet bf16 242 sparse -> 121, fp8 485 -> 242.5, tf32 120 -> 60, fp32 30.3.
 # - L40S: L40S datasheet bf16 "362.05 | 733" (dense | sparse), fp8 733 dense, tf32 183.
@@ -70,6 +75,8 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec("GH200",          989.4,  989.4,  1978.9, 494.7,  66.9, 96, 4.0, ("gh200 96gb", "GH200 480GB")),
     DeviceSpec("H100 NVL",       835.0,  835.0,  1670.0, 417.5,  60.0, 94, 3.9, ("h100 nvl 94gb", "h100 94gb")),
     DeviceSpec("H100 PCIe",      756.5,  756.5,  1513.0, 378.0,  51.2, 80, 2.0, ("h100 pcie 80gb",)),
+    DeviceSpec("H100 SXM 96GB",  989.4,  989.4,  1978.9, 494.7,  66.9, 96, 2.4,
+               ("h100 96gb", "h100 96gb hbm2e", "h100 sxm 96gb hbm2e", "h100 hbm2e")),
     DeviceSpec("H100 SXM",       989.4,  989.4,  1978.9, 494.7,  66.9, 80, 3.35,
                ("h100", "h100 80gb", "h100 sxm 80gb", "NVIDIA H100 80GB HBM3")),
     DeviceSpec("B200",           2250.0, 2250.0, 4500.0, 1100.0, 75.0, 180, 8.0, ("b200 180gb", "b200 192gb")),
@@ -104,6 +111,7 @@ DEVICES: tuple[DeviceSpec, ...] = (
 # traced step's kernel choices (flash attention needs 8.0+, fp8 8.9+) about the GPU it traces.
 CAPABILITY: dict[str, tuple[int, int]] = {
     "H200 NVL": (9, 0), "H200": (9, 0), "GH200": (9, 0), "H100 NVL": (9, 0), "H100 PCIe": (9, 0), "H100 SXM": (9, 0),
+    "H100 SXM 96GB": (9, 0),
     "B200": (10, 0), "A100 SXM 80GB": (8, 0), "A100 PCIe 80GB": (8, 0), "A100 SXM 40GB": (8, 0),
     "A100 PCIe 40GB": (8, 0), "A10G": (8, 6), "A10": (8, 6), "L40S": (8, 9), "L4": (8, 9),
     "RTX PRO 6000 Blackwell": (12, 0), "RTX 6000 Ada": (8, 9), "RTX A6000": (8, 6), "RTX 5090": (12, 0),
@@ -112,11 +120,12 @@ CAPABILITY: dict[str, tuple[int, int]] = {
 
 
 # Streaming multiprocessors of each entry (NVIDIA's architecture whitepapers: GA100 as shipped in
-# A100 108, GH100 in H100 SXM / H200 / GH200 132 and in H100 PCIe 114, GB100 in B200 148; the
+# A100 108, GH100 in H100 SXM (80 GB and 96 GB HBM2e) / H200 / GH200 132 and in H100 PCIe 114, GB100 in B200 148; the
 # product datasheets of the others): what a matrix multiply's tiles are spread over in waves
 # (plan/steptime.py). An entry without one gets no predicted step time.
 SMS: dict[str, int] = {
     "H200 NVL": 132, "H200": 132, "GH200": 132, "H100 NVL": 132, "H100 PCIe": 114, "H100 SXM": 132, "B200": 148,
+    "H100 SXM 96GB": 132,
     "A100 SXM 80GB": 108, "A100 PCIe 80GB": 108, "A100 SXM 40GB": 108, "A100 PCIe 40GB": 108, "A10G": 80, "A10": 72,
     "L40S": 142, "L4": 58, "RTX PRO 6000 Blackwell": 188, "RTX 6000 Ada": 142, "RTX A6000": 84, "RTX 5090": 170,
     "RTX 4090": 128, "RTX 3090": 82, "V100 SXM2 32GB": 80, "V100 SXM2 16GB": 80, "T4": 40,
@@ -281,7 +290,8 @@ def default_link(spec: DeviceSpec | None) -> str:
     """The usual intra-node link for a device: NVLink on SXM parts, PCIe otherwise."""
     if spec is None:
         return "pcie4"
-    return {"H200": "nvlink4", "GH200": "nvlink4", "H100 SXM": "nvlink4", "B200": "nvlink5",
+    return {"H200": "nvlink4", "GH200": "nvlink4", "H100 SXM": "nvlink4", "H100 SXM 96GB": "nvlink4",
+            "B200": "nvlink5",
             "A100 SXM 80GB": "nvlink3", "A100 SXM 40GB": "nvlink3", "H100 PCIe": "pcie5", "H100 NVL": "pcie5",
             "H200 NVL": "pcie5",
             "L40S": "pcie4", "RTX 5090": "pcie5", "RTX PRO 6000 Blackwell": "pcie5"}.get(spec.name, "pcie4")

@@ -50,10 +50,26 @@ from flopwise.plan import hardware
 # - A100 SXM: MAMF 271.2 / 312 (86.9%) times the clock it sustains at its 400 W limit under a
 #   dense load, 1305 of 1410 MHz (NVIDIA's HPL submissions, as Glenn Lockwood's "peak FLOPS"
 #   notes give them); A100 PCIe: MAMF 252.9 / 312 times the same ratio.
+# - H100 NVL, H100 PCIe: no MAMF or MSMF is published for either; each is the same GH100 rated by
+#   NVIDIA at its own lower power (NVL 835 at 350-400 W, PCIe 756.5 at 350 W: the hardware table),
+#   so the H100 SXM's sustained share of its rating (745 / 989.4) is carried to their ratings as it
+#   is, not scaled: no source measures the clock either holds under its limit;
+# - H100 SXM 96GB: the same share, of the rate the part is rated at under its 500 W default power
+#   limit (:data:`POWER_LIMITED_TFLOPS`).
 GEMM_FRACTION: dict[str, float] = {
     "A100 SXM 80GB": 0.804, "A100 SXM 40GB": 0.804, "A100 PCIe 80GB": 0.751, "A100 PCIe 40GB": 0.751,
-    "H100 SXM": 0.753, "H200": 0.753, "GH200": 0.738,
+    "H100 SXM": 0.753, "H200": 0.753, "GH200": 0.738, "H100 NVL": 0.753, "H100 PCIe": 0.753,
+    "H100 SXM 96GB": 0.753,
 }
+# The dense bf16 rate of a part run below the TDP its table peak is rated at, by default: what its
+# tensor cores (matmuls and attention alike) run at instead of the table's peak, fp16/tf32 in the
+# same proportion. H100 SXM 96GB: torchtitan ran it at its "default 500W power limit" (700 W TDP)
+# and says its "actual peak TFLOPs number is between SXM and NVL" (benchmarks/
+# llama3_h100_202412_torchtitan.md, footnote 2), i.e. between 835 (H100 NVL, 132 SMs rated at its
+# 400 W maximum) and 989.4 (H100 SXM, 700 W). Derived: linear in power between those two rated
+# parts, 835 + (500 - 400) / (700 - 400) x (989.4 - 835) = 886.5; the source bounds it to 835-989.4
+# (-6% / +12%), nothing pins it closer.
+POWER_LIMITED_TFLOPS: dict[str, float] = {"H100 SXM 96GB": 886.5}
 # Achievable fraction of the datasheet HBM bandwidth for a streaming kernel: the same handbook's
 # memory-copy measurements and NVIDIA's own STREAM-type figures put A100 and H100 at 85-92%;
 # 0.85, the low end, as the elementwise kernels of a training step are short.
@@ -187,9 +203,10 @@ def gpu(spec_name: str, link: str | None = None, network: str | None = None, per
     if intra is None or inter is None:
         raise Unpredictable(f"unknown link {link or network!r}")
     assert spec.bf16 is not None  # checked above
+    derate = POWER_LIMITED_TFLOPS.get(spec.name, spec.bf16) / spec.bf16  # 1.0 unless run below its TDP
     tf32 = spec.tf32 if spec.tf32 is not None else spec.bf16 / 2
-    return Gpu(spec.name, {"bfloat16": spec.bf16 * 1e12, "float16": (spec.fp16 or spec.bf16) * 1e12,
-                           "float32": tf32 * 1e12}, hardware.SMS[spec.name], spec.bandwidth_tbs * 1e12,
+    return Gpu(spec.name, {"bfloat16": spec.bf16 * derate * 1e12, "float16": (spec.fp16 or spec.bf16) * derate * 1e12,
+                           "float32": tf32 * derate * 1e12}, hardware.SMS[spec.name], spec.bandwidth_tbs * 1e12,
                GEMM_FRACTION[spec.name], _arch(spec.name), intra.gb_per_s * 1e9,
                inter.gb_per_s * 1e9, per_node)
 
