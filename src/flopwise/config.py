@@ -609,6 +609,27 @@ class RunConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
+def step_identity(cfg: RunConfig) -> dict[str, Any]:
+    """What a traced or predicted step is a step of: the model (a digest of its section), the
+    sequence length and the global batch. A prediction made for another of these is no prediction
+    of this run's step (``virtual.json`` records it: :func:`identity_mismatch`)."""
+    shape = repr(sorted(dataclasses.asdict(cfg.model).items())).encode()
+    return {"model": hashlib.sha256(shape).hexdigest()[:16], "seq_len": cfg.train.seq_len,
+            "global_batch": cfg.train.global_batch_size}
+
+
+def identity_mismatch(recorded: Any, cfg: RunConfig) -> str:
+    """How ``recorded`` (a :func:`step_identity`) differs from ``cfg``'s step, in words; empty when
+    it is the same step."""
+    if not isinstance(recorded, dict):
+        return "it does not say which model and batch it predicted"
+    mine = step_identity(cfg)
+    names = {"model": "another model", "seq_len": "sequence length", "global_batch": "global batch"}
+    diffs = [names[k] if k == "model" else f"{names[k]} {recorded.get(k)} (this run: {mine[k]})"
+             for k in mine if recorded.get(k) != mine[k]]
+    return ", ".join(diffs)
+
+
 SECTIONS = ("model", "data", "optim", "train", "eval", "tracking", "parallel")
 DEFAULT_PRESET = "tiny"
 

@@ -161,3 +161,48 @@ def test_a_malformed_virtual_json_beside_preflight_json_is_refused_before_the_ru
     assert f"{folder / 'virtual.json'} (beside train.preflight)" in line and "not a virtual preflight result" in line
     assert "Traceback" not in err
     assert not run.exists()  # refused before the run directory was made
+
+
+def test_a_virtual_json_of_another_step_beside_preflight_json_is_not_kept_and_says_why(tiny_overrides, tmp_path,
+                                                                                      capsys):
+    """A stale virtual.json (another model, or another batch) beside preflight.json was copied into
+    the run, and the report held the run against it (-99.8%). The virtual preflight records which
+    step it traced (``of``); train keeps it only for the same step, and says why it does not."""
+    from flopwise.config import step_identity
+
+    mine = build_config(overrides=tiny_overrides)
+    other = build_config(overrides=[*tiny_overrides, "model.n_layers=3"])
+    folder = tmp_path / "pf"
+    folder.mkdir()
+    (folder / "preflight.json").write_text(json.dumps(preflight_doc([trial(8, "none", 900.0)])))
+    doc = virtual_doc([candidate(settings(8), 1000.0)], choice=candidate(settings(8), 1000.0))
+    (folder / "virtual.json").write_text(json.dumps({"virtual": {**doc["virtual"], "of": step_identity(other)}}))
+    capsys.readouterr()
+    run = train_run(tiny_overrides, f"train.preflight={folder / 'preflight.json'}")
+    out = capsys.readouterr()
+    line = next((x for x in (out.out + out.err).splitlines() if "virtual.json" in x), "")
+    assert "predicted another step (another model)" in line and "not kept" in line, out.out[-2000:]
+    assert not (run / "virtual.json").exists()
+    assert "virtual preflight" not in build_report([run], png=False).read_text()
+    # another batch: said with both figures; the same step: kept
+    batch = step_identity(mine) | {"global_batch": mine.train.global_batch_size * 2}
+    (folder / "virtual.json").write_text(json.dumps({"virtual": {**doc["virtual"], "of": batch}}))
+    train_run([*tiny_overrides, f"train.run_dir={tmp_path / 'b'}"], f"train.preflight={folder / 'preflight.json'}")
+    out = capsys.readouterr()
+    assert f"global batch {2 * mine.train.global_batch_size} (this run: {mine.train.global_batch_size})" in out.out + out.err
+    same = json.dumps({"virtual": {**doc["virtual"], "of": step_identity(mine)}})
+    (folder / "virtual.json").write_text(same)
+    kept = train_run([*tiny_overrides, f"train.run_dir={tmp_path / 'c'}"], f"train.preflight={folder / 'preflight.json'}")
+    assert (kept / "virtual.json").read_text() == same
+
+
+def test_a_virtual_json_of_another_step_put_in_a_run_by_hand_is_left_out_of_the_report(tiny_overrides):
+    from flopwise.config import step_identity
+
+    run = train_run(tiny_overrides)
+    other = build_config(overrides=[*tiny_overrides, "model.n_layers=3"])
+    doc = virtual_doc([candidate(settings(8), 1000.0)], choice=candidate(settings(8), 1000.0))
+    (run / "virtual.json").write_text(json.dumps({"virtual": {**doc["virtual"], "of": step_identity(other)}}))
+    html = build_report([run], png=False).read_text()
+    assert "virtual preflight predicted another step (another model): left out" in html
+    assert 'data-col="trace' not in html

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flopwise.config import ConfigError, read_yaml
+from flopwise.config import ConfigError, identity_mismatch, load_run_config, read_yaml
 from flopwise.errors import FlopwiseError
 from flopwise.fsio import FileFormatError, loads_json, read_json
 from flopwise.manifest import run_file_problem
@@ -188,6 +188,23 @@ def _read_virtual(path: Path, warnings: list[str]) -> dict[str, Any] | None:
     return virtual
 
 
+def _of_this_step(virtual: dict[str, Any] | None, run: Path, warnings: list[str]) -> dict[str, Any] | None:
+    """``virtual`` when it predicted this run's step (its ``of``: the model, sequence length and
+    global batch of the config it traced); None, with a warning, when it predicted another (put
+    in by hand: train keeps none of another step). One without ``of`` (older, or hand-made) is
+    kept: nothing tells."""
+    if virtual is None or "of" not in virtual or not (run / "config.yaml").is_file():
+        return virtual
+    try:
+        differs = identity_mismatch(virtual["of"], load_run_config(run / "config.yaml"))
+    except ConfigError:  # the config's own problem is the report's to say elsewhere
+        return virtual
+    if differs:
+        warnings.append(f"{run / VIRTUAL}: the virtual preflight predicted another step ({differs}): left out")
+        return None
+    return virtual
+
+
 def _read_yaml(path: Path) -> dict[str, Any] | None:
     """A run's ``config.yaml``, read by the bounded reader every other command uses (its size,
     nesting and alias expansion capped): a 600-byte alias bomb expands to billions of values,
@@ -230,8 +247,9 @@ def load_run(path: str | Path) -> Run:
         sample_text = samples.read_text(encoding="utf-8", errors="replace") if samples.is_file() else None
     except OSError:
         sample_text = None
+    virtual = _of_this_step(_read_virtual(path / VIRTUAL, warnings), path, warnings)
     return Run(path=path, rows=rows, events=events, plan=_read_json(path / "plan.json"),
-               preflight=_read_json(path / "preflight.json"), virtual=_read_virtual(path / VIRTUAL, warnings),
+               preflight=_read_json(path / "preflight.json"), virtual=virtual,
                record=_read_json(path / "run.json"), config=_read_yaml(path / "config.yaml"), samples=sample_text,
                eval_rows=eval_rows, warnings=warnings)
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, cast
 import torch
 
 from flopwise.checkpoints import intact_note, read_state
-from flopwise.config import ConfigError, RunConfig, batch_split_problems, recorded_paths
+from flopwise.config import ConfigError, RunConfig, batch_split_problems, identity_mismatch, recorded_paths
 from flopwise.data.datadir import DataDir, open_data_dir
 from flopwise.data.loader import LoaderOptions, fixed_windows, make_loader
 from flopwise.evaluate.loss import target_bytes
@@ -197,13 +197,19 @@ VIRTUAL = "virtual.json"  # `preflight --dry-run --rank --out DIR` writes it; a 
 VIRTUAL_PARTS = ("choice", "candidates")  # keys of its "virtual" object (choice is null when nothing fits)
 
 
-def checked_before_run_dir(cfg: RunConfig) -> tuple[bytes | None, bytes | None]:
+def checked_before_run_dir(cfg: RunConfig, log: Log) -> tuple[bytes | None, bytes | None]:
     """Rank 0's checks that need neither model nor data, before the run directory is made:
     W&B's API key (rank 0 logs to W&B), and the preflight result the config came from with the
-    virtual preflight's beside it (returned: the run keeps a copy of each)."""
+    virtual preflight's beside it (returned: the run keeps a copy of each; a virtual preflight's
+    of another step is not kept, and the log says why)."""
     check_wandb_login(cfg.tracking)
     preflight = preflight_result(cfg.train.preflight, cfg.train.run_dir)
-    return preflight, virtual_result(cfg.train.preflight) if preflight is not None else None
+    if preflight is None:
+        return None, None
+    virtual, stale = virtual_result(cfg.train.preflight, cfg)
+    if stale:
+        log(f"note: {stale}")
+    return preflight, virtual
 
 
 def preflight_result(path: str, run_dir: str) -> bytes | None:
@@ -246,14 +252,16 @@ def _read_result(file: Path, where: str, what: str, directory: str) -> tuple[byt
         raise ConfigError([f"{where}: cannot be read: {e.strerror or e}"]) from None
 
 
-def virtual_result(path: str) -> bytes | None:
+def virtual_result(path: str, cfg: RunConfig) -> tuple[bytes | None, str]:
     """The bytes of the ``virtual.json`` beside ``train.preflight``'s file, read once (bounded)
     and checked to be a virtual preflight result -- ``{"virtual": {"choice", "candidates"}}`` --
     before the run directory is made: the report shows its predictions beside what the preflight
-    and the run measured. None when there is none (most preflights had no dry run before them)."""
+    and the run measured. None when there is none (most preflights had no dry run before them),
+    and None with a line saying why when it predicted another model, sequence length or global
+    batch than ``cfg``'s (its ``of``; a file without one, hand-made or older, is kept as it is)."""
     file = Path(path).expanduser().parent / VIRTUAL
     if not file.exists():
-        return None
+        return None, ""
     where = f"{file} (beside train.preflight)"
     shape = 'the virtual.json `flopwise preflight --dry-run --rank` writes is {"virtual": {"choice", "candidates"}}'
     data, doc = _read_result(file, where, f"a virtual preflight result ({shape})",
@@ -263,7 +271,11 @@ def virtual_result(path: str) -> bytes | None:
             or not isinstance(virtual["candidates"], list) or not isinstance(virtual["choice"], (dict, type(None)))):
         raise ConfigError([f"{where}: not a virtual preflight result ({shape}); move it away or give a "
                            "preflight.json in a folder without it"])
-    return data
+    differs = identity_mismatch(virtual["of"], cfg) if "of" in virtual else ""
+    if differs:
+        return None, (f"{where} predicted another step ({differs}): not kept with the run, and the report "
+                      "compares nothing with it")
+    return data, ""
 
 
 def task_files(task_dir: str, names: list[str]) -> dict[str, str]:
@@ -380,7 +392,7 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
     m, t, o, e = cfg.model, cfg.train, cfg.optim, cfg.eval
     loss_impl = t.loss
     strategy = resolve_strategy(cfg, env, device, prec.name, loss_impl)  # refusals before any work
-    preflight, virtual = env.on_main(lambda: checked_before_run_dir(cfg))  # before the run directory is made
+    preflight, virtual = env.on_main(lambda: checked_before_run_dir(cfg, log))  # before the run directory is made
     start = env.on_main(lambda: start_run(asked, fresh, locks))
     asked.train.run_dir = t.run_dir = str(start.run_dir)  # rank 0 named it (a timestamp): every rank uses it
     # config.yaml records every path resolved, so the run reads the same from any directory
