@@ -19,14 +19,22 @@ from flopwise import __version__, deps
 from flopwise.config import DEFAULT_PRESET, Compile, ConfigError, TrainConfig, build_config, preset_names
 from flopwise.errors import FlopwiseError, is_out_of_memory
 from flopwise.fsio import is_disk_full, write_json
-from flopwise.plan import hardware
-from flopwise.plan.budget import PlanError, PlanInputs, build_plan, peak_dtype, plan_inputs_for_run, planned_loss
+from flopwise.plan import hardware, steptime
+from flopwise.plan.budget import (
+    NOMINAL_MFU,
+    PlanError,
+    PlanInputs,
+    build_plan,
+    peak_dtype,
+    plan_inputs_for_run,
+    planned_loss,
+)
 from flopwise.plan.flops import param_counts
 from flopwise.plan.memory import MemorySettings, current_name
 from flopwise.plan.render import format_gpu_table, format_plan
 from flopwise.report import ReportError, build_report
 from flopwise.train.defaults import resolve_compile, step_wrapper
-from flopwise.tune.dryrun import DEFAULT_GPU, DryRunFailed, dry_run, for_json, render
+from flopwise.tune.dryrun import DEFAULT_GPU, DryRunFailed, dry_run, for_json, network_problem, render
 from flopwise.tune.shim import DryRunUnavailable
 from flopwise.tune.virtual import render as render_virtual
 from flopwise.tune.virtual import virtual_preflight
@@ -191,6 +199,10 @@ def _preflight_parser(sub: "argparse._SubParsersAction") -> None:
     g.add_argument("--gpu", default=None, help=f"the GPU to trace for, from flopwise plan --list-gpus "
                                                f"(default {DEFAULT_GPU})")
     g.add_argument("--nnodes", type=whole(1, 4096), default=1, help="nodes to trace for (default 1)")
+    g.add_argument("--network", default=None,
+                   help=f"link between the nodes, per GPU, that the step time is predicted over (default "
+                        f"{hardware.DEFAULT_NETWORK}, as flopwise plan): a name from flopwise plan --list-gpus or "
+                        "<N>gbit, N Gbit/s (25gbit is eth-25g)")
     g.add_argument("--json", action="store_true", help="print the dry run's result as JSON")
     g.add_argument("--rank", action="store_true",
                    help="the virtual preflight: trace the candidates a preflight on the GPU would try (micro-batch, "
@@ -324,7 +336,9 @@ def _plan_parser(sub: "argparse._SubParsersAction") -> None:
                    help="which peak: bf16, fp16, fp8, tf32, fp32 (default: the precision's; fp32 for float32)")
     g.add_argument("--gpus", type=whole(1), default=1, help="number of GPUs (default 1)")
     g.add_argument("--gpus-per-node", type=whole(1), default=8)
-    g.add_argument("--mfu", type=number(0, 1, low_open=True), default=0.40, help="assumed MFU, 0-1 (default 0.40)")
+    g.add_argument("--mfu", type=number(0, 1, low_open=True), default=None,
+                   help=f"assumed MFU, 0-1 (default {NOMINAL_MFU:.2f}); with --trace the traced step's predicted MFU "
+                        "prices the run instead, and --mfu is refused unless the GPU gets no prediction")
     g.add_argument("--list-gpus", action="store_true", help="print the hardware table and exit")
     g = p.add_argument_group("budget (one of)")
     g.add_argument("--tokens", type=count(), default=0, help="training tokens, e.g. 6e9 or 6B")
@@ -357,8 +371,9 @@ def _plan_parser(sub: "argparse._SubParsersAction") -> None:
                         "only when asked)")
     g = p.add_argument_group("scaling")
     g.add_argument("--interconnect", default="", help="link within a node (default: the GPU's usual one)")
-    g.add_argument("--network", default="ib-ndr", help="link between nodes (default ib-ndr): a name from --list-gpus "
-                   "or <N>gbit, N Gbit/s (25gbit is eth-25g)")
+    g.add_argument("--network", default=None, help=f"link between nodes, per GPU (default "
+                   f"{hardware.DEFAULT_NETWORK}): a name from --list-gpus or <N>gbit, N Gbit/s (25gbit is eth-25g); "
+                   "also what --trace predicts the step over")
     g = p.add_argument_group("DiLoCo (--strategy diloco: worker groups sync every H inner steps)")
     g.add_argument("--inner-steps", type=whole(1), default=None, help="H, inner steps between outer syncs, as "
                    "parallel.inner_steps (default 50)")
@@ -374,7 +389,9 @@ def _plan_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.add_argument("--trace", action="store_true",
                    help="also trace the planned step on fake tensors (flopwise preflight --dry-run; needs a C++ "
-                        "compiler, no GPU): whether it runs, its traced memory and the largest micro-batch that fits")
+                        "compiler, no GPU), with the step flags given (--precision, --attention, --checkpointing, "
+                        "--loss, DiLoCo's): whether it runs, its traced memory, the largest micro-batch that fits, "
+                        "and the time and cost at its predicted MFU, with the range that prediction is likely in")
     p.set_defaults(func=cmd_plan)
 
 
@@ -532,9 +549,9 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     _one_process_only("preflight")
     if args.dry_run:
         return _dry_run(cfg, args)
-    if args.gpu is not None or args.nnodes != 1 or args.json or args.rank:
-        raise ConfigError(["--gpu, --nnodes, --json and --rank go with --dry-run (a preflight without it measures the "
-                           "device at hand)"])
+    if args.gpu is not None or args.nnodes != 1 or args.network is not None or args.json or args.rank:
+        raise ConfigError(["--gpu, --nnodes, --network, --json and --rank go with --dry-run (a preflight without it "
+                           "measures the device at hand)"])
     from flopwise.tune.preflight import Interrupted, preflight  # lazy: torch
     from flopwise.tune.request import TuneRequest  # lazy: torch
 
@@ -557,16 +574,18 @@ def _dry_run(cfg, args: argparse.Namespace) -> int:
         raise ConfigError(["--dry-run traces one configuration; --ladder measures on the device at hand: "
                            "choose one"])
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
+    if args.network is not None and args.nnodes == 1 and not network_problem(args.network):
+        _print_notes("preflight", [f"--network {args.network}: one node (--nnodes 1) crosses no network"])
     if args.rank:
         return _virtual_preflight(cfg, args, say)
     try:
         result = dry_run(cfg, gpu=args.gpu, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
-                         memory_gb=args.memory_gb, headroom=args.headroom, log=say)
+                         memory_gb=args.memory_gb, headroom=args.headroom, network=args.network, log=say)
     except (DryRunUnavailable, DryRunFailed) as e:
         print(f"flopwise preflight --dry-run: {e}", file=sys.stderr)
         return 1
     if args.json:
-        print(json.dumps(for_json(result), indent=2, default=str))
+        print(json_text(for_json(result)))
     else:
         print("\n".join(render(result)))
     return 0
@@ -580,7 +599,7 @@ def _virtual_preflight(cfg, args: argparse.Namespace, say) -> int:
     if args.out:  # one that cannot be made fails before any trace
         Path(args.out).mkdir(parents=True, exist_ok=True)
     tracer = {"gpu": args.gpu, "nproc_per_node": args.nproc_per_node, "nnodes": args.nnodes,
-              "memory_gb": args.memory_gb, "headroom": args.headroom}
+              "memory_gb": args.memory_gb, "headroom": args.headroom, "network": args.network}
     try:
         result = virtual_preflight(cfg, tracer, tokens=args.tokens, hours=args.hours,
                                    price_per_gpu_hour=args.price_per_gpu_hour, log=say)
@@ -589,9 +608,9 @@ def _virtual_preflight(cfg, args: argparse.Namespace, say) -> int:
         return 1
     source = [f"--config {args.config}"] if args.config else [f"--preset {args.preset}"] if args.preset else []
     if args.out:
-        write_json(Path(args.out) / "virtual.json", {"virtual": result})
+        write_json(Path(args.out) / "virtual.json", json_figures({"virtual": result}))
     if args.json:
-        print(json.dumps({"virtual": result}, indent=2, default=str))
+        print(json_text({"virtual": result}))
     else:
         print("\n".join(render_virtual(result, source + list(args.overrides))))
     return 0
@@ -702,7 +721,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    import json
     from dataclasses import replace
 
     if args.list_gpus:
@@ -771,36 +789,56 @@ def cmd_plan(args: argparse.Namespace) -> int:
     inp = PlanInputs(
         model=model, model_name=name, params=args.params, gpu=gpu,
         peak_tflops=args.peak_tflops or run.get("peak_tflops", 0), dtype=args.dtype or peak_dtype(memory.precision),
-        memory_gb=args.memory_gb, gpus=args.gpus, gpus_per_node=args.gpus_per_node, mfu=args.mfu,
+        memory_gb=args.memory_gb, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+        mfu=NOMINAL_MFU if args.mfu is None else args.mfu,
         tokens=args.tokens or (0 if budget_given else run.get("tokens", 0)), hours=args.hours,
         chinchilla=args.chinchilla, price_per_gpu_hour=args.price_per_gpu_hour,
         flops_formula=args.flops_formula or ("palm" if model is not None else "6n"),
         seq_len=args.seq_len or run.get("seq_len", 2048), micro_batch=args.micro_batch or run.get("micro_batch", 0),
         grad_accum=args.grad_accum or run.get("grad_accum", 0), target_batch_tokens=args.target_batch_tokens,
-        headroom=args.headroom, memory=memory, interconnect=args.interconnect, network=args.network,
+        headroom=args.headroom, memory=memory, interconnect=args.interconnect, network=args.network or "",
         auto_strategy=not strategy and run.get("auto_strategy", True),
         inner_steps=args.inner_steps if args.inner_steps is not None else run.get("inner_steps", 50),
         comm_share=args.comm_share if args.comm_share is not None else 0.05, defaults=respeed, **data,
     )
     if args.trace and (gpu is None or model is None):
         raise PlanError("--trace traces the planned step: it needs --gpu and --model (or --config)")
+    # before any trace: the step flags it takes, and what it cannot take refused
+    step = _asked_step(args, precision, gpu, cfg) if args.trace and gpu is not None else []
     plan = build_plan(inp)
     plan["notes"], plan["defaults"] = notes, speed
     _print_notes("plan", notes)
-    trace = _trace_plan(source, plan, args) if args.trace else None
-    prediction = (trace or {}).get("prediction") or {}
-    if prediction.get("predicted") and prediction.get("mfu"):  # time and cost at the traced step's predicted MFU
-        how = (f"{100 * prediction['mfu']:.1f}% for the planned step on {prediction['gpu']}, from its traced kernels "
-               "(flopwise preflight --dry-run)")
-        plan = build_plan(dataclasses.replace(inp, mfu=min(1.0, prediction["mfu"]), mfu_predicted_by=how))
+    trace = _trace_plan(source, plan, args, step) if args.trace else None
+    if trace:
+        plan = _priced_by_trace(inp, plan, (trace or {}).get("prediction") or {}, args)
         plan["notes"], plan["defaults"] = notes, speed
     if args.json:
-        print(json.dumps({**plan, **({"trace": for_json(trace)} if trace else {})}, indent=2, default=str))
+        print(json_text({**plan, **({"trace": for_json(trace)} if trace else {})}))
         return 0
     print(format_plan(plan))
     if trace:
         print("\n".join(["", "trace of the planned step (flopwise preflight --dry-run):", *render(trace)[1:]]))
     return 0
+
+
+def _priced_by_trace(inp: PlanInputs, plan: dict[str, Any], prediction: dict[str, Any],
+                     args: argparse.Namespace) -> dict[str, Any]:
+    """``plan`` priced at the traced step's predicted MFU, in the range its held-out errors support;
+    ``plan`` as it is, with a note, when the trace predicted no step time."""
+    if not (prediction.get("predicted") and prediction.get("mfu")):
+        why = prediction.get("why") or "no MFU against the GPU's peak"
+        assumed = "--mfu" if args.mfu is not None else "the default; --mfu to change"
+        _print_notes("plan", [f"--trace: no step time predicted ({why}): the time and cost are at the assumed MFU "
+                              f"{100 * inp.mfu:g}% ({assumed})"])
+        return plan
+    over = f" over {prediction['between_nodes']['name']}" if prediction.get("between_nodes") else ""
+    how = (f"{100 * prediction['mfu']:.1f}% for the planned step on {prediction['gpu']}{over}, from its traced "
+           "kernels (flopwise preflight --dry-run)")
+    # the scaling rows add their own (unoverlapped) communication to compute: the step less its exposed comm
+    compute = prediction["step_s"] - prediction["breakdown"].get("exposed_comm", 0.0)
+    mfu_compute = prediction["mfu"] * prediction["step_s"] / compute if compute > 0 else prediction["mfu"]
+    return build_plan(dataclasses.replace(inp, mfu=min(1.0, prediction["mfu"]), mfu_predicted_by=how,
+                                          mfu_compute=min(1.0, mfu_compute), mfu_band=prediction.get("band")))
 
 
 def _plan_config(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
@@ -874,19 +912,55 @@ def _plan_data(cfg: Any, notes: list[str]) -> dict[str, Any]:
     return {"data_path": str(path), "data_train_tokens": train_tokens}
 
 
-def _trace_plan(source: dict, plan: dict, args: argparse.Namespace) -> dict:
+# plan's flags that shape the step, and the run config's key for each: what --trace traces them as
+STEP_FLAGS = (("precision", "train.precision"), ("attention", "model.attention"),
+              ("checkpointing", "train.activation_checkpointing"),
+              ("checkpointing_every", "train.activation_checkpointing_every"), ("loss", "train.loss"),
+              ("inner_steps", "parallel.inner_steps"), ("outer_dtype", "parallel.outer_dtype"),
+              ("inner_strategy", "parallel.inner_strategy"), ("group_size", "parallel.group_size"))
+
+
+def _asked_step(args: argparse.Namespace, precision: str, gpu: hardware.DeviceSpec, cfg: Any) -> list[str]:
+    """The overrides that make ``--trace``'s step the one plan was asked for: each step flag given
+    (:data:`STEP_FLAGS`; ``precision`` as the plan resolved it), as ``train`` spells it. What the
+    trace cannot take is a PlanError in one line, before anything is traced."""
+    if args.no_master_weights:
+        raise PlanError("--trace traces the step train runs, and train keeps bf16-pure's fp32 master weights (it has "
+                        "no setting without them): drop --no-master-weights or --trace")
+    if args.loss == "fused":
+        raise PlanError("--trace: --loss fused (Liger's Triton kernel) cannot be traced on fake tensors; plan prices "
+                        "it as chunked: trace --loss chunked")
+    if args.mfu is not None and _predicts(gpu, cfg):
+        raise PlanError(f"--mfu assumes the MFU that --trace predicts for the planned step on {gpu.name}: give one "
+                        "(--trace alone prices the run at the traced step's predicted MFU)")
+    given = {**vars(args), "precision": precision}
+    return [f"{key}={given[flag]}" for flag, key in STEP_FLAGS if given[flag] not in (None, "", 0)]
+
+
+def _predicts(gpu: hardware.DeviceSpec, cfg: Any) -> bool:
+    """Whether a dry run of ``cfg`` on ``gpu`` predicts a step time (tune/predict.py): the step
+    model has the GPU's constants, and the step is not fp8."""
+    try:
+        steptime.gpu(gpu.name)
+    except steptime.Unpredictable:
+        return False
+    return not (cfg is not None and cfg.train.fp8)
+
+
+def _trace_plan(source: dict, plan: dict, args: argparse.Namespace, step: list[str]) -> dict:
     """``flopwise preflight --dry-run`` of the step the plan recommends: its batch and strategy
-    on ``--gpus`` of ``--gpu`` (``--gpus-per-node`` to a node)."""
+    on ``--gpus`` of ``--gpu`` (``--gpus-per-node`` to a node), with the ``step`` overrides
+    (:func:`_asked_step`)."""
     gpus, per_node = args.gpus, args.gpus_per_node
     if gpus > per_node and gpus % per_node:
         raise PlanError(f"--trace: --gpus {gpus} is not whole nodes of --gpus-per-node {per_node}")
-    traced = planned_step_config(source, plan, gpus)
+    traced = planned_step_config({**source, "overrides": [*source.get("overrides", []), *step]}, plan, gpus)
 
     def say(s: str) -> None:
         print(s, file=sys.stderr, flush=True)
 
     return dry_run(traced, gpu=args.gpu, nproc_per_node=min(gpus, per_node), nnodes=max(1, gpus // per_node),
-                   memory_gb=args.memory_gb, headroom=args.headroom, log=say)
+                   memory_gb=args.memory_gb, headroom=args.headroom, network=args.network, log=say)
 
 
 def planned_step_config(source: dict, plan: dict, gpus: int) -> Any:
@@ -906,6 +980,31 @@ def _read_hf_config(path: str):
     from flopwise.model.hf import read_hf_config  # lazy: torch
 
     return read_hf_config(path)
+
+
+# Significant digits of a fraction in --json: far below what any figure there is accurate to, above
+# float noise (a cap of 0.9 x 96 GiB printed as 86.3999999994412: 86.4), and enough that the figures
+# still recompose (tokens x FLOPs per token = total FLOPs) to 1e-9.
+JSON_DIGITS = 10
+
+
+def json_figures(value: Any) -> Any:
+    """``value`` with every float that is not a whole number rounded to :data:`JSON_DIGITS`
+    significant digits (86.3999999994412 -> 86.4), as plan, the dry run and its --rank print and
+    write their JSON; whole numbers (token and byte counts), strings and the rest as they are. The
+    arithmetic behind the figures keeps its precision."""
+    if isinstance(value, float):
+        return value if value.is_integer() or not math.isfinite(value) else float(f"{value:.{JSON_DIGITS}g}")
+    if isinstance(value, dict):
+        return {k: json_figures(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_figures(v) for v in value]
+    return value
+
+
+def json_text(value: Any) -> str:
+    """What ``--json`` prints: :func:`json_figures` of ``value``, indented."""
+    return json.dumps(json_figures(value), indent=2, default=str)
 
 
 def _print_notes(command: str, notes: list[str]) -> None:

@@ -50,7 +50,7 @@ def traced() -> dict[str, tuple[dict | None, dict]]:
         cfgs = [planned_step_config({"preset": preset, "overrides": []}, plan, gpus)]
         if gpus == RANKS and gpu == "h100":
             cfgs += list(wrapped.values())
-        results = dry_run_batch(cfgs, gpu=gpu, nproc_per_node=gpus, log=lambda s: None)
+        results = dry_run_batch(cfgs, gpu=gpu, nproc_per_node=gpus)
         out[name] = (plan, results[0])
         out.update({w: (None, r) for w, r in zip(wrapped, results[1:])})
     return out

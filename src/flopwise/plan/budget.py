@@ -79,6 +79,12 @@ class PlanInputs:
     # where mfu came from: "" assumed (--mfu or the default); else the dry run's prediction for
     # the planned step on this GPU (plan --trace), whose step time holds its exposed communication
     mfu_predicted_by: str = ""
+    # with mfu_predicted_by: the predicted step's MFU without its exposed communication, which the
+    # scaling rows' compute per step is made of (their communication is added, not overlapped); 0 = mfu
+    mfu_compute: float = 0.0
+    # with mfu_predicted_by: the prediction's error band (plan/accuracy.py's ``band``: ``low`` and
+    # ``high`` ratios of predicted to measured, ``cases``, ``regime``), what the plan's ``band`` ranges are of
+    mfu_band: dict[str, Any] | None = None
     tokens: int = 0
     hours: float = 0.0
     chinchilla: bool = False
@@ -91,7 +97,7 @@ class PlanInputs:
     headroom: float = 0.9  # use at most this fraction of GPU memory
     memory: MemorySettings = field(default_factory=MemorySettings)
     interconnect: str = ""  # within a node; "" = the GPU's usual link
-    network: str = "ib-ndr"  # between nodes
+    network: str = ""  # between nodes; "" = hardware.DEFAULT_NETWORK (named as the default where used)
     # The strategy was not chosen by the user (plan's default): when it does not fit in
     # memory and another one does, the plan switches to that one and says so at the top.
     # (Never to diloco: that one is planned only when asked for.)
@@ -292,11 +298,13 @@ def _find_link(name: str, flag: str) -> hardware.Link:
 
 def ring_link(inp: PlanInputs, gpus: int) -> hardware.Link:
     """The link a ring over ``gpus`` GPUs runs at: the intra-node one (``--interconnect``, else
-    the GPU's usual link), or the slower of it and ``--network`` when the ring crosses nodes."""
+    the GPU's usual link), or the slower of it and ``--network`` (else :data:`hardware.DEFAULT_NETWORK`)
+    when the ring crosses nodes."""
     link = _find_link(inp.interconnect, "--interconnect") if inp.interconnect else \
         hardware.LINKS[hardware.default_link(inp.gpu)]
     if gpus > inp.gpus_per_node:  # the ring crosses nodes: the slowest hop sets the pace
-        link = min((link, _find_link(inp.network, "--network")), key=lambda lk: lk.gb_per_s)
+        network = _find_link(inp.network or hardware.DEFAULT_NETWORK, "--network")
+        link = min((link, network), key=lambda lk: lk.gb_per_s)
     return link
 
 
@@ -328,7 +336,7 @@ def scaling(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: int, mi
         if settings.strategy == "zero1":  # each rank broadcasts the parameters it stepped
             comm_bytes += share * n_params * param_bytes
         comm_s = comm_bytes / (link.gb_per_s * 1e9)
-    compute_s = tokens_per_step * fpt / (gpus * peak * inp.mfu) if peak else None
+    compute_s = tokens_per_step * fpt / (gpus * peak * (inp.mfu_compute or inp.mfu)) if peak else None
     out: dict[str, Any] = {
         "gpus": gpus,
         "link": link.name,
@@ -601,6 +609,8 @@ def _build_plan(inp: PlanInputs) -> dict[str, Any]:
     # a predicted MFU is of the whole step, its exposed communication included: not counted twice
     efficiency = 1.0 if inp.mfu_predicted_by else scaling_plan["at_gpus"]["efficiency"]
     plan.update(tokens_time_cost(inp, fpt, active, effective, efficiency))
+    if inp.mfu_predicted_by and inp.mfu_band:
+        plan["band"] = predicted_range(inp.mfu_band, plan)
     plan.update(memory_and_batch)
     scaling_plan["hours_with_comm"] = plan["hours"] if plan["compute_hours"] is not None else None
     if plan["tokens"] is not None:
@@ -684,6 +694,25 @@ def tokens_time_cost(inp: PlanInputs, fpt: float, active_params: int, effective:
         verdict=(chinchilla_verdict(tokens, active_params, total_flops)
                  if tokens is not None and total_flops is not None else None),
     )
+
+
+def predicted_range(band: dict[str, Any], figures: dict[str, Any]) -> dict[str, Any]:
+    """The range of the figures :func:`tokens_time_cost` priced at a predicted rate (``figures``),
+    by the prediction's error ``band`` (plan/accuracy.py: the real step is the predicted one times a
+    ratio from ``low`` to ``high``): ``hours``, ``gpu_hours`` and ``cost`` times ``[low, high]`` --
+    or, where the wall time is the user's (``--hours``), the ``tokens`` it affords over ``[high,
+    low]`` --, the others None; with the band's own ``low``, ``high``, ``cases`` and ``regime``."""
+    low, high = band["low"], band["high"]
+    out: dict[str, Any] = {k: band[k] for k in ("low", "high", "cases", "regime")}
+
+    def times(key: str) -> list[float] | None:
+        value = figures.get(key)
+        return None if value is None or figures.get("hours_given") else [value * low, value * high]
+
+    out.update(hours=times("hours"), gpu_hours=times("gpu_hours"), cost=times("cost"), tokens=None)
+    if figures.get("hours_given") and figures.get("tokens") is not None:
+        out["tokens"] = [figures["tokens"] / high, figures["tokens"] / low]
+    return out
 
 
 # Past this many epochs the plan warns: Muennighoff et al. 2023 ("Scaling Data-Constrained
@@ -778,12 +807,16 @@ def _scaling_plan(inp: PlanInputs, fpt: float, batch: dict[str, Any], n_params: 
     rows = [scaling(inp, fpt, batch["tokens_per_step"], n_params, max(1, batch["grad_accum"] * inp.gpus // n), n)
             for n in counts_to]
     mine = next(r for r in rows if r["gpus"] == inp.gpus)
-    return {
+    out: dict[str, Any] = {
         "strategy": inp.memory.strategy,
         "assumption": "communication not overlapped with compute (a lower bound on efficiency)",
         "at_gpus": mine,
         "table": rows,
     }
+    if any(n > inp.gpus_per_node for n in counts_to):  # rows that cross nodes: the network they assumed
+        network: dict[str, Any] = hardware.network_facts(inp.network) or {}  # validate() refused an unknown one
+        out["network"] = {**network, "gpus_per_node": inp.gpus_per_node}
+    return out
 
 
 def _settings_dict(s: MemorySettings) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -284,6 +285,33 @@ def link_choices() -> str:
 def unknown_link_message(flag: str, name: str) -> str:
     """Why ``name`` is refused as a link, in one line naming the choices."""
     return f"{flag} {name!r} is not known; choose one of {link_choices()}"
+
+
+# The network between nodes when --network is not given, for every multi-node figure: plan (its
+# scaling rows and wall time), plan --trace, preflight --dry-run and its --rank. 400 Gb/s a GPU
+# (InfiniBand NDR, one NIC per GPU) is what a multi-node cluster of the dry run's default GPU, the
+# H100 SXM, typically has -- NVIDIA's DGX H100 and its SuperPOD give each GPU its own ConnectX-7
+# NDR port, and the clouds' H100 nodes match it (AWS p5: 3,200 Gb/s of EFA for 8 GPUs; Azure ND
+# H100 v5: 400 Gb/s InfiniBand a GPU) -- and H200/B200 nodes keep it. Older or cheaper clusters are
+# slower: DGX A100 has HDR, 200 Gb/s a GPU (--network ib-hdr); Ethernet between rented nodes is
+# often 25-100 Gb/s shared by the node (--network 25gbit). Every output that used it says so.
+DEFAULT_NETWORK = "ib-ndr"
+
+
+def find_network(name: str | None) -> Link | None:
+    """The link ``--network`` names (:func:`find_link`), :data:`DEFAULT_NETWORK`'s when none
+    (or an empty name) is given; None for a name that is no link."""
+    return find_link(name or DEFAULT_NETWORK)
+
+
+def network_facts(name: str | None) -> dict[str, Any] | None:
+    """What a multi-node figure says of the network it assumed (``--json``'s ``network``): the
+    link's table name, its rate per GPU in Gb/s and GB/s, and whether it is the default (no
+    ``--network``). None for a name that is no link."""
+    link = find_network(name)
+    if link is None:
+        return None
+    return {"name": link.name, "gbit_per_s": link.gb_per_s * 8, "gb_per_s": link.gb_per_s, "default": not name}
 
 
 def default_link(spec: DeviceSpec | None) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from flopwise.plan import hardware
+from flopwise.plan import accuracy, hardware
 from flopwise.plan.budget import epochs_text
 
 
@@ -45,6 +45,33 @@ def hours_text(h: float | None) -> str:
     if h < 48:
         return f"{h:.1f} h"
     return f"{h:.0f} h ({h / 24:.1f} days)"
+
+
+def hours_range(low: float, high: float) -> str:
+    """A range of wall times in the unit :func:`hours_text` gives the longer: ``27.6-32.9 h``."""
+    if high < 1:
+        return f"{low * 60:.1f}-{high * 60:.1f} min"
+    if high < 48:
+        return f"{low:.1f}-{high:.1f} h"
+    return f"{low:.0f}-{high:.0f} h ({low / 24:.1f}-{high / 24:.1f} days)"
+
+
+def gpu_hours_text(h: float) -> str:
+    """GPU-hours to a tenth, or to a hundredth below one (``0.13``, not ``0.1``)."""
+    return f"{h:,.{2 if h < 1 else 1}f}"
+
+
+def gpu_hours_range(low: float, high: float) -> str:
+    """A range of GPU-hours, to the digits of :func:`gpu_hours_text`'s larger end: ``0.12-0.14``."""
+    digits = 2 if high < 1 else 1
+    return f"{low:,.{digits}f}-{high:,.{digits}f}"
+
+
+def network_text(facts: dict[str, Any]) -> str:
+    """How a multi-node figure names the network it assumed (:func:`hardware.network_facts`):
+    ``network ib-ndr, 400 Gb/s per GPU between nodes (default; --network to change)``."""
+    how = "default; --network to change" if facts["default"] else "from --network"
+    return f"network {facts['name']}, {facts['gbit_per_s']:g} Gb/s per GPU between nodes ({how})"
 
 
 def _gb(x: float | None) -> str:
@@ -202,6 +229,27 @@ def _budgeted(v: PlanView) -> bool:
     return v.plan["tokens"] is not None
 
 
+def _predicted(v: PlanView) -> bool:
+    """Whether the time and cost are at a predicted MFU (plan --trace), not an assumed one."""
+    return v.plan.get("mfu_source", "assumed") != "assumed"
+
+
+def _likely(key: str, text: Callable[[float, float], str]) -> Callable[[PlanView], str]:
+    """``; likely LOW-HIGH`` of the plan's ``band`` range of ``key`` (plan --trace), else nothing."""
+    def likely(v: PlanView) -> str:
+        span = (v.plan.get("band") or {}).get(key)
+        return f"; likely {text(*span)}" if span else ""
+    return likely
+
+
+def _tokens_how(v: PlanView) -> str:
+    """The tokens' row: under --hours with a predicted MFU, they are what the prediction affords."""
+    if not (_predicted(v) and v.plan.get("hours_given")):
+        return ""
+    return ("predicted: what --hours affords at the traced step's predicted MFU"
+            + _likely("tokens", lambda lo, hi: f"{_count(lo)}-{_count(hi)}")(v))
+
+
 # ---------------------------------------------------------------- Parameters
 def _has_breakdown(v: PlanView) -> bool:
     return bool(v.breakdown)
@@ -250,8 +298,9 @@ FLOPS = Section("FLOPs", (
         lambda v: f"+ recomputed forward of {100 * v.plan['recomputed_fraction']:.0f}% of the blocks (HFU's numerator)",
         when=lambda v: v.plan.get("flops_per_token_hardware")),
     Row("formula used", _plan("flops_formula")),
-    Row("tokens", _plan("tokens"), _count, when=_budgeted),
-    Row("total", _plan("total_flops"), lambda x: _n(x, "FLOP"), "FLOPs/token × tokens", when=_budgeted),
+    Row("tokens", _plan("tokens"), _count, _tokens_how, when=_budgeted),
+    Row("total", _plan("total_flops"), lambda x: _n(x, "FLOP"),
+        lambda v: "FLOPs/token × tokens" + (" (predicted tokens)" if _tokens_how(v) else ""), when=_budgeted),
 ))
 
 
@@ -279,9 +328,42 @@ def _wall_how(v: PlanView) -> str:
         return f"{budget}compute + communication"
     if v.plan.get("compute_hours") is None:
         return "--hours (no peak: no tokens)"
-    if v.plan.get("mfu_source", "assumed") != "assumed":
-        return f"{budget}total FLOPs ÷ effective FLOP/s (predicted: at the traced step's predicted MFU)"
+    if _predicted(v) and budget:
+        return "--hours (the tokens it affords are predicted)"
+    if _predicted(v):
+        return ("predicted: total FLOPs ÷ effective FLOP/s at the traced step's predicted MFU"
+                + _likely("hours", hours_range)(v))
     return f"{budget}total FLOPs ÷ effective FLOP/s"
+
+
+def _priced_on_prediction(v: PlanView) -> bool:
+    """The GPU-hours and cost come from a predicted wall time (not the user's --hours)."""
+    return _predicted(v) and not v.plan.get("hours_given")
+
+
+def _gpu_hours_how(v: PlanView) -> str:
+    how = f"{hours_text(v.plan['hours'])} × {v.plan['gpus']}"
+    if not _priced_on_prediction(v):
+        return how
+    return f"predicted: {how}" + _likely("gpu_hours", gpu_hours_range)(v)
+
+
+def _cost_how(v: PlanView) -> str:
+    how = f"GPU-hours × ${v.plan['price_per_gpu_hour']:g}/GPU-hour"
+    if _priced_on_prediction(v):
+        how = f"predicted: {how}" + _likely("cost", lambda lo, hi: f"${lo:,.2f}-${hi:,.2f}")(v)
+    return how + v.not_runnable
+
+
+def _band_line(v: PlanView) -> str:
+    """Where the plan's "likely" ranges come from (plan/accuracy.py)."""
+    return f"likely ranges: {accuracy.band_text(v.plan['band'])}"
+
+
+def _across_nodes(v: PlanView) -> bool:
+    """The GPUs planned are more than a node: the time and cost hold the network's communication."""
+    network = v.scaling.get("network")
+    return network is not None and v.plan["gpus"] > network["gpus_per_node"]
 
 
 def _mfu_how(v: PlanView) -> str:
@@ -305,12 +387,13 @@ TIME_AND_COST = Section("Time and cost", (
     Row("communication", _plan("comm_hours"), hours_text,
         lambda v: f"not overlapped: scaling efficiency {100 * v.scaling['at_gpus']['efficiency']:.1f}% "
                   "(see Scaling)", when=_communicating),
+    Row("network", lambda v: v.scaling["network"]["name"],
+        how=lambda v: network_text(v.scaling["network"]).split(", ", 1)[1], when=_across_nodes),
     Row("wall time", _plan("hours"), hours_text, lambda v: _wall_how(v) + v.not_runnable, when=_timed),
-    Row("GPU-hours", _plan("gpu_hours"), lambda h: f"{h:,.1f}",
-        lambda v: f"{hours_text(v.plan['hours'])} × {v.plan['gpus']}", when=_timed),
-    Row("cost", _plan("cost"), lambda usd: f"${usd:,.2f}",
-        lambda v: f"GPU-hours × ${v.plan['price_per_gpu_hour']:g}/GPU-hour" + v.not_runnable,
+    Row("GPU-hours", _plan("gpu_hours"), gpu_hours_text, _gpu_hours_how, when=_timed),
+    Row("cost", _plan("cost"), lambda usd: f"${usd:,.2f}", _cost_how,
         when=lambda v: _timed(v) and v.plan["cost"] is not None),
+    Line(_band_line, when=lambda v: _timed(v) and v.plan.get("band")),
     Line("(no --tokens, --hours or --chinchilla: no time estimate)",
          when=lambda v: not _timed(v) and not _budgeted(v)),
 ))
@@ -321,7 +404,9 @@ CHINCHILLA = Section("Chinchilla", (
     Row("optimal tokens", _plan("chinchilla_tokens"), _count,
         lambda v: "20 × parameters" + (" (active)" if v.moe else "")),
     Row("planned", lambda v: f"{_count(v.plan['tokens'])} ({v.plan['tokens_per_param']:.1f}/param)",
-        how=lambda v: f"{v.plan['chinchilla_ratio']:.2f}× Chinchilla", when=_budgeted),
+        how=lambda v: f"{v.plan['chinchilla_ratio']:.2f}× Chinchilla"
+                      + (" (predicted tokens)" if _tokens_how(v) else ""),
+        when=_budgeted),
     Line(lambda v: f"verdict: {v.plan['verdict']}", when=_budgeted),
 ))
 
@@ -443,7 +528,8 @@ BATCH = Section("Batch", (
         how=lambda v: f"micro × accumulation × {v.plan['gpus']} GPU(s)"),
     Row("tokens per step", lambda v: v.batch["tokens_per_step"], lambda n: f"{n:,}",
         lambda v: f"target {v.batch['target_tokens_per_step']:,}"),
-    Row("optimizer steps", lambda v: v.batch.get("steps"), lambda n: f"{n:,}", when=lambda v: "steps" in v.batch),
+    Row("optimizer steps", lambda v: v.batch.get("steps"), lambda n: f"{n:,}",
+        lambda v: "of the predicted tokens" if _tokens_how(v) else "", when=lambda v: "steps" in v.batch),
 ))
 
 
@@ -451,7 +537,8 @@ BATCH = Section("Batch", (
 def _scaling_title(v: PlanView) -> str:
     strategy = v.scaling["strategy"]
     return (f"Scaling ({'ddp' if strategy == 'single' else strategy} at n GPUs, same global batch; "
-            f"{v.scaling['assumption']})" + (" -- NOT runnable: does not fit" if v.not_runnable else ""))
+            f"{v.scaling['assumption']}" + ("; compute/step predicted from the traced step" if _predicted(v) else "")
+            + ")" + (" -- NOT runnable: does not fit" if v.not_runnable else ""))
 
 
 def _scaling_rows(v: PlanView) -> Iterator[tuple[str, ...]]:
@@ -475,10 +562,16 @@ def _traffic(v: PlanView) -> str:
                if strategy == "zero1" else ""))
 
 
+def _network_line(v: PlanView) -> str:
+    n = v.scaling["network"]
+    return f"above {n['gpus_per_node']} GPUs (a node) the rows cross nodes: {network_text(n)}"
+
+
 SCALING = Section(_scaling_title, (
     Table((Column("GPUs", ">5"), Column("link", "<9"), Column("comm/step", ">10"), Column("compute/step", ">13"),
            Column("comm share", ">11"), Column("efficiency", ">11")), _scaling_rows),
     Line(_traffic),
+    Line(_network_line, when=lambda v: "network" in v.scaling),
 ))
 
 

@@ -199,7 +199,7 @@ def gpu(spec_name: str, link: str | None = None, network: str | None = None, per
     if missing:
         raise Unpredictable(f"{spec.name} has no {missing[0]}: no step time is predicted for it")
     intra = hardware.find_link(link or hardware.default_link(spec))
-    inter = hardware.find_link(network or "ib-hdr")
+    inter = hardware.find_network(network)  # None: hardware.DEFAULT_NETWORK, as plan and the dry run
     if intra is None or inter is None:
         raise Unpredictable(f"unknown link {link or network!r}")
     assert spec.bf16 is not None  # checked above

@@ -75,12 +75,23 @@ def torch_name(spec: hardware.DeviceSpec) -> str:
 
 def dry_run(cfg: RunConfig, gpu: str | None = None, nproc_per_node: int = 1, nnodes: int = 1,
             memory_gb: float = 0.0, headroom: float = 0.9, log: Log = print,
-            timeout_s: float = TIMEOUT_S) -> dict[str, Any]:
+            network: str | None = None) -> dict[str, Any]:
     """Trace ``cfg``'s CUDA step on ``nproc_per_node`` × ``nnodes`` ranks of ``gpu``; the result
-    (what the worker wrote, plus the request). Raises ConfigError (bad input, before any work),
-    DryRunUnavailable (this machine cannot trace) or DryRunFailed (the step fails)."""
+    (what the worker wrote, plus the request), its step time predicted with ``network`` between
+    the nodes (None: :data:`hardware.DEFAULT_NETWORK`; the trace itself does not depend on it).
+    Raises ConfigError or PlanError (bad input, before any work), DryRunUnavailable (this machine
+    cannot trace) or DryRunFailed (the step fails)."""
     spec = gpu_spec(gpu)
-    request, shim = _request(cfg, spec, nproc_per_node, nnodes, memory_gb, headroom, log)
+    request, shim = _request(cfg, spec, nproc_per_node, nnodes, memory_gb, headroom, log, network)
+    result = _trace(cfg, request, shim, spec, log, TIMEOUT_S)  # read now: a test sets the module's
+    result["prediction"] = predicted(result, cfg, network=network)  # on the GPU's usual link in a node
+    return result
+
+
+def _trace(cfg: RunConfig, request: dict[str, Any], shim: Path, spec: hardware.DeviceSpec, log: Log,
+           timeout_s: float) -> dict[str, Any]:
+    """The worker's result for ``cfg``'s step as ``request`` asks it (:func:`dry_run`), less the
+    prediction; raises as dry_run does."""
     world = request["world"]
     with _sigterm_unwinds(), _trace_dir() as tmp:
         config_path, request_path, result_path = (tmp / n for n in ("config.yaml", "request.json", "result.json"))
@@ -103,24 +114,27 @@ def dry_run(cfg: RunConfig, gpu: str | None = None, nproc_per_node: int = 1, nno
         if result.get("where") == "config":  # the problems themselves, as the run would list them
             raise ConfigError(result.get("problems") or [result["error"]])
         raise DryRunFailed(f"the step fails on {world} × {spec.name}: {result['error']}{where}")
-    result["prediction"] = predicted(result, cfg)  # on the GPU's usual links; tune.predict for others
     return result
 
 
 def dry_run_batch(cfgs: list[RunConfig], gpu: str | None = None, nproc_per_node: int = 1, nnodes: int = 1,
-                  memory_gb: float = 0.0, headroom: float = 0.9, log: Log = print,
-                  done: Callable[[int, dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+                  memory_gb: float = 0.0, headroom: float = 0.9,
+                  done: Callable[[int, dict[str, Any]], None] | None = None,
+                  network: str | None = None) -> list[dict[str, Any]]:
     """Each of ``cfgs`` traced as :func:`dry_run` traces one, without the largest-fit search, in ONE
-    tracing process (torch and the shim imported once: the worker's batch mode), each predicted.
-    A step that fails is not raised: its result holds ``error`` (and ``where``). ``done(i, result)``
-    is called as each trace finishes, in order. Raises as :func:`dry_run` does for bad input (the
-    first config's) or a tracing process that dies; DryRunFailed when a trace does not finish
-    within :data:`TIMEOUT_S` of the one before it (the process is killed)."""
+    tracing process (torch and the shim imported once: the worker's batch mode), each predicted
+    (over ``network`` between nodes, as dry_run).
+    It prints nothing (a fake-CUDA shim it has to build first, it builds silently): its callers
+    say what they trace. A step that fails is not raised: its result holds ``error`` (and
+    ``where``). ``done(i, result)`` is called as each trace finishes, in order. Raises as
+    :func:`dry_run` does for bad input (the first config's) or a tracing process that dies;
+    DryRunFailed when a trace does not finish within :data:`TIMEOUT_S` of the one before it (the
+    process is killed)."""
     timeout_s = TIMEOUT_S  # read now: a test sets the module's
     spec = gpu_spec(gpu)
     if not cfgs:
         return []
-    request, shim = _request(cfgs[0], spec, nproc_per_node, nnodes, memory_gb, headroom, log)
+    request, shim = _request(cfgs[0], spec, nproc_per_node, nnodes, memory_gb, headroom, lambda s: None, network)
     for cfg in cfgs[1:]:
         split = batch_split_problems(cfg.train, request["world"])
         if split:
@@ -145,7 +159,7 @@ def dry_run_batch(cfgs: list[RunConfig], gpu: str | None = None, nproc_per_node:
                         result = read_json(answer)
                         _as_asked(result, request, spec)
                         if "error" not in result:
-                            result["prediction"] = predicted(result, cfgs[len(results)])
+                            result["prediction"] = predicted(result, cfgs[len(results)], network=network)
                         results.append(result)
                         if done is not None:
                             done(len(results) - 1, result)
@@ -164,11 +178,20 @@ def dry_run_batch(cfgs: list[RunConfig], gpu: str | None = None, nproc_per_node:
     return results
 
 
+def network_problem(network: str | None) -> str | None:
+    """Why ``--network`` is refused (one line naming the choices), or None: a name the link
+    table knows, or none given (the default)."""
+    if network is not None and hardware.find_link(network) is None:
+        return hardware.unknown_link_message("--network", network)
+    return None
+
+
 def _request(cfg: RunConfig, spec: hardware.DeviceSpec, nproc_per_node: int, nnodes: int, memory_gb: float,
-             headroom: float, log: Log) -> tuple[dict[str, Any], Path]:
+             headroom: float, log: Log, network: str | None = None) -> tuple[dict[str, Any], Path]:
     """The worker's request for ``cfg``'s step on ``spec`` (without its config's path), and the shim
-    it runs under; the flags and the batch split checked first, and this machine's torch."""
-    problems = []
+    it runs under; the flags (``network`` too, which only the prediction uses) and the batch split
+    checked first, and this machine's torch."""
+    problems = [p for p in (network_problem(network),) if p]
     if nproc_per_node < 1 or nnodes < 1:
         problems.append(f"--nproc-per-node {nproc_per_node} and --nnodes {nnodes} must both be >= 1")
     if not 0 < headroom <= 1:

@@ -10,8 +10,9 @@ from typing import Any
 
 from flopwise.config import RunConfig
 from flopwise.measure.sinks import human
-from flopwise.plan import hardware, steptime
-from flopwise.plan.flops import flops_per_token
+from flopwise.plan import accuracy, hardware, steptime
+from flopwise.plan.flops import flops_per_token, param_counts
+from flopwise.plan.render import network_text
 
 LABELS = {"matmul": "matmul", "attention": "attention", "memory": "memory-bound", "optimizer": "optimizer",
           "launch_host": "launch/host", "exposed_comm": "exposed comm"}
@@ -21,7 +22,9 @@ def predicted(result: dict[str, Any], cfg: RunConfig, link: str | None = None,
               network: str | None = None) -> dict[str, Any]:
     """The prediction for a dry run's ``result`` of ``cfg``: step time, tokens/s per GPU and in
     all, MFU and HFU against the GPU's dense peak, the breakdown by kind; or ``predicted: False``
-    with why (a GPU missing a constant, fp8, a trace without kernels)."""
+    with why (a GPU missing a constant, fp8, a trace without kernels). ``network`` is the link
+    between nodes (None: :data:`hardware.DEFAULT_NETWORK`); a step over several nodes names it
+    as ``between_nodes`` (:func:`hardware.network_facts`)."""
     spec_name = result["request"]["gpu"]["spec"]
     kernels = result.get("trace", {}).get("kernels")
     if result.get("precision", "").startswith("fp8"):
@@ -31,7 +34,10 @@ def predicted(result: dict[str, Any], cfg: RunConfig, link: str | None = None,
     r = result["request"]
     try:
         g = steptime.gpu(spec_name, link, network, per_node=r["nproc_per_node"])
-        out = steptime.predict(kernels, g, compiled=result.get("compile", "off") != "off")
+        compiled = result.get("compile", "off") != "off"
+        mode = cfg.train.compile_mode if compiled else "default"
+        cuda_graphs, not_modelled = steptime.compile_mode(mode)
+        out = steptime.predict(kernels, g, compiled=compiled, cuda_graphs=cuda_graphs)
     except steptime.Unpredictable as e:
         return {"predicted": False, "why": str(e)}
     peak = hardware.peak_tflops(spec_name, "bf16" if "bf16" in result["precision"] else result["precision"])
@@ -41,7 +47,15 @@ def predicted(result: dict[str, Any], cfg: RunConfig, link: str | None = None,
     out["mfu"] = model / (peak * 1e12) if peak else None
     out["hfu"] = hardware_flops / (peak * 1e12) if peak and hardware_flops else None
     out["link"], out["network"] = g.link_bytes_s / 1e9, g.network_bytes_s / 1e9
-    out["compiled"] = result.get("compile", "off") != "off"
+    if r.get("nnodes", 1) > 1:  # its collectives cross the network: which one it assumed, and whether by default
+        out["between_nodes"] = hardware.network_facts(network)
+    out["compiled"] = compiled
+    b = accuracy.band(g.arch, param_counts(cfg.model)["total"], int(kernels["world"]), int(r.get("nnodes", 1)))
+    if b is not None:  # the range the held-out evidence of this regime supports
+        out["band"] = {**b, "step_s": [out["step_s"] * b["low"], out["step_s"] * b["high"]]}
+    if compiled:  # which mode it priced, and what of it it could not
+        out["compile"] = {"how": result["compile"], "mode": mode, "cuda_graphs": cuda_graphs,
+                          "not_modelled": not_modelled}
     return out
 
 
@@ -52,7 +66,24 @@ def render(p: dict[str, Any]) -> list[str]:
     mfu = f"{100 * p['mfu']:.1f}%" if p.get("mfu") is not None else "n/a"
     hfu = f"{100 * p['hfu']:.1f}%" if p.get("hfu") is not None else "n/a"
     parts = " · ".join(f"{LABELS[k]} {1e3 * v:.2f} ms" for k, v in p["breakdown"].items() if v > 0)
+    nodes = p.get("between_nodes")
     return [f"  predicted  step {1e3 * p['step_s']:.1f} ms · {human(p['tokens_per_s_per_gpu'])} tokens/s per GPU, "
             f"{human(p['tokens_per_s'])} in all · MFU {mfu} · HFU {hfu} (predicted from the traced kernels on "
             f"{p['gpu']}; not measured)",
-            f"             predicted breakdown: {parts}"]
+            f"             predicted breakdown: {parts}",
+            *([_band_line(p["band"])] if p.get("band") else []),
+            *([_compile_line(p["compile"])] if p.get("compile") else []),
+            *([f"             predicted over the {network_text(nodes)}"] if nodes else [])]
+
+
+def _compile_line(c: dict[str, Any]) -> str:
+    """How the prediction took ``train.compile`` and its mode."""
+    graphs = ("CUDA graphs: the graphs' kernels launched without host time" if c["cuda_graphs"]
+              else "each graph's kernels launched from its generated code")
+    rest = f"; {c['not_modelled']}" if c["not_modelled"] else ""
+    return f"             predicted as compiled {c['how']}, mode {c['mode']} ({graphs}){rest}"
+
+
+def _band_line(b: dict[str, Any]) -> str:
+    low, high = b["step_s"]
+    return f"             likely a step of {1e3 * low:.1f}-{1e3 * high:.1f} ms ({accuracy.band_text(b)})"

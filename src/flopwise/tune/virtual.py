@@ -27,12 +27,13 @@ import copy
 import time
 from typing import Any, Callable
 
-from flopwise.config import RunConfig, batch_split_problems
+from flopwise.config import RunConfig, batch_split_problems, step_identity
 from flopwise.measure.sinks import human
-from flopwise.plan.budget import PlanInputs, tokens_time_cost
+from flopwise.plan import accuracy, hardware
+from flopwise.plan.budget import PlanError, PlanInputs, predicted_range, tokens_time_cost
 from flopwise.plan.flops import flops_per_token, param_counts
-from flopwise.plan.render import hours_text
-from flopwise.tune.dryrun import WRAPPERS, dry_run, dry_run_batch, gpu_spec
+from flopwise.plan.render import gpu_hours_range, gpu_hours_text, hours_range, hours_text, network_text
+from flopwise.tune.dryrun import WRAPPERS, dry_run, dry_run_batch, gpu_spec, network_problem
 
 Log = Callable[[str], None]
 MB, AC, COMPILE, LOSS, STRATEGY = ("train.micro_batch_size", "train.activation_checkpointing", "train.compile",
@@ -166,14 +167,17 @@ def budget(choice: dict[str, Any], cfg: RunConfig, world: int, tokens: int = 0, 
            price_per_gpu_hour: float = 0.0) -> dict[str, Any]:
     """The predicted wall time, GPU-hours and cost of the token budget (``tokens``, else what
     ``hours`` affords, else the config's) at the choice's predicted tokens/s, as flopwise plan
-    prices them (plan/budget.py): the prediction's exposed communication is already in its step."""
+    prices them (plan/budget.py): the prediction's exposed communication is already in its step.
+    With the prediction's error band, ``band``: the range of each predicted figure
+    (:func:`~flopwise.plan.budget.predicted_range`, as ``plan --trace``'s)."""
     p = choice["prediction"]
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
     inp = PlanInputs(gpus=world, tokens=tokens or (0 if hours else cfg.total_steps() * cfg.tokens_per_step),
                      hours=hours, price_per_gpu_hour=price_per_gpu_hour)
     out = tokens_time_cost(inp, fpt, param_counts(cfg.model)["active"], p["tokens_per_s"] * fpt, 1.0)
     keep = ("tokens", "hours", "hours_given", "gpu_hours", "price_per_gpu_hour", "cost")
-    return {k: out[k] for k in keep} | {"source": "--tokens" if tokens else "--hours" if hours else "the config"}
+    band = {"band": predicted_range(p["band"], out)} if p.get("band") else {}
+    return {k: out[k] for k in keep} | {"source": "--tokens" if tokens else "--hours" if hours else "the config"} | band
 
 
 # --------------------------------------------------------------------------- the traces
@@ -183,11 +187,16 @@ class _Tracer:
     and printing a line as each finishes."""
 
     def __init__(self, cfg: RunConfig, gpu: str | None, nproc_per_node: int, nnodes: int, memory_gb: float,
-                 headroom: float, log: Log):
+                 headroom: float, log: Log, network: str | None = None):
         self.cfg, self.log, self.done = cfg, log, 0
         self.args: dict[str, Any] = dict(gpu=gpu, nproc_per_node=nproc_per_node, nnodes=nnodes,
-                                         memory_gb=memory_gb, headroom=headroom)
+                                         memory_gb=memory_gb, headroom=headroom, network=network)
         spec = gpu_spec(gpu)
+        bad = network_problem(network)
+        if bad:  # before the first trace, as a bad --gpu
+            raise PlanError(bad)
+        # the network every candidate's prediction crosses between nodes (one node: none)
+        self.network = hardware.network_facts(network) if nnodes > 1 else None
         self.spec, self.world = spec, nproc_per_node * nnodes
         self.cap_gib = headroom * (memory_gb or spec.memory_gb)
 
@@ -206,7 +215,7 @@ class _Tracer:
             self.log(f"  trace {self.done}/~{total} done: {label(settings[i])}: {_brief(c)}")
 
         cfgs = [with_settings(self.cfg, s) for s in settings]
-        dry_run_batch(cfgs, log=lambda s: None, done=finished, **self.args)
+        dry_run_batch(cfgs, done=finished, **self.args)
         return out
 
 
@@ -225,16 +234,18 @@ def _brief(c: dict[str, Any]) -> str:
 def virtual_preflight(cfg: RunConfig, tracer_args: dict[str, Any], tokens: int = 0, hours: float = 0.0,
                       price_per_gpu_hour: float = 0.0, log: Log = print) -> dict[str, Any]:
     """The virtual preflight of ``cfg`` (the module docstring): ``tracer_args`` are
-    :func:`~flopwise.tune.dryrun.dry_run`'s ``gpu``, ``nproc_per_node``, ``nnodes``, ``memory_gb``
-    and ``headroom``. Returns ``{"candidates", "choice", "budget", ...}``; raises as dry_run does."""
+    :func:`~flopwise.tune.dryrun.dry_run`'s ``gpu``, ``nproc_per_node``, ``nnodes``, ``memory_gb``,
+    ``headroom`` and ``network`` (optional). Returns ``{"candidates", "choice", "budget", ...}``, and
+    over several nodes ``network`` (:func:`hardware.network_facts`); raises as dry_run does."""
     tr = _Tracer(cfg, log=log, **tracer_args)
     started = time.monotonic()
     params = param_counts(cfg.model)["total"]
     per = SECONDS_PER_TRACE[0] + SECONDS_PER_TRACE[1] * params / 1e9
     upper = len(sizes_of(cfg, tr.world)) + 2 * (len(CHECKPOINTING) + len(LOSSES) + len(COMPILES) + len(STRATEGIES))
-    log(f"virtual preflight on {tr.world} × {tr.spec.name}: up to ~{upper} traces on fake tensors (about {per:.0f} s "
-        f"each for {human(params)} parameters on this machine, roughly): first the configured settings with the "
-        "largest micro-batch that fits")
+    over = f" ({network_text(tr.network)})" if tr.network else ""
+    log(f"virtual preflight on {tr.world} × {tr.spec.name}{over}: up to ~{upper} traces on fake tensors (about "
+        f"{per:.0f} s each for {human(params)} parameters on this machine, roughly): first the configured settings "
+        "with the largest micro-batch that fits")
     first = tr.first()
     base = settings_of(first, cfg)
     fit = first["fit"]
@@ -252,9 +263,11 @@ def virtual_preflight(cfg: RunConfig, tracer_args: dict[str, Any], tokens: int =
     rows += _settings_rounds(tr, cfg, base, others, rows, fit["micro_batch"], total)
     choice = choose(rows, configured={k: v for k, v in base.items() if k != MB})
     return {"gpu": tr.spec.name, "world": tr.world, "cap_gib": tr.cap_gib, "traces": tr.done,
-            "seconds": round(time.monotonic() - started, 1), "configured": base, "largest_fit": fit["micro_batch"],
+            "seconds": round(time.monotonic() - started, 1), "of": step_identity(cfg), "configured": base,
+            "largest_fit": fit["micro_batch"],
             "candidates": rows, "choice": choice,
-            "budget": budget(choice, cfg, tr.world, tokens, hours, price_per_gpu_hour) if choice else None}
+            "budget": budget(choice, cfg, tr.world, tokens, hours, price_per_gpu_hour) if choice else None,
+            **({"network": tr.network} if tr.network else {})}
 
 
 def _settings_rounds(tr: _Tracer, cfg: RunConfig, base: dict[str, Any], others: list[dict[str, Any]],
@@ -281,6 +294,7 @@ def render(v: dict[str, Any], run_with: list[str]) -> list[str]:
     """The virtual preflight's table and choice; every line with a predicted figure says so."""
     lines = [f"flopwise preflight --dry-run --rank · {v['world']} × {v['gpu']} · {v['traces']} traces on fake "
              f"tensors in {v['seconds']:.0f} s: nothing ran on a GPU",
+             *([f"  every prediction below is over the {network_text(v['network'])}"] if v.get("network") else []),
              "  candidates, fastest predicted first (step time, tokens/s per GPU, MFU: predicted from the traced "
              "kernels; peak: traced)",
              f"  {'micro':>5} {'ckpt':>9} {'compile':>7} {'loss':>7} {'strategy':>8} {'traced peak':>12} "
@@ -317,12 +331,36 @@ def _choice_lines(v: dict[str, Any], run_with: list[str]) -> list[str]:
              f"predicted, {margin}; {c['why']}"]
     if c["tied"]:
         lines.append(f"             tied (predicted): {'; '.join(label(s) for s in c['tied'])}")
-    cost = f" · cost ${b['cost']:,.2f} at ${b['price_per_gpu_hour']:g}/GPU-hour" if b.get("cost") else ""
-    lines.append(f"  predicted time for {human(b['tokens'])} tokens ({b['source']}): {hours_text(b['hours'])} on "
-                 f"{v['world']} × {v['gpu']} · {b['gpu_hours']:,.1f} GPU-hours{cost} (predicted)")
+    lines += _budget_lines(b, v)
     overrides = [f"{k}={val}" for k, val in c["settings"].items() if k != STRATEGY or val != "single"]
     given = [a for a in run_with if a.split("=", 1)[0] not in SETTINGS]  # the choice's settings replace the user's
     lines.append(f"  run it with: flopwise train {' '.join(given + overrides)}")
     lines.append("  note: compile model and blocks trace to the same kernels unless the trace differs (the time model "
                  "fuses elementwise regions under either): a tie between them is a tie")
     return lines
+
+
+def _budget_lines(b: dict[str, Any], v: dict[str, Any]) -> list[str]:
+    """The budget's line -- the predicted time, GPU-hours and cost of the tokens, or under
+    ``--hours`` the predicted tokens it affords -- each with its likely range, and the range's source."""
+    r = b.get("band") or {}
+
+    def likely(key: str, text: Callable[[float, float], str]) -> str:
+        return f" (likely {text(*r[key])})" if r.get(key) else ""
+
+    gpus = f"{v['world']} × {v['gpu']}"
+    if b.get("hours_given"):
+        head = (f"  predicted tokens in {hours_text(b['hours'])} (--hours) on {gpus}: {human(b['tokens'])}"
+                f"{likely('tokens', lambda lo, hi: f'{human(lo)}-{human(hi)}')} · "
+                f"{gpu_hours_text(b['gpu_hours'])} GPU-hours")
+        # the GPU-hours and cost are the user's hours': only the tokens are predicted
+        cost = f" · cost ${b['cost']:,.2f} at ${b['price_per_gpu_hour']:g}/GPU-hour" if b.get("cost") else ""
+        cost += " (the tokens predicted)"
+    else:
+        head = (f"  predicted time for {human(b['tokens'])} tokens ({b['source']}): {hours_text(b['hours'])}"
+                f"{likely('hours', hours_range)} on {gpus} · {gpu_hours_text(b['gpu_hours'])} GPU-hours"
+                f"{likely('gpu_hours', gpu_hours_range)}")
+        cost = (f" · cost ${b['cost']:,.2f}{likely('cost', lambda lo, hi: f'${lo:,.2f}-${hi:,.2f}')} at "
+                f"${b['price_per_gpu_hour']:g}/GPU-hour" if b.get("cost") else "") + " (predicted)"
+    return [f"{head}{cost}",
+            *([f"             likely ranges: {accuracy.band_text(r)}"] if r else [])]
