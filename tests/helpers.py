@@ -213,3 +213,24 @@ def run_flopwise(args: list[str], cwd=None, env: dict[str, str] | None = None, t
             raise subprocess.TimeoutExpired(["flopwise", *argv], timeout)
         read = [Path(p).read_text(errors="replace") if Path(p).exists() else "" for p in (out, err)]
     return subprocess.CompletedProcess(["flopwise", *argv], proc.exitcode, read[0], read[1])
+
+
+def cli_once():
+    """``run(*argv)``: ``flopwise ARGV``'s (status, stdout, stderr), run in this process once per
+    argv (a module's tests read the same output without running the command again)."""
+    import contextlib
+    import io
+
+    from flopwise.cli import main
+
+    done: dict[tuple[str, ...], tuple[int, str, str]] = {}
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        if argv not in done:
+            out, err = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = main(list(argv))
+            done[argv] = (code, out.getvalue(), err.getvalue())
+        return done[argv]
+
+    return run

@@ -10,12 +10,11 @@ four-node step and the planned step are each traced once, through the fake-CUDA 
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import io
 import json
 
 import pytest
+from helpers import cli_once
 
 from flopwise.plan import hardware
 from flopwise.plan.render import network_text
@@ -49,19 +48,7 @@ def traces(fake_cuda_shim):
 @pytest.fixture(scope="module")
 def ran(traces):
     """``ran(*argv)``: ``flopwise ARGV``'s (status, stdout, stderr), run once per argv."""
-    from flopwise.cli import main
-
-    done: dict[tuple[str, ...], tuple[int, str, str]] = {}
-
-    def run(*argv: str) -> tuple[int, str, str]:
-        if argv not in done:
-            out, err = io.StringIO(), io.StringIO()
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                code = main(list(argv))
-            done[argv] = (code, out.getvalue(), err.getvalue())
-        return done[argv]
-
-    return run
+    return cli_once()
 
 
 def as_json(result: tuple[int, str, str]) -> dict:
