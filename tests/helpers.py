@@ -234,3 +234,45 @@ def cli_once():
         return done[argv]
 
     return run
+
+
+def traces_kept():
+    """A generator for a module fixture: while it is suspended, the dry run traces each
+    configuration once (``tune.dryrun._trace`` by config and request) and hands later asks a copy;
+    it yields ``{"kept": {(config, request): result}, "traced": [config of every ask]}``."""
+    import copy
+    import json
+
+    import pytest
+
+    from flopwise.tune import dryrun
+
+    real, kept, traced = dryrun._trace, {}, []
+
+    def once(cfg, request, *args, **kwargs):
+        traced.append(copy.deepcopy(cfg))
+        key = (cfg.to_yaml(), json.dumps(request, sort_keys=True))
+        if key not in kept:
+            kept[key] = real(cfg, request, *args, **kwargs)
+        return copy.deepcopy(kept[key])
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(dryrun, "_trace", once)
+    yield {"kept": kept, "traced": traced}
+    patch.undo()
+
+
+def token_batch(seed: int = 0, B: int = 2, T: int = 16, V: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded (inputs, targets) pair of random token ids, (B, T) each."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
+
+
+def grads_of(model, loss_fn=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss and every parameter's gradient of one forward and backward on :func:`token_batch`."""
+    from flopwise.train.train_step import forward_backward
+
+    x, y = token_batch()
+    model.zero_grad(set_to_none=True)
+    loss = forward_backward(model, [(x, y)], x.numel(), loss_fn=loss_fn)
+    return loss, {n: p.grad.clone() for n, p in model.named_parameters()}

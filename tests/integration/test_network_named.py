@@ -10,11 +10,10 @@ four-node step and the planned step are each traced once, through the fake-CUDA 
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
-from helpers import cli_once
+from helpers import cli_once, traces_kept
 
 from flopwise.plan import hardware
 from flopwise.plan.render import network_text
@@ -31,18 +30,7 @@ DEFAULT_TEXT = network_text(hardware.network_facts(None) or {})
 def traces(fake_cuda_shim):
     """Each configuration's trace, kept by (config, request): a dry run of one already traced
     predicts from a copy of its result (with the network it is given)."""
-    real, kept = dryrun._trace, {}
-
-    def once(cfg, request, *args, **kwargs):
-        key = (cfg.to_yaml(), json.dumps(request, sort_keys=True))
-        if key not in kept:
-            kept[key] = real(cfg, request, *args, **kwargs)
-        return copy.deepcopy(kept[key])
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(dryrun, "_trace", once)
-    yield kept
-    patch.undo()
+    yield from (t["kept"] for t in traces_kept())
 
 
 @pytest.fixture(scope="module")

@@ -15,11 +15,10 @@ asked step are traced once each, through the fake-CUDA shim.
 
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
-from helpers import cli_once
+from helpers import cli_once, traces_kept
 
 from flopwise.plan import accuracy
 from flopwise.tune import dryrun, virtual
@@ -38,19 +37,7 @@ RANK = ("preflight", "--dry-run", "--rank", "--preset", "tiny", "--gpu", "h100",
 def traces(fake_cuda_shim):
     """``{"kept": {(config, request): result}, "traced": [config, ...]}``: each configuration's trace,
     kept (a dry run of one already traced gets a copy), and the config of every dry run asked for."""
-    real, kept, traced = dryrun._trace, {}, []
-
-    def once(cfg, request, *args, **kwargs):
-        traced.append(copy.deepcopy(cfg))
-        key = (cfg.to_yaml(), json.dumps(request, sort_keys=True))
-        if key not in kept:
-            kept[key] = real(cfg, request, *args, **kwargs)
-        return copy.deepcopy(kept[key])
-
-    patch = pytest.MonkeyPatch()
-    patch.setattr(dryrun, "_trace", once)
-    yield {"kept": kept, "traced": traced}
-    patch.undo()
+    yield from traces_kept()
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,14 @@ from collections import Counter
 
 import pytest
 import torch
+from helpers import grads_of
+from helpers import token_batch as batch
 from torch.utils.checkpoint import CheckpointPolicy
 
 from flopwise.config import ConfigError, ModelConfig, build_config
 from flopwise.model import build_model
 from flopwise.model.loss import make_loss_fn
 from flopwise.plan.flops import checkpointed_blocks, recomputed_fraction
-from flopwise.train.train_step import forward_backward
 from flopwise.train.wrap import (
     SELECTIVE_OP_SAVED,
     apply_activation_checkpointing,
@@ -40,16 +41,6 @@ GPT2 = dict(arch="gpt2", norm="layernorm", norm_bias=True, mlp="gelu", pos_emb="
             attn_bias=True, mlp_bias=True)
 
 
-def batch(B=2, T=16, V=128):
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
-
-
-def grads_of(model, loss_fn=None):
-    x, y = batch()
-    model.zero_grad(set_to_none=True)
-    loss = forward_backward(model, [(x, y)], x.numel(), loss_fn=loss_fn)
-    return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 # --------------------------------------------------------------------------- the policy

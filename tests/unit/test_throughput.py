@@ -4,13 +4,14 @@ profiler-off, precision modes."""
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import grads_of
+from helpers import token_batch as batch
 
 from flopwise.config import ConfigError, ModelConfig, build_config
 from flopwise.measure.timing import StepTimer, _NoProfiler, format_breakdown, profiler
 from flopwise.model import build_model
 from flopwise.model.loss import make_loss_fn
 from flopwise.train import precision as precision_mod
-from flopwise.train.train_step import forward_backward
 from flopwise.train.wrap import RecompileWatch, apply_activation_checkpointing, explain, wrap_model
 
 
@@ -19,16 +20,6 @@ def tiny(**kw) -> ModelConfig:
                                  max_seq_len=32), **kw})
 
 
-def batch(seed=0, B=2, T=16, V=128):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, V, (B, T), generator=g), torch.randint(0, V, (B, T), generator=g)
-
-
-def grads_of(model, loss_fn=None):
-    x, y = batch()
-    model.zero_grad(set_to_none=True)
-    loss = forward_backward(model, [(x, y)], x.numel(), loss_fn=loss_fn)
-    return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("mode,k,expected", [("full", 2, [0, 1, 2, 3]), ("selective", 2, [0, 2]),
