@@ -317,9 +317,11 @@ LLAMA3_8B = (32, 4096, 32, 8, 14336, 128256)
 H100_96GB_WHY = ("torchtitan's page: 'Each H100 GPU is equipped with 96GB HBM2e with 2.4 TB/sec peak memory "
                  "bandwidth', 'We used the default 500W power limit'")
 PER_OP_SAC = ("activation checkpointing: the source ran torchtitan's per-op selective AC (every block: the outputs "
-              "of SDPA and of every 2nd matmul kept, the rest recomputed); flopwise's per-layer selective "
-              "(every 2nd block recomputed whole, its attention included) is predicted until "
-              "train.activation_checkpointing=selective_op exists")
+              "of SDPA and of every 2nd matmul kept; wk, wo, w3 recomputed); flopwise's per-layer selective "
+              "(every 2nd block recomputed, up to its last saved input: q/k/v, o, w1, w3) is predicted -- the "
+              "same recomputed matmul FLOPs -- rather than its selective_op, which keeps every matmul output "
+              "(its fused projections have no 'every 2nd mm'). Per-layer also recomputes attention's forward "
+              "in half the blocks (about 3% of the predicted step): on this count the prediction errs slow")
 
 
 def titan_h100(cid: str, source: str, gpus: int, micro: int, compiled: bool, measured: float, how: str,
