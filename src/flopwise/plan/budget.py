@@ -12,12 +12,17 @@ Formulas
   what simple "training time calculators" use -- with ``--flops-formula 6n`` their
   result is reproduced exactly)
 - effective FLOP/s     = dense peak per GPU x GPUs x MFU
-- compute time         = total FLOPs / effective FLOP/s
-- wall time            = compute time / scaling efficiency (compute plus the communication a
-  step does not overlap; the efficiency of the scaling row at the GPUs planned, 1 on one GPU);
+- wall time            = total FLOPs / effective FLOP/s. An MFU, assumed (``--mfu``) or
+  measured (flopwise's meter, every public figure), is end-to-end: the step's communication,
+  data waits and host time are inside it. So the wall time is not charged for communication
+  again, and the simple calculator, 6 x params x tokens / (peak x GPUs x MFU), is reproduced
+  exactly at any GPU count (``--flops-formula 6n``). The communication estimate below is shown
+  as the part of that time it would take, and flagged when it alone exceeds what the MFU leaves
+  (a step at MFU m spends at most (1 - m) of its time off the peak). Only a predicted step
+  (``plan --trace``) is built from compute plus exposed communication: its MFU is the result.
   GPU-hours = wall time x GPUs, cost = GPU-hours x price
-- tokens affordable    = hours x 3600 x effective FLOP/s x scaling efficiency / FLOPs per token
-  (``--hours`` is the wall time: compute and communication together fit it)
+- tokens affordable    = hours x 3600 x effective FLOP/s / FLOPs per token (``--hours`` is the
+  wall time the user gave, either way)
 - epochs               = tokens / the train split's tokens of the config's ``data.path``
 - Chinchilla tokens    = 20 x parameters (Hoffmann et al. 2022; total parameters, or
   active parameters for a mixture of experts)
@@ -60,6 +65,32 @@ GIB = 1024**3
 
 class PlanError(FlopwiseError, ValueError):
     """Bad planner input; the message names the flag."""
+
+
+# The largest figure each numeric flag takes: far past any real run (the largest public
+# pretraining runs are ~1e14 tokens on ~1e5 GPUs), yet small enough that every product the plan
+# forms of them -- FLOPs, hours, GPU-hours, cost -- stays a finite float (JSON has no Infinity).
+BOUNDS = {"--tokens": ("tokens", 1e16), "--hours": ("hours", 1e7), "--price-per-gpu-hour": ("price_per_gpu_hour", 1e6),
+          "--params": ("params", 1e15), "--gpus": ("gpus", 1e6), "--peak-tflops": ("peak_tflops", 1e6),
+          "--memory-gb": ("memory_gb", 1e6), "--seq-len": ("seq_len", 1e7), "--micro-batch": ("micro_batch", 1e7),
+          "--grad-accum": ("grad_accum", 1e7), "--target-batch-tokens": ("target_batch_tokens", 1e12)}
+
+
+def _out_of_bounds(inp: "PlanInputs") -> list[str]:
+    """A problem for each numeric flag that is not a finite number or is above its bound."""
+    problems = []
+    for flag, (name, bound) in BOUNDS.items():
+        value = getattr(inp, name)
+        if not math.isfinite(value):
+            problems.append(f"{flag} must be a finite number, got {value:g}")
+        elif value > bound:
+            problems.append(f"{flag} {value:g} is above the largest the plan takes ({bound:g})")
+    # the divisors of the time: a rate too small to be one would overflow it
+    if 0 < inp.peak_tflops < 1e-3:
+        problems.append(f"--peak-tflops {inp.peak_tflops:g} is below the smallest the plan takes (0.001)")
+    if 0 < inp.mfu < 1e-4:
+        problems.append(f"--mfu {inp.mfu:g} is below the smallest the plan takes (0.0001)")
+    return problems
 
 
 @dataclass
@@ -118,7 +149,7 @@ class PlanInputs:
 
     def validate(self) -> None:
         """Raise :class:`PlanError` listing every bad flag."""
-        p: list[str] = []
+        p: list[str] = _out_of_bounds(self)
         if self.model is None and self.params <= 0:
             p.append("give a model (--model / --config) or a size (--params N)")
         if self.model is not None and self.params > 0:
@@ -336,7 +367,6 @@ def scaling(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: int, mi
         if settings.strategy == "zero1":  # each rank broadcasts the parameters it stepped
             comm_bytes += share * n_params * param_bytes
         comm_s = comm_bytes / (link.gb_per_s * 1e9)
-    compute_s = tokens_per_step * fpt / (gpus * peak * (inp.mfu_compute or inp.mfu)) if peak else None
     out: dict[str, Any] = {
         "gpus": gpus,
         "link": link.name,
@@ -344,14 +374,27 @@ def scaling(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: int, mi
         "grad_bytes": grad_bytes,
         "comm_bytes_per_gpu": comm_bytes,
         "comm_s": comm_s,
-        "compute_s": compute_s,
-        "comm_share": None,
-        "efficiency": None,
     }
-    if compute_s:
-        out["comm_share"] = comm_s / (compute_s + comm_s)
-        out["efficiency"] = compute_s / (compute_s + comm_s)
+    out.update(_step_parts(inp, tokens_per_step * fpt / gpus / peak if peak else None, comm_s))
     return out
+
+
+def _step_parts(inp: PlanInputs, peak_s: float | None, comm_s: float) -> dict[str, Any]:
+    """A scaling row's step: ``peak_s`` is its FLOPs' time at the peak. Under an MFU (assumed or
+    measured: end-to-end) the step is ``peak_s / mfu`` and the communication estimate is a part of
+    it: its ``comm_share``, and ``comm_exceeds_mfu`` when it alone takes more than the (1 - MFU)
+    of the step that is not at the peak. Under a predicted step (``mfu_compute``), the compute is
+    ``peak_s / mfu_compute`` and the communication is added to it (``efficiency``)."""
+    if peak_s is None:
+        return {"compute_s": None, "step_s": None, "comm_share": None, "efficiency": None, "comm_exceeds_mfu": None}
+    if inp.mfu_compute:
+        compute_s = peak_s / inp.mfu_compute
+        step_s = compute_s + comm_s
+        return {"compute_s": compute_s, "step_s": step_s, "comm_share": comm_s / step_s,
+                "efficiency": compute_s / step_s, "comm_exceeds_mfu": None}
+    step_s = peak_s / inp.mfu
+    return {"compute_s": None, "step_s": step_s, "comm_share": comm_s / step_s, "efficiency": None,
+            "comm_exceeds_mfu": comm_s > step_s * (1 - inp.mfu)}
 
 
 def smallest_inner_steps(inner_s: float, outer_s: float, compute_s: float | None, share: float) -> int | None:
@@ -403,7 +446,9 @@ def diloco_comm(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: int
     gather_s = gather_bytes / (group_link.gb_per_s * 1e9)
     outer_s = cross_s + gather_s
     comm_s = inner["comm_s"] + outer_s / h
-    compute_s = inner["compute_s"]
+    # the step DiLoCo's communication share is held against (--comm-share): the inner step's time
+    # at the MFU, or its predicted compute; the outer sync is priced on top of it, as H is chosen by it
+    compute_s = inner["compute_s"] or inner["step_s"]
     share = _share(comm_s, compute_s)
     return {
         "gpus": gpus,
@@ -445,6 +490,8 @@ def diloco_summary(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: 
                                  n_params, micro_batches_per_step, gpus) for s in ("ddp", "fsdp2")}
     out["target_comm_share"] = inp.comm_share
     inner_s, compute_s = out["inner"]["comm_s"], out["compute_s"]
+    for row in out["compare"].values():  # shares of the same step as DiLoCo's, communication added to it
+        row["comm_share"] = _share(row["comm_s"], compute_s)
     h = smallest_inner_steps(inner_s, out["outer_s"], compute_s, inp.comm_share)
     out["min_inner_steps"] = h
     out["none_reason"] = None
@@ -601,18 +648,16 @@ def _build_plan(inp: PlanInputs) -> dict[str, Any]:
     effective = peak * inp.gpus * inp.mfu if peak else None
     plan.update(gpu=_gpu(inp), gpus=inp.gpus, mfu=inp.mfu, effective_flops=effective,
                 mfu_source=inp.mfu_predicted_by or "assumed")
-    # the batch sets the communication per step, which --hours must leave room for: so the
-    # memory, batch and scaling are planned first, and the tokens with their efficiency
+    # the batch sets the communication per step: the memory, batch and scaling are planned first
     memory_and_batch = _memory_and_batch(inp, n_params)
     batch = memory_and_batch["batch"]
     scaling_plan = _scaling_plan(inp, fpt, batch, n_params)
-    # a predicted MFU is of the whole step, its exposed communication included: not counted twice
-    efficiency = 1.0 if inp.mfu_predicted_by else scaling_plan["at_gpus"]["efficiency"]
-    plan.update(tokens_time_cost(inp, fpt, active, effective, efficiency))
+    # an MFU, assumed or predicted, is of the whole step, its communication included: not counted twice
+    plan.update(tokens_time_cost(inp, fpt, active, effective))
+    plan["comm_hours"] = comm_hours(plan["tokens"], batch["tokens_per_step"], scaling_plan["at_gpus"])
     if inp.mfu_predicted_by and inp.mfu_band:
         plan["band"] = predicted_range(inp.mfu_band, plan)
     plan.update(memory_and_batch)
-    scaling_plan["hours_with_comm"] = plan["hours"] if plan["compute_hours"] is not None else None
     if plan["tokens"] is not None:
         batch["steps"] = math.ceil(plan["tokens"] / batch["tokens_per_step"])
     plan["scaling"] = scaling_plan
@@ -658,31 +703,26 @@ def _gpu(inp: PlanInputs) -> dict[str, Any]:
     }
 
 
-def tokens_time_cost(inp: PlanInputs, fpt: float, active_params: int, effective: float | None,
-                      efficiency: float | None) -> dict[str, Any]:
-    """Tokens (``--tokens``, Chinchilla's, or what ``--hours`` affords), the time they take at
-    ``effective`` FLOP/s -- ``compute_hours``, and ``hours``, the wall time: compute plus the
-    communication a step does not overlap, compute ÷ ``efficiency`` (the scaling row at the GPUs
-    planned) --, the GPU-hours and cost of that wall time, and where the tokens stand against
-    Chinchilla. ``--hours`` is the wall time: its tokens are sized so that compute and
-    communication together fit it."""
+def tokens_time_cost(inp: PlanInputs, fpt: float, active_params: int, effective: float | None) -> dict[str, Any]:
+    """Tokens (``--tokens``, Chinchilla's, or what ``--hours`` affords), ``hours``, the wall time
+    they take at ``effective`` FLOP/s (:func:`wall_hours`: the MFU in it is end-to-end), the
+    GPU-hours and cost of that wall time, and where the tokens stand against Chinchilla.
+    ``--hours`` is the wall time the user gave: its tokens are what that time affords."""
     chinchilla_tokens = CHINCHILLA_TOKENS_PER_PARAM * active_params
-    eff = efficiency or 1.0  # None only without a peak, where there is no compute time either
     tokens: float | None = None
     if inp.tokens:
         tokens = float(inp.tokens)
     elif inp.chinchilla:
         tokens = chinchilla_tokens
     elif inp.hours and effective:
-        tokens = inp.hours * 3600 * effective * eff / fpt
-    compute_hours = tokens * fpt / effective / 3600 if tokens is not None and effective else None
-    hours = inp.hours if inp.hours else (compute_hours / eff if compute_hours is not None else None)
+        tokens = inp.hours * 3600 * effective / fpt
+    compute_hours = wall_hours(tokens * fpt, effective) if tokens is not None and effective else None
+    hours = inp.hours if inp.hours else compute_hours
     total_flops = tokens * fpt if tokens is not None else None
     return dict(
         tokens=tokens,
         total_flops=total_flops,
         compute_hours=compute_hours,
-        comm_hours=hours - compute_hours if hours is not None and compute_hours is not None else None,
         hours=hours,
         hours_given=bool(inp.hours),  # the wall time is the user's --hours, not a result
         gpu_hours=hours * inp.gpus if hours is not None else None,
@@ -694,6 +734,21 @@ def tokens_time_cost(inp: PlanInputs, fpt: float, active_params: int, effective:
         verdict=(chinchilla_verdict(tokens, active_params, total_flops)
                  if tokens is not None and total_flops is not None else None),
     )
+
+
+def wall_hours(total_flops: float, effective_flops: float) -> float:
+    """The wall time, in hours, of ``total_flops`` at ``effective_flops`` = peak x GPUs x MFU: the
+    one definition of a planned time. The MFU is end-to-end (communication, data and host time are
+    in it), so nothing is added to this. The report's planned tokens/s is its inverse."""
+    return total_flops / effective_flops / 3600
+
+
+def comm_hours(tokens: float | None, tokens_per_step: int, at_gpus: dict[str, Any]) -> float | None:
+    """The part of the wall time the communication estimate of the scaling row at the GPUs planned
+    would take (its per-step time x the steps), None on one GPU or without tokens."""
+    if tokens is None or at_gpus["gpus"] <= 1 or not at_gpus["comm_s"]:
+        return None
+    return math.ceil(tokens / tokens_per_step) * at_gpus["comm_s"] / 3600
 
 
 def predicted_range(band: dict[str, Any], figures: dict[str, Any]) -> dict[str, Any]:
@@ -800,7 +855,7 @@ def _memory_variants(inp: PlanInputs, m: ModelConfig, micro_batch: int) -> dict[
 def _scaling_plan(inp: PlanInputs, fpt: float, batch: dict[str, Any], n_params: int) -> dict[str, Any]:
     """``plan["scaling"]``: the strategy's :func:`scaling` rows at 1, 2, 4, 8 (16 past 8) and
     the GPUs asked, each with the same global batch (under diloco: one group below its size,
-    whole groups above). :func:`_build_plan` adds ``hours_with_comm``, the plan's wall time."""
+    whole groups above)."""
     counts_to = sorted({1, 2, 4, 8, inp.gpus} | ({16} if inp.gpus > 8 else set()))
     if inp.memory.strategy == "diloco":
         counts_to = [n for n in counts_to if n <= inp.diloco_group or n % inp.diloco_group == 0]
@@ -809,7 +864,9 @@ def _scaling_plan(inp: PlanInputs, fpt: float, batch: dict[str, Any], n_params: 
     mine = next(r for r in rows if r["gpus"] == inp.gpus)
     out: dict[str, Any] = {
         "strategy": inp.memory.strategy,
-        "assumption": "communication not overlapped with compute (a lower bound on efficiency)",
+        "assumption": ("communication not overlapped with compute"
+                       if inp.mfu_compute or inp.memory.strategy == "diloco" else
+                       "the step at the MFU, which holds its communication; comm: an unoverlapped estimate"),
         "at_gpus": mine,
         "table": rows,
     }

@@ -317,15 +317,23 @@ def _timed(v: PlanView) -> bool:
 
 
 def _communicating(v: PlanView) -> bool:
-    """Whether the wall time has a compute and a communication part (several GPUs, a peak)."""
-    return (v.plan["gpus"] > 1 and v.plan.get("compute_hours") is not None
-            and v.plan.get("mfu_source", "assumed") == "assumed")  # a predicted MFU holds the communication
+    """Whether the plan estimates communication inside its wall time (several GPUs, a peak, tokens)."""
+    return v.plan["gpus"] > 1 and v.plan.get("comm_hours") is not None
+
+
+def _comm_how(v: PlanView) -> str:
+    """The communication row's reading: a part of the wall time (the MFU holds it), and a flag when
+    the estimate alone exceeds what the MFU leaves off the peak."""
+    at, mfu = v.scaling["at_gpus"], v.plan["mfu"]
+    how = f"of the wall time: {100 * at['comm_share']:.1f}% of each step if not overlapped (see Scaling)"
+    if at.get("comm_exceeds_mfu"):
+        how += (f" -- MORE than the {100 * (1 - mfu):.0f}% of the step an MFU of {100 * mfu:.0f}% leaves off the peak: "
+                "expect a lower MFU at this GPU count")
+    return how
 
 
 def _wall_how(v: PlanView) -> str:
     budget = "--hours; " if v.plan.get("hours_given") else ""
-    if _communicating(v):
-        return f"{budget}compute + communication"
     if v.plan.get("compute_hours") is None:
         return "--hours (no peak: no tokens)"
     if _predicted(v) and budget:
@@ -383,10 +391,8 @@ TIME_AND_COST = Section("Time and cost", (
         lambda v: f"{v.gpu['peak_tflops']:g}T × {v.plan['gpus']} GPUs × {v.plan['mfu']:g}"
                   + (" (predicted MFU)" if v.plan.get("mfu_source", "assumed") != "assumed" else ""),
         when=_plan("effective_flops")),
-    Row("compute time", _plan("compute_hours"), hours_text, "total FLOPs ÷ effective FLOP/s", when=_communicating),
-    Row("communication", _plan("comm_hours"), hours_text,
-        lambda v: f"not overlapped: scaling efficiency {100 * v.scaling['at_gpus']['efficiency']:.1f}% "
-                  "(see Scaling)", when=_communicating),
+    Row("communication", _plan("comm_hours"), hours_text, _comm_how,
+        when=lambda v: _communicating(v) and not _predicted(v)),
     Row("network", lambda v: v.scaling["network"]["name"],
         how=lambda v: network_text(v.scaling["network"]).split(", ", 1)[1], when=_across_nodes),
     Row("wall time", _plan("hours"), hours_text, lambda v: _wall_how(v) + v.not_runnable, when=_timed),
@@ -543,8 +549,22 @@ def _scaling_title(v: PlanView) -> str:
 
 def _scaling_rows(v: PlanView) -> Iterator[tuple[str, ...]]:
     for r in v.scaling["table"]:
-        yield (str(r["gpus"]), r["link"], _ms(r["comm_s"]), "n/a" if r["compute_s"] is None else _ms(r["compute_s"]),
-               _pct(r["comm_share"]), _pct(r["efficiency"]))
+        step = r["compute_s"] if r.get("compute_s") is not None else r.get("step_s")
+        last = (_pct(r["efficiency"]) if r.get("efficiency") is not None else
+                "n/a" if r.get("comm_exceeds_mfu") is None else "NO" if r["comm_exceeds_mfu"] else "yes")
+        yield (str(r["gpus"]), r["link"], _ms(r["comm_s"]), "n/a" if step is None else _ms(step),
+               _pct(r["comm_share"]), last)
+
+
+def _compute_apart(v: PlanView) -> bool:
+    """Under an assumed MFU the step is at the MFU and holds its communication (the table's last
+    column: whether the estimate fits what the MFU leaves off the peak). Under a predicted step, or
+    DiLoCo's (its outer sync priced on top), the compute is apart and the last column is the
+    scaling efficiency."""
+    return v.scaling["at_gpus"].get("efficiency") is not None
+
+
+_SCALING_HEAD = (Column("GPUs", ">5"), Column("link", "<9"), Column("comm/step", ">10"))
 
 
 def _traffic(v: PlanView) -> str:
@@ -568,8 +588,10 @@ def _network_line(v: PlanView) -> str:
 
 
 SCALING = Section(_scaling_title, (
-    Table((Column("GPUs", ">5"), Column("link", "<9"), Column("comm/step", ">10"), Column("compute/step", ">13"),
-           Column("comm share", ">11"), Column("efficiency", ">11")), _scaling_rows),
+    Table((*_SCALING_HEAD, Column("compute/step", ">13"), Column("comm share", ">11"), Column("efficiency", ">11")),
+          _scaling_rows, when=_compute_apart),
+    Table((*_SCALING_HEAD, Column("step at MFU", ">13"), Column("comm share", ">11"), Column("fits MFU", ">11")),
+          _scaling_rows, when=lambda v: not _compute_apart(v)),
     Line(_traffic),
     Line(_network_line, when=lambda v: "network" in v.scaling),
 ))

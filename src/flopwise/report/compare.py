@@ -6,7 +6,8 @@ it says how far the planner can be trusted before the next run is paid for.
 
 What is read (every value optional; a missing one shows as n/a):
 - plan.json: ``effective_flops / flops_per_token`` (tokens/s), ``mfu`` (assumed),
-  ``memory_gb``, ``hours`` (for ``tokens`` planned).
+  ``memory_gb``; the wall time of the tokens trained at that same rate
+  (:func:`flopwise.plan.budget.wall_hours`), else ``hours`` (for ``tokens`` planned).
 - preflight.json, at any depth (the shallowest match wins): ``tok_per_s`` |
   ``tokens_per_s``, ``mfu``, ``memory_gb`` | ``peak_memory_gb`` | ``mem_peak_gb``,
   ``wall_time_s`` | ``hours`` (for ``tokens``, if given, else for the run's tokens).
@@ -37,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from flopwise.plan.budget import wall_hours
 from flopwise.report.runs import Run, flatten, number
 
 
@@ -240,8 +242,10 @@ def compare(run: Run) -> list[Comparison]:
     plan_tps = eff / fpt if eff and fpt else None
     plan_mfu = number(plan.get("mfu"))
     plan_hours = number(plan.get("hours"))
-    plan_time = _scaled_time(3600 * plan_hours if plan_hours else None,
-                             number(plan.get("tokens")), tokens)
+    # the plan's wall time for the tokens trained, by the plan's one definition (an end-to-end MFU):
+    # the same rate as its tokens/s above, at any GPU count
+    plan_time = (3600 * wall_hours(tokens * fpt, eff) if eff and fpt and tokens else
+                 _scaled_time(3600 * plan_hours if plan_hours else None, number(plan.get("tokens")), tokens))
 
     pre_tps = find(pre, "tok_per_s", "tokens_per_s", "tokens_per_second")
     pre_mfu = find(pre, "mfu")

@@ -174,7 +174,7 @@ def budget(choice: dict[str, Any], cfg: RunConfig, world: int, tokens: int = 0, 
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
     inp = PlanInputs(gpus=world, tokens=tokens or (0 if hours else cfg.total_steps() * cfg.tokens_per_step),
                      hours=hours, price_per_gpu_hour=price_per_gpu_hour)
-    out = tokens_time_cost(inp, fpt, param_counts(cfg.model)["active"], p["tokens_per_s"] * fpt, 1.0)
+    out = tokens_time_cost(inp, fpt, param_counts(cfg.model)["active"], p["tokens_per_s"] * fpt)
     keep = ("tokens", "hours", "hours_given", "gpu_hours", "price_per_gpu_hour", "cost")
     band = {"band": predicted_range(p["band"], out)} if p.get("band") else {}
     return {k: out[k] for k in keep} | {"source": "--tokens" if tokens else "--hours" if hours else "the config"} | band

@@ -1,0 +1,105 @@
+"""Issue 54 (the fourth list), `flopwise plan`: item 4, an MFU counted once.
+
+An MFU, assumed (``--mfu``) or measured (flopwise's meter, every public figure), is end-to-end:
+the step's communication is inside it. Before, ``plan --mfu M --gpus N`` added the estimated
+communication on top of it, so the simple calculator -- 6 x params x tokens / (peak x GPUs x MFU),
+which docs/planning.md says is reproduced exactly -- was not at more than one GPU. Now the wall
+time is FLOPs / (peak x GPUs x MFU) at any GPU count, the communication estimate is shown as the
+part of that time it would take, and it is flagged when it alone exceeds what the MFU leaves off
+the peak. The report's planned wall time is the same rate as its planned tokens/s."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from flopwise.plan.budget import PlanInputs, build_plan
+from flopwise.plan.memory import MemorySettings
+from flopwise.report.compare import compare
+from flopwise.report.runs import Run
+
+H100_PEAK = 989.4e12
+
+
+@pytest.mark.parametrize("gpus", [1, 8, 64])
+def test_the_simple_calculator_is_reproduced_exactly_at_any_gpu_count(cli, gpus):
+    proc = cli("plan", "--params", "8e9", "--gpu", "h100", "--gpus", str(gpus), "--mfu", "0.4",
+               "--tokens", "1T", "--flops-formula", "6n", "--price-per-gpu-hour", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    seconds = 6 * 8e9 * 1e12 / (H100_PEAK * gpus * 0.4)
+    assert plan["hours"] == pytest.approx(seconds / 3600, rel=1e-9), (plan["hours"], seconds / 3600)  # JSON keeps 10 figures
+    assert plan["gpu_hours"] == pytest.approx(gpus * seconds / 3600, rel=1e-9)
+    assert plan["cost"] == pytest.approx(2 * gpus * seconds / 3600, rel=1e-9)
+    # the text says the same wall time, and prices only it
+    text = cli("plan", "--params", "8e9", "--gpu", "h100", "--gpus", str(gpus), "--mfu", "0.4",
+               "--tokens", "1T", "--flops-formula", "6n").stdout
+    wall = next(line for line in text.splitlines() if line.strip().startswith("wall time"))
+    assert "total FLOPs ÷ effective FLOP/s" in wall and "communication" not in wall, wall
+
+
+def test_the_communication_is_a_part_of_the_wall_time_and_flagged_past_what_the_mfu_leaves(cli):
+    # 64 GPUs of smollm-135m across 8 nodes on 25 Gbit/s Ethernet at an assumed 60% MFU: the
+    # ring all-reduce alone takes more than the 40% of each step an MFU of 60% leaves off the peak.
+    args = ["plan", "--model", "smollm-135m", "--gpu", "h100", "--gpus", "64", "--mfu", "0.6",
+            "--network", "25gbit", "--tokens", "3B"]
+    plan = json.loads(cli(*args, "--json").stdout)
+    at = plan["scaling"]["at_gpus"]
+    assert at["comm_exceeds_mfu"] is True and at["comm_s"] > 0.4 * at["step_s"], at
+    assert plan["hours"] == pytest.approx(3e9 * plan["flops_per_token"] / plan["effective_flops"] / 3600)
+    out = cli(*args).stdout
+    comm = next(line for line in out.splitlines() if line.strip().startswith("communication"))
+    assert "of the wall time" in comm and "MORE than the 40% of the step an MFU of 60% leaves" in comm, comm
+    assert "fits MFU" in out and " NO" in out
+    # on one node's NVLink the same step's communication fits: said, not flagged
+    fits = json.loads(cli("plan", "--model", "smollm-135m", "--gpu", "h100", "--gpus", "8", "--mfu", "0.6",
+                          "--tokens", "3B", "--json").stdout)
+    assert fits["scaling"]["at_gpus"]["comm_exceeds_mfu"] is False
+    assert 0 < fits["comm_hours"] < fits["hours"]
+
+
+def test_the_reports_planned_time_is_the_rate_of_its_planned_tokens_per_s(tmp_path: Path):
+    plan = build_plan(PlanInputs(params=int(1e9), flops_formula="6n", gpu=None, peak_tflops=989.4, gpus=8,
+                                 mfu=0.4, tokens=int(2e9), memory=MemorySettings(strategy="ddp", n_gpus=8)))
+    trained = 1e9  # a run that trained half the planned tokens
+    run = Run(path=tmp_path, rows=[{"step": 10, "tokens": trained, "elapsed_s": 100.0, "loss": 3.0}], events=[],
+              plan=json.loads(json.dumps(plan)), record={"result": {"tokens": trained, "tok_per_s": 1e5}})
+    rows = {c.key: c for c in compare(run)}
+    tps, wall = rows["tok_per_s"].plan, rows["wall_time_s"].plan
+    assert tps == pytest.approx(plan["effective_flops"] / plan["flops_per_token"])
+    assert wall == pytest.approx(trained / tps), (wall, trained / tps)
+
+
+# ---------------------------------------------------------------- item 8: bounded inputs, finite outputs
+def _strict_json(text: str):
+    """JSON as the standard has it: Infinity and NaN are not JSON, and fail here."""
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--hours", "1e300"], "--hours 1e+300 is above the largest the plan takes"),
+    (["--tokens", "1e308"], "--tokens 1e+308 is above the largest the plan takes"),
+    (["--tokens", "1e9", "--price-per-gpu-hour", "1e308"], "--price-per-gpu-hour 1e+308 is above"),
+    (["--tokens", "1e9", "--peak-tflops", "1e-300"], "--peak-tflops 1e-300 is below the smallest"),
+    (["--tokens", "1e9", "--mfu", "1e-300"], "--mfu 1e-300 is below the smallest"),
+])
+def test_out_of_range_figures_are_refused_in_one_line(cli, flags, says):
+    proc = cli("plan", "--model", "smollm-135m", "--gpu", "h100", *flags, "--json")
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_the_largest_inputs_give_finite_figures_and_strict_json(cli):
+    args = ["plan", "--params", "1e15", "--flops-formula", "6n", "--peak-tflops", "0.001", "--mfu", "0.0001",
+            "--gpus", "1000000", "--tokens", "1e16", "--price-per-gpu-hour", "1e6"]
+    proc = cli(*args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = _strict_json(proc.stdout)
+    assert plan["hours"] == pytest.approx(6e31 / (1e9 * 1e6 * 1e-4) / 3600) and plan["cost"] > 1e28
+    text = cli(*args).stdout
+    assert not re.search(r"\b(inf|nan)\b", text, re.IGNORECASE), text
