@@ -272,8 +272,8 @@ def chinchilla_verdict(tokens: float, params: float, total_flops: float) -> str:
         return (f"{head}; this compute would be spent best on a ~{_h(n_opt)}-parameter model trained on "
                 f"{_h(CHINCHILLA_TOKENS_PER_PARAM * n_opt)} tokens")
     if name.endswith("over-trained"):
-        return (f"{head}; more loss per FLOP than a ~{_h(n_opt)}-parameter model would reach, but a smaller, "
-                "cheaper model to serve" + (" (SmolLM-style over-training)" if ratio > 2 else ""))
+        return (f"{head}; a ~{_h(n_opt)}-parameter model would reach a lower loss with this compute, but this "
+                "smaller model is cheaper to serve" + (" (SmolLM-style over-training)" if ratio > 2 else ""))
     return head
 
 
