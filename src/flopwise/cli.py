@@ -542,11 +542,44 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+# Flags of a measured preflight that a dry run (which times nothing) has no use for, with their defaults
+_MEASURING_FLAGS = (("--warmup", "warmup", 2), ("--steps", "steps", 3), ("--budget-minutes", "budget_minutes", 15.0),
+                    ("--isolation", "isolation", "auto"), ("--ladder-fp8", "ladder_fp8", False))
+# Flags only --dry-run --rank uses among the dry runs: it prices the run's budget and writes virtual.json
+_RANK_FLAGS = (("--tokens", "tokens", 0), ("--hours", "hours", 0.0), ("--price-per-gpu-hour", "price_per_gpu_hour", 0.0),
+               ("--out", "out", ""))
+
+
+def _preflight_flag_problems(args: argparse.Namespace) -> list[str]:
+    """Flags given that the preflight asked for would drop without a word: each named with the
+    mode that uses it. A --out that is a file, not a directory, is named too (before any work)."""
+    from pathlib import Path
+
+    problems = []
+    if args.out and Path(args.out).exists() and not Path(args.out).is_dir():
+        problems.append(f"--out {args.out}: a file is there; give a directory (preflight writes its files into it)")
+    if not args.dry_run:
+        return problems
+    measuring = [flag for flag, name, default in _MEASURING_FLAGS if getattr(args, name) != default]
+    if measuring:
+        problems.append(f"{', '.join(measuring)}: a dry run times nothing (these set how a measured preflight "
+                        "times its trials): drop --dry-run to measure on the device at hand, or drop them")
+    rank_only = [flag for flag, name, default in _RANK_FLAGS if getattr(args, name) != default]
+    if rank_only and not args.rank:
+        problems.append(f"{', '.join(rank_only)}: a plain dry run prices no budget and writes no file; add --rank "
+                        "(it ranks the candidates, prices the budget and writes virtual.json to --out), or price "
+                        "the planned step with flopwise plan --trace --tokens/--hours")
+    return problems
+
+
 def cmd_preflight(args: argparse.Namespace) -> int:
     cfg = build_config(preset=args.preset, config_file=args.config, overrides=args.overrides,
                        read_hf_config=_read_hf_config)
     _print_notes("preflight", cfg.notes)
     _one_process_only("preflight")
+    problems = _preflight_flag_problems(args)
+    if problems:
+        raise ConfigError(problems)
     if args.dry_run:
         return _dry_run(cfg, args)
     if args.gpu is not None or args.nnodes != 1 or args.network is not None or args.json or args.rank:
