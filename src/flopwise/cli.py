@@ -546,8 +546,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 _MEASURING_FLAGS = (("--warmup", "warmup", 2), ("--steps", "steps", 3), ("--budget-minutes", "budget_minutes", 15.0),
                     ("--isolation", "isolation", "auto"), ("--ladder-fp8", "ladder_fp8", False))
 # Flags only --dry-run --rank uses among the dry runs: it prices the run's budget and writes virtual.json
-_RANK_FLAGS = (("--tokens", "tokens", 0), ("--hours", "hours", 0.0), ("--price-per-gpu-hour", "price_per_gpu_hour", 0.0),
-               ("--out", "out", ""))
+_RANK_FLAGS = (("--tokens", "tokens", 0), ("--hours", "hours", 0.0),
+               ("--price-per-gpu-hour", "price_per_gpu_hour", 0.0), ("--out", "out", ""))
 
 
 def _preflight_flag_problems(args: argparse.Namespace) -> list[str]:

@@ -31,7 +31,7 @@ def test_the_simple_calculator_is_reproduced_exactly_at_any_gpu_count(cli, gpus)
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     seconds = 6 * 8e9 * 1e12 / (H100_PEAK * gpus * 0.4)
-    assert plan["hours"] == pytest.approx(seconds / 3600, rel=1e-9), (plan["hours"], seconds / 3600)  # JSON keeps 10 figures
+    assert plan["hours"] == pytest.approx(seconds / 3600, rel=1e-9), (plan["hours"], seconds / 3600)
     assert plan["gpu_hours"] == pytest.approx(gpus * seconds / 3600, rel=1e-9)
     assert plan["cost"] == pytest.approx(2 * gpus * seconds / 3600, rel=1e-9)
     # the text says the same wall time, and prices only it

@@ -34,3 +34,32 @@ def test_out_that_is_a_file_is_refused_and_left_as_it_was(cli, tmp_path, mode):
     assert f"--out {target}: a file is there; give a directory" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and "FileExistsError" not in proc.stderr
     assert target.read_text() == '{"mine": true}\n'
+
+
+# ---------------------------------------------------------------- item 10: the command that runs the choice
+def test_the_rank_choice_at_several_ranks_is_run_by_torchrun_with_its_rendezvous(cli, tmp_path):
+    """Pasted on the rented node, "flopwise train ..." trained one rank with N times the
+    accumulation. At 2 nodes x 2 GPUs the line now starts torchrun with the node count and the
+    rendezvous, and says to run it on each node."""
+    proc = cli("preflight", "--dry-run", "--rank", "--preset", "tiny", "--gpu", "h100", "--nproc-per-node", "2",
+               "--nnodes", "2", "train.seq_len=128", "train.micro_batch_size=4", "train.global_batch_size=16",
+               "model.n_layers=1", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    i = next(i for i, line in enumerate(lines) if "run it with:" in line)
+    run = lines[i].split("run it with: ", 1)[1]
+    assert run.startswith("torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 "
+                          "--rdzv-id JOB -m flopwise train --preset tiny "), run
+    assert "on each of the 2 nodes" in lines[i + 1]
+    # every word of it is one torchrun accepts, or flopwise train's own
+    from torch.distributed.run import get_args_parser
+    words = run.split()
+    known = get_args_parser().parse_args(words[1:words.index("-m")] + ["x"])
+    assert (known.nnodes, known.nproc_per_node, known.rdzv_endpoint) == ("2", "2", "HEAD:29500")
+
+
+def test_launch_command_by_ranks():
+    from flopwise.tune.choice import launch_command
+    assert launch_command(1) == "flopwise train"
+    assert launch_command(8) == "torchrun --nproc-per-node 8 -m flopwise train"
+    assert launch_command(8, 4).startswith("torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d")

@@ -76,7 +76,7 @@ from flopwise.train.checkpoint import save_checkpoint
 from flopwise.train.defaults import device_peak, resolve_speed
 from flopwise.train.precision import cpu_native_bf16, resolve
 from flopwise.train.trainer import train
-from flopwise.tune.choice import Trial, choose, label, median_spread, rate, short, tied
+from flopwise.tune.choice import Trial, choose, label, launch_command, median_spread, rate, short, tied
 from flopwise.tune.choice import search as search_sizes
 from flopwise.tune.explain import explain_run
 from flopwise.tune.ladder import climb, planned_gb, with_settings
@@ -672,7 +672,7 @@ def _write(out: Path, report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, 
     write_file(out / "preflight.yaml", yaml.safe_dump({"preset": cfg.preset, **data}, sort_keys=False),
                "tuned configuration")
     world = (report.get("ladder") or {}).get("world", 1)
-    launch = f"torchrun --nproc-per-node {world} -m flopwise train" if world > 1 else "flopwise train"
+    launch = launch_command(world)
     log(f"preflight: wrote {out / 'preflight.json'} and {out / 'preflight.yaml'} "
         f"({launch} --config {shlex.quote(str(out / 'preflight.yaml'))})")
 

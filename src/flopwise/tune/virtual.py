@@ -24,6 +24,7 @@ on) is within headroom x the GPU's memory; one that does not is listed, never ra
 from __future__ import annotations
 
 import copy
+import shlex
 import time
 from typing import Any, Callable
 
@@ -33,6 +34,7 @@ from flopwise.plan import accuracy, hardware
 from flopwise.plan.budget import PlanError, PlanInputs, predicted_range, tokens_time_cost
 from flopwise.plan.flops import flops_per_token, param_counts
 from flopwise.plan.render import gpu_hours_range, gpu_hours_text, hours_range, hours_text, network_text
+from flopwise.tune.choice import launch_command
 from flopwise.tune.dryrun import WRAPPERS, dry_run, dry_run_batch, gpu_spec, network_problem
 
 Log = Callable[[str], None]
@@ -262,7 +264,8 @@ def virtual_preflight(cfg: RunConfig, tracer_args: dict[str, Any], tokens: int =
     rows += tr.batch([base | {MB: b} for b in sizes], total)
     rows += _settings_rounds(tr, cfg, base, others, rows, fit["micro_batch"], total)
     choice = choose(rows, configured={k: v for k, v in base.items() if k != MB})
-    return {"gpu": tr.spec.name, "world": tr.world, "cap_gib": tr.cap_gib, "traces": tr.done,
+    return {"gpu": tr.spec.name, "world": tr.world, "nproc_per_node": tr.args["nproc_per_node"],
+            "nnodes": tr.args["nnodes"], "cap_gib": tr.cap_gib, "traces": tr.done,
             "seconds": round(time.monotonic() - started, 1), "of": step_identity(cfg), "configured": base,
             "largest_fit": fit["micro_batch"],
             "candidates": rows, "choice": choice,
@@ -334,7 +337,12 @@ def _choice_lines(v: dict[str, Any], run_with: list[str]) -> list[str]:
     lines += _budget_lines(b, v)
     overrides = [f"{k}={val}" for k, val in c["settings"].items() if k != STRATEGY or val != "single"]
     given = [a for a in run_with if a.split("=", 1)[0] not in SETTINGS]  # the choice's settings replace the user's
-    lines.append(f"  run it with: flopwise train {' '.join(given + overrides)}")
+    launch = launch_command(v.get("nproc_per_node") or v.get("world", 1), v.get("nnodes") or 1)
+    words = [a if a.startswith("--") else shlex.quote(a) for a in given + overrides]  # "--preset X": as given
+    lines.append(f"  run it with: {launch} {' '.join(words)}")
+    if (v.get("nnodes") or 1) > 1:
+        lines.append(f"               on each of the {v['nnodes']} nodes at once; HEAD: the first node's address, "
+                     "JOB: any id the nodes share (docs/distributed.md)")
     lines.append("  note: compile model and blocks trace to the same kernels unless the trace differs (the time model "
                  "fuses elementwise regions under either): a tie between them is a tie")
     return lines
