@@ -9,7 +9,9 @@ norm) become slash-separated names (``eval/arc_easy/acc``). Non-numeric values a
 for explicitly whose package is missing is refused with the install command
 (:mod:`flopwise.deps`; ``flopwise train`` checks before it creates the run directory), and W&B
 online without an API key where wandb looks for one is refused there too
-(:func:`wandb_login_problem`), not wandb's traceback after the run directory was made.
+(:func:`wandb_login_problem`), not wandb's traceback after the run directory was made; so is a
+W&B server that does not accept a connection (:func:`wandb_server_problem`), which wandb itself
+would wait on for minutes before its ``CommError``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import contextlib
 import math
 import netrc
 import os
+import socket
 import threading
 import uuid
 from collections.abc import Mapping
@@ -170,9 +173,37 @@ def _settings_has_key(env: Mapping[str, str]) -> bool:
     return bool(parser.get("default", "api_key", fallback=""))
 
 
+# How long the check before the run directory waits for W&B's server to accept a connection. wandb's
+# own init waits ~90 s and more before its CommError; a server that does not answer a TCP connect in
+# this long is not one a run should wait on. FLOPWISE_WANDB_CONNECT_TIMEOUT overrides it (seconds).
+WANDB_CONNECT_TIMEOUT_S = 10.0
+
+
+def wandb_server_problem(tracking, environ: Mapping[str, str] | None = None) -> str:
+    """Why W&B online cannot reach its server, or "": a TCP connection to the host and port of
+    ``WANDB_BASE_URL`` (default wandb's own) within the timeout. Not a login: the key was checked
+    by :func:`wandb_login_problem`; this finds the server that is down, a wrong URL, no network."""
+    env = os.environ if environ is None else environ
+    if not tracking.wandb or tracking.wandb_mode != "online":
+        return ""
+    url = env.get("WANDB_BASE_URL") or WANDB_BASE_URL
+    server = urlsplit(url)
+    port = server.port or (443 if server.scheme == "https" else 80)
+    timeout = float(env.get("FLOPWISE_WANDB_CONNECT_TIMEOUT") or WANDB_CONNECT_TIMEOUT_S)
+    try:
+        with socket.create_connection((server.hostname or "", port), timeout=timeout):
+            return ""
+    except OSError as e:
+        why = "no answer in {:g} s".format(timeout) if isinstance(e, TimeoutError) else (e.strerror or str(e))
+        return (f"tracking.wandb_mode=online: the W&B server {url} cannot be reached ({why}): check "
+                "WANDB_BASE_URL and the network, or set tracking.wandb_mode=offline to log locally for a "
+                "later `wandb sync`")
+
+
 def check_wandb_login(tracking) -> None:
-    """Raise :class:`WandbLoginError` when W&B online has no key (:func:`wandb_login_problem`)."""
-    problem = wandb_login_problem(tracking)
+    """Raise :class:`WandbLoginError` when W&B online has no key (:func:`wandb_login_problem`) or
+    its server cannot be reached (:func:`wandb_server_problem`): before the run directory is made."""
+    problem = wandb_login_problem(tracking) or wandb_server_problem(tracking)
     if problem:
         raise WandbLoginError(problem)
 
@@ -181,8 +212,14 @@ class WandbSink:
     def __init__(self, run_dir: Path, project: str, mode: str, config: dict[str, Any], name: str):
         import wandb  # lazy: wandb is optional
 
-        self.run = wandb.init(project=project, mode=mode, dir=str(run_dir), config=config, name=name,
-                              resume="allow", id=_wandb_id(run_dir))
+        try:
+            self.run = wandb.init(project=project, mode=mode, dir=str(run_dir), config=config, name=name,
+                                  resume="allow", id=_wandb_id(run_dir))
+        except Exception as e:  # noqa: BLE001 - wandb's CommError, UsageError, ...: one line, not its traceback
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            raise WandbLoginError(f"W&B did not start ({type(e).__name__}: {first}): set "
+                                  "tracking.wandb_mode=offline to log locally for a later `wandb sync`, or "
+                                  "tracking.wandb=false") from None
 
     def write(self, row: dict[str, Any]) -> None:
         flat = flatten(row)
@@ -210,18 +247,31 @@ class Tracker:
         require(missing_for_tracking(tracking))  # before metrics.jsonl is opened (train checks earlier still)
         check_wandb_login(tracking)
         self.sinks: list[Any] = [JsonlSink(run_dir / "metrics.jsonl")]
+        self.notes: list[str] = []  # a sink left out, and why: said once in the run's header
         tb = tracking.tensorboard
         if tb == "true" or (tb == "auto" and available("tensorboard")):
-            try:
-                self.sinks.append(TensorBoardSink(run_dir / "tensorboard"))
-            except ImportError as e:
-                if tb == "true":
-                    raise ValueError(f"tracking.tensorboard=true but TensorBoard is not usable: {e} "
-                                     "(pip install 'flopwise[track]')") from None
+            self._open_tensorboard(run_dir / "tensorboard", tb)
         if tracking.wandb:
             self.sinks.append(WandbSink(run_dir, tracking.wandb_project, tracking.wandb_mode, config, name))
         labels = {"JsonlSink": "metrics.jsonl", "TensorBoardSink": "TensorBoard", "WandbSink": "W&B"}
         self.names = [labels[type(s).__name__] for s in self.sinks]
+
+    def _open_tensorboard(self, path: Path, tb: str) -> None:
+        """TensorBoard's sink at ``path``. What keeps it from being a directory of event files (a
+        file or a dangling link there, the package unusable) is a :class:`ConfigError` under
+        ``tracking.tensorboard=true`` and, under ``auto``, a note: the run goes on without it."""
+        problem = tensorboard_dir_problem(path)
+        if problem is None:
+            try:
+                self.sinks.append(TensorBoardSink(path))
+                return
+            except ImportError as e:
+                problem = f"TensorBoard is not usable: {e} (pip install 'flopwise[track]')"
+            except OSError as e:
+                problem = f"{path}: {e.strerror or e}"
+        if tb == "true":
+            raise ConfigError([f"tracking.tensorboard=true: {problem}"])
+        self.notes.append(f"TensorBoard off: {problem} (tracking.tensorboard=auto; metrics.jsonl has every row)")
 
     def write(self, row: dict[str, Any]) -> None:
         for s in self.sinks:
@@ -230,6 +280,16 @@ class Tracker:
     def close(self) -> None:
         for s in self.sinks:
             s.close()
+
+
+def tensorboard_dir_problem(path: Path) -> str | None:
+    """Why TensorBoard's event files cannot go in ``path`` (RUN/tensorboard), or None: something
+    other than a directory is there, or a link to nothing."""
+    if path.is_symlink() and not path.exists():
+        return f"{path} is a link to {os.readlink(path)}, which does not exist: remove the link or make its target"
+    if path.exists() and not path.is_dir():
+        return f"{path} is a file, not a directory: move it away (TensorBoard writes its event files there)"
+    return None
 
 
 class NullTracker:

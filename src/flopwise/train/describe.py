@@ -78,6 +78,7 @@ def describe(run: Run) -> list[str]:
     commit = code["git_commit"]
     lines.append(f"  tracking   {', '.join(run.sink.names)} · run.json (code {commit[:12] if commit else 'not in git'}"
                  f"{' + uncommitted changes' if code['git_dirty'] else ''})")
+    lines += [f"  tracking   {note}" for note in getattr(run.sink, "notes", [])]
     sched = {"cosine": f"cosine to {o.lr * o.min_lr_ratio:g}", "constant": "constant",
              "wsd": f"WSD: {o.decay_shape} decay over the last {o.decay_fraction:.0%} to {o.lr * o.min_lr_ratio:g}"
                     + (", fitted to train.max_hours" if o.fit_to_time else "")}[o.schedule]
