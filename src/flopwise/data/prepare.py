@@ -121,6 +121,9 @@ VAL_FLOOR_MAX_SHARE = 0.1
 # Validation's share is met a whole document at a time, so it is overshot by up to a document;
 # past this many times the share asked, the summary says what validation got and why.
 OVER_SHARE = 2
+# A fixed request (--val-tokens, --test-tokens) that holds out more than this share of the source's
+# tokens is said in the summary: the docs' --val-tokens 200K is 15% of a 1.4M-token corpus.
+LARGE_HOLDOUT = 0.10
 
 
 class PrepareError(FlopwiseError, ValueError):
@@ -750,6 +753,21 @@ def val_share_note(opts: PrepareOptions, floor: ValFloor | None, splits: dict) -
             "--val-tokens N holds out exactly N tokens")
 
 
+def holdout_note(opts: PrepareOptions, splits: dict) -> str:
+    """The summary's line where a fixed request (--val-tokens, --test-tokens) took more than
+    ``LARGE_HOLDOUT`` of the tokens: the share, and that training gets the rest; "" elsewhere."""
+    total = sum(info["tokens"] for info in splits.values())
+    asked = [(name, flag) for name, flag in (("val", "--val-tokens"), ("test", "--test-tokens"))
+             if getattr(opts, f"{name}_tokens") and name in splits]
+    held = [(name, flag, splits[name]["tokens"]) for name, flag in asked]
+    large = [(name, flag, n) for name, flag, n in held if total and n > LARGE_HOLDOUT * total]
+    if not large:
+        return ""
+    parts = ", ".join(f"{flag} {n:,} is {n / total:.0%}" for _, flag, n in large)
+    return (f"held out: {parts} of the source's {total:,} tokens (more than {LARGE_HOLDOUT:.0%}): training "
+            f"gets {splits.get('train', {}).get('tokens', 0):,}; a smaller request leaves it more")
+
+
 def _existing_meta(out: Path) -> dict:
     """The ``meta.json`` of the data directory at ``out``; {} when there is none readable."""
     try:
@@ -982,8 +1000,9 @@ def _log_splits(opts: PrepareOptions, out: Path, splits: dict[str, dict], floor:
             f"{len(info['shards'])} shard(s)")
     # where validation holds far more than its share, that is the line (a floor's "at most" would be wrong)
     note = val_share_note(opts, floor, splits) or val_floor_note(opts, floor, splits)
-    if note:
-        log(f"  {note}")
+    for line in [note, holdout_note(opts, splits)]:
+        if line:
+            log(f"  {line}")
     log(f"  {out} ({total * dtype.itemsize / 1e6:,.1f} MB of {dtype.name} tokens)")
 
 

@@ -16,7 +16,10 @@ SOURCE is one of:
   NUL byte: a ``README.md``, a man page, a ``LICENSE``), and skipped otherwise; both are
   named in :attr:`Source.notes` (a binary file, text in another encoding, a pipe, each
   with the reason) and the skipped ones counted in the description, whose size is said to
-  be compressed where it is. Symbolic
+  be compressed where it is. A file with a known text extension is checked by content too
+  (:func:`_kind_of`): UTF-16 (a byte-order mark), a NUL byte or an archive's magic bytes skip
+  it with the reason; gzip/zstd magic under an uncompressed name is read as such; a head that
+  is not UTF-8 is read with replacement characters, and said. Symbolic
   links are followed only while they stay inside the folder (each folder read once);
   a link that leads out of it -- to ``/etc/hostname``, to ``..``, to a home directory --
   is not read unless ``follow_links=True`` (``--follow-links``): a folder of text is
@@ -285,13 +288,15 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
-def _list_folder(root: Path, follow_links: bool = False) -> tuple[list[_File], list[str], list[str], list[str]]:
+def _list_folder(root: Path, follow_links: bool = False) -> tuple[list[_File], list[str], list[tuple[str, str]],
+                                                                   list[str]]:
     """Files to read under ``root`` (sorted by relative path), the ones skipped ("rel (why)"),
-    the ones read as plain text by their content (no known extension), and the links not
-    followed because they lead out of ``root`` ("rel -> target")."""
+    the ones read by their content ((rel, why): as plain text with no known extension, why
+    :data:`BY_CONTENT`, or in the compression their bytes say), and the links not followed
+    because they lead out of ``root`` ("rel -> target")."""
     files: list[_File] = []
     skipped: list[str] = []
-    by_content: list[str] = []
+    by_content: list[tuple[str, str]] = []
     outside: list[str] = []
     seen_dirs: set[str] = set()
     root_real = os.path.realpath(root)
@@ -325,24 +330,59 @@ def _list_folder(root: Path, follow_links: bool = False) -> tuple[list[_File], l
                 skipped.append(f"{rel} ({why})")
                 continue
             if why:
-                by_content.append(rel)
+                by_content.append((rel, why))
             files.append(_stat_file(p, rel, kind))
     files.sort(key=lambda f: f.rel)
     return files, sorted(skipped), sorted(by_content), sorted(outside)
 
 
+# Compressed data by its first bytes: gzip and zstd are read (as their extensions are); the
+# others are named, for the user to decompress first.
+_MAGIC = ((b"\x1f\x8b", "gz"), (b"\x28\xb5\x2f\xfd", "zst"), (b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"),
+          (b"PK\x03\x04", "zip"), (b"7z\xbc\xaf\x27\x1c", "7z"))
+BY_CONTENT = "by content"  # _kind_of's word for plain text read although its name is not a known one
+
+
+def _magic(path: Path) -> str:
+    """The compression a file's first bytes say it is in ("" for none known)."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+    except OSError:
+        return ""
+    return next((name for magic, name in _MAGIC if head.startswith(magic)), "")
+
+
 def _kind_of(path: Path) -> tuple[tuple[str, str] | None, str]:
-    """(format, compression) of a file and, when it is not taken by its extension, why: the
-    reason it is skipped (kind None), or "by content" for plain text with another name (a
-    ``.md`` file, a man page, a ``LICENSE``)."""
+    """(format, compression) of a file and, when it is not taken by its name alone, why: the
+    reason it is skipped (kind None), :data:`BY_CONTENT` for plain text with another name (a
+    ``.md`` file, a man page, a ``LICENSE``), or the compression its bytes say it is in although
+    its name does not. Every text file is checked by content, whatever its name: its first
+    ``SNIFF_BYTES`` (decompressed) must be UTF-8 without a NUL byte, so UTF-16 text, random
+    bytes or an archive named ``.txt`` are skipped with the reason, not tokenized."""
     if not path.is_file():
         return None, "not a regular file"
     kind = _classify(path.name)
-    if kind is not None:
-        return kind, ""
-    comp = next((c for ext, c in _COMPRESSIONS.items() if path.name.lower().endswith(ext)), "")
+    if kind is not None and kind[0] == "parquet":
+        return kind, ""  # a binary format: its schema is read when the source is opened
+    fmt, comp = kind if kind is not None else ("txt", next(
+        (c for ext, c in _COMPRESSIONS.items() if path.name.lower().endswith(ext)), ""))
+    magic, found = _magic(path), ""
+    if magic and magic != comp:
+        if comp or magic not in ("gz", "zst"):
+            named = f"named .{path.name.rsplit('.', 1)[-1]}" if "." in path.name else "with no extension"
+            return None, (f"{magic}-compressed data {named}: decompress it first"
+                          if magic not in ("gz", "zst") else f"{magic}-compressed data {named}")
+        comp, found = magic, f"{'gzip' if magic == 'gz' else 'zstd'}-compressed by its first bytes"
     why = _not_text(path, comp)
-    return (None, why) if why else (("txt", comp), "by content")
+    if kind is not None and why.startswith("cannot"):
+        return (fmt, comp), found  # named as text: the source's check names the file that does not decompress
+    if kind is not None and why.startswith("not UTF-8"):  # named as text: read, its undecodable bytes replaced
+        replaced = f"{why}: its undecodable bytes become U+FFFD"
+        return (fmt, comp), f"{found}; {replaced}" if found else replaced
+    if why:
+        return None, why
+    return (fmt, comp), found or ("" if kind is not None else BY_CONTENT)
 
 
 def _not_text(path: Path, comp: str) -> str:
@@ -354,6 +394,8 @@ def _not_text(path: Path, comp: str) -> str:
     except Exception as e:  # noqa: BLE001 - any failure to read or decompress is the reason it is skipped
         how = f"cannot decompress ({'gzip' if comp == 'gz' else 'zstd'})" if comp else "cannot read"
         return f"{how}: {getattr(e, 'strerror', None) or e}"
+    if head.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
+        return "UTF-16 text (its byte-order mark): convert it to UTF-8 first (iconv -f UTF-16 -t UTF-8)"
     if b"\0" in head:
         return f"binary: a NUL byte in its first {_human_bytes(SNIFF_BYTES)}"
     try:
@@ -380,7 +422,7 @@ def _size_text(files: list[_File]) -> str:
 
 def _open_files(spec: str, path: Path, text_field: str, follow_links: bool = False) -> Source:
     skipped: list[str] = []
-    by_content: list[str] = []
+    by_content: list[tuple[str, str]] = []
     outside: list[str] = []
     if path.is_dir():
         files, skipped, by_content, outside = _list_folder(path, follow_links)
@@ -393,6 +435,7 @@ def _open_files(spec: str, path: Path, text_field: str, follow_links: bool = Fal
         kind, why = _kind_of(path)
         if kind is None:
             raise SourceError(f"SOURCE file {path}: not text ({why}); accepted: {ACCEPTED}, or plain UTF-8 text")
+        by_content = [(path.name, why)] if why else []
         files = [_stat_file(path, path.name, kind)]
 
     for f in files:  # before any expensive work: every file opens and its first record is good
@@ -406,9 +449,14 @@ def _open_files(spec: str, path: Path, text_field: str, follow_links: bool = Fal
         extra.append(f"{len(outside)} link(s) leading out of the folder not followed")
     desc += f"; {'; '.join(extra)})" if extra else ")"
     notes = []
-    if by_content:
-        notes.append(f"reading {len(by_content)} file(s) without a known extension as plain text by their "
-                     f"content (UTF-8, no NUL byte): {_shown_names(by_content)}")
+    plain = [rel for rel, why in by_content if why == BY_CONTENT]
+    packed = [f"{rel} ({why})" for rel, why in by_content if why != BY_CONTENT]
+    if plain:
+        notes.append(f"reading {len(plain)} file(s) without a known extension as plain text by their "
+                     f"content (UTF-8, no NUL byte): {_shown_names(plain)}")
+    if packed:
+        notes.append(f"reading {len(packed)} file(s) as their content shows, not as their name says: "
+                     f"{_shown_names(packed)}")
     if skipped:
         notes.append(f"skipping {len(skipped)} file(s) that are not text: {_shown_names(skipped)}")
     if outside:
