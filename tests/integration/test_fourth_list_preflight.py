@@ -3,6 +3,8 @@ writes. Each through the real command, before any trace or trial runs."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 
@@ -63,3 +65,20 @@ def test_launch_command_by_ranks():
     assert launch_command(1) == "flopwise train"
     assert launch_command(8) == "torchrun --nproc-per-node 8 -m flopwise train"
     assert launch_command(8, 4).startswith("torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d")
+
+
+# ---------------------------------------------------------------- item 16: passes over the data
+def test_a_preflight_predicting_many_passes_over_the_data_says_so(cli, tiny_overrides, small_builtin, tmp_path):
+    """plan warned past 4 epochs; a preflight whose predicted tokens were 5 passes did not. The
+    same line now, from the same function (plan/budget.py's epochs_warning)."""
+    from flopwise.data.datadir import DataDir
+
+    _, data = small_builtin
+    train_tokens = DataDir(data).num_tokens("train")
+    proc = cli("preflight", *tiny_overrides, "--tokens", str(5 * train_tokens), "--budget-minutes", "0.5",
+               "--out", str(tmp_path / "pf"), "train.compile=off", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warning = next((line for line in proc.stdout.splitlines() if "preflight: warning:" in line), "")
+    assert "5.00 epochs of the" in warning and "past about 4 epochs" in warning, proc.stdout[-3000:]
+    report = json.loads((tmp_path / "pf" / "preflight.json").read_text())
+    assert "5.00 epochs" in report["prediction"]["epochs_warning"]

@@ -787,14 +787,20 @@ def _data_epochs(inp: PlanInputs, tokens: float | None) -> dict[str, Any]:
     if not inp.data_path:
         return {"data": None}
     epochs = tokens / inp.data_train_tokens if tokens is not None and inp.data_train_tokens > 0 else None
-    warning = None
-    if epochs is not None and epochs > EPOCHS_WARN:
-        warning = (f"{_h(tokens or 0)} tokens are {epochs_text(epochs)} of the {inp.data_train_tokens:,} train tokens "
-                   f"of {inp.data_path}: past about {EPOCHS_WARN:g} epochs repeated tokens are worth less than new "
-                   "ones, and hardly anything after some 16 (Muennighoff et al. 2023, Scaling Data-Constrained "
-                   "Language Models); more data, fewer tokens or a smaller model")
+    warning = epochs_warning(tokens or 0, inp.data_train_tokens, inp.data_path) if epochs is not None else None
     return {"data": {"path": inp.data_path, "train_tokens": inp.data_train_tokens, "epochs": epochs,
                      "warning": warning}}
+
+
+def epochs_warning(tokens: float, train_tokens: int, data_path: str) -> str | None:
+    """The warning when ``tokens`` are more than :data:`EPOCHS_WARN` passes over the
+    ``train_tokens`` of ``data_path``, else None: the plan's and the preflight's one line."""
+    if train_tokens <= 0 or tokens / train_tokens <= EPOCHS_WARN:
+        return None
+    return (f"{_h(tokens)} tokens are {epochs_text(tokens / train_tokens)} of the {train_tokens:,} train tokens "
+            f"of {data_path}: past about {EPOCHS_WARN:g} epochs repeated tokens are worth less than new "
+            "ones, and hardly anything after some 16 (Muennighoff et al. 2023, Scaling Data-Constrained "
+            "Language Models); more data, fewer tokens or a smaller model")
 
 
 # what the plan also prices the memory of: (label, the change to the memory settings)

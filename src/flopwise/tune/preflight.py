@@ -61,6 +61,7 @@ import yaml
 
 from flopwise.checkpoints import latest_checkpoint, load_checkpoint
 from flopwise.config import ActivationCheckpointing, ConfigError, RunConfig, batch_split_problems, recorded_paths
+from flopwise.data.datadir import DataDir, DataDirError, resolve_data_dir
 from flopwise.errors import FlopwiseError
 from flopwise.fsio import loads_json, read_text, write_file, write_json
 from flopwise.measure.ceiling import measure_ceiling, step_gemms
@@ -69,7 +70,7 @@ from flopwise.measure.sinks import human
 from flopwise.measure.timing import micro_batch_progress
 from flopwise.model import build_model
 from flopwise.parallel.distributed import resolve_device
-from flopwise.plan.budget import memory_settings_for_run
+from flopwise.plan.budget import epochs_warning, memory_settings_for_run
 from flopwise.plan.flops import flops_per_token
 from flopwise.plan.memory import MemorySettings, estimate
 from flopwise.train.checkpoint import save_checkpoint
@@ -655,6 +656,19 @@ def predict(report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, best: Tria
     ranks = f" on {world} ranks" if world > 1 else ""
     request.log(f"preflight: {human(budget_tokens)} tokens at {human(tok_per_s)} tok/s{ranks} = {p['hours']:.2f} h"
                 f"{cost} · {planned} · final checkpoint ~{p['final_checkpoint_s']:.2f}s")
+    p["epochs_warning"] = _epochs_warning(tuned, budget_tokens)
+    if p["epochs_warning"]:
+        request.log(f"preflight: warning: {p['epochs_warning']}")
+
+
+def _epochs_warning(cfg: RunConfig, tokens: int) -> str | None:
+    """The plan's warning (plan/budget.py's ``epochs_warning``) when the predicted tokens are more
+    than a few passes over the run's train split; None when they are not or it cannot be read."""
+    try:
+        path = resolve_data_dir(cfg.data)
+        return epochs_warning(tokens, DataDir(path).num_tokens("train"), str(path))
+    except DataDirError:
+        return None
 
 
 def _write(out: Path, report: dict[str, Any], cfg: RunConfig, tuned: RunConfig, log: Log) -> None:
