@@ -280,9 +280,10 @@ def lr_for_step(step: int, total_steps: int, tokens_after: int, o: OptimConfig, 
     elif cont is not None and step >= cont.from_step:
         return cont.at(step, o.lr * o.min_lr_ratio)
     if time_used is not None:
-        if step < o.warmup_steps:
-            return o.lr * (step + 1) / o.warmup_steps
-        return o.lr * lr_factor(time_used, o, 0.0)
+        fitted = lr_factor(time_used, o, 0.0)
+        if step < o.warmup_steps:  # the budget binds from the first step: a warm-up it cuts short decays too
+            return o.lr * min((step + 1) / o.warmup_steps, fitted)
+        return o.lr * fitted
     if ramp is not None:
         return o.lr * lr_factor(tokens_after / max_tokens, o, o.warmup_steps / max(total_steps, 1))
     return lr_at(step, total_steps, o)

@@ -329,8 +329,7 @@ class NonFiniteGuard:
 
 
 class TimeFit:
-    """WSD fitted to ``train.max_hours``: after the warm-up steps, progress is the share of the
-    run's time budget used (:meth:`Deadline.spent`, across its processes; the final save's time
+    """WSD fitted to ``train.max_hours``: progress is the share of the run's time budget used (:meth:`Deadline.spent`, across its processes; the final save's time
     kept aside), so the decay ends as the budget does, and a resumed run continues it."""
 
     def __init__(self, deadline: Deadline, warmup_steps: int, clock: Callable[[], float] = time.perf_counter):
@@ -346,8 +345,13 @@ class TimeFit:
     def progress(self) -> float:
         return self.agreed_progress if self.agreed_progress is not None else self.measure()
 
-    def done(self, step: int) -> bool:
-        return step >= self.warmup_steps and self.progress() >= 1.0
+    @staticmethod
+    def done(progress: float) -> bool:
+        """Whether the budget is used at ``progress`` (the step's :meth:`progress`, read once): from
+        the first step, warm-up or not (the schedule's warm-up is capped by the fitted decay,
+        :func:`~flopwise.train.schedule.lr_for_step`, so a budget shorter than the warm-up still
+        ends at the floor rate)."""
+        return progress >= 1.0
 
 
 def stop_votes(env: DistEnv, signals: SignalStop, deadline: Deadline, fit: TimeFit | None) -> list[float]:

@@ -138,7 +138,7 @@ def _loop(run: Run) -> tuple[str, str]:
             time_used = run.fit.progress() if run.fit is not None else None
             lr = lr_for_step(p.step, run.total_steps, p.tokens + step_tokens, o, t.max_tokens, run.ramp,
                              time_used, run.cont)
-            if run.fit is not None and run.fit.done(p.step):
+            if run.fit is not None and time_used is not None and run.fit.done(time_used):
                 stopped = "the time budget is used with the decay finished"  # a fitted WSD stops itself
                 break
             if late is not None:  # a rollback it calls for restores the loader to where it stood after it
