@@ -772,9 +772,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.strategy and args.strategy != "auto":  # auto: the planner's choice, as the trainer's
         strategy, note = current_name("strategy", args.strategy, "--strategy")
         notes += [note] if note else []
-    gpu = None
-    if args.gpu is not None:  # given, if empty: an error, never no GPU
-        gpu = hardware.find(args.gpu)  # exact on the normalised name: never a similar card
+    gpu = hardware.find(args.gpu) if args.gpu is not None else None  # exact on the normalised name
+    if args.gpu is not None:  # given, if empty: an error, never no GPU (nor a similar card)
         if gpu is None:
             raise PlanError(hardware.unknown_gpu_message(args.gpu))
     if precision == "auto":  # as the trainer resolves it on a GPU: bf16 where the card has it
@@ -825,6 +824,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         memory_gb=args.memory_gb, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
         mfu=NOMINAL_MFU if args.mfu is None else args.mfu,
         tokens=args.tokens or (0 if budget_given else run.get("tokens", 0)), hours=args.hours,
+        limit="" if budget_given else run.get("limit", ""),
+        max_hours=0.0 if budget_given else run.get("max_hours", 0.0),
         chinchilla=args.chinchilla, price_per_gpu_hour=args.price_per_gpu_hour,
         flops_formula=args.flops_formula or ("palm" if model is not None else "6n"),
         seq_len=args.seq_len or run.get("seq_len", 2048), micro_batch=args.micro_batch or run.get("micro_batch", 0),

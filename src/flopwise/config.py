@@ -600,6 +600,20 @@ class RunConfig:
             limits.append(-(-self.train.max_tokens // self.tokens_per_step))
         return min(limits) if limits else 0
 
+    def step_limit(self) -> str:
+        """Which of ``train.max_steps`` and ``train.max_tokens`` sets :meth:`total_steps` (the one
+        reached first; max_steps on a tie), with what the other would allow when both are set:
+        e.g. ``"train.max_steps (300 steps; train.max_tokens=3000000 would allow 367)"``."""
+        t = self.train
+        by_tokens = -(-t.max_tokens // self.tokens_per_step) if t.max_tokens > 0 else 0
+        if t.max_steps > 0 and (not by_tokens or t.max_steps <= by_tokens):
+            other = f"; train.max_tokens={t.max_tokens} would allow {by_tokens:,}" if by_tokens else ""
+            return f"train.max_steps ({t.max_steps:,} steps{other})"
+        if by_tokens:
+            other = f"; train.max_steps={t.max_steps} would allow more" if t.max_steps else ""
+            return f"train.max_tokens ({by_tokens:,} steps of {self.tokens_per_step:,} tokens{other})"
+        return ""
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.pop("notes")

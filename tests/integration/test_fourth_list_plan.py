@@ -128,3 +128,32 @@ def test_the_over_trained_verdict_reads_one_way():
     verdict = chinchilla_verdict(1e12, 1e9, 6e21)
     assert verdict.endswith("a ~7.07B-parameter model would reach a lower loss with this compute, but this "
                             "smaller model is cheaper to serve (SmolLM-style over-training)"), verdict
+
+
+# ---------------------------------------------------------------- item 2 (and 5's plan half): the run's own limits
+def test_plan_of_a_configured_run_plans_what_its_max_hours_lets_it_do(cli, tmp_path):
+    """A run that stops after 1 h was planned as 14.8 h, with that cost and a Chinchilla verdict."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("preset: smollm-135m\ntrain:\n  max_tokens: 30000000000\n  max_hours: 1.0\n")
+    proc = cli("plan", "--config", str(cfg), "--gpu", "h100", "--price-per-gpu-hour", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["hours"] == pytest.approx(1.0) and plan["cost"] == pytest.approx(2.0)
+    assert plan["tokens"] == pytest.approx(3600 * plan["effective_flops"] / plan["flops_per_token"])
+    assert plan["limit"].startswith("train.max_hours (1 h, before train.max_tokens"), plan["limit"]
+    assert plan["verdict"].startswith(f"{plan['chinchilla_ratio']:.2f}x"), plan["verdict"]
+    text = cli("plan", "--config", str(cfg), "--gpu", "h100").stdout
+    assert "set by train.max_hours" in text and "wall time                  1.0 h" in text, text
+    # --tokens on the command line is the user's budget: the config's max_hours does not cut it
+    asked = json.loads(cli("plan", "--config", str(cfg), "--gpu", "h100", "--tokens", "30B", "--json").stdout)
+    assert asked["hours"] > 1.0 and asked["limit"] == "--tokens"
+
+
+def test_plan_says_which_limit_set_the_tokens(cli):
+    """plan train.max_tokens=3e6 planned the preset's 300 steps without saying max_steps bound first."""
+    out = cli("plan", "--preset", "tiny", "--gpu", "h100", "train.max_tokens=3e6").stdout
+    line = next(line for line in out.splitlines() if line.strip().startswith("tokens "))
+    assert "set by train.max_steps (300 steps; train.max_tokens=3000000 would allow" in line, line
+    out = cli("plan", "--preset", "tiny", "--gpu", "h100", "train.max_tokens=1e5").stdout
+    line = next(line for line in out.splitlines() if line.strip().startswith("tokens "))
+    assert "set by train.max_tokens" in line, line

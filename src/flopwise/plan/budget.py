@@ -119,6 +119,10 @@ class PlanInputs:
     tokens: int = 0
     hours: float = 0.0
     chinchilla: bool = False
+    # a configured run's own limits: what set its tokens (RunConfig.step_limit), and its
+    # train.max_hours, at which it stops whatever its tokens -- the plan plans what the run will do
+    limit: str = ""
+    max_hours: float = 0.0
     price_per_gpu_hour: float = 0.0
     flops_formula: str = "palm"  # palm | 6n
     seq_len: int = 2048
@@ -717,10 +721,19 @@ def tokens_time_cost(inp: PlanInputs, fpt: float, active_params: int, effective:
     elif inp.hours and effective:
         tokens = inp.hours * 3600 * effective / fpt
     compute_hours = wall_hours(tokens * fpt, effective) if tokens is not None and effective else None
+    limit = inp.limit or ("--tokens" if inp.tokens else "--chinchilla" if inp.chinchilla else
+                          "--hours" if inp.hours else "")
+    if inp.max_hours and not inp.hours and compute_hours is not None and effective and compute_hours > inp.max_hours:
+        # the run stops at train.max_hours with the tokens that time affords
+        limit = (f"train.max_hours ({inp.max_hours:g} h, before {limit.split(' (')[0] or 'its tokens'}: "
+                 f"{_h(tokens or 0)} tokens would take {compute_hours:.3g} h)")
+        tokens = inp.max_hours * 3600 * effective / fpt
+        compute_hours = inp.max_hours
     hours = inp.hours if inp.hours else compute_hours
     total_flops = tokens * fpt if tokens is not None else None
     return dict(
         tokens=tokens,
+        limit=limit,
         total_flops=total_flops,
         compute_hours=compute_hours,
         hours=hours,
@@ -976,7 +989,8 @@ def plan_inputs_for_run(cfg: "RunConfig", gpus: int = 1, gpu: hardware.DeviceSpe
     planned = strategy or run_strategy or ("ddp" if gpus > 1 else "single")
     fields = dict(
         model=cfg.model, seq_len=t.seq_len, micro_batch=t.micro_batch_size, grad_accum=cfg.grad_accum_steps(gpus),
-        tokens=cfg.total_steps() * cfg.tokens_per_step, peak_tflops=t.peak_tflops, dtype=peak_dtype(precision),
+        tokens=cfg.total_steps() * cfg.tokens_per_step, limit=cfg.step_limit(), max_hours=t.max_hours,
+        peak_tflops=t.peak_tflops, dtype=peak_dtype(precision),
         memory=memory_settings_for_run(cfg, precision, loss, planned, gpus, gpus_per_node),
         auto_strategy=not (strategy or run_strategy),
     )
@@ -996,8 +1010,8 @@ def run_plan_inputs(cfg: "RunConfig", device_name: str | None, precision: str, *
     inp = PlanInputs(
         model=cfg.model, model_name=cfg.preset, gpu=spec, peak_tflops=cfg.train.peak_tflops, dtype=dtype,
         gpus=gpus, mfu=NOMINAL_MFU,
-        tokens=cfg.total_steps() * cfg.tokens_per_step, seq_len=cfg.train.seq_len,
-        micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.grad_accum_steps(gpus),
+        tokens=cfg.total_steps() * cfg.tokens_per_step, limit=cfg.step_limit(), max_hours=cfg.train.max_hours,
+        seq_len=cfg.train.seq_len, micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.grad_accum_steps(gpus),
         memory=memory_settings_for_run(cfg, precision, loss, strategy, gpus, gpus_per_node),
     )
     if gpus_per_node > 0:

@@ -242,10 +242,18 @@ def _likely(key: str, text: Callable[[float, float], str]) -> Callable[[PlanView
     return likely
 
 
+def _tokens_predicted(v: PlanView) -> bool:
+    """Whether the tokens are what --hours affords at a predicted MFU (plan --trace)."""
+    return _predicted(v) and bool(v.plan.get("hours_given"))
+
+
 def _tokens_how(v: PlanView) -> str:
-    """The tokens' row: under --hours with a predicted MFU, they are what the prediction affords."""
-    if not (_predicted(v) and v.plan.get("hours_given")):
-        return ""
+    """The tokens' row: the limit that set them (a configured run's first-reached limit), and,
+    under --hours with a predicted MFU, that they are what the prediction affords."""
+    limit = v.plan.get("limit") or ""
+    how = f"set by {limit}" if limit.startswith("train.") else ""
+    if not _tokens_predicted(v):
+        return how
     return ("predicted: what --hours affords at the traced step's predicted MFU"
             + _likely("tokens", lambda lo, hi: f"{_count(lo)}-{_count(hi)}")(v))
 
@@ -300,7 +308,7 @@ FLOPS = Section("FLOPs", (
     Row("formula used", _plan("flops_formula")),
     Row("tokens", _plan("tokens"), _count, _tokens_how, when=_budgeted),
     Row("total", _plan("total_flops"), lambda x: _n(x, "FLOP"),
-        lambda v: "FLOPs/token × tokens" + (" (predicted tokens)" if _tokens_how(v) else ""), when=_budgeted),
+        lambda v: "FLOPs/token × tokens" + (" (predicted tokens)" if _tokens_predicted(v) else ""), when=_budgeted),
 ))
 
 
@@ -411,7 +419,7 @@ CHINCHILLA = Section("Chinchilla", (
         lambda v: "20 × parameters" + (" (active)" if v.moe else "")),
     Row("planned", lambda v: f"{_count(v.plan['tokens'])} ({v.plan['tokens_per_param']:.1f}/param)",
         how=lambda v: f"{v.plan['chinchilla_ratio']:.2f}× Chinchilla"
-                      + (" (predicted tokens)" if _tokens_how(v) else ""),
+                      + (" (predicted tokens)" if _tokens_predicted(v) else ""),
         when=_budgeted),
     Line(lambda v: f"verdict: {v.plan['verdict']}", when=_budgeted),
 ))
@@ -535,7 +543,7 @@ BATCH = Section("Batch", (
     Row("tokens per step", lambda v: v.batch["tokens_per_step"], lambda n: f"{n:,}",
         lambda v: f"target {v.batch['target_tokens_per_step']:,}"),
     Row("optimizer steps", lambda v: v.batch.get("steps"), lambda n: f"{n:,}",
-        lambda v: "of the predicted tokens" if _tokens_how(v) else "", when=lambda v: "steps" in v.batch),
+        lambda v: "of the predicted tokens" if _tokens_predicted(v) else "", when=lambda v: "steps" in v.batch),
 ))
 
 

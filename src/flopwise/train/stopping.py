@@ -329,8 +329,9 @@ class NonFiniteGuard:
 
 
 class TimeFit:
-    """WSD fitted to ``train.max_hours``: progress is the share of the run's time budget used (:meth:`Deadline.spent`, across its processes; the final save's time
-    kept aside), so the decay ends as the budget does, and a resumed run continues it."""
+    """WSD fitted to ``train.max_hours``: progress is the share of the run's time budget used
+    (:meth:`Deadline.spent`, across its processes; the final save's time kept aside), so the decay
+    ends as the budget does, and a resumed run continues it."""
 
     def __init__(self, deadline: Deadline, warmup_steps: int, clock: Callable[[], float] = time.perf_counter):
         self.deadline, self.warmup_steps, self.clock = deadline, warmup_steps, clock
