@@ -140,3 +140,21 @@ def test_the_96gb_hbm2e_h100_is_its_own_entry_with_its_bandwidth_and_sms():
     assert hardware.CAPABILITY[spec.name] == (9, 0) and hardware.default_link(spec) == "nvlink4"
     assert hardware.find("h100").bandwidth_tbs == 3.35 and hardware.find("h100 94gb").name == "H100 NVL"
 
+
+
+def test_the_eta_pace_is_the_steady_average_not_the_last_window(monkeypatch):
+    """Issue 54, item 20: the ETA jumped 0m54s -> 6m29s -> 5m22s on a loaded machine, paced by each
+    window's own step time. The pace is now the average over the steady windows so far."""
+    clock = iter([0.0, 10.0, 11.0, 21.0, 81.0, 91.0])
+    monkeypatch.setattr("flopwise.measure.meter.time.perf_counter", lambda: next(clock))
+    m = ThroughputMeter(flops_per_token=1.0, peak_flops=None, warmup_steps=2)  # clock 0.0
+    paces = []
+    for steps in (2, 10, 10, 10):  # the warm-up window, then windows of 1 s, 6 s and 1 s a step
+        for _ in range(steps):
+            m.step(100)
+        w = m.window()
+        paces.append((w["step_time_s"], m.pace()))
+        if steps == 2:
+            m.pause()
+    assert [p for _, p in paces] == [None, pytest.approx(1.0), pytest.approx(3.5), pytest.approx(8 / 3)]
+    assert [w for w, _ in paces][1:] == [pytest.approx(1.0), pytest.approx(6.0), pytest.approx(1.0)]

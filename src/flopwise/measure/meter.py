@@ -74,6 +74,7 @@ class ThroughputMeter:
     _window_tokens: int = 0
     _steady_time: float = 0.0
     _steady_tokens: int = 0
+    _steady_steps: int = 0
     _steps_seen: int = 0
 
     def __post_init__(self) -> None:
@@ -94,6 +95,7 @@ class ThroughputMeter:
         if self._steps_seen - self._window_steps >= self.warmup_steps:
             self._steady_time += dt
             self._steady_tokens += self._window_tokens
+            self._steady_steps += self._window_steps
         out: WindowRates = {
             "tok_per_s": tok_s,
             "step_time_s": dt / max(self._window_steps, 1),
@@ -101,6 +103,12 @@ class ThroughputMeter:
         }
         self._window_start, self._window_steps, self._window_tokens = now, 0, 0
         return out
+
+    def pace(self) -> float | None:
+        """Seconds per step over every steady-state window so far (None before the first): what an
+        ETA is paced by, so that one slow or fast window on a loaded machine moves it by its share
+        of the run, not by itself (a window's own step time made the ETA jump 0m54s -> 6m29s -> 5m22s)."""
+        return self._steady_time / self._steady_steps if self._steady_steps else None
 
     def pause(self) -> None:
         """Restart the window clock, so time spent in evaluation or saving is not counted."""

@@ -274,7 +274,8 @@ def log_step(run: Run, out: StepOutcome, lr: float, due_: Due) -> None:
                            "elapsed_s": run.clock() - run.t_start}
     if world > 1:
         row.update(world_size=world, tok_per_s_per_gpu=rates["tok_per_s"] / world)
-    row["eta_s"] = (run.total_steps - p.step) * rates["step_time_s"]  # training time left at this pace
+    # training time left at the run's steady pace so far (the window's own until there is one)
+    row["eta_s"] = (run.total_steps - p.step) * (run.meter.pace() or rates["step_time_s"])
     f = run.flops
     mfu = rates["mfu"]
     if mfu is not None:  # the other conventions, for comparison (docs/planning.md#conventions)
