@@ -38,3 +38,46 @@ def test_a_budget_shorter_than_the_warm_up_binds_and_the_schedule_decays_within_
     # and the spent time is within the budget
     state = json.loads(sorted((result.run_dir / "checkpoints").glob("step-*"))[-1].joinpath("state.json").read_text())
     assert state["time_budget"]["spent_s"] <= BUDGET_S, state["time_budget"]
+
+
+# ---------------------------------------------------------------- item 17: what a stop and a finished run say
+def test_a_time_budget_stop_says_the_run_is_finished_and_how_to_extend_it(tiny_overrides, tick_clock):
+    lines: list[str] = []
+    cfg = build_config(overrides=tiny_overrides + FITTED + ["optim.warmup_steps=2", f"train.max_hours={BUDGET_S / 3600}"])
+    result = train(cfg, clock=tick_clock, log=lines.append)
+    stop = next(line for line in lines if line.startswith("  stop "))
+    assert "resumes it" not in stop and "the run is finished" in stop, stop
+    extend = f"train.max_hours={2 * BUDGET_S / 3600:g}"
+    assert f"flopwise train --config {result.run_dir / 'config.yaml'} {extend}" in stop, stop
+
+
+def test_a_finished_run_says_so_and_how_to_train_it_longer(cli, tiny_overrides):
+    proc = cli("train", *tiny_overrides, "train.max_steps=4", "eval.every=0")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("  finished:"))
+    assert "all 4 steps of train.max_steps are trained" in line and "train.max_steps=8` trains it longer" in line
+    assert "resumes it" not in proc.stdout
+
+
+def test_a_signal_stop_that_has_no_room_for_a_sample_says_so(tiny_overrides, monkeypatch):
+    """A SIGINT stop wrote no sample and said nothing. Where a sample does not fit in what a
+    signal's stop may spend (here: made to take longer than that), the stop says why and how to get one."""
+    import os
+    import signal
+
+    from flopwise.train import hooks
+
+    monkeypatch.setattr(hooks, "SIGNAL_STOP_S", 0.0)  # no room at all after the save
+    lines: list[str] = []
+
+    def log(line: str) -> None:
+        lines.append(line)
+        if line.startswith("step ") and not any("SIG" in x for x in lines[:-1]):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    cfg = build_config(overrides=tiny_overrides + ["train.max_steps=2000", "train.log_every=2", "eval.every=0"])
+    result = train(cfg, log=log)
+    assert result.stopped == "SIGINT received", result.stopped
+    said = [line for line in lines if line.startswith("  sample     not written:")]
+    assert said and "a signal's stop spends at most 0 s" in said[0] and "flopwise generate" in said[0], lines[-12:]
+    assert not (result.run_dir / "samples.txt").exists() or result.sample == ""

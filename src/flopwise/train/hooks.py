@@ -128,8 +128,16 @@ def save_on_stop(run: Run, stopped: str) -> None:
     p = run.progress
     if p.last_saved is None or p.last_saved.name != f"step-{p.step:07d}":
         save(run)
-    run.log(f"  stop       {stopped}: checkpoint at step {p.step:,} saved; "
-            f"`flopwise train --config {run.run_dir / 'config.yaml'}` resumes it")
+    config = run.run_dir / "config.yaml"
+    if by_signal(stopped):
+        run.log(f"  stop       {stopped}: checkpoint at step {p.step:,} saved; `flopwise train --config {config}` "
+                "resumes it")
+        return
+    # the time budget is the run's: resumed as it is, it has nothing left to train
+    hours = run.cfg.train.max_hours
+    run.log(f"  stop       {stopped}: checkpoint at step {p.step:,} saved; the run is finished (its "
+            f"train.max_hours={hours:g} is spent): `flopwise train --config {config} train.max_hours={2 * hours:g}` "
+            "extends it by as much again")
 
 
 SIGNAL_STOP_S = 10.0  # what a signal's stop spends after its save: preemption notices are often 30 s
@@ -157,7 +165,19 @@ def on_stop(run: Run, stopped: str, last: StepOutcome | None) -> str:
     if do_val:
         val = validate(run, p.step)
         run.sink.write({"step": p.step, "tokens": p.tokens, **val_metrics(run, val)})
+    if run.cfg.eval.sample_tokens > 0 and not do_sample and not at.sample:
+        run.log(f"  sample     not written: {_sample_skipped(run, by_signal(stopped))}; `flopwise generate "
+                f"{run.run_dir}` samples the checkpoint")
     return take_sample(run, p.step) if do_sample and not at.sample else ""
+
+
+def _sample_skipped(run: Run, signal_: bool) -> str:
+    """Why a stop wrote no sample (:func:`_stop_work` found no room for it)."""
+    d = run.deadline
+    need = Deadline.MARGIN * d.stop_work.sample(d.step_s)
+    room = (f"a signal's stop spends at most {SIGNAL_STOP_S:g} s after its save" if signal_ else
+            "train.max_hours left no room for it" if d.end is not None else "another rank had no time for it")
+    return f"{run.cfg.eval.sample_tokens} tokens take ~{fmt_time(need)} here, and {room}"
 
 
 def _stop_work(run: Run, signal_: bool) -> tuple[bool, bool, str]:
@@ -357,11 +377,25 @@ def finish(run: Run, stopped: str, train_time: float, sample: str = "") -> Train
         f"{fmt_time(train_time)} · wall {fmt_time(wall)} · {avg_tps} (after warm-up) · mfu {format_mfu(avg['mfu'])}")
     log(f"  {losses_text(p)} (uniform ln V = {run.uniform:.4f}) · {train_loss_text(p)}")
     log(f"  checkpoint {p.last_saved}")
+    if not stopped and p.step == run.total_steps:
+        log(f"  finished: {extend_text(run)}")
     if sample:
         log(f"  sample ({run.run_dir / 'samples.txt'}):")
         for line in sample.splitlines()[:12]:
             log(f"    {line}")
     return result
+
+
+def extend_text(run: Run) -> str:
+    """How to train a finished run longer: the limit that ended it (``RunConfig.step_limit``), raised."""
+    t, config = run.cfg.train, run.run_dir / "config.yaml"
+    limit = run.cfg.step_limit()
+    if limit.startswith("train.max_tokens"):
+        raise_to = f"train.max_tokens={2 * t.max_tokens}"
+    else:
+        raise_to = f"train.max_steps={2 * max(t.max_steps, run.total_steps)}"
+    return (f"all {run.total_steps:,} steps of {limit.split(' (')[0] or 'its length'} are trained; "
+            f"`flopwise train --config {config} {raise_to}` trains it longer (the rate goes on from where it ended)")
 
 
 def losses_text(p: Progress) -> str:
