@@ -82,3 +82,43 @@ def test_a_preflight_predicting_many_passes_over_the_data_says_so(cli, tiny_over
     assert "5.00 epochs of the" in warning and "past about 4 epochs" in warning, proc.stdout[-3000:]
     report = json.loads((tmp_path / "pf" / "preflight.json").read_text())
     assert "5.00 epochs" in report["prediction"]["epochs_warning"]
+
+
+# ---------------------------------------------------------------- item 14: a TMPDIR too long for a socket
+def _long_tmpdir(tmp_path):
+    long = tmp_path / ("t" * 60) / ("u" * 60)
+    long.mkdir(parents=True)
+    assert len(str(long)) + len("/pymp-xxxxxxxx/listener-xxxxxxxx") > 107
+    return long
+
+
+def test_a_long_tmpdir_is_worked_around_for_the_trials_socket(tmp_path, tiny_overrides):
+    """Every trial failed alike and preflight ended "no micro-batch fits", blaming memory. The
+    forkserver's socket now goes under /tmp when TMPDIR is too long for one: the trials run."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TMPDIR": str(_long_tmpdir(tmp_path))}
+    proc = subprocess.run([sys.executable, "-m", "flopwise", "preflight", *tiny_overrides, "--isolation", "process",
+                           "--budget-minutes", "0.2", "--out", str(tmp_path / "pf"), "train.compile=off"],
+                          env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "forkserver" not in proc.stdout + proc.stderr and (tmp_path / "pf" / "preflight.json").exists()
+
+
+def test_with_no_shorter_directory_the_cause_is_named_once_not_memory(tmp_path, tiny_overrides):
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys; import flopwise.tune.trial as t; t._short_socket_dir = lambda: None; "
+              "from flopwise.cli import main; sys.exit(main(sys.argv[1:]))")
+    env = {**os.environ, "TMPDIR": str(_long_tmpdir(tmp_path))}
+    proc = subprocess.run([sys.executable, "-c", script, "preflight", *tiny_overrides, "--isolation", "process",
+                           "--budget-minutes", "0.2", "--out", str(tmp_path / "pf"), "train.compile=off"],
+                          env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "cannot make its socket under the temporary directory" in proc.stderr and "TMPDIR=/tmp" in proc.stderr
+    assert "no micro-batch fits" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    assert "trial 1" not in proc.stdout  # before any trial

@@ -86,10 +86,10 @@ def _out_of_bounds(inp: "PlanInputs") -> list[str]:
         elif value > bound:
             problems.append(f"{flag} {value:g} is above the largest the plan takes ({bound:g})")
     # the divisors of the time: a rate too small to be one would overflow it
-    if 0 < inp.peak_tflops < 1e-3:
-        problems.append(f"--peak-tflops {inp.peak_tflops:g} is below the smallest the plan takes (0.001)")
-    if 0 < inp.mfu < 1e-4:
-        problems.append(f"--mfu {inp.mfu:g} is below the smallest the plan takes (0.0001)")
+    if 0 < inp.peak_tflops < 1e-9:
+        problems.append(f"--peak-tflops {inp.peak_tflops:g} is below the smallest the plan takes (1e-09)")
+    if 0 < inp.mfu < 1e-6:
+        problems.append(f"--mfu {inp.mfu:g} is below the smallest the plan takes (1e-06)")
     return problems
 
 
@@ -711,25 +711,37 @@ def tokens_time_cost(inp: PlanInputs, fpt: float, active_params: int, effective:
     """Tokens (``--tokens``, Chinchilla's, or what ``--hours`` affords), ``hours``, the wall time
     they take at ``effective`` FLOP/s (:func:`wall_hours`: the MFU in it is end-to-end), the
     GPU-hours and cost of that wall time, and where the tokens stand against Chinchilla.
-    ``--hours`` is the wall time the user gave: its tokens are what that time affords."""
+    ``--hours`` is the wall time the user gave: its tokens are what that time affords. A configured
+    run's ``train.max_hours`` is its wall time when it comes first (:func:`_time_limit`), or when
+    it is the run's only limit (no max_steps nor max_tokens): its tokens are then those it is
+    expected to reach at the planned rate. ``hours_budget`` names the budget the wall time is
+    (``--hours``, ``train.max_hours``; None when it is the tokens' time)."""
     chinchilla_tokens = CHINCHILLA_TOKENS_PER_PARAM * active_params
+    time_alone = inp.max_hours > 0 and not (inp.tokens or inp.chinchilla or inp.hours)
+    budget_hours = inp.hours or (inp.max_hours if time_alone else 0.0)
     tokens: float | None = None
     if inp.tokens:
         tokens = float(inp.tokens)
     elif inp.chinchilla:
         tokens = chinchilla_tokens
-    elif inp.hours and effective:
-        tokens = inp.hours * 3600 * effective / fpt
+    elif budget_hours and effective:
+        tokens = budget_hours * 3600 * effective / fpt
     compute_hours = wall_hours(tokens * fpt, effective) if tokens is not None and effective else None
     limit = inp.limit or ("--tokens" if inp.tokens else "--chinchilla" if inp.chinchilla else
                           "--hours" if inp.hours else "")
-    if inp.max_hours and not inp.hours and compute_hours is not None and effective and compute_hours > inp.max_hours:
+    hours_budget = "--hours" if inp.hours else None
+    if time_alone:
+        hours_budget = "train.max_hours"
+        limit = (f"train.max_hours ({inp.max_hours:g} h, the run's only limit: "
+                 + ("the tokens it is expected to reach at the planned rate)" if tokens is not None else
+                    "no peak, so no tokens -- give --gpu or --peak-tflops)"))
+    elif inp.max_hours and not inp.hours and compute_hours is not None and effective and \
+            compute_hours > inp.max_hours:
         # the run stops at train.max_hours with the tokens that time affords
-        limit = (f"train.max_hours ({inp.max_hours:g} h, before {limit.split(' (')[0] or 'its tokens'}: "
-                 f"{_h(tokens or 0)} tokens would take {compute_hours:.3g} h)")
+        limit = _time_limit(inp.max_hours, limit, tokens or 0, compute_hours)
         tokens = inp.max_hours * 3600 * effective / fpt
-        compute_hours = inp.max_hours
-    hours = inp.hours if inp.hours else compute_hours
+        compute_hours, hours_budget = inp.max_hours, "train.max_hours"
+    hours = budget_hours if budget_hours else compute_hours
     total_flops = tokens * fpt if tokens is not None else None
     return dict(
         tokens=tokens,
@@ -738,6 +750,7 @@ def tokens_time_cost(inp: PlanInputs, fpt: float, active_params: int, effective:
         compute_hours=compute_hours,
         hours=hours,
         hours_given=bool(inp.hours),  # the wall time is the user's --hours, not a result
+        hours_budget=hours_budget,
         gpu_hours=hours * inp.gpus if hours is not None else None,
         price_per_gpu_hour=inp.price_per_gpu_hour or None,
         cost=hours * inp.gpus * inp.price_per_gpu_hour if hours is not None and inp.price_per_gpu_hour else None,
@@ -747,6 +760,13 @@ def tokens_time_cost(inp: PlanInputs, fpt: float, active_params: int, effective:
         verdict=(chinchilla_verdict(tokens, active_params, total_flops)
                  if tokens is not None and total_flops is not None else None),
     )
+
+
+def _time_limit(max_hours: float, limit: str, tokens: float, hours: float) -> str:
+    """The limit's words when ``train.max_hours`` comes before the run's tokens (``limit``, the
+    one that set them), which would take ``hours``."""
+    return (f"train.max_hours ({max_hours:g} h, before {limit.split(' (')[0] or 'its tokens'}: "
+            f"{_h(tokens)} tokens would take {hours:.3g} h)")
 
 
 def wall_hours(total_flops: float, effective_flops: float) -> float:
@@ -768,17 +788,20 @@ def predicted_range(band: dict[str, Any], figures: dict[str, Any]) -> dict[str, 
     """The range of the figures :func:`tokens_time_cost` priced at a predicted rate (``figures``),
     by the prediction's error ``band`` (plan/accuracy.py: the real step is the predicted one times a
     ratio from ``low`` to ``high``): ``hours``, ``gpu_hours`` and ``cost`` times ``[low, high]`` --
-    or, where the wall time is the user's (``--hours``), the ``tokens`` it affords over ``[high,
-    low]`` --, the others None; with the band's own ``low``, ``high``, ``cases`` and ``regime``."""
+    or, where the wall time is a budget (``--hours``, a run's ``train.max_hours``), the ``tokens`` it
+    affords over ``[high, low]`` --, the others None; with the band's own ``low``, ``high``, ``cases``
+    and ``regime``."""
     low, high = band["low"], band["high"]
     out: dict[str, Any] = {k: band[k] for k in ("low", "high", "cases", "regime")}
 
+    budget = figures.get("hours_given") or figures.get("hours_budget")  # the wall time is a budget, not a result
+
     def times(key: str) -> list[float] | None:
         value = figures.get(key)
-        return None if value is None or figures.get("hours_given") else [value * low, value * high]
+        return None if value is None or budget else [value * low, value * high]
 
     out.update(hours=times("hours"), gpu_hours=times("gpu_hours"), cost=times("cost"), tokens=None)
-    if figures.get("hours_given") and figures.get("tokens") is not None:
+    if budget and figures.get("tokens") is not None:
         out["tokens"] = [figures["tokens"] / high, figures["tokens"] / low]
     return out
 

@@ -83,7 +83,7 @@ from flopwise.tune.explain import explain_run
 from flopwise.tune.ladder import climb, planned_gb, with_settings
 from flopwise.tune.progress import StepProgress
 from flopwise.tune.request import Bench, Log, TuneHooks, TuneRequest
-from flopwise.tune.trial import TrialRunner, failure_status, ready_processes
+from flopwise.tune.trial import TrialRunner, failure_status, ready_processes, start_trial_processes
 
 STARVATION_WARN = 0.05  # waiting for data above 5% of step time deserves a look
 Clock = Callable[[], float]
@@ -287,6 +287,8 @@ def _search_or_climb(cfg: RunConfig, report: dict[str, Any], bench: Bench, reque
     them, or the micro-batch search -- with one :class:`~flopwise.tune.trial.TrialRunner` for
     both: the configuration that follows, the trials, the one chosen and why."""
     device = bench.device
+    if bench.fresh or request.world > 1:  # trials in processes of their own: their forkserver starts first
+        start_trial_processes()
     if bench.fresh and device.type == "cuda":
         torch.cuda.empty_cache()  # the trials' processes share the GPU with this one: hold nothing cached
     runner = TrialRunner(device, request.warmup, request.windows, bench.fresh, measure_fn=hooks.measure_fn,

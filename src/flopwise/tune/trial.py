@@ -168,17 +168,45 @@ def _start_forkserver_elsewhere() -> None:
     except FileNotFoundError:  # preflight's own directory is gone: nothing there to import
         here = None
     os.chdir("/")
+    short = _short_socket_dir()
+    before, tempfile.tempdir = tempfile.tempdir, short or tempfile.tempdir
     try:
         mp_forkserver.ensure_running()  # returns at once when it runs already
     except OSError as e:  # its socket is made under TMPDIR, and a Unix socket's path has at most 107 bytes
         if "path too long" not in str(e):
             raise
-        raise TrialError(f"the trials' forkserver cannot make its socket under the temporary directory "
-                         f"{tempfile.gettempdir()} ({e}): set TMPDIR to a shorter directory, e.g. TMPDIR=/tmp"
-                         ) from None
+        raise ForkserverError(f"the trials' forkserver cannot make its socket under the temporary directory "
+                              f"{tempfile.gettempdir()} ({e}): set TMPDIR to a shorter directory, e.g. "
+                              "TMPDIR=/tmp") from None
     finally:
+        tempfile.tempdir = before  # multiprocessing keeps the directory it made (its pymp-*) for the rest
         if here is not None:
             os.chdir(here)
+
+
+# multiprocessing's socket: TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, and sun_path holds 107 bytes
+_SOCKET_TAIL = len("/pymp-xxxxxxxx/listener-xxxxxxxx")
+_SUN_PATH = 107
+
+
+def _short_socket_dir() -> str | None:
+    """A shorter directory for multiprocessing's socket when TMPDIR is too long for one (None when
+    it is not): ``/tmp`` where it is a writable directory. The forkserver's socket directory is
+    all that moves there; trials' own temporary directories stay under TMPDIR."""
+    if len(tempfile.gettempdir().encode()) + _SOCKET_TAIL <= _SUN_PATH:
+        return None
+    return "/tmp" if os.path.isdir("/tmp") and os.access("/tmp", os.W_OK | os.X_OK) else None
+
+
+def start_trial_processes() -> None:
+    """Start the forkserver of the trials now, before any trial: what keeps it from starting (a
+    TMPDIR too long for its socket, with no shorter directory to use) is then one error about the
+    machine, not every trial failing alike and a preflight that blames memory."""
+    _start_forkserver_elsewhere()
+
+
+class ForkserverError(FlopwiseError, RuntimeError):
+    """The trials' processes cannot be started on this machine (not a trial's failure)."""
 
 
 class _Process:
