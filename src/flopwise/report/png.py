@@ -28,7 +28,7 @@ def _nan(values):
 
 
 def _line(ax, c: LineChart) -> None:
-    from matplotlib.ticker import PercentFormatter  # lazy: matplotlib is optional ([report])
+    from matplotlib.ticker import FuncFormatter, PercentFormatter  # lazy: matplotlib is optional ([report])
 
     for s in c.series:
         ys = _nan(s.y)
@@ -52,6 +52,10 @@ def _line(ax, c: LineChart) -> None:
     # a log axis with no value above 0 to place (a diverged run's NaN losses) is an error in matplotlib
     if c.log_y and any(isinstance(y, (int, float)) and 0 < y < math.inf for s in c.series for y in s.y):
         ax.set_yscale("log")
+        # plain numbers, as the SVG's ticks: matplotlib's log axis writes "6 x 10^0"
+        plain = FuncFormatter(lambda v, _: f"{v:g}")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
     if c.percent:
         ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.set_xlabel(c.x_label)

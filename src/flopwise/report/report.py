@@ -21,6 +21,7 @@ keys in which the runs differ.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -81,6 +82,7 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None, png:
     runs = [load_run(p) for p in run_dirs]
     for i, (run, name) in enumerate(zip(runs, unique_names([r.path for r in runs]))):
         run.name, run.color = name, PALETTE[i % len(PALETTE)]
+        run.prefix = f"{name} · " if len(runs) > 1 else ""
 
     out = Path(out).expanduser() if out is not None else runs[0].path / "report.html"
     if out.is_dir():
@@ -143,10 +145,10 @@ def loss_chart(runs: list[Run]) -> LineChart:
     uniform: dict[float, float] = {}
     for run in runs:
         x, y = run.series("tokens", "loss")
-        series.append(Series(f"{run.name} · train", x, y, run.color, run=run.name))
+        series.append(Series(f"{run.prefix}train", x, y, run.color, run=run.name))
         vx, vy = run.series("tokens", "val_loss")
         if vx:
-            series.append(Series(f"{run.name} · val", vx, vy, run.color, "dashed", points=True, run=run.name))
+            series.append(Series(f"{run.prefix}val", vx, vy, run.color, "dashed", points=True, run=run.name))
         series.extend(_eval_file_series(run, "val_loss"))
         for ev in run.events:
             step = number(ev.get("step"))
@@ -195,10 +197,10 @@ def _eval_file_series(run: Run, key: str) -> list[Series]:
     for group, pts in sorted(groups.items(), key=lambda g: (g[0] != ("run",), str(g[0]))):
         pts.sort()
         if group == ("run",):
-            label, dash = f"{run.name} · val (flopwise eval)", "dotted"
+            label, dash = f"{run.prefix}val (flopwise eval)", "dotted"
         else:
             what, n, T = group
-            label, dash = f"{run.name} · flopwise eval on {what}, {_text(n)} windows x {_text(T)} tokens", "dashdot"
+            label, dash = f"{run.prefix}flopwise eval on {what}, {_text(n)} windows x {_text(T)} tokens", "dashdot"
         series.append(Series(label, [p[0] for p in pts], [p[1] for p in pts], run.color, dash, points=True,
                              run=run.name))
     return series
@@ -215,25 +217,45 @@ def bpb_chart(runs: list[Run]) -> LineChart:
     series = []
     for run in runs:
         x, y = run.series("tokens", "val_bpb")
-        series.append(Series(f"{run.name} · val", x, y, run.color, "dashed", points=True, run=run.name))
+        series.append(Series(f"{run.prefix}val", x, y, run.color, "dashed", points=True, run=run.name))
         series.extend(_eval_file_series(run, "val_bpb"))
     return LineChart("bpb", "Validation bits per byte vs tokens", "tokens", "bits per byte", series,
                      note="Bits per byte do not depend on the tokenizer: runs with different vocabularies compare.")
 
 
+# Predictions closer than this share of each other are one line: drawn apart they hide each other
+SAME_LINE = 0.02
+
+
 def _prediction_lines(runs: list[Run], key: str) -> list[HLine]:
-    """Each run's plan and preflight predictions of ``key`` as horizontal lines."""
+    """Each run's plan and preflight predictions of ``key`` as horizontal lines; those of a run
+    within :data:`SAME_LINE` of each other as one line whose label names each, with its value."""
     lines = []
     for run in runs:
         row = next(c for c in compare(run) if c.key == key)
+        mine = []
         if row.plan is not None:
-            lines.append(HLine(row.plan, f"{run.name} · plan", run.color, "dotted"))
+            mine.append(HLine(row.plan, "plan", run.color, "dotted"))
         if row.preflight is not None:
             assumed = " (assumed)" if row.preflight_basis == "assumed" else ""
-            lines.append(HLine(row.preflight, f"{run.name} · preflight{assumed}", run.color, "dashdot"))
+            mine.append(HLine(row.preflight, f"preflight{assumed}", run.color, "dashdot"))
         if row.trace is not None:
-            lines.append(HLine(row.trace, f"{run.name} · virtual preflight ({row.trace_basis})", run.color, "dashed"))
+            mine.append(HLine(row.trace, f"virtual preflight ({row.trace_basis})", run.color, "dashed"))
+        lines += [replace(h, label=run.prefix + h.label) for h in _merged(mine)]
     return lines
+
+
+def _merged(lines: list[HLine]) -> list[HLine]:
+    """``lines`` with those within :data:`SAME_LINE` of another drawn once, labelled with each
+    name and value ("plan 1.21 = preflight 1.22")."""
+    out: list[list[HLine]] = []
+    for h in sorted(lines, key=lambda h: h.y):
+        if out and abs(h.y - out[-1][0].y) <= SAME_LINE * max(abs(h.y), abs(out[-1][0].y), 1e-12):
+            out[-1].append(h)
+        else:
+            out.append([h])
+    return [group[0] if len(group) == 1 else
+            replace(group[0], label=" = ".join(f"{h.label} {h.y:.3g}" for h in group)) for group in out]
 
 
 def throughput_chart(runs: list[Run]) -> LineChart:
@@ -249,7 +271,7 @@ def mfu_chart(runs: list[Run]) -> LineChart:
     for run in runs:
         series.append(Series(run.name, *run.series("step", "mfu"), run.color, run=run.name))
         if run.has("mfu_6n"):
-            series.append(Series(f"{run.name} · 6N", *run.series("step", "mfu_6n"), run.color, "dashed",
+            series.append(Series(f"{run.prefix}6N", *run.series("step", "mfu_6n"), run.color, "dashed",
                                  run=run.name))
     return LineChart("mfu", "Model FLOPs utilisation vs step", "step", "MFU", series, percent=True,
                      hlines=_prediction_lines(runs, "mfu"),
@@ -265,7 +287,7 @@ def memory_chart(runs: list[Run]) -> LineChart:
     for run in runs:
         for key, label, dash in keys:
             if run.has(key):
-                series.append(Series(f"{run.name} · {label}", *run.series("step", key), run.color, dash,
+                series.append(Series(f"{run.prefix}{label}", *run.series("step", key), run.color, dash,
                                      run=run.name))
     return LineChart("memory", "Memory vs step", "step", "GiB", series,
                      hlines=_prediction_lines(runs, "memory_gb"),
@@ -290,9 +312,9 @@ def diloco_chart(runs: list[Run]) -> LineChart:
     series = []
     for run in runs:
         if run.has("drift"):
-            series.append(Series(f"{run.name} · pseudo-gradient", *run.series("step", "pseudo_grad_norm"), run.color,
+            series.append(Series(f"{run.prefix}pseudo-gradient", *run.series("step", "pseudo_grad_norm"), run.color,
                                  run=run.name))
-            series.append(Series(f"{run.name} · drift", *run.series("step", "drift"), run.color, "dashed",
+            series.append(Series(f"{run.prefix}drift", *run.series("step", "drift"), run.color, "dashed",
                                  run=run.name))
     return LineChart("diloco", "DiLoCo: pseudo-gradient norm and drift vs step", "step", "L2 norm", series,
                      note="At each outer step: the norm of the groups' mean pseudo-gradient (anchor minus parameters) "
@@ -372,7 +394,7 @@ def eval_charts(runs: list[Run]) -> list[LineChart]:
                 pts = [(t, number(r.get(metric)), _stderr(r, metric)) for t, r in points]
                 pts = [p for p in pts if p[1] is not None]
                 if pts:
-                    series.append(Series(f"{run.name} · {metric}", [p[0] for p in pts], [p[1] for p in pts],
+                    series.append(Series(f"{run.prefix}{metric}", [p[0] for p in pts], [p[1] for p in pts],
                                          run.color, dash, points=True, err=[p[2] for p in pts], run=run.name))
             for _, r in points:
                 random = random if random is not None else number(r.get("random"))

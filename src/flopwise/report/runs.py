@@ -51,6 +51,9 @@ class Run:
     eval_rows: list[dict[str, Any]] = field(default_factory=list)  # evals.jsonl
     warnings: list[str] = field(default_factory=list)  # shown in the page's notes
     name: str = ""
+    # what the charts' legends put before a series of this run: "NAME · " among several runs,
+    # nothing when the report is of one run (its name is the page's title already)
+    prefix: str = ""
     color: str = ""
 
     # ---------------------------------------------------------------- series
