@@ -242,20 +242,27 @@ def _likely(key: str, text: Callable[[float, float], str]) -> Callable[[PlanView
     return likely
 
 
+def _hours_budget(v: PlanView) -> str:
+    """The budget the wall time is (--hours, or a run's train.max_hours when it binds or is its only
+    limit), or "" when the wall time is the tokens' time."""
+    return v.plan.get("hours_budget") or ("--hours" if v.plan.get("hours_given") else "")
+
+
 def _tokens_predicted(v: PlanView) -> bool:
-    """Whether the tokens are what --hours affords at a predicted MFU (plan --trace)."""
-    return _predicted(v) and bool(v.plan.get("hours_given"))
+    """Whether the tokens are what a time budget affords at a predicted MFU (plan --trace)."""
+    return _predicted(v) and bool(_hours_budget(v))
 
 
 def _tokens_how(v: PlanView) -> str:
     """The tokens' row: the limit that set them (a configured run's first-reached limit), and,
-    under --hours with a predicted MFU, that they are what the prediction affords."""
+    under a time budget with a predicted MFU, that they are what the prediction affords."""
     limit = v.plan.get("limit") or ""
     how = f"set by {limit}" if limit.startswith("train.") else ""
     if not _tokens_predicted(v):
         return how
-    return ("predicted: what --hours affords at the traced step's predicted MFU"
-            + _likely("tokens", lambda lo, hi: f"{_count(lo)}-{_count(hi)}")(v))
+    predicted = (f"predicted: what {_hours_budget(v)} affords at the traced step's predicted MFU"
+                 + _likely("tokens", lambda lo, hi: f"{_count(lo)}-{_count(hi)}")(v))
+    return f"{how}; {predicted}" if how else predicted
 
 
 # ---------------------------------------------------------------- Parameters
@@ -341,11 +348,12 @@ def _comm_how(v: PlanView) -> str:
 
 
 def _wall_how(v: PlanView) -> str:
-    budget = "--hours; " if v.plan.get("hours_given") else ""
+    given = _hours_budget(v)
+    budget = f"{given}; " if given else ""
     if v.plan.get("compute_hours") is None:
-        return "--hours (no peak: no tokens)"
+        return f"{given or '--hours'} (no peak: no tokens)"
     if _predicted(v) and budget:
-        return "--hours (the tokens it affords are predicted)"
+        return f"{given} (the tokens it affords are predicted)"
     if _predicted(v):
         return ("predicted: total FLOPs ÷ effective FLOP/s at the traced step's predicted MFU"
                 + _likely("hours", hours_range)(v))
@@ -353,8 +361,8 @@ def _wall_how(v: PlanView) -> str:
 
 
 def _priced_on_prediction(v: PlanView) -> bool:
-    """The GPU-hours and cost come from a predicted wall time (not the user's --hours)."""
-    return _predicted(v) and not v.plan.get("hours_given")
+    """The GPU-hours and cost come from a predicted wall time (not a time budget)."""
+    return _predicted(v) and not _hours_budget(v)
 
 
 def _gpu_hours_how(v: PlanView) -> str:
