@@ -74,3 +74,22 @@ def test_a_fixed_validation_request_over_a_tenth_is_said(cli, tmp_path):
     small = cli("prepare", str(src), "--out", str(tmp_path / "small"), "--vocab-size", "300", "--val-tokens", "2K",
                 cwd=tmp_path)
     assert small.returncode == 0 and "held out:" not in small.stdout, small.stdout
+
+
+def test_bytes_that_are_not_utf8_past_the_head_are_said_with_file_and_offset(cli, tmp_path):
+    """The content check reads a head block; a file whose head is UTF-8 but holds Latin-1 bytes
+    further on was read with U+FFFD in their place without a word. The replacement stays (as
+    documented) and is said: the file, how many, and the first one's byte offset."""
+    src = tmp_path / "src"
+    src.mkdir()
+    head = TEXT.encode()[:20000]
+    (src / "good.txt").write_text(TEXT)
+    (src / "latin.txt").write_bytes(head + "caf\xe9 cr\xe8me\n".encode("latin-1") + head)
+    (src / "later.jsonl.gz").write_bytes(gzip.compress(b'{"text": "fine"}\n' * 1000 + b'{"text": "na\xefve"}\n'))
+    proc = cli("prepare", str(src), "--out", str(tmp_path / "data"), "--vocab-size", "300", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    line = next((ln for ln in proc.stdout.splitlines() if "not UTF-8" in ln), "")
+    assert "2 file(s)" in line, proc.stdout
+    assert "latin.txt (2 sequence(s), the first at byte 20,003: 0xe9)" in line, line
+    assert "later.jsonl.gz (1 sequence(s), the first at byte 17,012 of its decompressed text: 0xef)" in line, line
+    assert "good.txt" not in line

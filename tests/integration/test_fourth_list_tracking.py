@@ -84,6 +84,31 @@ def test_an_unreachable_server_is_named_before_any_wait(tmp_path):
         assert wandb_server_problem(online, {"WANDB_BASE_URL": up}) == ""
 
 
+def test_the_check_goes_where_wandb_would_through_a_proxy():
+    """Behind a proxy, wandb's HTTP client reaches its server through the proxy, not directly: the
+    check connects to the proxy (a real listening socket), and names it when that is down."""
+    import socket
+
+    from flopwise.config import TrackingConfig
+    from flopwise.measure.tracking import wandb_server_problem
+
+    online = TrackingConfig(wandb=True, wandb_mode="online")
+    url = f"http://127.0.0.1:{_closed_port()}"  # not reachable directly
+    with socket.socket() as proxy:
+        proxy.bind(("127.0.0.1", 0))
+        proxy.listen()
+        up = f"http://127.0.0.1:{proxy.getsockname()[1]}"
+        assert wandb_server_problem(online, {"WANDB_BASE_URL": url, "HTTP_PROXY": up}) == ""
+        # NO_PROXY naming the host: the server is reached directly, and it is down
+        direct = wandb_server_problem(online, {"WANDB_BASE_URL": url, "HTTP_PROXY": up, "NO_PROXY": "127.0.0.1"})
+        assert "cannot be reached (" in direct and "proxy" not in direct
+    down = f"http://127.0.0.1:{_closed_port()}"
+    problem = wandb_server_problem(online, {"WANDB_BASE_URL": url, "http_proxy": down})
+    assert f"cannot be reached through the proxy {down}" in problem, problem
+    assert "FLOPWISE_WANDB_CONNECT_TIMEOUT='soon': not a number" in wandb_server_problem(
+        online, {"WANDB_BASE_URL": url, "FLOPWISE_WANDB_CONNECT_TIMEOUT": "soon"})
+
+
 def test_train_refuses_in_one_line_before_the_run_directory(cli_env, tiny_overrides, tmp_path):
     """With a key but no reachable server, wandb's init waited ~113 s and raised CommError, leaving
     a run directory with no checkpoint. A stand-in `wandb` package here records whether its init

@@ -890,6 +890,8 @@ def _prepare_locked(opts: PrepareOptions, out: Path, source: Source, fp: str, lo
         log(f"prepare: WARNING: could not sync {out.parent} after the rename: {describe_write_error(e)}")
 
     log(f"prepare: done in {time.perf_counter() - t_start:.1f}s · {progress.line()}")
+    for note in source.read_notes():  # what reading found: bytes that are not UTF-8, with where
+        log(f"prepare: {note}")
     _log_splits(opts, out, splits, floor, dtype, log)
     return out
 

@@ -45,8 +45,10 @@ SOURCE is one of:
     (gzip, concatenated members allowed) or ``.zst`` / ``.zstd`` (``zstandard``,
     streaming, multi-frame allowed), e.g. ``data.jsonl.gz``, ``part-0.txt.zst``.
 
-  Text is decoded as UTF-8 with ``errors="replace"``: bytes that are not UTF-8 become
-  U+FFFD instead of stopping the run (a leading UTF-8 byte-order mark is dropped).
+  Text is decoded as UTF-8, bytes that are not UTF-8 becoming U+FFFD instead of stopping
+  the run (a leading UTF-8 byte-order mark is dropped); each file where that happened is
+  named once it was read (:attr:`Source.read_notes`), with the count and the first one's
+  byte offset.
 - ``hf:NAME[:CONFIG]``: a Hugging Face dataset, loaded with
   ``datasets.load_dataset(NAME, CONFIG, split=, streaming=True, revision=,
   data_files=)`` and, with ``shuffle_buffer > 0``, shuffled with
@@ -79,6 +81,7 @@ import json
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable, Generator, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -117,6 +120,8 @@ class Source:
     identity: dict  # JSON-able identity of the inputs (part of the data fingerprint)
     _documents: Callable[[], Iterator[str]] = field(repr=False, compare=False)
     notes: list[str] = field(default_factory=list)  # for the user (e.g. links not followed)
+    # for the user once the documents were read: what reading found (bytes that are not UTF-8)
+    read_notes: Callable[[], list[str]] = field(default=lambda: [], repr=False, compare=False)
 
     def documents(self) -> Iterator[str]:
         """One string per document, in a deterministic order, streamed."""
@@ -258,6 +263,8 @@ class _File:
     mtime_ns: int
     fmt: str  # "txt" | "jsonl" | "json" | "parquet"
     comp: str  # "" | "gz" | "zst"
+    # bytes read as U+FFFD (not UTF-8), by a pass over it: {"count": N, "offset": first, "byte": its value}
+    replaced: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def _classify(name: str) -> tuple[str, str] | None:
@@ -474,7 +481,7 @@ def _open_files(spec: str, path: Path, text_field: str, follow_links: bool = Fal
         for f in files:
             yield from _file_documents(f, text_field)
 
-    return Source("files", desc, identity, documents, notes)
+    return Source("files", desc, identity, documents, notes, read_notes=lambda: _replaced_note(files))
 
 
 @contextmanager
@@ -490,14 +497,75 @@ def _open_binary(f: _File) -> Iterator[io.BufferedReader | gzip.GzipFile]:  # or
             yield fh
 
 
+class _Counted(io.BufferedIOBase):
+    """A binary stream that counts the bytes it hands on, so that a byte the UTF-8 decoder cannot
+    decode is placed in the file (:func:`_note_replaced`): the text reader decodes each block as
+    soon as it has read it, so the decoder's input ends where this stream's count is."""
+
+    _last = threading.local()  # the stream that handed on the latest block, in this thread
+
+    def __init__(self, raw):
+        super().__init__()
+        self._inner, self.pos, self.count, self.first = raw, 0, 0, (-1, 0)
+
+    @property
+    def name(self) -> Any:  # the text reader's name is its stream's
+        return getattr(self._inner, "name", "")
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int | None = -1) -> bytes:
+        return self._handed(self._inner.read(-1 if n is None else n))
+
+    def read1(self, n: int = -1) -> bytes:
+        return self._handed(self._inner.read1(n) if hasattr(self._inner, "read1") else self._inner.read(n))
+
+    def _handed(self, data: bytes) -> bytes:
+        self.pos += len(data)
+        _Counted._last.stream = self
+        return data
+
+
+def _note_replaced(e: UnicodeError) -> tuple[str, int]:
+    """The text reader's decoding error handler: U+FFFD, as ``errors="replace"``, and the bytes
+    counted, the first one's offset kept, for the file's note (:func:`_replaced_note`)."""
+    if not isinstance(e, UnicodeDecodeError):
+        raise e
+    stream = getattr(_Counted._last, "stream", None)
+    if stream is not None:
+        stream.count += 1
+        if stream.first[0] < 0:
+            stream.first = (stream.pos - len(e.object) + e.start, e.object[e.start])
+    return "\ufffd", e.end
+
+
+codecs.register_error("flopwise-replace-noted", _note_replaced)
+
+
 @contextmanager
 def _open_text(f: _File, newline: str) -> Iterator[io.TextIOWrapper]:
     with _open_binary(f) as raw:
-        text = io.TextIOWrapper(raw, encoding="utf-8-sig", errors="replace", newline=newline)
+        counted = _Counted(raw)
+        text = io.TextIOWrapper(counted, encoding="utf-8-sig", errors="flopwise-replace-noted", newline=newline)
         try:
             yield text
         finally:
             text.detach()  # the binary stream is closed by _open_binary
+            if counted.count > f.replaced.get("count", 0):  # the pass that read the most of it
+                f.replaced.update(count=counted.count, offset=counted.first[0], byte=counted.first[1])
+
+
+def _replaced_note(files: list[_File]) -> list[str]:
+    """The note, once the files were read, on those whose bytes that are not UTF-8 were read as
+    U+FFFD: each with the count and the first one's byte offset (in the decompressed text where
+    the file is compressed); [] when there are none."""
+    shown = [f"{f.rel} ({f.replaced['count']:,} sequence(s), the first at byte {f.replaced['offset']:,}"
+             f"{' of its decompressed text' if f.comp else ''}: 0x{f.replaced['byte']:02x})"
+             for f in files if f.replaced.get("count")]
+    if not shown:
+        return []
+    return [f"read {len(shown)} file(s) with bytes that are not UTF-8 as U+FFFD: {_shown_names(shown)}"]
 
 
 def _read_errors(f: _File) -> tuple[type[BaseException], ...]:

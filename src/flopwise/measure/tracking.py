@@ -181,23 +181,47 @@ WANDB_CONNECT_TIMEOUT_S = 10.0
 
 def wandb_server_problem(tracking, environ: Mapping[str, str] | None = None) -> str:
     """Why W&B online cannot reach its server, or "": a TCP connection to the host and port of
-    ``WANDB_BASE_URL`` (default wandb's own) within the timeout. Not a login: the key was checked
-    by :func:`wandb_login_problem`; this finds the server that is down, a wrong URL, no network."""
+    ``WANDB_BASE_URL`` (default wandb's own) within the timeout -- or to the proxy that wandb's
+    HTTP client would go through (``HTTPS_PROXY`` and the like, unless ``NO_PROXY`` names the
+    host). Not a login: the key was checked by :func:`wandb_login_problem`; this finds the server
+    that is down, a wrong URL, no network."""
     env = os.environ if environ is None else environ
     if not tracking.wandb or tracking.wandb_mode != "online":
         return ""
     url = env.get("WANDB_BASE_URL") or WANDB_BASE_URL
     server = urlsplit(url)
-    port = server.port or (443 if server.scheme == "https" else 80)
-    timeout = float(env.get("FLOPWISE_WANDB_CONNECT_TIMEOUT") or WANDB_CONNECT_TIMEOUT_S)
+    proxy = _proxy_for(server.scheme, server.hostname or "", env)
+    target = urlsplit(proxy) if proxy else server
+    port = target.port or {"https": 443, "http": 80}.get(target.scheme, 1080)  # 1080: a SOCKS proxy's
+    raw = env.get("FLOPWISE_WANDB_CONNECT_TIMEOUT") or str(WANDB_CONNECT_TIMEOUT_S)
     try:
-        with socket.create_connection((server.hostname or "", port), timeout=timeout):
+        timeout = float(raw)
+    except ValueError:
+        timeout = math.nan
+    if not timeout > 0:
+        return f"FLOPWISE_WANDB_CONNECT_TIMEOUT={raw!r}: not a number of seconds above 0"
+    try:
+        with socket.create_connection((target.hostname or "", port), timeout=timeout):
             return ""
     except OSError as e:
         why = "no answer in {:g} s".format(timeout) if isinstance(e, TimeoutError) else (e.strerror or str(e))
-        return (f"tracking.wandb_mode=online: the W&B server {url} cannot be reached ({why}): check "
-                "WANDB_BASE_URL and the network, or set tracking.wandb_mode=offline to log locally for a "
-                "later `wandb sync`")
+        via = f" through the proxy {proxy}" if proxy else ""
+        return (f"tracking.wandb_mode=online: the W&B server {url} cannot be reached{via} ({why}): check "
+                f"WANDB_BASE_URL{', the proxy' if proxy else ''} and the network, or set "
+                "tracking.wandb_mode=offline to log locally for a later `wandb sync`")
+
+
+def _proxy_for(scheme: str, host: str, env: Mapping[str, str]) -> str:
+    """The proxy URL that an HTTP client reading the environment (wandb's, requests) uses for
+    ``host``, or "": ``https_proxy`` / ``http_proxy`` by the scheme, else ``all_proxy`` (either
+    case), unless ``no_proxy`` is ``*`` or names the host or a domain above it."""
+    low = {k.lower(): v for k, v in env.items() if k.lower().endswith("proxy") and v}
+    skip = [h.strip().lstrip(".").lower() for h in low.get("no_proxy", "").split(",") if h.strip()]
+    host = host.lower()
+    if "*" in skip or any(host == h or host.endswith("." + h) for h in skip):
+        return ""
+    proxy = low.get(f"{scheme}_proxy") or low.get("all_proxy") or ""
+    return proxy if "://" in proxy or not proxy else f"http://{proxy}"
 
 
 def check_wandb_login(tracking) -> None:
