@@ -200,16 +200,3 @@ def _better(best: Trial | None, t: Trial, device_type: str) -> tuple[Trial | Non
         return t, "the first size that fits"
     return choose([best, t], device_type)
 
-
-def launch_command(nproc_per_node: int, nnodes: int = 1) -> str:
-    """The command that starts ``flopwise train`` on the ranks a choice was made for: plain on one
-    process; torchrun with ``--nproc-per-node`` on one node; and on several, torchrun with the
-    node count and a c10d rendezvous, whose ``HEAD`` (the first node's address) and job id the
-    user fills in. Pasted as ``flopwise train`` alone, an N-rank choice would train one rank
-    with N times the accumulation."""
-    if nproc_per_node * nnodes <= 1:
-        return "flopwise train"
-    if nnodes <= 1:
-        return f"torchrun --nproc-per-node {nproc_per_node} -m flopwise train"
-    return (f"torchrun --nnodes {nnodes} --nproc-per-node {nproc_per_node} --rdzv-backend c10d "
-            f"--rdzv-endpoint HEAD:29500 --rdzv-id JOB -m flopwise train")

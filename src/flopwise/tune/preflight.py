@@ -77,13 +77,14 @@ from flopwise.train.checkpoint import save_checkpoint
 from flopwise.train.defaults import device_peak, resolve_speed
 from flopwise.train.precision import cpu_native_bf16, resolve
 from flopwise.train.trainer import train
-from flopwise.tune.choice import Trial, choose, label, launch_command, median_spread, rate, short, tied
+from flopwise.tune.choice import Trial, choose, label, median_spread, rate, short, tied
 from flopwise.tune.choice import search as search_sizes
 from flopwise.tune.explain import explain_run
 from flopwise.tune.ladder import climb, planned_gb, with_settings
 from flopwise.tune.progress import StepProgress
 from flopwise.tune.request import Bench, Log, TuneHooks, TuneRequest
 from flopwise.tune.trial import TrialRunner, failure_status, ready_processes, start_trial_processes
+from flopwise.tune.virtual import launch_command
 
 STARVATION_WARN = 0.05  # waiting for data above 5% of step time deserves a look
 Clock = Callable[[], float]

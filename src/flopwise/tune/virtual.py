@@ -34,7 +34,6 @@ from flopwise.plan import accuracy, hardware
 from flopwise.plan.budget import PlanError, PlanInputs, predicted_range, tokens_time_cost
 from flopwise.plan.flops import flops_per_token, param_counts
 from flopwise.plan.render import gpu_hours_range, gpu_hours_text, hours_range, hours_text, network_text
-from flopwise.tune.choice import launch_command
 from flopwise.tune.dryrun import WRAPPERS, dry_run, dry_run_batch, gpu_spec, network_problem
 
 Log = Callable[[str], None]
@@ -372,3 +371,17 @@ def _budget_lines(b: dict[str, Any], v: dict[str, Any]) -> list[str]:
                 f"${b['price_per_gpu_hour']:g}/GPU-hour" if b.get("cost") else "") + " (predicted)"
     return [f"{head}{cost}",
             *([f"             likely ranges: {accuracy.band_text(r)}"] if r else [])]
+
+
+def launch_command(nproc_per_node: int, nnodes: int = 1) -> str:
+    """The command that starts ``flopwise train`` on the ranks a choice was made for: plain on one
+    process; torchrun with ``--nproc-per-node`` on one node; and on several, torchrun with the
+    node count and a c10d rendezvous, whose ``HEAD`` (the first node's address) and job id the
+    user fills in. Pasted as ``flopwise train`` alone, an N-rank choice would train one rank
+    with N times the accumulation."""
+    if nproc_per_node * nnodes <= 1:
+        return "flopwise train"
+    if nnodes <= 1:
+        return f"torchrun --nproc-per-node {nproc_per_node} -m flopwise train"
+    return (f"torchrun --nnodes {nnodes} --nproc-per-node {nproc_per_node} --rdzv-backend c10d "
+            f"--rdzv-endpoint HEAD:29500 --rdzv-id JOB -m flopwise train")
