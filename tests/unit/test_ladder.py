@@ -233,10 +233,10 @@ def test_an_option_the_memory_model_says_cannot_fit_is_not_run():
         measured.append((cfg.train.micro_batch_size, cfg.train.activation_checkpointing))
         return scripted({}, extra=lambda c, w: 1 + c.train.micro_batch_size / 100)(cfg)  # larger is faster
 
-    # planned peak (tiny preset): 32 -> 0.31 GiB, 64 -> 0.49 GiB; 90% of 0.5 GiB is 0.45
-    lad = climb(base(["train.global_batch_size=128"]), measure_one, [16, 32, 64, 128], bench(memory_gb=0.5), ask())
+    # planned peak (tiny preset): 32 -> 0.25 GiB, 64 -> 0.43 GiB (0.16 with checkpointing); 90% of 0.4 GiB is 0.36
+    lad = climb(base(["train.global_batch_size=128"]), measure_one, [16, 32, 64, 128], bench(memory_gb=0.4), ask())
     row = next(r for r in lad["rungs"] if r["change"] == "train.micro_batch_size=64")
-    assert row["status"] == "no-fit" and row["why"].startswith("planner: 0.49 GiB > 90% of 0.5 GiB"), row["why"]
+    assert row["status"] == "no-fit" and row["why"].startswith("planner: 0.43 GiB > 90% of 0.4 GiB"), row["why"]
     assert (64, "none") not in measured and (128, "none") not in measured
     assert any(b == 64 and ckpt != "none" for b, ckpt in measured)  # where checkpointing makes it fit, it runs
 

@@ -64,7 +64,12 @@ What is counted (per GPU, at the peak of a training step)
   (B*T, V) float32 result coexist with the saved log-softmax (``8 * B*T*V`` bytes);
   for ``eager`` at long sequences it can be the last block's backward (two (B, H, T, T)
   float32 gradients). With checkpointing, the recomputed block and the loss
-  temporaries are not added together.
+  temporaries are not added together. With ``loss="chunked"`` (what ``train`` takes on
+  a GPU) the loss peaks in its forward, one chunk at a time, and at a large micro-batch
+  the last block's MLP backward is the worst moment (:func:`_block_backward`); compiled,
+  its gradients are counted unfused, as the dry run's trace holds them, so that ``flopwise
+  plan`` and ``flopwise preflight --dry-run`` find the same largest micro-batch (within 0.1%
+  of the traced peak for llama-style blocks and GPT-2's at 8 x H100, ddp, bf16).
 
 * **Buffers** (``buffers``): the float32 RoPE tables, 2 x max_seq_len x hd x 4 bytes.
 
@@ -208,7 +213,7 @@ class MemorySettings:
     grad_accum: int = 1
     # train.compile is on (model or blocks): the saved activations are the min-cut partitioner's
     # (it recomputes cheap pointwise results in backward rather than keeping them), see
-    # compiled_layer_terms; the temporaries are still modelled as eager's (inductor fuses some).
+    # compiled_layer_terms; the temporaries are the partitioner's graph's, unfused (_block_backward).
     compiled: bool = False
     # train.compile=model: the plain loss is compiled in one graph with the model. Inductor's
     # cross-entropy then saves neither the logits nor the float32 log-softmax (recomputed in
@@ -473,9 +478,13 @@ def compiled_layer_terms(cfg: ModelConfig, micro_batch: int, seq_len: int,
                          settings: MemorySettings) -> dict[str, int]:
     """Bytes one dense block saves for backward when compiled (AOTAutograd's min-cut
     partitioner, the one inductor uses): the inputs of its matmuls in the compute dtype, the
-    block's input and the attention kernel's own; norms, RoPE and activation functions are
-    recomputed from them. Read off the partitioner's saved set in the dry run's trace
-    (``tests/integration/test_dryrun.py`` holds the two within 10%)."""
+    block's input, the norms' statistics and the attention kernel's own; norms, RoPE and
+    activation functions are recomputed from them. Counted by storage, as the allocator holds
+    them: ``v`` (and, without RoPE, ``q`` and ``k``) is a view of the fused projection's output,
+    which it keeps whole; ``wo``'s input is a view of the attention output (the flash kernels lay
+    it out as (B, T, H, hd)). Read off the partitioner's saved set in the dry run's trace: equal to
+    the byte for smollm-135m's, smollm-360m's, smollm-1.7b's, llama3.2-1b's and gpt2-124m's blocks
+    on torch 2.13 (``tests/integration/test_dryrun.py`` holds the two within 10%)."""
     d = _dtypes(settings)
     c, r = d["compute"], d["residual"]
     D, H, KV, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.resolved_head_dim
@@ -483,14 +492,17 @@ def compiled_layer_terms(cfg: ModelConfig, micro_batch: int, seq_len: int,
     N = micro_batch * seq_len
     t = {
         "block_input": N * r * D,  # the residual stream entering the block: both norms recompute from it
+        "norm_stats": 2 * N * (8 if cfg.norm == "layernorm" else 4),  # float32 rstd (and mean) of each norm
         "norm_outputs": 2 * N * c * D,  # the inputs of wqkv and of the MLP's first projection
-        "q_k_rotated": N * c * (q + kv),  # what SDPA saves
-        "v": N * c * kv,
-        "attn_out": N * c * q,  # SDPA's output, saved for its backward
-        "attn_out_rows": N * c * q,  # wo's input: the graph keeps its own (B*T, H*hd) copy
+        "qkv": N * c * (q + 2 * kv),  # the fused projection's output: v (and q, k without RoPE) views of it
+        "attn_out": N * c * q,  # SDPA's output, saved for its backward; wo's input is a view of it
         "logsumexp": N * 4 * H,
         "attn_proj_out": N * c * D,  # wo's output: the residual sum in the MLP half is recomputed from it
     }
+    if cfg.qk_norm:
+        t["qk_norm_stats"] = N * (H + KV) * 4  # each head's float32 rstd
+    if cfg.pos_emb == "rope":
+        t["q_k_rotated"] = N * c * (q + kv)  # what SDPA saves: RoPE's outputs, new tensors
     if cfg.mlp == "swiglu":
         t["swiglu"] = N * c * 3 * cfg.ffn_hidden  # gate|up, and silu(gate) * up (w_down's input)
     else:
@@ -556,49 +568,102 @@ def _logits_bytes(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: Me
     if settings.loss == "plain" and settings.loss_in_graph:  # int64 targets, a float32 log-sum-exp a row
         return N * 8 + N * 4
     if settings.loss == "chunked":
-        # model/loss.py with the gradients computed in the forward: the (N, D) input
-        # gradient in the compute dtype and the (V, D) float32 head gradient are held until
-        # backward, with the int64 targets; no logits survive the forward.
-        return N * cfg.d_model * c + V * cfg.d_model * 4 + N * 8
+        # model/loss.py with the gradients computed in the forward: the (N, D) input gradient
+        # in the dtype of its input (the final norm's output: the residual stream's) and the
+        # (V, D) float32 head gradient are held until backward, with the int64 targets; no
+        # logits survive the forward.
+        return N * cfg.d_model * _dtypes(settings)["residual"] + V * cfg.d_model * 4 + N * 8
     # logits (B, T, V) in compute dtype, held by the caller through backward;
     # float32 log-softmax saved by cross_entropy; int64 targets; the 0-d total_weight.
     return N * V * c + N * V * 4 + N * 8 + 4
 
 
+def _chunked_loss_tmp(cfg: ModelConfig, N: int, settings: MemorySettings) -> int:
+    """What ``train.loss=chunked`` (model/loss.py) holds during its forward beyond what it keeps:
+    one chunk's float32 logits and, for a 2-byte compute dtype, their rounded copy; the head
+    weight cast to the compute dtype (autocast's copy, here the loss's own) and the chunk's
+    weight-gradient product in it; and its input, the final norm's output, alive until the
+    loss returns."""
+    d = _dtypes(settings)
+    c, D, V = d["compute"], cfg.d_model, cfg.vocab_size
+    chunk = min(settings.loss_chunk_tokens, N) * V * (4 + (c if c != 4 else 0))
+    cast = V * D * c if settings.autocast and settings.strategy != "fsdp2" else 0  # FSDP2 gathers it in bf16
+    product = V * D * c if c != 4 else 0
+    return chunk + cast + product + N * D * d["residual"]
+
+
+def _block_backward(cfg: ModelConfig, N: int, settings: MemorySettings) -> tuple[int, int]:
+    """``(temporaries, freed)`` at the worst moment of the last block's backward (its MLP's).
+
+    Eager, the kernels' own: the largest gradient buffer, SwiGLU's (B, T, 2F) gate|up gradient
+    (or the experts'), beside the residual stream's gradient, nothing of the block freed yet --
+    within 1% of the peak MemTracker measures on CPU with the chunked loss. (The eager dry run
+    traces silu's backward as its decomposition on fake tensors, eight (B, T, F) where a GPU runs
+    one kernel: above this.)
+
+    Compiled (``train.compile`` on a GPU), as the dry run's trace holds them, so that ``flopwise
+    plan`` and ``flopwise preflight --dry-run`` find the same largest micro-batch: the
+    partitioner's backward graph before inductor fuses it -- SwiGLU's three float32 (B, T, F)
+    intermediates and the down projection's input gradient, GELU's six float32 ones -- the
+    residual stream's gradient and the down projection's float32 weight gradient before it joins
+    ``.grad``; against them, what that backward has freed of the block's saved tensors by then
+    (the down projection's input; GELU's, also its other (B, T, F) input). Inductor fuses some
+    of these: the figure, like the trace's, is an upper bound there. Squared ReLU, mixtures of
+    experts and FSDP2's bf16 blocks keep the eager count."""
+    d = _dtypes(settings)
+    c, r = d["compute"], d["residual"]
+    F, D = cfg.ffn_hidden, cfg.d_model
+    traced = settings.compiled and cfg.mlp in ("swiglu", "gelu") and settings.strategy != "fsdp2"
+    if cfg.is_moe or not traced:
+        width = 2 * cfg.moe_top_k * cfg.expert_ffn_hidden if cfg.is_moe else 2 * F
+        return N * (c * width + r * D), 0
+    if cfg.mlp == "swiglu":
+        return N * (3 * 4 * F + c * F + r * D) + D * F * 4, N * c * F
+    return N * (6 * 4 * F + r * D) + D * F * 4, 2 * N * c * F
+
+
 def _transient(cfg: ModelConfig, B: int, T: int, settings: MemorySettings, terms: dict[str, int],
                final_norm: int, recomputed: int = 0) -> tuple[int, int, int]:
-    """Temporaries on top of the saved tensors at the worst moment of backward.
+    """Temporaries on top of the saved tensors at the worst moment of the step.
 
     Returns ``(transient, loss_tmp, block_tmp)``. The loss backward allocates the
     (B*T, V) float32 gradient of ``nll_loss`` and then that of ``log_softmax`` while the
-    saved log-softmax still exists: ``8 * B*T*V``. By the time the last block's backward
-    runs, the log-softmax and the final norm's tensors are freed; that block then needs
-    at most its largest gradient buffer -- SwiGLU's (B, T, 2F) gate|up gradient -- or for
-    ``eager`` the float32 gradients of the (B, H, T, T) probabilities and scores, while
-    its MLP half is already freed. For language models the loss usually dominates
-    (measured on CPU with ``MemTracker`` in the tests).
+    saved log-softmax still exists: ``8 * B*T*V``; the chunked loss peaks in its forward
+    (:func:`_chunked_loss_tmp`). By the time the last block's backward runs, the log-softmax
+    (or the chunked loss's input gradient) and the final norm's tensors are freed; that block
+    then holds the gradients of its MLP's backward (:func:`_block_backward`) -- or for
+    ``eager`` attention the float32 gradients of the (B, H, T, T) probabilities and scores,
+    while its MLP half is already freed. With the plain loss the loss usually dominates
+    (measured on CPU with ``MemTracker`` in the tests); with the chunked loss, at a large
+    micro-batch, the block does.
     """
-    c = _dtypes(settings)["compute"]
+    c, r = _dtypes(settings)["compute"], _dtypes(settings)["residual"]
     N, V = B * T, cfg.vocab_size
     loss_tmp = 8 * N * V
-    if settings.loss == "chunked":  # one chunk's logits (compute dtype) and its float32 softmax and gradient
-        loss_tmp = min(settings.loss_chunk_tokens, N) * V * (c + 8)
+    chunked = settings.loss == "chunked"
+    if chunked:
+        loss_tmp = _chunked_loss_tmp(cfg, N, settings)
     in_graph = settings.loss == "plain" and settings.loss_in_graph
     if in_graph:  # compiled with the model: recomputed logits and their gradients (MemorySettings.loss_in_graph)
         loss_tmp = 12 * N * V
+    block_freed = 0
     if settings.attention == "eager":
         block_tmp = 2 * B * cfg.n_heads * T * T * 4 - terms["mlp_norm"] - terms.get("swiglu", 0) \
             - terms.get("experts", 0)
-    else:
+    elif recomputed:  # the recomputed block's largest gradient buffer
         width = 2 * cfg.moe_top_k * cfg.expert_ffn_hidden if cfg.is_moe else 2 * cfg.ffn_hidden
         block_tmp = N * c * width
-    freed = (4 * N * V if settings.loss == "plain" and not in_graph else 0) + final_norm  # log-softmax, final norm
+    else:
+        block_tmp, block_freed = _block_backward(cfg, N, settings)
+    # the log-softmax (plain) or the loss's input gradient (chunked), and the final norm
+    freed = (4 * N * V if settings.loss == "plain" and not in_graph else 0) + final_norm \
+        + (N * cfg.d_model * r if chunked else 0)
     if recomputed:
         # The recomputed block (``recomputed`` bytes, counted in `activations`) exists only during
         # its own backward, after the loss temporaries are gone: the worst moment is either.
         block_tmp = max(recomputed + block_tmp - freed, 0)
         return (max(loss_tmp, block_tmp) - recomputed if B else 0), loss_tmp, block_tmp
-    block_tmp = max(block_tmp - freed, 0)
+    block_tmp = max(block_tmp - freed - block_freed, 0)
     return (max(loss_tmp, block_tmp) if B else 0), loss_tmp, block_tmp
 
 
@@ -646,7 +711,9 @@ def estimate(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: MemoryS
         # saves none, its cast cache dies with the autocast context of its forward
         # (selective_op: none saved, every block's casts are recomputed; one block's at the peak)
         cast_blocks = 1 if settings.op_checkpointed and L else kept + (1 if R else 0)
-        weight_copies = 2 * (V * D + cast_blocks * block_matmul)
+        # the chunked loss casts the head for itself, only during its forward (_chunked_loss_tmp)
+        head = 0 if settings.loss == "chunked" else V * D
+        weight_copies = 2 * (head + cast_blocks * block_matmul)
         notes.append(f"weight_copies: {settings.precision} autocast casts of the matmul weights, saved by linear "
                      "for backward")
 
@@ -661,12 +728,14 @@ def estimate(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: MemoryS
     terms = layer_activation_terms(cfg, B, T, settings)
     per_layer = sum(terms.values())
     if settings.compiled and settings.attention == "sdpa" and not cfg.is_moe and not settings.op_checkpointed:
-        # the partitioner's saved set; the eager terms still size the temporaries below
-        per_layer = sum(compiled_layer_terms(cfg, B, T, settings).values())
+        # the partitioner's saved set, and each block's graph's own cast of RoPE's cos and sin tables
+        per_layer = sum(compiled_layer_terms(cfg, B, T, settings).values()) \
+            + (2 * T * cfg.resolved_head_dim * c if cfg.pos_emb == "rope" and c != 4 else 0)
         notes.append("activations: compiled, the min-cut partitioner's saved set (matmul inputs, the block's "
                      "input, SDPA's outputs); norms, RoPE and activation functions are recomputed in backward")
     ids = N * 8  # int64 token ids saved by the embedding
-    final_norm = N * (4 * D + 4 + r * D + c * D)
+    # final norm: fp32 input, rstd, y and the head's input (cast); no input kept by the chunked loss
+    final_norm = N * (4 * D + 4 + r * D + (0 if settings.loss == "chunked" else c * D))
     # a recomputed block keeps only its input (B, T, D); at the peak one block is recomputed
     recomputed = per_layer if R else 0
     activations = ids + kept * per_layer + R * N * D * r + final_norm + recomputed

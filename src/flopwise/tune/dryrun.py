@@ -389,6 +389,35 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())[:200]
 
 
+def _fit_lines(result: dict[str, Any], how: str) -> list[str]:
+    """The fit: first, when the configured micro-batch does not fit, that it does not, in words
+    (its traced peak against the allowance, and the size that fits and splits this run's batch);
+    then the largest micro-batch that fits by trace."""
+    r, fit = result["request"], result["fit"]
+    mem_gib, asked = r["gpu"]["memory_bytes"] / 1024**3, result["micro_batch"]
+    allowed = f"the {fit['cap_gib']:.1f} GiB allowed ({100 * r['headroom']:.0f}% of {mem_gib:.0f} GiB)"
+    lines = []
+    peak = fit["tried_gib"].get(str(asked))
+    if peak is not None and not fit.get("asked_fits", peak <= fit["cap_gib"]):
+        per_rank = result["micro_batch"] * result["accum"]  # sequences per rank per optimizer step
+        split = max((m for m in range(1, (fit.get("micro_batch") or 0) + 1) if per_rank % m == 0), default=0)
+        use = (f": train.micro_batch_size={split} fits and splits the {per_rank} sequences a rank takes a step "
+               f"into {per_rank // split} micro-batches" if split else "")
+        lines.append(f"  fits       micro-batch {asked} does not fit: its traced peak ({how}) {_gib(peak)} is over "
+                     f"{allowed}{use}")
+    if fit.get("micro_batch"):
+        best = fit["tried_gib"].get(str(fit["micro_batch"]), fit["tried_gib"].get(fit["micro_batch"]))
+        within = f"({_gib(best)} within {fit['cap_gib']:.1f} GiB = {100 * r['headroom']:.0f}% of {mem_gib:.0f})"
+        if fit.get("capped"):  # the search stops at its cap: the largest that fits is not known
+            lines.append(f"  fits       up to the search's cap of {fit['micro_batch']} by trace ({how}) {within}; "
+                         "larger not tried")
+        else:
+            lines.append(f"  fits       largest micro-batch by trace ({how}): {fit['micro_batch']} {within}")
+    else:
+        lines.append(f"  fits       no micro-batch fits within {allowed} by trace")
+    return lines
+
+
 def render(result: dict[str, Any]) -> list[str]:
     """The dry run's report, a line each: what ran, memory, fit, syncs, FLOPs, compile, collectives."""
     r, t = result["request"], result["trace"]
@@ -411,18 +440,7 @@ def render(result: dict[str, Any]) -> list[str]:
     as_run = t.get("memory", eager)
     lines.append(f"             planner (flopwise plan, the step as it runs): {_gib(plan['total'])} "
                  f"({_share(plan['total'], as_run['peak_gib'])} vs the {'compiled' if compiled else 'eager'} trace)")
-    fit = result["fit"]
-    if fit.get("micro_batch"):
-        peak = fit["tried_gib"].get(str(fit["micro_batch"]), fit["tried_gib"].get(fit["micro_batch"]))
-        how = "compiled" if compiled else "eager"
-        within = f"({_gib(peak)} within {fit['cap_gib']:.1f} GiB = {100 * r['headroom']:.0f}% of {mem_gib:.0f})"
-        if fit.get("capped"):  # the search stops at its cap: the largest that fits is not known
-            lines.append(f"  fits       up to the search's cap of {fit['micro_batch']} by trace ({how}) {within}; "
-                         "larger not tried")
-        else:
-            lines.append(f"  fits       largest micro-batch by trace ({how}): {fit['micro_batch']} {within}")
-    else:
-        lines.append(f"  fits       no micro-batch fits within {fit['cap_gib']:.1f} GiB by trace")
+    lines += _fit_lines(result, "compiled" if compiled else "eager")
     syncs = t["syncs"]
     lines.append(f"  host syncs {len(syncs)} per step:" if syncs else
                  "  host syncs none in the step (its loss and gradient norm are read on log steps, other steps' "

@@ -392,6 +392,8 @@ def _launch_problems(cfg: RunConfig, device: torch.device, request: TuneRequest)
     out, world, ladder = [], request.world, request.ladder
     if ladder and not request.budget_minutes > 0:
         out.append(f"--budget-minutes {request.budget_minutes:g}: the ladder needs a time budget above 0")
+    if request.ladder_fp8 and not ladder:  # the micro-batch search keeps the precision as configured
+        out.append("--ladder-fp8 lets the ladder keep fp8: add --ladder (the micro-batch search tries no precision)")
     if not 0 < request.headroom <= 1:  # NaN fails both comparisons
         out.append(f"--headroom {request.headroom:g}: the share of the device's memory a trial may use must be "
                    "in (0, 1]")

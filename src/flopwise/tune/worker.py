@@ -524,6 +524,7 @@ def largest_fit(main: dict[str, Any], cap: int, limit: int, peak: Callable[[int]
     best = max(fits) if fits else None
     confirmed = best is not None and tried.get(best + 1, 0.0) > cap
     return {"micro_batch": best, "confirmed": confirmed, "capped": best is not None and best >= limit,
+            "asked_fits": tried[b0] <= cap,  # the configured micro-batch's own verdict
             "limit": limit, "cap_gib": cap / GIB, "per_sequence_gib": per / GIB,
             "tried_gib": {str(b): round(p / GIB, 3) for b, p in sorted(tried.items())}}
 
