@@ -52,7 +52,8 @@ SUBSTITUTE: list[tuple[str, str]] = [
     ("--train-tokens 5M", "--train-tokens 40K --tokenizer-sample-mb 1"), ("--val-tokens 200K", "--val-tokens 4K"),
     ("--test-tokens 200K", "--test-tokens 4K"), ("--limit 500", "--limit 4"),
     ("--max-tokens 200", "--max-tokens 16"),
-    ("--memory-gb 0.3", "--memory-gb 0.055"),  # the tiny preset's 0.3 GiB, for the SMALL model: micro-batch 8 does not fit
+    # the tiny preset's 0.3 GiB, for the SMALL model: 16 fits, 32 does not (as the memory model counts since issue 54, item 15)
+    ("--memory-gb 0.3", "--memory-gb 0.025"),
     (" ...", ""),  # "the rest of the command as above"
 ]
 SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=192",
