@@ -542,12 +542,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-# Flags of a measured preflight that a dry run (which times nothing) has no use for, with their defaults
-_MEASURING_FLAGS = (("--warmup", "warmup", 2), ("--steps", "steps", 3), ("--budget-minutes", "budget_minutes", 15.0),
-                    ("--isolation", "isolation", "auto"), ("--ladder-fp8", "ladder_fp8", False))
+# Flags of a measured preflight that a dry run (which times nothing) has no use for
+_MEASURING_FLAGS = (("--warmup", "warmup"), ("--steps", "steps"), ("--budget-minutes", "budget_minutes"),
+                    ("--isolation", "isolation"), ("--ladder-fp8", "ladder_fp8"))
 # Flags only --dry-run --rank uses among the dry runs: it prices the run's budget and writes virtual.json
-_RANK_FLAGS = (("--tokens", "tokens", 0), ("--hours", "hours", 0.0),
-               ("--price-per-gpu-hour", "price_per_gpu_hour", 0.0), ("--out", "out", ""))
+_RANK_FLAGS = (("--tokens", "tokens"), ("--hours", "hours"), ("--price-per-gpu-hour", "price_per_gpu_hour"),
+               ("--out", "out"))
 
 
 def _preflight_flag_problems(args: argparse.Namespace) -> list[str]:
@@ -560,11 +560,16 @@ def _preflight_flag_problems(args: argparse.Namespace) -> list[str]:
         problems.append(f"--out {args.out}: a file is there; give a directory (preflight writes its files into it)")
     if not args.dry_run:
         return problems
-    measuring = [flag for flag, name, default in _MEASURING_FLAGS if getattr(args, name) != default]
+    defaults = args._commands["preflight"]
+
+    def given(name: str) -> bool:  # set to other than the parser's default
+        return getattr(args, name) != defaults.get_default(name)
+
+    measuring = [flag for flag, name in _MEASURING_FLAGS if given(name)]
     if measuring:
         problems.append(f"{', '.join(measuring)}: a dry run times nothing (these set how a measured preflight "
                         "times its trials): drop --dry-run to measure on the device at hand, or drop them")
-    rank_only = [flag for flag, name, default in _RANK_FLAGS if getattr(args, name) != default]
+    rank_only = [flag for flag, name in _RANK_FLAGS if given(name)]
     if rank_only and not args.rank:
         problems.append(f"{', '.join(rank_only)}: a plain dry run prices no budget and writes no file; add --rank "
                         "(it ranks the candidates, prices the budget and writes virtual.json to --out), or price "

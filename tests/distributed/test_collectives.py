@@ -231,7 +231,7 @@ def _fit_progress(env, device, _):
         requested, name = False, "SIGTERM"
 
     deadline = Deadline(30.0 / 3600, time.perf_counter(), 0)  # a half-minute budget
-    fit = TimeFit(deadline, warmup_steps=0)
+    fit = TimeFit(deadline)
     seen = []
     for _ in range(3):
         votes = stop_votes(env, Signals(), deadline, fit)

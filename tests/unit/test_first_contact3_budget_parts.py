@@ -44,7 +44,7 @@ def test_a_checkpoint_records_the_runs_time_and_a_resume_continues_it():
     assert second.must_stop(now=1000.0 + 3590.0 - 1.1 * 5.0 + 0.1)
     assert not second.must_stop(now=1000.0 + 3590.0 - 1.1 * 5.0 - 0.1)
     # the fitted schedule's progress is the run's: a resume at half the budget is at half, not at 0
-    fit = TimeFit(second, warmup_steps=0, clock=lambda: 1000.0 + 1790.0)
+    fit = TimeFit(second, clock=lambda: 1000.0 + 1790.0)
     assert fit.measure() == pytest.approx(fitted_progress(1800.0, 3600.0, 2.0, 3.0))
     assert 0.49 < fit.measure() < 0.52
 

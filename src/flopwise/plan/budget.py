@@ -725,7 +725,7 @@ def tokens_time_cost(inp: PlanInputs, fpt: float, active_params: int, effective:
     elif inp.chinchilla:
         tokens = chinchilla_tokens
     elif budget_hours and effective:
-        tokens = budget_hours * 3600 * effective / fpt
+        tokens = tokens_in(budget_hours, effective, fpt)
     compute_hours = wall_hours(tokens * fpt, effective) if tokens is not None and effective else None
     limit = inp.limit or ("--tokens" if inp.tokens else "--chinchilla" if inp.chinchilla else
                           "--hours" if inp.hours else "")
@@ -739,7 +739,7 @@ def tokens_time_cost(inp: PlanInputs, fpt: float, active_params: int, effective:
             compute_hours > inp.max_hours:
         # the run stops at train.max_hours with the tokens that time affords
         limit = _time_limit(inp.max_hours, limit, tokens or 0, compute_hours)
-        tokens = inp.max_hours * 3600 * effective / fpt
+        tokens = tokens_in(inp.max_hours, effective, fpt)
         compute_hours, hours_budget = inp.max_hours, "train.max_hours"
     hours = budget_hours if budget_hours else compute_hours
     total_flops = tokens * fpt if tokens is not None else None
@@ -774,6 +774,11 @@ def wall_hours(total_flops: float, effective_flops: float) -> float:
     one definition of a planned time. The MFU is end-to-end (communication, data and host time are
     in it), so nothing is added to this. The report's planned tokens/s is its inverse."""
     return total_flops / effective_flops / 3600
+
+
+def tokens_in(hours: float, effective_flops: float, fpt: float) -> float:
+    """The tokens ``hours`` of wall time afford at ``effective_flops``: :func:`wall_hours` inverted."""
+    return hours * 3600 * effective_flops / fpt
 
 
 def comm_hours(tokens: float | None, tokens_per_step: int, at_gpus: dict[str, Any]) -> float | None:

@@ -156,7 +156,7 @@ def on_stop(run: Run, stopped: str, last: StepOutcome | None) -> str:
     save_on_stop(run, stopped)
     if p.step == 0:  # nothing trained: step 0's validation is the end's, and a sample would be noise
         return ""
-    do_val, do_sample, why = _stop_work(run, by_signal(stopped))
+    do_val, do_sample, why, sample_why = _stop_work(run, by_signal(stopped))
     if p.val_end_step == p.step and math.isfinite(p.val_end):
         do_val = False  # validated at this very step already (eval.every)
     elif not do_val:
@@ -166,23 +166,13 @@ def on_stop(run: Run, stopped: str, last: StepOutcome | None) -> str:
         val = validate(run, p.step)
         run.sink.write({"step": p.step, "tokens": p.tokens, **val_metrics(run, val)})
     if run.cfg.eval.sample_tokens > 0 and not do_sample and not at.sample:
-        run.log(f"  sample     not written: {_sample_skipped(run, by_signal(stopped))}; `flopwise generate "
-                f"{run.run_dir}` samples the checkpoint")
+        run.log(f"  sample     not written: {sample_why}; `flopwise generate {run.run_dir}` samples the checkpoint")
     return take_sample(run, p.step) if do_sample and not at.sample else ""
 
 
-def _sample_skipped(run: Run, signal_: bool) -> str:
-    """Why a stop wrote no sample (:func:`_stop_work` found no room for it)."""
-    d = run.deadline
-    need = Deadline.MARGIN * d.stop_work.sample(d.step_s)
-    room = (f"a signal's stop spends at most {SIGNAL_STOP_S:g} s after its save" if signal_ else
-            "train.max_hours left no room for it" if d.end is not None else "another rank had no time for it")
-    return f"{run.cfg.eval.sample_tokens} tokens take ~{fmt_time(need)} here, and {room}"
-
-
-def _stop_work(run: Run, signal_: bool) -> tuple[bool, bool, str]:
+def _stop_work(run: Run, signal_: bool) -> tuple[bool, bool, str, str]:
     """Whether the stop validates and samples -- the same answer on every rank (each takes part
-    in both) -- and why it does not validate."""
+    in both) -- and why it does not validate, and why it writes no sample."""
     d, e = run.deadline, run.cfg.eval
     val_s = Deadline.MARGIN * d.stop_work.validation(d.step_s)
     sample_s = Deadline.MARGIN * d.stop_work.sample(d.step_s)
@@ -198,7 +188,9 @@ def _stop_work(run: Run, signal_: bool) -> tuple[bool, bool, str]:
     votes = run.env.sum([float(do_val), float(do_sample)], run.device)
     why = f"a validation takes ~{fmt_time(val_s)} here, more than {what}" if not do_val else \
         "another rank had no time for it"
-    return votes[0] == run.world, votes[1] == run.world, why
+    sample_why = (f"{e.sample_tokens} tokens take ~{fmt_time(sample_s)} here, more than {what}" if not do_sample
+                  else "another rank had no time for it")
+    return votes[0] == run.world, votes[1] == run.world, why, sample_why
 
 
 # --------------------------------------------------------------------------- after each step

@@ -454,7 +454,7 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
         val_windows=val_windows,
         val_bytes=0, task_names=task_names, task_paths=task_paths,
         guard=NonFiniteGuard(t, uniform_loss=math.log(m.vocab_size)),  # the logits' uniform loss
-        deadline=deadline, fit=TimeFit(deadline, o.warmup_steps, clock) if o.fit_to_time else None,
+        deadline=deadline, fit=TimeFit(deadline, clock) if o.fit_to_time else None,
         total_steps=total_steps, accum=accum, micro_tokens=micro_tokens, ramp=ramp, cont=None,
         flops=flops, config_yaml=recorded.to_yaml(), record={}, plan=plan,
         uniform=math.log(data.vocab_size), notes=notes,

@@ -333,8 +333,8 @@ class TimeFit:
     (:meth:`Deadline.spent`, across its processes; the final save's time kept aside), so the decay
     ends as the budget does, and a resumed run continues it."""
 
-    def __init__(self, deadline: Deadline, warmup_steps: int, clock: Callable[[], float] = time.perf_counter):
-        self.deadline, self.warmup_steps, self.clock = deadline, warmup_steps, clock
+    def __init__(self, deadline: Deadline, clock: Callable[[], float] = time.perf_counter):
+        self.deadline, self.clock = deadline, clock
         self.agreed_progress: float | None = None  # under data parallelism: rank 0's, shared each step
 
     def measure(self) -> float:

@@ -151,12 +151,15 @@ def _forkserver() -> Literal["forkserver"]:
     """The start method of trial processes, the forkserver's imports set (read when it starts)
     and the forkserver started away from the current directory."""
     mp.set_forkserver_preload(FORKSERVER_PRELOAD)
-    _start_forkserver_elsewhere()
+    start_trial_processes()
     return "forkserver"
 
 
-def _start_forkserver_elsewhere() -> None:
-    """Start the forkserver (and multiprocessing's resource tracker) in ``/``, once. Both are
+def start_trial_processes() -> None:
+    """Start the trials' forkserver (and multiprocessing's resource tracker) in ``/``, once;
+    preflight calls it before any trial, so that what keeps it from starting (a TMPDIR too long
+    for its socket, with no shorter directory to use) is one error about the machine, not every
+    trial failing alike and a preflight that blames memory. Both are
     ``python -c`` processes, whose sys.path begins with their current directory, and the
     forkserver imports FORKSERVER_PRELOAD before anything else: started where preflight runs, a
     ``torch/`` or ``multiprocessing/`` folder there would be what they import. The processes
@@ -196,13 +199,6 @@ def _short_socket_dir() -> str | None:
     if len(tempfile.gettempdir().encode()) + _SOCKET_TAIL <= _SUN_PATH:
         return None
     return "/tmp" if os.path.isdir("/tmp") and os.access("/tmp", os.W_OK | os.X_OK) else None
-
-
-def start_trial_processes() -> None:
-    """Start the forkserver of the trials now, before any trial: what keeps it from starting (a
-    TMPDIR too long for its socket, with no shorter directory to use) is then one error about the
-    machine, not every trial failing alike and a preflight that blames memory."""
-    _start_forkserver_elsewhere()
 
 
 class ForkserverError(FlopwiseError, RuntimeError):
