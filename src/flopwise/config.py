@@ -366,7 +366,9 @@ class OptimConfig:
     muon_weight_decay: float = 0.0
     decay_fraction: float = 0.2  # schedule=wsd: the final fraction of the run spent decaying
     decay_shape: DecayShape = "linear"  # schedule=wsd: linear | cosine | sqrt
-    fit_to_time: bool = False  # schedule=wsd with train.max_hours: the decay ends as the time budget does
+    # schedule=wsd or cosine with train.max_hours: the decay ends as the time budget does (always so for a
+    # run whose only limit is train.max_hours: RunConfig.fits_to_time)
+    fit_to_time: bool = False
 
     def problems(self) -> list[str]:
         p = _Problems(_choice_problems(self, "optim"))
@@ -395,8 +397,8 @@ class TrainConfig:
     seq_len: int = 128
     micro_batch_size: int = 16
     global_batch_size: int = 32  # sequences per optimizer step (all micro-batches, all ranks)
-    max_steps: int = 0  # 0 = no step limit (then max_tokens must be set)
-    max_tokens: int = 0  # 0 = no token limit; with both set, the first reached ends the run
+    max_steps: int = 0  # 0 = no step limit (then max_tokens or max_hours must be set)
+    max_tokens: int = 0  # 0 = no token limit; with several limits set, the first reached ends the run
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int = 0  # CPU threads torch computes with (torch.set_num_threads); 0 = torch's own default
@@ -407,7 +409,9 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps between checkpoints (saves); 0 = only at the end (and on a stop)
     keep_checkpoints: int = 3  # the newest N complete checkpoints are kept; 0 = keep all
     milestone_every: int = 0  # checkpoints at multiples of this step are never deleted; 0 = none
-    max_hours: float = 0.0  # wall-clock budget of this process; stops in time with a final checkpoint
+    # the run's training-time budget, across its starts; stops in time with a final checkpoint. Alone (no
+    # max_steps nor max_tokens) it is the run's length: as many steps as fit, the schedule fitted to the time
+    max_hours: float = 0.0
     nonfinite: NonFinitePolicy = "stop"  # non-finite loss or gradients: stop | skip (the update) | rollback
     nonfinite_patience: int = 3  # skips or rollbacks in a row before the run stops anyway
     # Bounds over the whole run (kept in checkpoints, so they hold across resumes): a run that
@@ -457,8 +461,9 @@ class TrainConfig:
         p.positive("train.peak_tflops", self.peak_tflops, allow_zero=True)
         if self.micro_batch_size > 0:
             p += batch_split_problems(self, 1)
-        if self.max_steps <= 0 and self.max_tokens <= 0:
-            p.append("set train.max_steps or train.max_tokens (both are 0)")
+        if self.max_steps <= 0 and self.max_tokens <= 0 and self.max_hours <= 0:
+            p.append("set train.max_steps, train.max_tokens or train.max_hours (all are 0): a run needs a length "
+                     "or a time budget")
         for name in ("activation_checkpointing_every", "loss_chunk_tokens", "batch_ramp_start", "profile_active"):
             p.positive(f"train.{name}", getattr(self, name))
         for name in ("batch_ramp_tokens", "profile_wait", "profile_warmup"):
@@ -591,8 +596,23 @@ class RunConfig:
     def tokens_per_step(self) -> int:
         return self.train.global_batch_size * self.train.seq_len
 
+    @property
+    def time_only(self) -> bool:
+        """Whether ``train.max_hours`` is the run's only limit (max_steps = max_tokens = 0): it
+        trains as many steps as fit in the time, :meth:`total_steps` is 0 (not known before the
+        run), and its schedule follows the share of the time spent (:attr:`fits_to_time`)."""
+        t = self.train
+        return t.max_hours > 0 and t.max_steps <= 0 and t.max_tokens <= 0
+
+    @property
+    def fits_to_time(self) -> bool:
+        """Whether the learning-rate schedule follows the share of ``train.max_hours`` spent
+        (``optim.fit_to_time``, or a run whose only limit is its time) instead of the steps."""
+        return self.optim.fit_to_time or self.time_only
+
     def total_steps(self) -> int:
-        """Optimizer steps planned: the first of max_steps and max_tokens to be reached."""
+        """Optimizer steps planned: the first of max_steps and max_tokens to be reached; 0 for a
+        run whose only limit is its time (:attr:`time_only`)."""
         limits = []
         if self.train.max_steps > 0:
             limits.append(self.train.max_steps)
@@ -603,8 +623,11 @@ class RunConfig:
     def step_limit(self) -> str:
         """Which of ``train.max_steps`` and ``train.max_tokens`` sets :meth:`total_steps` (the one
         reached first; max_steps on a tie), with what the other would allow when both are set:
-        e.g. ``"train.max_steps (300 steps; train.max_tokens=3000000 would allow 367)"``."""
+        e.g. ``"train.max_steps (300 steps; train.max_tokens=3000000 would allow 367)"``; for a
+        run whose only limit is its time, ``"train.max_hours (0.5 h, the run's only limit)"``."""
         t = self.train
+        if self.time_only:
+            return f"train.max_hours ({t.max_hours:g} h, the run's only limit)"
         by_tokens = -(-t.max_tokens // self.tokens_per_step) if t.max_tokens > 0 else 0
         if t.max_steps > 0 and (not by_tokens or t.max_steps <= by_tokens):
             other = f"; train.max_tokens={t.max_tokens} would allow {by_tokens:,}" if by_tokens else ""
@@ -1229,8 +1252,8 @@ def validate(cfg: RunConfig) -> list[str]:
     if cfg.eval.windows * (t.seq_len + 1) > MAX_VAL_TOKENS:
         p.append(f"eval.windows ({cfg.eval.windows:,}) x train.seq_len + 1 ({t.seq_len + 1:,}) tokens: more than "
                  f"{MAX_VAL_TOKENS:,} held at once for validation; give fewer eval.windows")
-    if o.fit_to_time and (o.schedule != "wsd" or t.max_hours <= 0):
-        p.append("optim.fit_to_time needs optim.schedule=wsd and train.max_hours > 0")
+    if o.fit_to_time and (o.schedule not in ("wsd", "cosine") or t.max_hours <= 0):
+        p.append("optim.fit_to_time needs optim.schedule=wsd or cosine and train.max_hours > 0")
     if not d.path and d.builtin_vocab_size > m.vocab_size > 0:
         p.append(
             f"data.builtin_vocab_size ({d.builtin_vocab_size}) exceeds model.vocab_size "

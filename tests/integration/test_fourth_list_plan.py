@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from flopwise.config import ConfigError, build_config
+from flopwise.config import build_config
 from flopwise.plan.budget import PlanInputs, build_plan
 from flopwise.plan.memory import MemorySettings
 from flopwise.report.compare import compare
@@ -162,13 +162,10 @@ def test_plan_says_which_limit_set_the_tokens(cli):
 
 def test_a_time_budget_alone_is_planned_as_its_time_and_the_tokens_it_reaches(cli):
     """Item 5's plan half: ``train.max_hours`` with max_steps = max_tokens = 0 is a budget of its own
-    (H1's config change makes it valid): plan it as that time, its cost, and the tokens the run is
-    expected to reach in it at the planned rate -- not as no budget, nor as a fake token count."""
+    (a valid config now): plan it as that time, its cost, and the tokens the run is expected to
+    reach in it at the planned rate -- not as no budget, nor as a fake token count."""
     alone = ["train.max_steps=0", "train.max_tokens=0", "train.max_hours=0.5"]
-    try:
-        build_config(preset="smollm-135m", overrides=alone)
-    except ConfigError as e:  # until H1's change to config.py lands; then this test runs by itself
-        pytest.skip(f"train.max_hours alone is not yet a valid config: {e}")
+    assert build_config(preset="smollm-135m", overrides=alone).time_only
     proc = cli("plan", "--preset", "smollm-135m", "--gpu", "h100", "--price-per-gpu-hour", "2", *alone, "--json")
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)

@@ -108,7 +108,7 @@ def test_bad_values_named():
         build_config(overrides=["train.max_steps=0", "train.max_tokens=0", "model.qk_norm=maybe",
                                 "train.precision=fp8", "model.arch=gpt5"])
     joined = "\n".join(err.value.problems)
-    assert "set train.max_steps or train.max_tokens" in joined
+    assert "set train.max_steps, train.max_tokens or train.max_hours (all are 0)" in joined
     assert "model.qk_norm: expected true/false, got 'maybe'" in joined
     assert "train.precision 'fp8'" in joined
     assert "model.arch 'gpt5'" in joined
@@ -253,7 +253,8 @@ def test_each_section_checks_itself():
                                                                 "model.n_kv_heads (3)"]
     assert TrainConfig(max_steps=10, activation_checkpointing_every=0).problems() == [
         "train.activation_checkpointing_every must be > 0, got 0"]
-    assert "set train.max_steps or train.max_tokens (both are 0)" in TrainConfig().problems()
+    assert TrainConfig().problems() == ["set train.max_steps, train.max_tokens or train.max_hours (all are 0): a run "
+                                        "needs a length or a time budget"]
 
 
 def test_renamed_keys_load_with_a_note_once(tmp_path):

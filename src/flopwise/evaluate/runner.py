@@ -60,6 +60,7 @@ from flopwise.evaluate.tasks import evaluate_tasks
 from flopwise.fsio import AppendFile, WriteError, is_write_fault, loads_json, write_error
 from flopwise.manifest import read_run_json
 from flopwise.model.io import EXPORT_RECORD, ModelSource, ModelSourceError, load_model, read_export_record, resolve
+from flopwise.train.stopping import TIME_USED
 
 Log = Callable[[str], None]
 EVALS_FILE = "evals.jsonl"
@@ -402,10 +403,14 @@ def run_finished(run_dir: Path) -> bool:
     """The training process wrote its result and its last checkpoint is the run's final step."""
     try:
         record_ = read_run_json(run_dir, "run.json")
-        total = load_run_config(run_dir / "config.yaml").total_steps()
+        cfg = load_run_config(run_dir / "config.yaml")
     except (OSError, ValueError, CheckpointError):  # not a finished run as it wrote itself
         return False
     last = latest_checkpoint(run_dir)
+    if cfg.time_only:  # no last step: it finished when its time was used (a signal's stop is not that)
+        result = record_.get("result") if isinstance(record_, dict) else None
+        return isinstance(result, dict) and result.get("stopped") == TIME_USED and last is not None
+    total = cfg.total_steps()
     return isinstance(record_, dict) and "result" in record_ and last is not None and int(last.name[5:]) >= total
 
 

@@ -8,6 +8,8 @@ schedule, batch ramp), each a fact the user can check against their config; a pu
 
 from __future__ import annotations
 
+import json
+
 from flopwise.data.loader import overlap_note
 from flopwise.data.meta import held_out_overlap_note
 from flopwise.measure.sinks import human
@@ -42,8 +44,10 @@ def describe(run: Run) -> list[str]:
         lines += [f"  parallel   {note}" for note in run.notes.get("parallel", [])]
     data = run.data
     epochs = ""
-    if cfg.data.loader == "epoch":
-        epochs = f" ({total * step_tokens / run.train_loader.target_tokens_per_epoch:.2f} epochs)"
+    planned_tokens = total * step_tokens if total else expected_tokens(run)  # a time-only run: what it should reach
+    if cfg.data.loader == "epoch" and planned_tokens:
+        about = "≈" if not total else ""
+        epochs = f" ({about}{planned_tokens / run.train_loader.target_tokens_per_epoch:.2f} epochs)"
     lines.append(f"  data       {data.path} · vocab {data.vocab_size:,} · train {human(data.num_tokens('train'))} "
                  f"tokens · val {human(data.num_tokens('val'))} tokens · loader {cfg.data.loader}{epochs}")
     unused = unused_vocab_note(m.vocab_size, data.vocab_size, m.d_model)
@@ -63,9 +67,14 @@ def describe(run: Run) -> list[str]:
         for i, note in enumerate(run.notes.get(label, [])):
             lines.append(f"  {label if i == 0 else '':<10} {note.removeprefix('attention: ')}")
     fpt = run.flops.per_token
-    lines.append(f"  FLOPs      {human(fpt)}/token (6·N_matmul + attention at seq {t.seq_len})"
-                 f" · {total:,} steps × {step_tokens:,} tokens = {human(total * step_tokens)} tokens planned"
-                 f" · {human(fpt * total * step_tokens)}FLOP total")
+    if total:
+        length = (f"{total:,} steps × {step_tokens:,} tokens = {human(total * step_tokens)} tokens planned"
+                  f" · {human(fpt * total * step_tokens)}FLOP total")
+    else:
+        length = "as many steps as train.max_hours holds" + (f" (≈{human(planned_tokens)} tokens, "
+                                                             f"{human(fpt * planned_tokens)}FLOP)" if planned_tokens
+                                                             else "")
+    lines.append(f"  FLOPs      {human(fpt)}/token (6·N_matmul + attention at seq {t.seq_len}) · {length}")
     ranks = f" × {world} ranks" if world > 1 else ""
     lines.append(f"  batch      global {t.global_batch_size} × seq {t.seq_len} = {step_tokens:,} tokens/step"
                  f" · micro-batch {t.micro_batch_size} × accumulation {run.accum}{ranks}")
@@ -81,7 +90,9 @@ def describe(run: Run) -> list[str]:
     lines += [f"  tracking   {note}" for note in getattr(run.sink, "notes", [])]
     sched = {"cosine": f"cosine to {o.lr * o.min_lr_ratio:g}", "constant": "constant",
              "wsd": f"WSD: {o.decay_shape} decay over the last {o.decay_fraction:.0%} to {o.lr * o.min_lr_ratio:g}"
-                    + (", fitted to train.max_hours" if o.fit_to_time else "")}[o.schedule]
+                    + (", fitted to train.max_hours" if cfg.fits_to_time else "")}[o.schedule]
+    if o.schedule == "cosine" and cfg.fits_to_time:
+        sched += " over train.max_hours (progress is the share of the time spent)"
     lines.append(f"  optimizer  {describe_optimizer(run.optimizer)} · warmup {o.warmup_steps}, {sched}"
                  f" · weight decay {o.weight_decay:g} · clip {o.grad_clip:g}")
     if not skips_on_device(run.optimizer):
@@ -111,14 +122,62 @@ def unused_vocab_note(model_vocab: int, data_vocab: int, d_model: int, pad: int 
             f"multiple of {pad})")
 
 
+def expected_rate(run: Run) -> tuple[float, str] | None:
+    """The run's tokens/s before it measures its own, and where it comes from: the preflight's
+    measured rate (``train.preflight``, at the same number of ranks), else the plan's at its
+    nominal MFU of the GPU's peak; None where neither is known (a CPU has no peak)."""
+    if run.preflight is not None:
+        try:
+            pred = json.loads(run.preflight).get("prediction") or {}
+        except ValueError:
+            pred = {}
+        rate = pred.get("tok_per_s")
+        if isinstance(rate, (int, float)) and rate > 0 and pred.get("world", 1) == run.world:
+            return float(rate), "the preflight's measured rate"
+    plan = run.plan
+    if plan.get("effective_flops") and plan.get("flops_per_token"):
+        return plan["effective_flops"] / plan["flops_per_token"], f"the plan's {100 * plan['mfu']:.0f}% MFU"
+    return None
+
+
+def expected_tokens(run: Run) -> float | None:
+    """The tokens a run whose only limit is its time is expected to reach in what is left of it."""
+    rate = expected_rate(run)
+    if rate is None or not run.cfg.time_only:
+        return None
+    left = max(run.deadline.budget_s - run.deadline.spent_before, 0.0)
+    return run.progress.tokens + rate[0] * left
+
+
+def binding_limit(run: Run) -> str:
+    """Which limit is expected to end the run, at :func:`expected_rate`: its time, or its steps."""
+    cfg, d = run.cfg, run.deadline
+    rate = expected_rate(run)
+    if cfg.time_only:
+        if rate is None:
+            return ("the run's only limit: as many steps as fit, the schedule fitted to it; the progress lines say "
+                    "the tokens it is expected to reach")
+        return (f"the run's only limit: ≈{human(expected_tokens(run) or 0)} tokens expected at {human(rate[0])} "
+                f"tok/s ({rate[1]}), the schedule fitted to it")
+    if rate is None:
+        return f"with {cfg.step_limit().split(' (')[0]}: the first reached ends the run"
+    steps_s = (run.total_steps - run.progress.step) * cfg.tokens_per_step / rate[0]
+    left = max(d.budget_s - d.spent_before, 0.0)
+    first = (f"{cfg.step_limit().split(' (')[0]} ends the run first" if steps_s <= left
+             else f"it ends the run first, at ≈{human(run.progress.tokens + rate[0] * left)} tokens")
+    return (f"with {cfg.step_limit().split(' (')[0]}: at {human(rate[0])} tok/s ({rate[1]}) the "
+            f"{run.total_steps:,} steps take ≈{fmt_time(steps_s + d.spent_before)}, so {first}")
+
+
 def budget_line(run: Run) -> str:
-    """``train.max_hours``: the run's time, across its starts; a resume says what is left of it."""
+    """``train.max_hours``: the run's time, across its starts (a resume says what is left of it),
+    and which limit is expected to end the run."""
     d, hours = run.deadline, run.cfg.train.max_hours
     line = (f"  budget     train.max_hours={hours:g} ({fmt_time(d.budget_s)}) of training time, the run's across "
             "its starts")
-    if run.start.checkpoint is None:
-        return line
-    if not d.carried:
-        return line + ": its checkpoint records no time spent (an older flopwise), so it counts from this start"
-    left = max(d.budget_s - d.spent_before, 0)
-    return line + f": {fmt_time(d.spent_before)} spent before this start, {fmt_time(left)} left"
+    if run.start.checkpoint is not None and not d.carried:
+        line += ": its checkpoint records no time spent (an older flopwise), so it counts from this start"
+    elif run.start.checkpoint is not None:
+        left = max(d.budget_s - d.spent_before, 0)
+        line += f": {fmt_time(d.spent_before)} spent before this start, {fmt_time(left)} left"
+    return f"{line}; {binding_limit(run)}"

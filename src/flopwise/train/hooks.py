@@ -25,8 +25,9 @@ from flopwise.parallel.strategy import is_fsdp_module
 from flopwise.train.checkpoint import apply_retention, set_rng_state
 from flopwise.train.dist_checkpoint import load_distributed, save_distributed
 from flopwise.train.record import TrainResult
+from flopwise.train.schedule import extension_note
 from flopwise.train.setup import Progress, Run
-from flopwise.train.stopping import Deadline, by_signal
+from flopwise.train.stopping import TIME_USED, Deadline, by_signal
 from flopwise.train.train_step import StepOutcome
 
 
@@ -132,6 +133,9 @@ def save_on_stop(run: Run, stopped: str) -> None:
     if by_signal(stopped):
         run.log(f"  stop       {stopped}: checkpoint at step {p.step:,} saved; `flopwise train --config {config}` "
                 "resumes it")
+        return
+    if run.cfg.time_only:  # its budget's end is the run's: the closing "finished:" line says how to extend it
+        run.log(f"  end        {stopped}: checkpoint at step {p.step:,} saved")
         return
     # the time budget is the run's: resumed as it is, it has nothing left to train
     hours = run.cfg.train.max_hours
@@ -286,8 +290,11 @@ def log_step(run: Run, out: StepOutcome, lr: float, due_: Due) -> None:
                            "elapsed_s": run.clock() - run.t_start}
     if world > 1:
         row.update(world_size=world, tok_per_s_per_gpu=rates["tok_per_s"] / world)
-    # training time left at the run's steady pace so far (the window's own until there is one)
-    row["eta_s"] = (run.total_steps - p.step) * (run.meter.pace() or rates["step_time_s"])
+    # training time left: at the run's steady pace so far (the window's own until there is one), or,
+    # for a run whose only limit is its time, what is left of it
+    pace = run.meter.pace() or rates["step_time_s"]
+    row["eta_s"] = (run.fit.seconds_left() if run.cfg.time_only and run.fit is not None
+                    else (run.total_steps - p.step) * pace)
     f = run.flops
     mfu = rates["mfu"]
     if mfu is not None:  # the other conventions, for comparison (docs/planning.md#conventions)
@@ -304,12 +311,13 @@ def log_step(run: Run, out: StepOutcome, lr: float, due_: Due) -> None:
     if outer is not None:
         row.update(outer)
     per_gpu = f" ({human(rates['tok_per_s'] / world)}/GPU)" if world > 1 else ""
-    run.log(f"step {p.step:>6}/{run.total_steps} | tok {human(p.tokens):>7} | loss {p.last_loss:.4f} | lr {lr:.2e}"
+    of = f"/{run.total_steps}" if run.total_steps else ""  # a run whose only limit is its time has no last step
+    run.log(f"step {p.step:>6}{of} | tok {human(p.tokens):>7} | loss {p.last_loss:.4f} | lr {lr:.2e}"
             f" | gnorm {out.grad_norm:.3f} | {human(rates['tok_per_s'])} tok/s{per_gpu}"
             f" | mfu {format_mfu(rates['mfu'])}"
             f" | {format_memory(mem)} | {1000 * rates['step_time_s']:.0f} ms/step"
             f" | {format_breakdown(parts, rates['step_time_s'])}{outer_text(outer)}"
-            f" | ETA {eta_text(row, run.deadline)}")
+            f" | ETA {eta_text(row, run.deadline, run.cfg.tokens_per_step / pace if run.cfg.time_only else None)}")
     if due_.val:
         p.val_end = validate(run, p.step)
         row.update(val_metrics(run, p.val_end))
@@ -332,9 +340,14 @@ def outer_text(outer: dict[str, Any] | None) -> str:
     return text
 
 
-def eta_text(row: dict[str, Any], deadline: Deadline) -> str:
-    """Time left at the current pace, and against ``train.max_hours`` when there is a budget."""
+def eta_text(row: dict[str, Any], deadline: Deadline, time_only_rate: float | None = None) -> str:
+    """Time left at the current pace, and against ``train.max_hours`` when there is a budget; for a
+    run whose only limit is its time (``time_only_rate``: its tokens/s at the steady pace), the time
+    left of it and the tokens the run is expected to reach by its end at that pace."""
     text = f"{fmt_time(row['eta_s'])} ({fmt_time(row['elapsed_s'])} elapsed)"
+    if time_only_rate is not None:
+        reach = row["tokens"] + row["eta_s"] * time_only_rate
+        return f"{text} of training left in train.max_hours · ≈{human(reach)} tokens by its end at this pace"
     if deadline.end is not None:
         left = deadline.end - deadline.clock()
         verdict = "fits" if row["eta_s"] <= left else "stops early"
@@ -365,11 +378,12 @@ def finish(run: Run, stopped: str, train_time: float, sample: str = "") -> Train
         record = {**run.record, "result": summary, "train_time_s": train_time}
         seal_run_files(run.run_dir, {"run.json": json_text(record)})
     avg_tps = "n/a" if avg["tok_per_s"] is None else f"{human(avg['tok_per_s'])} tok/s"
-    log(f"{'stopped' if stopped else 'done'}: {p.step:,} steps · {human(p.tokens)} tokens · train "
+    ended = not stopped or (run.cfg.time_only and stopped == TIME_USED)  # a time-only run's end is its budget's
+    log(f"{'done' if ended else 'stopped'}: {p.step:,} steps · {human(p.tokens)} tokens · train "
         f"{fmt_time(train_time)} · wall {fmt_time(wall)} · {avg_tps} (after warm-up) · mfu {format_mfu(avg['mfu'])}")
     log(f"  {losses_text(p)} (uniform ln V = {run.uniform:.4f}) · {train_loss_text(p)}")
     log(f"  checkpoint {p.last_saved}")
-    if not stopped and p.step == run.total_steps:
+    if ended and (p.step == run.total_steps or run.cfg.time_only):
         log(f"  finished: {extend_text(run)}")
     if sample:
         log(f"  sample ({run.run_dir / 'samples.txt'}):")
@@ -381,6 +395,10 @@ def finish(run: Run, stopped: str, train_time: float, sample: str = "") -> Train
 def extend_text(run: Run) -> str:
     """How to train a finished run longer: the limit that ended it (``RunConfig.step_limit``), raised."""
     t, config = run.cfg.train, run.run_dir / "config.yaml"
+    if run.cfg.time_only:
+        return (f"train.max_hours={t.max_hours:g} ({fmt_time(run.deadline.budget_s)}), the run's only limit, is used: "
+                f"{run.progress.step:,} steps trained in it; `flopwise train --config {config} "
+                f"train.max_hours={2 * t.max_hours:g}` trains it longer ({extension_note(run.cfg, {}, 0, 0)})")
     limit = run.cfg.step_limit()
     if limit.startswith("train.max_tokens"):
         raise_to = f"train.max_tokens={2 * t.max_tokens}"

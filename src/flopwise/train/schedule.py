@@ -308,7 +308,7 @@ def resumed_schedule(checkpoint: Path, saved: dict[str, Any], step: int, total_s
         old = load_run_config(checkpoint / "config.yaml")
     except (ConfigError, OSError):
         old = None
-    if o.fit_to_time:  # progress is the share of train.max_hours used, not of the steps
+    if cfg.fits_to_time:  # progress is the share of train.max_hours used, not of the steps
         return resumed_time_schedule(old, saved_cont, step, cfg, budget or {})
     before = saved_cont if isinstance(saved_cont, Continuation) else None
     if ramped:
@@ -376,7 +376,7 @@ def resumed_time_schedule(old: RunConfig | None, saved_cont: Continuation | Time
         return None, ("the checkpoint records no time spent (written before flopwise kept it): the schedule fitted "
                       "to train.max_hours starts its budget over at this start")
     timed = saved_cont if isinstance(saved_cont, TimeContinuation) else None
-    old_h = old.train.max_hours if old is not None and old.optim.fit_to_time else t.max_hours
+    old_h = old.train.max_hours if old is not None and old.fits_to_time else t.max_hours
     floor = o.lr * o.min_lr_ratio
     if old_h == t.max_hours:
         if timed is None:
@@ -395,7 +395,8 @@ def resumed_time_schedule(old: RunConfig | None, saved_cont: Continuation | Time
     if prev_rate == new_rate:
         return None, (f"{change}: the rate is the same under both ({new_rate:.3g}), so the WSD fitted to the new "
                       f"budget goes on from there (its decay now starts {o.decay_fraction:.0%} before the new end)")
-    cont = TimeContinuation(step, p_new, prev_rate, t.max_hours * 3600, o.decay_shape)
+    cont = TimeContinuation(step, p_new, prev_rate, t.max_hours * 3600,
+                            o.decay_shape if o.schedule == "wsd" else "cosine")
     return cont, (f"{change}: {_time_continuation_text(cont, floor)}, where the schedule fitted to {old_h:g} h left "
                   f"it (fitting it to {t.max_hours:g} h anew would set {new_rate:.3g} at step {step + 1:,})")
 
@@ -411,7 +412,7 @@ def extension_note(cfg: RunConfig, saved: dict[str, Any], step: int, total_steps
     """What the rate does when a run whose time budget is spent gets a larger ``train.max_hours``
     (for the line that says the budget is spent)."""
     o = cfg.optim
-    if not o.fit_to_time:
+    if not cfg.fits_to_time:
         return f"the rate goes on along the {o.schedule} schedule of {total_steps:,} steps from step {step + 1:,}"
     cont = saved_continuation(saved)
     rate = fitted_rate(1.0, o, cont if isinstance(cont, TimeContinuation) else None)

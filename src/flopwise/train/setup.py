@@ -389,7 +389,7 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
         raise ConfigError(split)
     asked = cfg  # what config.yaml keeps: an `auto` is decided again where the run resumes
     cfg, speed_notes = resolve_speed(asked, device, prec.name, world)  # compile and loss made concrete
-    m, t, o, e = cfg.model, cfg.train, cfg.optim, cfg.eval
+    m, t, e = cfg.model, cfg.train, cfg.eval
     loss_impl = t.loss
     strategy = resolve_strategy(cfg, env, device, prec.name, loss_impl)  # refusals before any work
     preflight, virtual = env.on_main(lambda: checked_before_run_dir(cfg, log))  # before the run directory is made
@@ -407,7 +407,7 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
         ramp = ramp_plan(t.max_tokens, micro_tokens, accum, t.batch_ramp_tokens, t.batch_ramp_start)
         total_steps = ramp.steps if not t.max_steps else min(ramp.steps, t.max_steps)
     done = int(start.checkpoint.name[5:]) if start.checkpoint is not None else 0
-    if start.checkpoint is not None and done >= total_steps:  # nothing to train: touch nothing
+    if start.checkpoint is not None and done >= total_steps > 0:  # nothing to train: touch nothing
         return finished_run(start.run_dir, start.checkpoint, total_steps, math.log(data.vocab_size),
                             clock() - t_start, log)
     if start.checkpoint is not None and t.max_hours > 0:  # train.max_hours is the run's, not this start's
@@ -454,7 +454,7 @@ def setup(cfg: RunConfig, log: Log, fresh: bool, env: DistEnv, device: torch.dev
         val_windows=val_windows,
         val_bytes=0, task_names=task_names, task_paths=task_paths,
         guard=NonFiniteGuard(t, uniform_loss=math.log(m.vocab_size)),  # the logits' uniform loss
-        deadline=deadline, fit=TimeFit(deadline, clock) if o.fit_to_time else None,
+        deadline=deadline, fit=TimeFit(deadline, clock) if cfg.fits_to_time else None,
         total_steps=total_steps, accum=accum, micro_tokens=micro_tokens, ramp=ramp, cont=None,
         flops=flops, config_yaml=recorded.to_yaml(), record={}, plan=plan,
         uniform=math.log(data.vocab_size), notes=notes,

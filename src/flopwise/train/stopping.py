@@ -328,6 +328,9 @@ class NonFiniteGuard:
         self.seen = int(state.get("seen", 0))
 
 
+TIME_USED = "the time budget is used with the decay finished"  # why a run fitted to train.max_hours ends
+
+
 class TimeFit:
     """WSD fitted to ``train.max_hours``: progress is the share of the run's time budget used
     (:meth:`Deadline.spent`, across its processes; the final save's time kept aside), so the decay
@@ -345,6 +348,13 @@ class TimeFit:
 
     def progress(self) -> float:
         return self.agreed_progress if self.agreed_progress is not None else self.measure()
+
+    def seconds_left(self) -> float:
+        """Training time left before the fitted schedule ends: the budget, less what is kept aside
+        for the final save and the stop's work (as :meth:`measure` keeps it), less what is spent."""
+        d = self.deadline
+        kept = BUDGET_MARGIN * (d.save_s + d.stop_work.seconds(d.step_s))
+        return max(d.budget_s - kept - d.spent(self.clock()), 0.0)
 
     @staticmethod
     def done(progress: float) -> bool:

@@ -32,7 +32,7 @@ from flopwise.train.describe import describe
 from flopwise.train.record import TrainResult
 from flopwise.train.schedule import lr_for_step
 from flopwise.train.setup import Run, setup
-from flopwise.train.stopping import SignalStop, ignore_sigterm, stop_reason, stop_votes
+from flopwise.train.stopping import TIME_USED, SignalStop, ignore_sigterm, stop_reason, stop_votes
 from flopwise.train.train_step import PendingStep, StepFixed, StepOutcome, settle, train_step
 
 Log = Callable[[str], None]
@@ -129,7 +129,7 @@ def _loop(run: Run) -> tuple[str, str]:
 
     with SignalStop() as signals, profiler(t.profile, run.run_dir / "profile", t.profile_wait, t.profile_warmup,
                                            t.profile_active) as prof, _peer_failures(run.env, run.cfg):
-        while p.step < run.total_steps:
+        while p.step < run.total_steps or not run.total_steps:  # 0: the time alone ends it (TimeFit.done)
             stopped = stop_reason(run.env, signals, run.deadline, run.fit, agreed)
             if stopped:
                 break
@@ -139,7 +139,7 @@ def _loop(run: Run) -> tuple[str, str]:
             lr = lr_for_step(p.step, run.total_steps, p.tokens + step_tokens, o, t.max_tokens, run.ramp,
                              time_used, run.cont)
             if run.fit is not None and time_used is not None and run.fit.done(time_used):
-                stopped = "the time budget is used with the decay finished"  # a fitted WSD stops itself
+                stopped = TIME_USED  # a schedule fitted to the time stops itself
                 break
             if late is not None:  # a rollback it calls for restores the loader to where it stood after it
                 late[0].keep_loader_state()
@@ -175,6 +175,8 @@ def _loop(run: Run) -> tuple[str, str]:
             if settle(run, out, reload):
                 hooks.record_good(run, out, late[1])
                 last = out
+        if stopped == TIME_USED and run.outer is not None:  # the schedule's end: DiLoCo's groups merge, as at
+            run.outer.after_step(p.step, last=True)          # a last step (fragments sent at this step stay)
         if stopped:
             sample = hooks.on_stop(run, stopped, last)
     return stopped, sample

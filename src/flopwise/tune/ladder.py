@@ -147,6 +147,8 @@ def climb(cfg: RunConfig, measure_one: Callable[..., dict[str, Any]], sizes: lis
     the ladder as ``preflight.json`` records it (``report`` draws it) with the chosen settings.
     Where trials share this process (not ``bench.fresh``), the start is measured once untimed first."""
     c = Climb(measure_one, bench, request, request.tokens or cfg.total_steps() * cfg.tokens_per_step, clock)
+    if not c.run_tokens:  # a time budget alone (train.max_hours, or --hours)
+        c.fixed_hours = request.hours or cfg.train.max_hours
     if not bench.fresh:  # the first measurement in a process pays its warm-up (threads, allocator, caches)
         measure_one(cfg)
     t0 = c.clock()
@@ -191,6 +193,7 @@ class Climb:
     def __init__(self, measure_one: Callable[..., dict[str, Any]], bench: Bench, request: TuneRequest,
                  run_tokens: int, clock: Callable[[], float] = time.perf_counter):
         self.measure_one, self.bench, self.device, self.run_tokens = measure_one, bench, bench.device, run_tokens
+        self.fixed_hours = 0.0  # a run whose only limit is its time: every option trains that long, to more tokens
         self.budget_s, self.fp8 = request.budget_minutes * 60, request.ladder_fp8
         self.price = request.price_per_gpu_hour
         self.clock, self.log, self.t0 = clock, request.log, clock()
@@ -214,7 +217,7 @@ class Climb:
         """A measurement on ``world`` ranks as a ladder row's figures: the rate is the global
         batch's, MFU is per device and the cost counts every device's hours."""
         rate = m["tok_per_s"]
-        hours = self.run_tokens / rate / 3600
+        hours = self.fixed_hours or self.run_tokens / rate / 3600
         return {"tok_per_s": rate, "spread": median_spread(m.get("tok_per_s_windows") or [rate]),
                 "mfu": self.bench.mfu(rate, world), "peak_gb": m.get("peak_gb"), "loss": m.get("first_loss"),
                 "data_share": m.get("data_share"), "hours": hours,
