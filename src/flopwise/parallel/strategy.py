@@ -43,7 +43,7 @@ from flopwise.config import ConfigError, RunConfig
 from flopwise.parallel.diloco import group_size, layout_problems
 from flopwise.parallel.distributed import DistEnv
 from flopwise.plan.budget import memory_settings_for_run
-from flopwise.plan.memory import estimate
+from flopwise.plan.memory import estimate, numerics_change
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -125,8 +125,10 @@ def resolve_strategy(cfg: RunConfig, env: DistEnv, device: torch.device, precisi
         need = predicted_peak(cfg, name, world, precision, loss)
         tried.append(f"{name} {need / 2**30:.1f} GiB")
         if need <= budget:
+            change = numerics_change(name, "ddp", precision)  # ddp's numbers are auto's reference
             return Strategy(name, f"auto: predicted peak per GPU {', '.join(tried)} of {capacity / 2**30:.0f} GiB "
-                                  f"(x{HEADROOM:g} headroom): {name}")
+                                  f"(x{HEADROOM:g} headroom): {name}" + (f" ({change}: the others do not fit)"
+                                                                         if change else ""))
     fallback = "fsdp2" if not incompatibilities(cfg, "fsdp2", precision) else "ddp"
     return Strategy(fallback, f"auto: nothing fits the memory model's {budget / 2**30:.1f} GiB ({', '.join(tried)}); "
                               f"{fallback}, the most frugal that runs this config -- lower train.micro_batch_size "

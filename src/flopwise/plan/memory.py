@@ -335,14 +335,34 @@ class MemoryEstimate:
 
 # --------------------------------------------------------------------------- dtypes
 
+def residual_bytes(strategy: str, precision: str) -> int:
+    """Bytes per element of the residual stream a step trains with -- the one rule the memory
+    model and the strategy rankings share: 4 under float32 and under bf16 / fp16 autocast with
+    fp32 weights (the embedding's output is fp32 and ``x + bf16`` promotes), 2 under bf16-pure,
+    and 2 under FSDP2 with autocast precision, whose ``MixedPrecisionPolicy(param_dtype=bf16)``
+    gathers bf16 weights: the embedding's output, and so the whole stream, is bf16."""
+    if precision in AUTOCAST:
+        return 2 if strategy == "fsdp2" else 4
+    return 4 if precision == "float32" else 2
+
+
+def numerics_change(strategy: str, configured: str, precision: str) -> str:
+    """Why training with ``strategy`` changes the numbers ``configured`` trains at ``precision``
+    ("" when it does not): a residual stream of another dtype (:func:`residual_bytes`)."""
+    mine, theirs = residual_bytes(strategy, precision), residual_bytes(configured, precision)
+    if mine == theirs:
+        return ""
+    name = {4: "fp32", 2: "bf16"}
+    return (f"changes numerics: a {name[mine]} residual stream where {configured} keeps it {name[theirs]} under "
+            f"{precision}")
+
+
 def _dtypes(s: MemorySettings) -> dict[str, int]:
     """Bytes per element of each kind of tensor under ``s``."""
     if s.precision == "float32":
         d = dict(param=4, grad=4, opt=4, master=0, compute=4, residual=4)
     elif s.autocast:  # bf16 / fp16 autocast over fp32 weights
-        d = dict(param=4, grad=4, opt=4, master=0, compute=2, residual=4)
-        if s.strategy == "fsdp2":  # MixedPrecisionPolicy(param_dtype=bf16): bf16 embedding -> bf16 stream
-            d["residual"] = 2
+        d = dict(param=4, grad=4, opt=4, master=0, compute=2, residual=residual_bytes(s.strategy, s.precision))
     else:  # bf16-pure: bf16 parameters
         d = dict(param=2, grad=2, opt=4 if s.master_weights else 2, master=4 if s.master_weights else 0,
                  compute=2, residual=2)

@@ -61,7 +61,7 @@ from flopwise.model.loss import fused_linear_cross_entropy_available
 from flopwise.parallel.strategy import incompatibilities
 from flopwise.plan.budget import memory_settings_for_run
 from flopwise.plan.flops import param_counts
-from flopwise.plan.memory import estimate, state_bytes
+from flopwise.plan.memory import estimate, numerics_change, state_bytes
 from flopwise.train.precision import cpu_native_bf16, fp8_problem
 from flopwise.train.precision import resolve as resolve_precision
 from flopwise.tune.choice import Trial, median_spread, search
@@ -85,7 +85,8 @@ def with_settings(cfg: RunConfig, settings: Settings) -> RunConfig:
 def rungs(cfg: RunConfig, device: torch.device, sizes: list[int],
           fp8: bool = False) -> list[tuple[str, list[Settings] | None, str]]:
     """``(rung, options, numerics)`` in climbing order, each where this device has it.
-    ``numerics``: "same", "changed" (kept within CHANGED_NUMERICS) or "fp8" (measured where the
+    ``numerics``: "same", "changed" (kept within CHANGED_NUMERICS), "residual" (a strategy whose
+    residual stream has another dtype: measured, never kept by itself) or "fp8" (measured where the
     device and torchao can run it, kept only if asked).
     The checkpointing rung's options (None here) depend on which micro-batches did not fit."""
     t, cuda = cfg.train, device.type == "cuda"
@@ -131,7 +132,10 @@ def data_parallel_rungs(cfg: RunConfig, precision: str, strategy: str) -> list[t
     overlap more of backward, large ones pay less latency per byte)."""
     others = [s for s in ("ddp", "zero1", "fsdp2") if s != strategy and not incompatibilities(cfg, s, precision)]
     buckets = [mb for mb in (10.0, 50.0, 100.0) if mb != cfg.parallel.bucket_mb]
-    return [("strategy", [{"parallel.strategy": s} for s in others], "same"),
+    same = [s for s in others if not numerics_change(s, strategy, precision)]
+    unlike = [s for s in others if s not in same]  # fsdp2 beside ddp under bf16: another residual stream
+    return [("strategy", [{"parallel.strategy": s} for s in same], "same"),
+            *([("strategy", [{"parallel.strategy": s} for s in unlike], "residual")] if unlike else []),
             ("buckets", [{"parallel.bucket_mb": mb} for mb in buckets], "same")]
 
 
@@ -307,6 +311,10 @@ class Climb:
             return {**row, "why": f"{row['delta_prev']:+.1%}: within the noise ({noise:.1%})"}
         if numerics == "fp8" and not self.fp8:
             return {**row, "why": "fp8 changes numerics: kept only when asked for (--ladder-fp8)"}
+        if numerics == "residual":  # a strategy whose residual stream is of another dtype (plan.memory's rule)
+            s = settings["parallel.strategy"]
+            return {**row, "why": f"{s} changes numerics (another residual-stream dtype): kept only when configured "
+                                  f"(parallel.strategy={s})"}
         return {**row, "kept": True, "why": f"{row['delta_prev']:+.1%} (noise {noise:.1%}); loss within {tol:.0e}"}
 
     def micro_batches(self, sizes: list[int]) -> list[int]:

@@ -33,6 +33,7 @@ from flopwise.measure.sinks import human
 from flopwise.plan import accuracy, hardware
 from flopwise.plan.budget import PlanError, PlanInputs, predicted_range, tokens_time_cost
 from flopwise.plan.flops import flops_per_token, param_counts
+from flopwise.plan.memory import numerics_change
 from flopwise.plan.render import gpu_hours_range, gpu_hours_text, hours_range, hours_text, network_text
 from flopwise.tune.dryrun import WRAPPERS, dry_run, dry_run_batch, gpu_spec, network_problem
 
@@ -128,6 +129,15 @@ def ranked(candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(ok, key=_rate, reverse=True)
 
 
+def mark_numerics(candidates: list[dict[str, Any]], configured: str, precision: str) -> None:
+    """Each candidate's ``numerics``: why its strategy trains other numbers than the
+    ``configured`` strategy at ``precision`` ("" when it does not; ``plan.memory.numerics_change``).
+    Such a row is ranked and shown, never chosen by itself: ``parallel.strategy`` set to it
+    makes it the configured numerics."""
+    for c in candidates:
+        c["numerics"] = numerics_change(c["settings"][STRATEGY], configured, precision)
+
+
 def choose(candidates: list[dict[str, Any]], tie: float = TIE,
            configured: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """The candidate to run with: the fastest predicted among those that fit; among those within
@@ -136,7 +146,7 @@ def choose(candidates: list[dict[str, Any]], tie: float = TIE,
     changes from the ``configured`` settings. With its
     margin over the runner-up (the fastest other that fits): ``rate / runner's - 1``. None when
     nothing fits."""
-    order = ranked(candidates)
+    order = [c for c in ranked(candidates) if not c.get("numerics")]  # another numerics is never chosen by itself
     if not order:
         return None
     fastest = order[0]
@@ -262,6 +272,7 @@ def virtual_preflight(cfg: RunConfig, tracer_args: dict[str, Any], tokens: int =
         f"settings at the best of it), about {per * (total - 1) / 60:.1f} min")
     rows += tr.batch([base | {MB: b} for b in sizes], total)
     rows += _settings_rounds(tr, cfg, base, others, rows, fit["micro_batch"], total)
+    mark_numerics(rows, base[STRATEGY], first["precision"])
     choice = choose(rows, configured={k: v for k, v in base.items() if k != MB})
     return {"gpu": tr.spec.name, "world": tr.world, "nproc_per_node": tr.args["nproc_per_node"],
             "nnodes": tr.args["nnodes"], "cap_gib": tr.cap_gib, "traces": tr.done,
@@ -310,8 +321,9 @@ def render(v: dict[str, Any], run_with: list[str]) -> list[str]:
         cols = f"  {s[MB]:>5} {s[AC]:>9} {s[COMPILE]:>7} {s[LOSS]:>7} {s[STRATEGY]:>8} {peak:>12}"
         if c in order and top:
             mfu = f"{100 * p['mfu']:.1f}%" if p.get("mfu") is not None else "n/a"
+            numerics = f"  {c['numerics']}: not chosen by itself" if c.get("numerics") else ""
             lines.append(f"{cols} {1e3 * p['step_s']:>8.2f} {human(p['tokens_per_s_per_gpu']):>10} {mfu:>6} "
-                         f"{100 * _rate(c) / top:>5.1f}%  predicted{'  <- chosen' if s == chosen else ''}")
+                         f"{100 * _rate(c) / top:>5.1f}%  predicted{'  <- chosen' if s == chosen else ''}{numerics}")
         elif c.get("error"):
             lines.append(f"{cols}  the step fails: {c['error'][:120]}")
         elif not c["fits"]:
@@ -324,8 +336,15 @@ def render(v: dict[str, Any], run_with: list[str]) -> list[str]:
 
 def _choice_lines(v: dict[str, Any], run_with: list[str]) -> list[str]:
     c, b = v.get("choice"), v.get("budget")
+    other = [x for x in ranked(v["candidates"]) if x.get("numerics")]
+    faster = [x for x in other if not c or _rate(x) > _rate(c)]
+    accept = ([f"  {'not chosen' if c else 'nothing else fits'}: {label(faster[0]['settings'])}, "
+               + (f"{100 * (_rate(faster[0]) / _rate(c) - 1):+.1f}% predicted over the choice, " if c else "")
+               + f"{faster[0]['numerics']}; set parallel.strategy={faster[0]['settings'][STRATEGY]} to train with "
+               "those numerics and rank it as the configured one"] if faster else [])
     if not c or not b:
-        return ["  no candidate fits and is predicted: nothing to choose"]
+        return ["  no candidate fits and is predicted with the configured numerics: nothing to choose"
+                if other else "  no candidate fits and is predicted: nothing to choose", *accept]
     p = c["prediction"]
     margin = (f"{100 * c['margin']:+.1f}% predicted over the runner-up ({label(c['runner_up'])})"
               if c["margin"] is not None else "no runner-up")
@@ -333,6 +352,7 @@ def _choice_lines(v: dict[str, Any], run_with: list[str]) -> list[str]:
              f"predicted, {margin}; {c['why']}"]
     if c["tied"]:
         lines.append(f"             tied (predicted): {'; '.join(label(s) for s in c['tied'])}")
+    lines += accept
     lines += _budget_lines(b, v)
     overrides = [f"{k}={val}" for k, val in c["settings"].items() if k != STRATEGY or val != "single"]
     given = [a for a in run_with if a.split("=", 1)[0] not in SETTINGS]  # the choice's settings replace the user's
