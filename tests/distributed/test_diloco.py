@@ -71,6 +71,20 @@ def test_groups_agree_right_after_each_sync_and_drift_apart_between(common, tmp_
     assert rows[3]["drift"] > 0 and rows[3]["pseudo_grad_norm"] > 0
 
 
+def test_a_time_budget_alone_ends_with_the_groups_merged_as_a_last_step_does(common, tmp_path):
+    """Issue 54, item 5: a run whose only limit is train.max_hours has no last step; its end (the
+    fitted schedule's) merges the groups as a last step would. The outer sync is due only every
+    1,000 steps here, so the groups are equal at the end only through that merge."""
+    run = tmp_path / "run"
+    proc = ok(torchrun(2, common + ["parallel.group_size=1", "parallel.inner_steps=1000", "train.max_steps=0",
+                                    "train.max_tokens=0", "train.max_hours=0.003", f"train.run_dir={run}"]))
+    assert "  finished: train.max_hours=0.003" in proc.stdout, proc.stdout[-2000:]
+    last = latest_checkpoint(run)
+    assert last is not None and int(last.name[5:]) > 1, last
+    a, b = group_weights(last, 0), group_weights(last, 1)
+    assert all(torch.equal(a[k], b[k]) for k in a), "the groups were not merged at the end of the time budget"
+
+
 def test_one_group_with_outer_lr_1_and_no_momentum_trains_what_ddp_trains(common, tmp_path):
     plain = [c for c in common if c != "parallel.strategy=diloco"]
     ok(torchrun(2, plain + ["train.max_steps=6", "parallel.strategy=ddp", f"train.run_dir={tmp_path / 'ddp'}"]))
