@@ -620,19 +620,31 @@ class RunConfig:
             limits.append(-(-self.train.max_tokens // self.tokens_per_step))
         return min(limits) if limits else 0
 
-    def step_limit(self) -> str:
-        """Which of ``train.max_steps`` and ``train.max_tokens`` sets :meth:`total_steps` (the one
-        reached first; max_steps on a tie), with what the other would allow when both are set:
-        e.g. ``"train.max_steps (300 steps; train.max_tokens=3000000 would allow 367)"``; for a
-        run whose only limit is its time, ``"train.max_hours (0.5 h, the run's only limit)"``."""
+    def limit_key(self) -> str:
+        """The key of the limit :meth:`step_limit` describes (``train.max_steps``,
+        ``train.max_tokens`` or, alone, ``train.max_hours``; "" when none is set)."""
         t = self.train
         if self.time_only:
-            return f"train.max_hours ({t.max_hours:g} h, the run's only limit)"
+            return "train.max_hours"
         by_tokens = -(-t.max_tokens // self.tokens_per_step) if t.max_tokens > 0 else 0
         if t.max_steps > 0 and (not by_tokens or t.max_steps <= by_tokens):
+            return "train.max_steps"
+        return "train.max_tokens" if by_tokens else ""
+
+    def step_limit(self) -> str:
+        """Which of ``train.max_steps`` and ``train.max_tokens`` sets :meth:`total_steps` (the one
+        reached first; max_steps on a tie: :meth:`limit_key`), with what the other would allow when
+        both are set: e.g. ``"train.max_steps (300 steps; train.max_tokens=3000000 would allow
+        367)"``; for a run whose only limit is its time, ``"train.max_hours (0.5 h, the run's only
+        limit)"``."""
+        t, key = self.train, self.limit_key()
+        by_tokens = -(-t.max_tokens // self.tokens_per_step) if t.max_tokens > 0 else 0
+        if key == "train.max_hours":
+            return f"train.max_hours ({t.max_hours:g} h, the run's only limit)"
+        if key == "train.max_steps":
             other = f"; train.max_tokens={t.max_tokens} would allow {by_tokens:,}" if by_tokens else ""
             return f"train.max_steps ({t.max_steps:,} steps{other})"
-        if by_tokens:
+        if key == "train.max_tokens":
             other = f"; train.max_steps={t.max_steps} would allow more" if t.max_steps else ""
             return f"train.max_tokens ({by_tokens:,} steps of {self.tokens_per_step:,} tokens{other})"
         return ""

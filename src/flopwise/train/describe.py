@@ -160,12 +160,12 @@ def binding_limit(run: Run) -> str:
         return (f"the run's only limit: ≈{human(expected_tokens(run) or 0)} tokens expected at {human(rate[0])} "
                 f"tok/s ({rate[1]}), the schedule fitted to it")
     if rate is None:
-        return f"with {cfg.step_limit().split(' (')[0]}: the first reached ends the run"
+        return f"with {cfg.limit_key()}: the first reached ends the run"
     steps_s = (run.total_steps - run.progress.step) * cfg.tokens_per_step / rate[0]
     left = max(d.budget_s - d.spent_before, 0.0)
-    first = (f"{cfg.step_limit().split(' (')[0]} ends the run first" if steps_s <= left
+    first = (f"{cfg.limit_key()} ends the run first" if steps_s <= left
              else f"it ends the run first, at ≈{human(run.progress.tokens + rate[0] * left)} tokens")
-    return (f"with {cfg.step_limit().split(' (')[0]}: at {human(rate[0])} tok/s ({rate[1]}) the "
+    return (f"with {cfg.limit_key()}: at {human(rate[0])} tok/s ({rate[1]}) the "
             f"{run.total_steps:,} steps take ≈{fmt_time(steps_s + d.spent_before)}, so {first}")
 
 

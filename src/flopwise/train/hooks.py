@@ -393,18 +393,18 @@ def finish(run: Run, stopped: str, train_time: float, sample: str = "") -> Train
 
 
 def extend_text(run: Run) -> str:
-    """How to train a finished run longer: the limit that ended it (``RunConfig.step_limit``), raised."""
+    """How to train a finished run longer: the limit that ended it (``RunConfig.limit_key``), raised."""
     t, config = run.cfg.train, run.run_dir / "config.yaml"
     if run.cfg.time_only:
         return (f"train.max_hours={t.max_hours:g} ({fmt_time(run.deadline.budget_s)}), the run's only limit, is used: "
                 f"{run.progress.step:,} steps trained in it; `flopwise train --config {config} "
                 f"train.max_hours={2 * t.max_hours:g}` trains it longer ({extension_note(run.cfg, {}, 0, 0)})")
-    limit = run.cfg.step_limit()
-    if limit.startswith("train.max_tokens"):
+    limit = run.cfg.limit_key()
+    if limit == "train.max_tokens":
         raise_to = f"train.max_tokens={2 * t.max_tokens}"
     else:
         raise_to = f"train.max_steps={2 * max(t.max_steps, run.total_steps)}"
-    return (f"all {run.total_steps:,} steps of {limit.split(' (')[0] or 'its length'} are trained; "
+    return (f"all {run.total_steps:,} steps of {limit or 'its length'} are trained; "
             f"`flopwise train --config {config} {raise_to}` trains it longer (the rate goes on from where it ended)")
 
 
