@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from flopwise.config import RunConfig, batch_split_problems, step_identity
 from flopwise.measure.sinks import human
-from flopwise.plan import accuracy, hardware
+from flopwise.plan import accuracy, hardware, steptime
 from flopwise.plan.budget import PlanError, PlanInputs, predicted_range, tokens_time_cost
 from flopwise.plan.flops import flops_per_token, param_counts
 from flopwise.plan.memory import numerics_change
@@ -206,6 +206,12 @@ class _Tracer:
         bad = network_problem(network)
         if bad:  # before the first trace, as a bad --gpu
             raise PlanError(bad)
+        try:  # the ranking is by predicted step time: a GPU with no prediction has nothing to rank by
+            steptime.gpu(spec.name, None, network, per_node=nproc_per_node)
+        except steptime.Unpredictable as e:
+            raise PlanError(f"--rank ranks the candidates by their predicted step time, and {e}; "
+                            f"`flopwise preflight --dry-run --gpu {gpu}` (without --rank) still traces the step "
+                            "and its memory") from None
         # the network every candidate's prediction crosses between nodes (one node: none)
         self.network = hardware.network_facts(network) if nnodes > 1 else None
         self.spec, self.world = spec, nproc_per_node * nnodes
