@@ -59,7 +59,19 @@ class DeviceSpec:
 #   "96GB HBM2e with 2.4 TB/sec peak memory bandwidth", "the default 500W power limit, although
 #   tuning it up to 700W TDP can ..."). The same SXM5 GH100 (132 SMs) as the H100 SXM, so the SXM's
 #   dense peaks at its 700 W TDP; what its 500 W default limit costs is in plan/steptime.py.
-# - GH200 (96 GB HBM3, "GH200 480GB"), B200 (HGX B200 datasheet, per GPU: 4.5 PF sparse bf16).
+# - GH200 (96 GB HBM3, "GH200 480GB"), B200 (HGX B200 datasheet, per GPU: 4.5 PF sparse bf16;
+#   tf32 1,125 and fp32 80 as the DGX B200 datasheet gives them). GB200 (per GPU of a GB200 NVL72:
+#   bf16 2,500, fp8 5,000, tf32 1,250, fp32 80; 186 GB HBM3e at 8 TB/s).
+# - RTX PRO 6000 Blackwell: the RTX Blackwell whitepaper's bf16 dense tensor rate, 503.8 for the
+#   Workstation Edition (600 W) and 438.9 for the Max-Q (300 W), not halved for fp32 accumulate on
+#   these pro parts (a measured 418 TFLOP/s square bf16 GEMM on the Workstation is above half of
+#   503.8); no fp8 or tf32 figure of theirs is published, so none is entered. The Server Edition's
+#   datasheet is not at hand: **derived**, the Workstation's 503.8 (the same GB202 with 188 SMs and
+#   the same 600 W; a measured 409 TFLOP/s bf16 GEMM is consistent with it). 96 GB GDDR7, 1,792 GB/s.
+# - RTX 4070 (12 GB) and RTX 3060 (12 GB): no whitepaper line; **derived** as the GeForce tensor
+#   rate per SM and clock (512 FLOP/clk/SM with fp32 accumulate on Ada and Ampere GeForce, measured
+#   with mma.sync on an sm_89 part) x SMs x boost clock: 46 x 2.475 GHz and 28 x 1.777 GHz -> 58.3
+#   and 25.5; fp8 on the 4070 twice that (fp32 accumulate), none on Ampere; 504 and 360 GB/s.
 # - L4: L4 datasheet bf16 242 sparse -> 121, fp8 485 -> 242.5, tf32 120 -> 60, fp32 30.3.
 # - L40S: L40S datasheet bf16 "362.05 | 733" (dense | sparse), fp8 733 dense, tf32 183.
 # - A10, A10G (AWS), RTX 6000 Ada, RTX A6000, RTX PRO 6000 Blackwell: their datasheets;
@@ -80,7 +92,8 @@ DEVICES: tuple[DeviceSpec, ...] = (
                ("h100 96gb", "h100 96gb hbm2e", "h100 sxm 96gb hbm2e", "h100 hbm2e")),
     DeviceSpec("H100 SXM",       989.4,  989.4,  1978.9, 494.7,  66.9, 80, 3.35,
                ("h100", "h100 80gb", "h100 sxm 80gb", "NVIDIA H100 80GB HBM3")),
-    DeviceSpec("B200",           2250.0, 2250.0, 4500.0, 1100.0, 75.0, 180, 8.0, ("b200 180gb", "b200 192gb")),
+    DeviceSpec("B200",           2250.0, 2250.0, 4500.0, 1125.0, 80.0, 180, 8.0, ("b200 180gb", "b200 192gb")),
+    DeviceSpec("GB200",          2500.0, 2500.0, 5000.0, 1250.0, 80.0, 186, 8.0, ("gb200 186gb", "gb200 nvl72")),
     DeviceSpec("A100 SXM 80GB",  312.0,  312.0,  None,   156.0,  19.5, 80, 2.039,
                ("a100", "a100 80gb", "a100 sxm", "NVIDIA A100-SXM4-80GB")),
     DeviceSpec("A100 PCIe 80GB", 312.0,  312.0,  None,   156.0,  19.5, 80, 1.935,
@@ -93,15 +106,21 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec("A10",            125.0,  125.0,  None,   62.5,   31.2, 24, 0.6, ("a10 24gb",)),
     DeviceSpec("L40S",           362.05, 362.05, 733.0,  183.0,  91.6, 48, 0.864, ("l40s 48gb",)),
     DeviceSpec("L4",             121.0,  121.0,  242.5,  60.0,   30.3, 24, 0.3, ("l4 24gb",)),
-    DeviceSpec("RTX PRO 6000 Blackwell", 500.0, 500.0, 1000.0, 250.0, 125.0, 96, 1.792,
-               ("rtx pro 6000", "rtx pro 6000 96gb", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition",
-                "NVIDIA RTX PRO 6000 Blackwell Server Edition")),
+    DeviceSpec("RTX PRO 6000 Blackwell Workstation", 503.8, 503.8, None, None, 125.0, 96, 1.792,
+               ("rtx pro 6000", "rtx pro 6000 96gb", "rtx pro 6000 blackwell", "rtx pro 6000 workstation",
+                "NVIDIA RTX PRO 6000 Blackwell Workstation Edition")),
+    DeviceSpec("RTX PRO 6000 Blackwell Max-Q", 438.9, 438.9, None, None, None, 96, 1.792,
+               ("rtx pro 6000 max-q", "NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition")),
+    DeviceSpec("RTX PRO 6000 Blackwell Server", 503.8, 503.8, None, None, None, 96, 1.792,
+               ("rtx pro 6000 server", "NVIDIA RTX PRO 6000 Blackwell Server Edition")),
     DeviceSpec("RTX 6000 Ada",   364.2,  364.2,  728.5,  182.1,  91.1, 48, 0.96,
                ("rtx 6000 ada 48gb", "NVIDIA RTX 6000 Ada Generation")),
     DeviceSpec("RTX A6000",      154.8,  154.8,  None,   77.4,   38.7, 48, 0.768, ("a6000", "rtx a6000 48gb")),
     DeviceSpec("RTX 5090",       209.5,  209.5,  419.0,  104.8,  104.8, 32, 1.792, ("5090", "rtx 5090 32gb")),
     DeviceSpec("RTX 4090",       165.2,  165.2,  330.3,  82.6,   82.6, 24, 1.008, ("4090", "rtx 4090 24gb")),
     DeviceSpec("RTX 3090",       71.0,   71.0,   None,   35.6,   35.6, 24, 0.936, ("3090", "rtx 3090 24gb")),
+    DeviceSpec("RTX 4070",       58.3,   58.3,   116.6,  29.1,   29.1, 12, 0.504, ("4070", "rtx 4070 12gb")),
+    DeviceSpec("RTX 3060 12GB",  25.5,   25.5,   None,   12.7,   12.7, 12, 0.36, ("3060", "rtx 3060", "rtx 3060 12gb")),
     DeviceSpec("V100 SXM2 32GB", None,   125.0,  None,   None,   15.7, 32, 0.9,
                ("v100", "v100 32gb", "Tesla V100-SXM2-32GB")),
     DeviceSpec("V100 SXM2 16GB", None,   125.0,  None,   None,   15.7, 16, 0.9, ("v100 16gb", "Tesla V100-SXM2-16GB")),
@@ -113,30 +132,50 @@ DEVICES: tuple[DeviceSpec, ...] = (
 CAPABILITY: dict[str, tuple[int, int]] = {
     "H200 NVL": (9, 0), "H200": (9, 0), "GH200": (9, 0), "H100 NVL": (9, 0), "H100 PCIe": (9, 0), "H100 SXM": (9, 0),
     "H100 SXM 96GB": (9, 0),
-    "B200": (10, 0), "A100 SXM 80GB": (8, 0), "A100 PCIe 80GB": (8, 0), "A100 SXM 40GB": (8, 0),
+    "B200": (10, 0), "GB200": (10, 0), "A100 SXM 80GB": (8, 0), "A100 PCIe 80GB": (8, 0), "A100 SXM 40GB": (8, 0),
     "A100 PCIe 40GB": (8, 0), "A10G": (8, 6), "A10": (8, 6), "L40S": (8, 9), "L4": (8, 9),
-    "RTX PRO 6000 Blackwell": (12, 0), "RTX 6000 Ada": (8, 9), "RTX A6000": (8, 6), "RTX 5090": (12, 0),
-    "RTX 4090": (8, 9), "RTX 3090": (8, 6), "V100 SXM2 32GB": (7, 0), "V100 SXM2 16GB": (7, 0), "T4": (7, 5),
+    "RTX PRO 6000 Blackwell Workstation": (12, 0), "RTX PRO 6000 Blackwell Max-Q": (12, 0),
+    "RTX PRO 6000 Blackwell Server": (12, 0), "RTX 6000 Ada": (8, 9), "RTX A6000": (8, 6), "RTX 5090": (12, 0),
+    "RTX 4090": (8, 9), "RTX 3090": (8, 6), "RTX 4070": (8, 9), "RTX 3060 12GB": (8, 6), "V100 SXM2 32GB": (7, 0),
+    "V100 SXM2 16GB": (7, 0), "T4": (7, 5),
 }
 
 
 # Streaming multiprocessors of each entry (NVIDIA's architecture whitepapers: GA100 as shipped in
 # A100 108, GH100 in H100 SXM (80 GB and 96 GB HBM2e) / H200 / GH200 132 and in H100 PCIe 114, GB100 in B200 148; the
 # product datasheets of the others): what a matrix multiply's tiles are spread over in waves
-# (plan/steptime.py). An entry without one gets no predicted step time.
+# (plan/steptime.py). An entry without one gets no predicted step time. **Derived** where no page
+# states it (:data:`DERIVED`): GB200 148 (B200's dual-die GB100, the count no GB200 page gives),
+# RTX 3090 82 (10,496 CUDA cores / 128 per SM), RTX A6000 84 (the full GA102), L4 58 (121 TFLOP/s
+# / (512 x 2 x boost); pages disagree, 58 or 60).
 SMS: dict[str, int] = {
     "H200 NVL": 132, "H200": 132, "GH200": 132, "H100 NVL": 132, "H100 PCIe": 114, "H100 SXM": 132, "B200": 148,
+    "GB200": 148, "RTX PRO 6000 Blackwell Max-Q": 188, "RTX PRO 6000 Blackwell Server": 188, "RTX 4070": 46,
+    "RTX 3060 12GB": 28,
     "H100 SXM 96GB": 132,
     "A100 SXM 80GB": 108, "A100 PCIe 80GB": 108, "A100 SXM 40GB": 108, "A100 PCIe 40GB": 108, "A10G": 80, "A10": 72,
-    "L40S": 142, "L4": 58, "RTX PRO 6000 Blackwell": 188, "RTX 6000 Ada": 142, "RTX A6000": 84, "RTX 5090": 170,
+    "L40S": 142, "L4": 58, "RTX PRO 6000 Blackwell Workstation": 188, "RTX 6000 Ada": 142, "RTX A6000": 84,
+    "RTX 5090": 170,
     "RTX 4090": 128, "RTX 3090": 82, "V100 SXM2 32GB": 80, "V100 SXM2 16GB": 80, "T4": 40,
+}
+
+# The constants above that no source states for the part itself, each with what it is derived
+# from: a prediction that uses one says so ("derived: ...").
+DERIVED: dict[str, tuple[str, ...]] = {
+    "GB200": ("SM count 148: B200's GB100",),
+    "RTX PRO 6000 Blackwell Server": ("dense bf16 peak 503.8: the Workstation Edition's (same GB202, 600 W)",),
+    "RTX 4070": ("dense bf16 peak 58.3: 512 FLOP/clk/SM x 46 SMs x 2.475 GHz",),
+    "RTX 3060 12GB": ("dense bf16 peak 25.5: 512 FLOP/clk/SM x 28 SMs x 1.777 GHz",),
+    "RTX 3090": ("SM count 82: 10,496 cores / 128",),
+    "RTX A6000": ("SM count 84: the full GA102",),
+    "L4": ("SM count 58: 121 TFLOP/s / (1,024 FLOP/clk/SM x 2.04 GHz); pages say 58 or 60",),
 }
 
 DTYPES = ("bf16", "fp16", "fp8", "tf32", "fp32")
 
 # Words that say nothing about which card it is.
-_NOISE = frozenset({"nvidia", "geforce", "tesla", "generation", "edition", "workstation", "server", "gpu",
-                    "graphics", "card"})
+# ("workstation" and "server" are not: they name two editions of the RTX PRO 6000 Blackwell.)
+_NOISE = frozenset({"nvidia", "geforce", "tesla", "generation", "edition", "gpu", "graphics", "card"})
 
 
 def name_key(name: str) -> tuple[str, ...]:
@@ -322,4 +361,5 @@ def default_link(spec: DeviceSpec | None) -> str:
             "B200": "nvlink5",
             "A100 SXM 80GB": "nvlink3", "A100 SXM 40GB": "nvlink3", "H100 PCIe": "pcie5", "H100 NVL": "pcie5",
             "H200 NVL": "pcie5",
-            "L40S": "pcie4", "RTX 5090": "pcie5", "RTX PRO 6000 Blackwell": "pcie5"}.get(spec.name, "pcie4")
+            "GB200": "nvlink5", "L40S": "pcie4", "RTX 5090": "pcie5", "RTX PRO 6000 Blackwell Workstation": "pcie5",
+            "RTX PRO 6000 Blackwell Max-Q": "pcie5", "RTX PRO 6000 Blackwell Server": "pcie5"}.get(spec.name, "pcie4")

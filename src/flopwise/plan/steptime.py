@@ -50,16 +50,34 @@ from flopwise.plan import hardware
 # - A100 SXM: MAMF 271.2 / 312 (86.9%) times the clock it sustains at its 400 W limit under a
 #   dense load, 1305 of 1410 MHz (NVIDIA's HPL submissions, as Glenn Lockwood's "peak FLOPS"
 #   notes give them); A100 PCIe: MAMF 252.9 / 312 times the same ratio.
-# - H100 NVL, H100 PCIe: no MAMF or MSMF is published for either; each is the same GH100 rated by
+# - H100 NVL, H100 PCIe, H200 NVL: no MAMF or MSMF is published for any; each is the same GH100 rated by
 #   NVIDIA at its own lower power (NVL 835 at 350-400 W, PCIe 756.5 at 350 W: the hardware table),
 #   so the H100 SXM's sustained share of its rating (745 / 989.4) is carried to their ratings as it
 #   is, not scaled: no source measures the clock either holds under its limit;
 # - H100 SXM 96GB: the same share, of the rate the part is rated at under its 500 W default power
 #   limit (:data:`POWER_LIMITED_TFLOPS`).
+# Beyond A100/H100 only burst rates are published: the handbook's MAMF for B200 (1,745 of 2,250)
+# and GB200 (1,822 of 2,500), and a community square-GEMM sweep (zzc0721/torch-performance-test-
+# data database.md @9d82827: the best of sizes 1024-10240, 30 timed iterations; the median where a
+# card has several rows). Each is carried to a sustained rate as GH200's is, times the H200's
+# measured MSMF / MAMF (745 / 846.5 = 0.880): B200 0.776, GB200 0.729, RTX PRO 6000 Workstation
+# 418.0 / 503.8, Server 409.4 / 503.8, RTX 5090 240.1 / 209.5, RTX 4090 169.5 / 165.2, RTX 3090
+# 76.6 / 71, L40S 269.2 / 362.05, RTX A6000 123.3 / 154.8, L4 70.9 / 121 -- each x 0.880.
+# GeForce cards boost above the clock their peak is rated at, so theirs exceed 1 before it.
+# **Derived** (:data:`DERIVED`), no measurement of the part itself: RTX PRO 6000 Max-Q the
+# Workstation's share of its own (lower, 300 W) rating; RTX 4070 the RTX 4090's and RTX 3060 the
+# RTX 3090's (the same GeForce tensor cores, halved for fp32 accumulate); RTX 6000 Ada the L40S's
+# (the same AD102, 142 SMs); A10 and A10G the RTX A6000's (GA102 data-centre and pro parts).
 GEMM_FRACTION: dict[str, float] = {
     "A100 SXM 80GB": 0.804, "A100 SXM 40GB": 0.804, "A100 PCIe 80GB": 0.751, "A100 PCIe 40GB": 0.751,
     "H100 SXM": 0.753, "H200": 0.753, "GH200": 0.738, "H100 NVL": 0.753, "H100 PCIe": 0.753,
-    "H100 SXM 96GB": 0.753,
+    "H100 SXM 96GB": 0.753, "H200 NVL": 0.753,
+    "B200": 0.683, "GB200": 0.641,
+    "RTX PRO 6000 Blackwell Workstation": 0.730, "RTX PRO 6000 Blackwell Server": 0.715,
+    "RTX PRO 6000 Blackwell Max-Q": 0.730,
+    "RTX 5090": 1.008, "RTX 4090": 0.903, "RTX 3090": 0.949, "RTX 4070": 0.903, "RTX 3060 12GB": 0.949,
+    "L40S": 0.654, "RTX 6000 Ada": 0.654, "L4": 0.516,
+    "RTX A6000": 0.701, "A10": 0.701, "A10G": 0.701,
 }
 # The dense bf16 rate of a part run below the TDP its table peak is rated at, by default: what its
 # tensor cores (matmuls and attention alike) run at instead of the table's peak, fp16/tf32 in the
@@ -105,16 +123,64 @@ ATTENTION_TFLOPS: dict[str, dict[str, dict[tuple[bool, int], tuple[float, ...]]]
                    (True, 64): (104, 123, 136, 138, 149, 156), (True, 128): (98, 109, 108, 126, 135, 137)},
     },
 }
+# Beyond sm80 and sm90 one shape is measured per architecture, and the other shapes follow the
+# shape dependence of the nearest measured table, scaled to that one point (**derived**):
+# - sm100 (B200, GB200): FlashAttention-2 (flash_attn 2.7.4, torch 2.8) on a B200 at head
+#   dimension 64, non-causal, batch 8 x sequence 2048: 381 forward, 302 backward -> 321 for both
+#   together; the sm90 flash table scaled by 321 / 274.
+# - sm86 (RTX 3090, 3060, A6000, A10, A10G): FlashAttention-2 on an RTX A5000 (111 TFLOP/s dense)
+#   at head dimension 64, non-causal, sequence 2048: 81.3 forward, 70.1 backward -> 72.9 for both;
+#   the sm80 tables (flash and memory-efficient) scaled by (72.9 / 111) / (162 / 312).
+# - sm89 (Ada: RTX 4090, 4070, L4, L40S, RTX 6000 Ada) and sm120 (RTX 5090, RTX PRO 6000): no
+#   public attention measurement; SDPA runs the same SM80-base FlashAttention-2 kernels there
+#   (FA4's Blackwell path is sm100 only), so sm86's fractions of the peak are carried over.
+_SM100_SCALE = 321.0 / 274.0
+_SM86_SCALE = (72.9 / 111.0) / (162.0 / 312.0)
+
+
+Speeds = dict[tuple[bool, int], tuple[float, ...]]
+
+
+def _scaled(table: Speeds, factor: float) -> Speeds:
+    return {key: tuple(round(v * factor, 1) for v in speeds) for key, speeds in table.items()}
+
+
+ATTENTION_TFLOPS["sm100"] = {"flash": _scaled(ATTENTION_TFLOPS["sm90"]["flash"], _SM100_SCALE)}
+ATTENTION_TFLOPS["sm86"] = {k: _scaled(ATTENTION_TFLOPS["sm80"][k], _SM86_SCALE) for k in ("flash", "efficient")}
+ATTENTION_TFLOPS["sm89"] = ATTENTION_TFLOPS["sm120"] = ATTENTION_TFLOPS["sm86"]
 # The dense bf16 (= fp16) peak of the GPU each figure ran on: its speeds become fractions of the
-# peak, which carry to the other GPUs of the architecture (A100 40GB, A100 PCIe, H200, GH200).
-ATTENTION_FIGURE_PEAK = {"sm80": 312.0, "sm90": 989.4}
+# peak, which carry to the other GPUs of the architecture (A100 40GB, A100 PCIe, H200, GH200); the
+# derived tables are in the units of the A100's figure, scaled (sm100: H100's).
+ATTENTION_FIGURE_PEAK = {"sm80": 312.0, "sm90": 989.4, "sm100": 989.4, "sm86": 312.0, "sm89": 312.0,
+                         "sm120": 312.0}
+# Which attention figures are derived, by architecture (shown with a prediction that uses them).
+ATTENTION_DERIVED = {
+    "sm100": "attention: the H100 FlashAttention-2 table scaled to one B200 measurement",
+    "sm86": "attention: the A100 FlashAttention-2 tables scaled to one RTX A5000 measurement",
+    "sm89": "attention: Ampere's (RTX A5000) FlashAttention-2 speeds as a share of the peak; none measured on Ada",
+    "sm120": ("attention: Ampere's (RTX A5000) FlashAttention-2 speeds as a share of the peak; none measured on "
+              "consumer Blackwell"),
+}
+# Matmul rates carried from another part (GEMM_FRACTION's comment).
+GEMM_DERIVED = {
+    "RTX PRO 6000 Blackwell Max-Q": "matmul rate: the Workstation Edition's share of the peak",
+    "RTX 4070": "matmul rate: the RTX 4090's share of the peak", "RTX 3060 12GB": "matmul rate: the RTX 3090's",
+    "RTX 6000 Ada": "matmul rate: the L40S's share of the peak", "A10": "matmul rate: the RTX A6000's",
+    "A10G": "matmul rate: the RTX A6000's",
+}
 # Kernels the figures lack, as a fraction of the dense bf16 peak, (kernel, way) -> (head_dim <= 64,
 # head_dim 128), FLOPs counted as above: cuDNN's kernel from the FlashAttention-3 paper's
 # comparisons (Shah et al., 2024); memory-efficient on H100 in the A100 figure's proportion to flash.
+# sm100's cuDNN: cuDNN's SDPA benchmark on a GB200 (frontend 1.21.1, backend 9.22; b2, 64 q / 8 kv
+# heads, head dimension 128, causal, sequence 4096): 1,408 forward, 1,148 backward of its 2,500 ->
+# 0.56 and 0.46 at head dimension 128; 64 not measured, taken in sm90's proportion (0.50 / 0.60).
+# Memory-efficient on sm100 in the sm90 proportion to flash (derived, as the sm90 entry is).
 ATTENTION_FRACTION: dict[str, dict[tuple[str, str], tuple[float, float]]] = {
     "sm80": {("cudnn", "fwd"): (0.50, 0.60), ("cudnn", "bwd"): (0.40, 0.48)},
     "sm90": {("efficient", "fwd"): (0.17, 0.20), ("efficient", "bwd"): (0.13, 0.15),
              ("cudnn", "fwd"): (0.50, 0.60), ("cudnn", "bwd"): (0.40, 0.48)},
+    "sm100": {("efficient", "fwd"): (0.17, 0.20), ("efficient", "bwd"): (0.13, 0.15),
+              ("cudnn", "fwd"): (0.47, 0.56), ("cudnn", "bwd"): (0.38, 0.46)},
 }
 GEMM_TILE = (128, 128)  # cuBLAS's common bf16 output tile (CUTLASS's default for sm80/sm90 tensor ops)
 SPLIT_K_MIN = 512  # a split-K slice keeps at least this much of K (CUTLASS's split-K heuristics)
@@ -180,6 +246,7 @@ class Gpu:
     link_bytes_s: float  # in a node, one direction, per GPU (nominal)
     network_bytes_s: float  # between nodes, per GPU (nominal)
     per_node: int = 8
+    derived: tuple[str, ...] = ()  # the constants taken from another part or architecture, and from which
 
     @property
     def hbm(self) -> float:
@@ -205,10 +272,14 @@ def gpu(spec_name: str, link: str | None = None, network: str | None = None, per
     assert spec.bf16 is not None  # checked above
     derate = POWER_LIMITED_TFLOPS.get(spec.name, spec.bf16) / spec.bf16  # 1.0 unless run below its TDP
     tf32 = spec.tf32 if spec.tf32 is not None else spec.bf16 / 2
+    arch = _arch(spec.name)
+    derived = (*hardware.DERIVED.get(spec.name, ()), *([GEMM_DERIVED[spec.name]] if spec.name in GEMM_DERIVED else []),
+               *([ATTENTION_DERIVED[arch]] if arch in ATTENTION_DERIVED else []),
+               *(["tf32 rate: half the bf16 peak"] if spec.tf32 is None else []))
     return Gpu(spec.name, {"bfloat16": spec.bf16 * derate * 1e12, "float16": (spec.fp16 or spec.bf16) * derate * 1e12,
                            "float32": tf32 * derate * 1e12}, hardware.SMS[spec.name], spec.bandwidth_tbs * 1e12,
-               GEMM_FRACTION[spec.name], _arch(spec.name), intra.gb_per_s * 1e9,
-               inter.gb_per_s * 1e9, per_node)
+               GEMM_FRACTION[spec.name], arch, intra.gb_per_s * 1e9,
+               inter.gb_per_s * 1e9, per_node, derived)
 
 
 def _arch(name: str) -> str:

@@ -51,6 +51,8 @@ def predicted(result: dict[str, Any], cfg: RunConfig, link: str | None = None,
     if r.get("nnodes", 1) > 1:  # its collectives cross the network: which one it assumed, and whether by default
         out["between_nodes"] = hardware.network_facts(network)
     out["compiled"] = compiled
+    if g.derived:  # constants taken from another part or architecture: the prediction says which
+        out["derived"] = list(g.derived)
     b = accuracy.band(g.arch, param_counts(cfg.model)["total"], int(kernels["world"]), int(r.get("nnodes", 1)))
     if b is not None:  # the range the held-out evidence of this regime supports
         out["band"] = {**b, "step_s": [out["step_s"] * b["low"], out["step_s"] * b["high"]]}
@@ -73,6 +75,7 @@ def render(p: dict[str, Any]) -> list[str]:
             f"{p['gpu']}; not measured)",
             f"             predicted breakdown: {parts}",
             *([_band_line(p["band"])] if p.get("band") else []),
+            *([f"             derived constants ({p['gpu']}): {'; '.join(p['derived'])}"] if p.get("derived") else []),
             *([_compile_line(p["compile"])] if p.get("compile") else []),
             *([f"             predicted over the {network_text(nodes)}"] if nodes else [])]
 
