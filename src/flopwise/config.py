@@ -84,6 +84,7 @@ CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 # attention outputs and recomputes the rest (norms, RoPE, activations) in backward
 ActivationCheckpointing = Literal["none", "full", "selective", "selective_op"]
 Loss = Literal["auto", "plain", "chunked", "fused"]
+Fp8Recipe = Literal["tensorwise", "rowwise"]  # torchao's float8 training recipes (train.fp8)
 WandbMode = Literal["online", "offline"]
 Strategy = Literal["single", "ddp", "zero1", "fsdp2", "diloco"]
 StrategyChoice = Literal["auto", Strategy]
@@ -435,7 +436,10 @@ class TrainConfig:
     activation_checkpointing_every: int = 2  # selective: every k-th block is recomputed (was checkpoint_every_k)
     loss: Loss = "auto"  # auto | plain | chunked (LM head + loss in chunks, no full logits) | fused (kernel)
     loss_chunk_tokens: int = 1024  # rows per chunk of the chunked loss (docs/benchmarks.md#chunked-cross-entropy)
-    fp8: bool = False  # float8 linear layers through torchao (Hopper or newer); never on by itself
+    fp8: bool = False  # float8 linear layers through torchao (Ada, Hopper or newer); never on by itself
+    # train.fp8's scaling: tensorwise (one scale a tensor; under FSDP2 the weights are all-gathered in
+    # fp8) | rowwise (a scale per row: closer to bf16's numbers, slower)
+    fp8_recipe: Fp8Recipe = "tensorwise"
     batch_ramp_tokens: int = 0  # ramp gradient accumulation from batch_ramp_start to full over these tokens
     batch_ramp_start: int = 1  # accumulation steps at the start of the ramp
     profile: bool = False  # torch.profiler around profile_steps, TensorBoard traces in RUN/profile

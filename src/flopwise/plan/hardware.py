@@ -65,9 +65,11 @@ class DeviceSpec:
 # - RTX PRO 6000 Blackwell: the RTX Blackwell whitepaper's bf16 dense tensor rate, 503.8 for the
 #   Workstation Edition (600 W) and 438.9 for the Max-Q (300 W), not halved for fp32 accumulate on
 #   these pro parts (a measured 418 TFLOP/s square bf16 GEMM on the Workstation is above half of
-#   503.8); no fp8 or tf32 figure of theirs is published, so none is entered. The Server Edition's
-#   datasheet is not at hand: **derived**, the Workstation's 503.8 (the same GB202 with 188 SMs and
-#   the same 600 W; a measured 409 TFLOP/s bf16 GEMM is consistent with it). 96 GB GDDR7, 1,792 GB/s.
+#   503.8); no fp8 or tf32 figure of theirs is published: fp8 is **derived** as twice bf16 (the
+#   ratio of every other tensor-core part with fp32 accumulate, Ada and Hopper), tf32 is not
+#   entered. The Server Edition's datasheet is not at hand: **derived**, the Workstation's 503.8
+#   (the same GB202 with 188 SMs and the same 600 W; a measured 409 TFLOP/s bf16 GEMM is
+#   consistent with it). 96 GB GDDR7, 1,792 GB/s.
 # - RTX 4070 (12 GB) and RTX 3060 (12 GB): no whitepaper line; **derived** as the GeForce tensor
 #   rate per SM and clock (512 FLOP/clk/SM with fp32 accumulate on Ada and Ampere GeForce, measured
 #   with mma.sync on an sm_89 part) x SMs x boost clock: 46 x 2.475 GHz and 28 x 1.777 GHz -> 58.3
@@ -106,12 +108,12 @@ DEVICES: tuple[DeviceSpec, ...] = (
     DeviceSpec("A10",            125.0,  125.0,  None,   62.5,   31.2, 24, 0.6, ("a10 24gb",)),
     DeviceSpec("L40S",           362.05, 362.05, 733.0,  183.0,  91.6, 48, 0.864, ("l40s 48gb",)),
     DeviceSpec("L4",             121.0,  121.0,  242.5,  60.0,   30.3, 24, 0.3, ("l4 24gb",)),
-    DeviceSpec("RTX PRO 6000 Blackwell Workstation", 503.8, 503.8, None, None, 125.0, 96, 1.792,
+    DeviceSpec("RTX PRO 6000 Blackwell Workstation", 503.8, 503.8, 1007.6, None, 125.0, 96, 1.792,
                ("rtx pro 6000", "rtx pro 6000 96gb", "rtx pro 6000 blackwell", "rtx pro 6000 workstation",
                 "NVIDIA RTX PRO 6000 Blackwell Workstation Edition")),
-    DeviceSpec("RTX PRO 6000 Blackwell Max-Q", 438.9, 438.9, None, None, None, 96, 1.792,
+    DeviceSpec("RTX PRO 6000 Blackwell Max-Q", 438.9, 438.9, 877.8, None, None, 96, 1.792,
                ("rtx pro 6000 max-q", "NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition")),
-    DeviceSpec("RTX PRO 6000 Blackwell Server", 503.8, 503.8, None, None, None, 96, 1.792,
+    DeviceSpec("RTX PRO 6000 Blackwell Server", 503.8, 503.8, 1007.6, None, None, 96, 1.792,
                ("rtx pro 6000 server", "NVIDIA RTX PRO 6000 Blackwell Server Edition")),
     DeviceSpec("RTX 6000 Ada",   364.2,  364.2,  728.5,  182.1,  91.1, 48, 0.96,
                ("rtx 6000 ada 48gb", "NVIDIA RTX 6000 Ada Generation")),
@@ -163,7 +165,11 @@ SMS: dict[str, int] = {
 # from: a prediction that uses one says so ("derived: ...").
 DERIVED: dict[str, tuple[str, ...]] = {
     "GB200": ("SM count 148: B200's GB100",),
-    "RTX PRO 6000 Blackwell Server": ("dense bf16 peak 503.8: the Workstation Edition's (same GB202, 600 W)",),
+    "RTX PRO 6000 Blackwell Server": ("dense bf16 peak 503.8: the Workstation Edition's (same GB202, 600 W)",
+                                      "fp8 peak: twice bf16"),
+    "RTX PRO 6000 Blackwell Workstation": ("fp8 peak: twice bf16",),
+    "RTX PRO 6000 Blackwell Max-Q": ("fp8 peak: twice bf16",),
+    "RTX 5090": ("fp8 peak 419: twice bf16, as on Ada (not published)",),
     "RTX 4070": ("dense bf16 peak 58.3: 512 FLOP/clk/SM x 46 SMs x 2.475 GHz",),
     "RTX 3060 12GB": ("dense bf16 peak 25.5: 512 FLOP/clk/SM x 28 SMs x 1.777 GHz",),
     "RTX 3090": ("SM count 82: 10,496 cores / 128",),

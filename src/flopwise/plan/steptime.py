@@ -28,7 +28,8 @@ time; the traced step's first micro-batch stands for each of the run's extra one
 
 Every constant below names its source. None is fitted to a case of the calibration set
 (``benchmarks/predict_vs_public.py``). A GPU that lacks one gets no prediction, with the name of
-what is missing. fp8 is not predicted.
+what is missing. fp8 matmuls (torchao's ``_scaled_mm``) are priced at the fp8 rate
+(:data:`FP8_GEMM_FRACTION`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,17 @@ GEMM_FRACTION: dict[str, float] = {
     "L40S": 0.654, "RTX 6000 Ada": 0.654, "L4": 0.516,
     "RTX A6000": 0.701, "A10": 0.701, "A10G": 0.701,
 }
+# fp8 matrix multiplies (torch._scaled_mm, what torchao's float8 training runs), as a fraction of the
+# dense fp8 peak: the handbook's fp8 (e4m3) MAMF -- H100 SXM 1,402.6 / 1,979, H200 1,453.4 / 1,979,
+# B200 3,432.5 / 4,500, GB200 3,615.6 / 5,000 -- times the H200's bf16 MSMF / MAMF (0.880), as the
+# bf16 shares are carried. Elsewhere **derived** (no fp8 GEMM of the part is published): its bf16
+# share times the H100's fp8 / bf16 MAMF ratio (0.7087 / 0.8030 = 0.883); the other Hopper parts
+# take the H100 SXM's own. A part with no fp8 peak in the table (A100, RTX PRO 6000) prices none.
+FP8_GEMM_FRACTION: dict[str, float] = {"H100 SXM": 0.624, "H200": 0.646, "B200": 0.671, "GB200": 0.636,
+                                       "H100 SXM 96GB": 0.624, "H100 NVL": 0.624, "H100 PCIe": 0.624,
+                                       "H200 NVL": 0.646, "GH200": 0.646}
+FP8_OVER_BF16 = 0.883
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 # The dense bf16 rate of a part run below the TDP its table peak is rated at, by default: what its
 # tensor cores (matmuls and attention alike) run at instead of the table's peak, fp16/tf32 in the
 # same proportion. H100 SXM 96GB: torchtitan ran it at its "default 500W power limit" (700 W TDP)
@@ -247,6 +259,8 @@ class Gpu:
     network_bytes_s: float  # between nodes, per GPU (nominal)
     per_node: int = 8
     derived: tuple[str, ...] = ()  # the constants taken from another part or architecture, and from which
+    fp8_fraction: float | None = None  # of the fp8 peak a scaled matmul sustains; None: no fp8 rate
+    fp8_derived: str = ""  # how fp8_fraction was derived ("" when measured on the part)
 
     @property
     def hbm(self) -> float:
@@ -276,10 +290,18 @@ def gpu(spec_name: str, link: str | None = None, network: str | None = None, per
     derived = (*hardware.DERIVED.get(spec.name, ()), *([GEMM_DERIVED[spec.name]] if spec.name in GEMM_DERIVED else []),
                *([ATTENTION_DERIVED[arch]] if arch in ATTENTION_DERIVED else []),
                *(["tf32 rate: half the bf16 peak"] if spec.tf32 is None else []))
-    return Gpu(spec.name, {"bfloat16": spec.bf16 * derate * 1e12, "float16": (spec.fp16 or spec.bf16) * derate * 1e12,
-                           "float32": tf32 * derate * 1e12}, hardware.SMS[spec.name], spec.bandwidth_tbs * 1e12,
+    peak = {"bfloat16": spec.bf16 * derate * 1e12, "float16": (spec.fp16 or spec.bf16) * derate * 1e12,
+            "float32": tf32 * derate * 1e12}
+    fp8, fp8_derived = None, ""
+    if spec.fp8 is not None:
+        peak.update({d: spec.fp8 * derate * 1e12 for d in FP8_DTYPES})
+        fp8 = FP8_GEMM_FRACTION.get(spec.name)
+        if fp8 is None:
+            fp8 = GEMM_FRACTION[spec.name] * FP8_OVER_BF16
+            fp8_derived = "fp8 matmul rate: its bf16 share x the H100's fp8 / bf16 ratio (no fp8 GEMM of it published)"
+    return Gpu(spec.name, peak, hardware.SMS[spec.name], spec.bandwidth_tbs * 1e12,
                GEMM_FRACTION[spec.name], arch, intra.gb_per_s * 1e9,
-               inter.gb_per_s * 1e9, per_node, derived)
+               inter.gb_per_s * 1e9, per_node, derived, fp8, fp8_derived)
 
 
 def _arch(name: str) -> str:
@@ -293,6 +315,12 @@ def matmul_s(g: Gpu, m: int, n: int, k: int, batch: int = 1, dtype: str = "bfloa
     """A matrix multiply (M x K by K x N, ``batch`` of them) on ``g``: its FLOPs at the achievable
     rate times the share of the SMs its tiles keep busy; never below its bytes' time."""
     flops = 2.0 * m * n * k * batch
+    if dtype in FP8_DTYPES:  # a scaled matmul: fp8 inputs, bf16 output (torchao's float8 training)
+        if g.fp8_fraction is None:
+            raise Unpredictable(f"{g.name} has no fp8 matmul rate: its fp8 matmuls are not predicted")
+        rate = g.peak[dtype] * g.fp8_fraction * tile_efficiency(g.sms, m, n, k, batch)
+        moved = (m * k + k * n) * batch + 2 * m * n * batch
+        return max(flops / rate, moved / g.hbm, KERNEL_MIN_S)
     rate = g.peak.get(dtype, g.peak["float32"]) * g.gemm_fraction * tile_efficiency(g.sms, m, n, k, batch)
     size = 2 if dtype in ("bfloat16", "float16") else 4
     moved = (m * k + k * n + m * n) * batch * size

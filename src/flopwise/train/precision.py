@@ -106,19 +106,27 @@ def fp8_problem(device: torch.device) -> str | None:
     return None
 
 
-def apply_fp8(model: torch.nn.Module, device: torch.device) -> str:
-    """Swap the blocks' linear layers for float8 training ones (torchao); the LM head stays
-    in bf16. Raises ConfigError with the reason when that cannot be done here."""
+def apply_fp8(model: torch.nn.Module, device: torch.device, recipe: str = "tensorwise", fsdp: bool = False) -> str:
+    """Swap the blocks' linear layers for float8 training ones (torchao's ``recipe``: tensorwise
+    or rowwise scaling); the LM head stays in bf16. Under FSDP2 (``fsdp``) a tensorwise model
+    all-gathers its weights in fp8, half the bytes of bf16's. Raises ConfigError with the reason
+    when that cannot be done here."""
     problem = fp8_problem(device)
     if problem:
         raise ConfigError([problem])
-    from torchao.float8 import convert_to_float8_training  # lazy: torchao is optional, fp8 only
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # lazy: torchao is optional
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    gather = fsdp and recipe == "tensorwise"
+    if gather:
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)  # tensorwise, as from_recipe_name's
 
     def only_blocks(module: torch.nn.Module, fqn: str) -> bool:
         # float8 GEMMs need both dimensions divisible by 16; the head stays higher precision
         return (fqn.startswith("layers.") and isinstance(module, torch.nn.Linear)
                 and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
-    convert_to_float8_training(model, module_filter_fn=only_blocks)
+    convert_to_float8_training(model, config=config, module_filter_fn=only_blocks)
     n = sum(1 for m in model.modules() if type(m).__name__ == "Float8Linear")
-    return f"fp8: {n} linear layers in float8 (torchao, dynamic scaling)"
+    return (f"fp8: {n} linear layers in float8 (torchao, {recipe} dynamic scaling"
+            + ("; weights all-gathered in fp8 under FSDP2)" if gather else ")"))

@@ -355,7 +355,7 @@ def build_step(cfg: RunConfig, strategy: str, env: DistEnv, device: torch.device
     if m.hf_config and init_weights:
         notes["init"].append(load_hf_init(model, m.hf_config))
     if t.fp8:
-        notes["speed"].append(apply_fp8(model, device))
+        notes["speed"].append(apply_fp8(model, device, t.fp8_recipe, fsdp=strategy == "fsdp2"))
         if t.compile == "off":  # eager float8: the casts and scalings are separate kernels around each GEMM
             notes["speed"].append("WARNING: fp8 without torch.compile is usually slower than bf16; "
                                   "train.compile=model (the CUDA default) fuses its casts")

@@ -48,7 +48,8 @@ ATTENTION = {
     "_efficient_attention_backward": ("efficient", "bwd"),
 }
 # matrix multiplies, in place (``addmm_``: a sum of products into its first argument) included
-MATMUL = frozenset({"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "addmm_", "baddbmm_"})
+# (``_scaled_mm``: fp8 inputs with their scales, what torchao's float8 linears run)
+MATMUL = frozenset({"mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "addmm_", "baddbmm_", "_scaled_mm"})
 # ops that make a tensor without writing it, or only describe another's storage: no kernel
 NO_KERNEL = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh",
                        "_local_scalar_dense", "is_same_size", "set_", "resize_", "record_stream", "wait_tensor",
@@ -78,6 +79,11 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
+
+
+# Tensor types whose ops are recorded as they come (DTensor's are skipped in _record, its local ops
+# recorded); any other subclass handles its ops itself, with the log on (KernelLog.__torch_dispatch__).
+PASS_THROUGH = frozenset({"FakeTensor", "DTensor", "Tensor", "Parameter", "FunctionalTensor"})
 
 
 class KernelLog(TorchDispatchMode):
@@ -122,6 +128,10 @@ class KernelLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types_: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if any(t.__name__ not in PASS_THROUGH for t in types_):
+            # a tensor subclass that runs other ops for this one (torchao's float8 tensors: mm ->
+            # casts and _scaled_mm): it handles the op with this mode still on, so those come here
+            return NotImplemented
         out = func(*args, **kwargs)
         try:
             self._record(func, args, kwargs, out)

@@ -27,9 +27,6 @@ def predicted(result: dict[str, Any], cfg: RunConfig, link: str | None = None,
     as ``between_nodes`` (:func:`hardware.network_facts`)."""
     spec_name = result["request"]["gpu"]["spec"]
     kernels = result.get("trace", {}).get("kernels")
-    if cfg.train.fp8 or result.get("precision", "").startswith("fp8"):  # the worker reports fp8 runs as bf16
-        return {"predicted": False, "why": "fp8 steps are not predicted (train.fp8=true): its scaled matmuls and "
-                                          "casts are not priced yet"}
     if not kernels:
         return {"predicted": False, "why": "the trace recorded no kernels"}
     r = result["request"]
@@ -51,8 +48,13 @@ def predicted(result: dict[str, Any], cfg: RunConfig, link: str | None = None,
     if r.get("nnodes", 1) > 1:  # its collectives cross the network: which one it assumed, and whether by default
         out["between_nodes"] = hardware.network_facts(network)
     out["compiled"] = compiled
-    if g.derived:  # constants taken from another part or architecture: the prediction says which
-        out["derived"] = list(g.derived)
+    fp8 = any(x.get("dtype") in steptime.FP8_DTYPES for x in kernels["records"] if x["kind"] == "mm")
+    derived = [*g.derived, *([g.fp8_derived] if fp8 and g.fp8_derived else [])]
+    if derived:  # constants taken from another part or architecture: the prediction says which
+        out["derived"] = derived
+    if fp8:  # priced at the fp8 rate: which matmuls ran in fp8, and which torchao left in bf16
+        mms = [x for x in kernels["records"] if x["kind"] == "mm"]
+        out["fp8"] = {"matmuls": sum(x.get("dtype") in steptime.FP8_DTYPES for x in mms), "of": len(mms)}
     b = accuracy.band(g.arch, param_counts(cfg.model)["total"], int(kernels["world"]), int(r.get("nnodes", 1)))
     if b is not None:  # the range the held-out evidence of this regime supports
         out["band"] = {**b, "step_s": [out["step_s"] * b["low"], out["step_s"] * b["high"]]}
@@ -76,6 +78,8 @@ def render(p: dict[str, Any]) -> list[str]:
             f"             predicted breakdown: {parts}",
             *([_band_line(p["band"])] if p.get("band") else []),
             *([f"             derived constants ({p['gpu']}): {'; '.join(p['derived'])}"] if p.get("derived") else []),
+            *([f"             predicted with {p['fp8']['matmuls']} of {p['fp8']['of']} matmuls in fp8 (torchao's "
+               "scaled matmuls at the fp8 rate; the rest, the LM head's among them, in bf16)"] if p.get("fp8") else []),
             *([_compile_line(p["compile"])] if p.get("compile") else []),
             *([f"             predicted over the {network_text(nodes)}"] if nodes else [])]
 

@@ -126,6 +126,7 @@ def run_request(request: dict[str, Any]) -> dict[str, Any]:
     strategy = resolve_strategy(cfg, env, device, prec.name, cfg.train.loss)
     out: dict[str, Any] = {
         "torch": torch.__version__, "gpu": gpu.name, "world": world, "precision": prec.name,
+        "fp8": cfg.train.fp8_recipe if cfg.train.fp8 else None,  # torchao's float8 linears, and their scaling
         "compile": cfg.train.compile, "loss": cfg.train.loss, "strategy": strategy.name, "strategy_why": strategy.why,
         "speed": speed, "accum": cfg.grad_accum_steps(world), "micro_batch": cfg.train.micro_batch_size,
         "seq_len": cfg.train.seq_len,
