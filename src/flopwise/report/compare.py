@@ -19,9 +19,12 @@ What is read (every value optional; a missing one shows as n/a):
   ``assumed`` where preflight.json says so (``memory_basis``) or where the chosen trial
   measured no peak memory (a CPU: the memory is the planner's estimate).
 - measured: run.json ``result.tok_per_s`` and ``result.mfu`` (post-warm-up averages), else
-  the metrics rows; peak memory = max ``mem_peak_gb`` (CUDA) or max ``mem_rss_peak_gb`` /
-  ``mem_rss_gb`` (CPU); wall time = the last ``elapsed_s`` of each process start, summed
-  (a resumed run restarts the clock), else run.json ``result.wall_time_s``.
+  the metrics rows. A resumed run's ``result`` is its last start's alone: its figures are every
+  start's steady state pooled (run.json ``starts``, each closed with its own averages, else each
+  start's windows in metrics.jsonl; :func:`whole_run_rates`), as its wall time is. Peak memory =
+  max ``mem_peak_gb`` (CUDA) or max ``mem_rss_peak_gb`` / ``mem_rss_gb`` (CPU); wall time = the
+  last ``elapsed_s`` of each process start, summed (a resumed run restarts the clock), else
+  run.json ``result.wall_time_s``.
 Predicted wall times are scaled to the tokens actually trained, so a stopped run
 compares like with like.
 - virtual.json (``preflight --dry-run --rank``, copied by train from beside preflight.json or put
@@ -35,6 +38,7 @@ compares like with like.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,10 +125,79 @@ def trained_tokens(run: Run) -> float | None:
     return max(tokens) if tokens else None
 
 
+@dataclass
+class Start:
+    """One process start of a run, measured after its own warm-up (its steady state): the step it
+    began at, the tokens trained in its steady windows and their seconds, and the tokens the
+    device's dense peak would have trained in those seconds (tokens / MFU; None without a peak)."""
+
+    at_step: float
+    tokens: float = 0.0
+    seconds: float = 0.0
+    peak_tokens: float | None = 0.0
+
+
+def _warmup_steps(run: Run) -> int:
+    given = number(run.flat_config().get("train.warmup_log_steps"))
+    return int(given) if given is not None and given >= 0 else 3  # config.py's default
+
+
+def _start_from_rows(run: Run, at: float, end: float) -> Start:
+    """A start's steady state from its metrics.jsonl windows (rows after ``at``, up to ``end``),
+    as the trainer's meter counts it: a window counts when all its steps come
+    ``train.warmup_log_steps`` or more after the start's first."""
+    warm, out = _warmup_steps(run), Start(at)
+    prev_step, prev_tokens = at, run.tokens_at(at) if at else 0.0
+    for r in (r for r in run.training_rows() if at < r["step"] <= end):
+        tokens, rate, mfu = number(r.get("tokens")), number(r.get("tok_per_s")), number(r.get("mfu"))
+        if prev_step - at >= warm and tokens is not None and prev_tokens is not None and tokens > prev_tokens \
+                and rate:
+            n = tokens - prev_tokens
+            out.tokens, out.seconds = out.tokens + n, out.seconds + n / rate
+            out.peak_tokens = out.peak_tokens + n / mfu if out.peak_tokens is not None and mfu else None
+        prev_step, prev_tokens = r["step"], tokens
+    return out
+
+
+def start_figures(run: Run) -> list[Start]:
+    """Each process start's steady state: its run.json entry's averages (train records them when
+    the start ends), else its metrics.jsonl windows (a start that crashed, or a run.json from
+    before train recorded them)."""
+    starts = run.starts()
+    out = []
+    for i, (at, entry) in enumerate(starts):
+        tps, secs, mfu = (number(entry.get(k)) for k in ("tok_per_s", "steady_time_s", "mfu"))
+        if tps is not None and secs:
+            out.append(Start(at, tps * secs, secs, tps * secs / mfu if mfu else None))
+        else:
+            out.append(_start_from_rows(run, at, starts[i + 1][0] if i + 1 < len(starts) else math.inf))
+    return out
+
+
+def whole_run_rates(run: Run) -> tuple[float, float | None] | None:
+    """(tokens/s, MFU) of a run of several process starts, over all of them: every start's
+    steady-state tokens over their seconds (each start's own warm-up left out, as one start's
+    figure leaves out its), and those tokens over the tokens the device's peak would have trained
+    in the same seconds (None where a start had no peak). None for a run of one start, or of no
+    steady window in any."""
+    starts = start_figures(run)
+    timed = [s for s in starts if s.seconds > 0]
+    if len(starts) < 2 or not timed:
+        return None
+    tokens, seconds = sum(s.tokens for s in timed), sum(s.seconds for s in timed)
+    peaks = [s.peak_tokens for s in timed]
+    at_peak = sum(p for p in peaks if p is not None)
+    return tokens / seconds, tokens / at_peak if None not in peaks and at_peak > 0 else None
+
+
 def measured_tok_per_s(run: Run) -> float | None:
-    """run.json's steady-state average; else tokens over time across the logged windows,
-    leaving out the first window (compilation, warm-up) when there are others."""
-    res = number(run.result.get("tok_per_s"))
+    """run.json's steady-state average (a run of several starts: every start's, pooled,
+    :func:`whole_run_rates`); else tokens over time across the logged windows, leaving out the
+    first window (compilation, warm-up) when there are others."""
+    whole = whole_run_rates(run)
+    if whole is not None:
+        return whole[0]
+    res = number(run.result.get("tok_per_s")) if len(run.starts()) < 2 else None  # else the last start's
     if res is not None:
         return res
     rows = [r for r in run.training_rows() if number(r.get("tok_per_s"))]
@@ -142,7 +215,11 @@ def measured_tok_per_s(run: Run) -> float | None:
 
 
 def measured_mfu(run: Run) -> float | None:
-    res = number(run.result.get("mfu"))
+    """As :func:`measured_tok_per_s`: the whole run's, over all its starts."""
+    whole = whole_run_rates(run)
+    if whole is not None:
+        return whole[1]
+    res = number(run.result.get("mfu")) if len(run.starts()) < 2 else None  # else the last start's
     if res is not None:
         return res
     given = [number(r.get("mfu")) for r in run.training_rows()[1:] or run.training_rows()]
@@ -233,6 +310,29 @@ def _scaled_time(seconds: float | None, for_tokens: float | None, tokens: float 
     return seconds
 
 
+def _step_text(step: float) -> str:
+    return f"{step:,.0f}" if float(step).is_integer() else f"{step:g}"
+
+
+def resumed_text(run: Run) -> str:
+    """``resumed at steps 400, 900`` for a resumed run; "" for a run of one start."""
+    resumed = [step for step, _ in run.starts()[1:]]
+    if not resumed:
+        return ""
+    return f"resumed at step{'s' if len(resumed) > 1 else ''} " + ", ".join(_step_text(s) for s in resumed)
+
+
+def measured_notes(run: Run) -> tuple[str, str, str]:
+    """What the measured tokens/s, MFU and wall time are of: the whole run, over all its starts."""
+    n = len(run.starts())
+    if n < 2:
+        return "measured: average after warm-up", "", ""
+    over = f"all {n} starts"
+    tps = (f"measured: average after warm-up over {over} (each start's own warm-up left out)"
+           if whole_run_rates(run) is not None else f"measured: over the logged windows of {over}, after the first")
+    return tps, f"measured: over {over}", f"measured: {over}' times summed (each restarts the clock)"
+
+
 def compare(run: Run) -> list[Comparison]:
     """The four predicted-against-measured rows of one run."""
     plan, pre = run.plan or {}, run.preflight
@@ -265,7 +365,9 @@ def compare(run: Run) -> list[Comparison]:
     mem_basis = preflight_memory_basis(pre)
     if pre_mem is not None and mem_basis == "assumed":
         mem_note += ("; " if mem_note else "") + "preflight: the planner's estimate (no peak measured on its device)"
-    time_note = "predictions scaled to the tokens trained" if tokens else ""
+    tps_note, mfu_measured, time_measured = measured_notes(run)
+    time_note = "; ".join(x for x in (time_measured, "predictions scaled to the tokens trained" if tokens else "")
+                          if x)
     if plan_tps is None and plan:
         plan_note = "no device peak in the plan: no time prediction"
         time_note = "; ".join(x for x in (time_note, plan_note) if x)
@@ -276,10 +378,11 @@ def compare(run: Run) -> list[Comparison]:
     mfu_note = "plan: the MFU it assumes" if plan_tps is not None else "no device peak: MFU n/a in the plan"
     if pre is not None and pre_mfu is None:
         mfu_note += "; preflight: n/a (no device peak)"
+    mfu_note = "; ".join(x for x in (mfu_note, mfu_measured) if x)
     trace_tps, trace_mfu, trace_mem, trace_note = trace_figures(run)
     return [
         Comparison("tok_per_s", "tokens/s", "tok/s", plan_tps, pre_tps, measured_tok_per_s(run),
-                   "; ".join(x for x in ("measured: average after warm-up", trace_note) if x),
+                   "; ".join(x for x in (tps_note, trace_note) if x),
                    preflight_basis=basis(pre_tps), trace=trace_tps, trace_basis=basis(trace_tps, "predicted")),
         Comparison("mfu", "MFU", "%", plan_mfu if plan_tps is not None else None, pre_mfu, measured_mfu(run),
                    mfu_note, plan_basis=basis(plan_mfu if plan_tps is not None else None, "assumed"),

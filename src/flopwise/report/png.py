@@ -44,6 +44,10 @@ def _line(ax, c: LineChart) -> None:
             ax.plot(_nan(s.x), ys, **style)
     for h in c.hlines:
         ax.axhline(h.y, color=h.color, linestyle=_LINESTYLES.get(h.dash, "--"), linewidth=1.1, label=h.label)
+    for v in c.vlines:  # e.g. a resume: a thin dashed line, its label at the top
+        ax.axvline(v.x, color=v.color, linestyle="--", linewidth=0.9)
+        ax.annotate(v.label, xy=(v.x, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -2),
+                    textcoords="offset points", color=v.color, fontsize=7, ha="left", va="top")
     top = ax.get_ylim()[1]
     for i, color in enumerate(dict.fromkeys(m.color for m in c.markers)):
         mine = [m for m in c.markers if m.color == color]

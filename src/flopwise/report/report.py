@@ -37,6 +37,7 @@ from flopwise.report.compare import (
     measured_mfu,
     measured_tok_per_s,
     measured_wall_time,
+    resumed_text,
     trained_tokens,
     virtual_pairs,
 )
@@ -51,6 +52,7 @@ from flopwise.report.svg import (
     LineChart,
     Marker,
     Series,
+    VLine,
     esc,
     fmt_tick,
     render,
@@ -167,8 +169,35 @@ def loss_chart(runs: list[Run]) -> LineChart:
             "flopwise eval on the same validation windows; dash-dot: flopwise eval on other data or windows.")
     if markers:
         note += " Triangles: events (loss spikes, non-finite steps), listed under Events."
+    resumes = resume_lines(runs, "tokens")
+    if resumes:
+        note += f" {RESUME_NOTE}"
     return LineChart("loss", "Loss vs tokens", "tokens", "loss (nats/token)", series, log_y=_log_if_wide(ys, 2.0),
-                     hlines=hlines, markers=markers, note=note)
+                     hlines=hlines, markers=markers, note=note, vlines=resumes)
+
+
+RESUME_NOTE = "Thin dashed vertical lines: where the run was resumed (a new process start, from its checkpoint)."
+
+
+def resume_lines(runs: list[Run], x_key: str = "step") -> list[VLine]:
+    """A vertical line at each step a run was resumed at (``x_key`` "tokens": at its tokens), in the
+    run's colour; none for a run of one start."""
+    lines = []
+    for run in runs:
+        for step in sorted({step for step, _ in run.starts()[1:]}):
+            x = step if x_key == "step" else run.tokens_at(step)
+            if x is not None:
+                lines.append(VLine(x, "resumed", run.color, f"{run.prefix}resumed at step {fmt_count(step)}",
+                                   kind="resume"))
+    return lines
+
+
+def _with_resumes(chart: LineChart, runs: list[Run]) -> LineChart:
+    """``chart`` (of steps) with its runs' resume points marked, and its note saying so."""
+    lines = resume_lines(runs)
+    if not lines:
+        return chart
+    return replace(chart, vlines=lines, note=f"{chart.note} {RESUME_NOTE}".strip())
 
 
 def _eval_file_series(run: Run, key: str) -> list[Series]:
@@ -260,10 +289,10 @@ def _merged(lines: list[HLine]) -> list[HLine]:
 
 def throughput_chart(runs: list[Run]) -> LineChart:
     series = [Series(run.name, *run.series("step", "tok_per_s"), run.color, run=run.name) for run in runs]
-    return LineChart("throughput", "Throughput vs step", "step", "tokens/s", series,
-                     hlines=_prediction_lines(runs, "tok_per_s"),
-                     note="Measured over each logging window, validation and checkpoint time excluded; "
-                          "horizontal lines: the plan's and the preflight's predictions.")
+    return _with_resumes(LineChart("throughput", "Throughput vs step", "step", "tokens/s", series,
+                                   hlines=_prediction_lines(runs, "tok_per_s"),
+                                   note="Measured over each logging window, validation and checkpoint time excluded; "
+                                        "horizontal lines: the plan's and the preflight's predictions."), runs)
 
 
 def mfu_chart(runs: list[Run]) -> LineChart:
@@ -273,10 +302,10 @@ def mfu_chart(runs: list[Run]) -> LineChart:
         if run.has("mfu_6n"):
             series.append(Series(f"{run.prefix}6N", *run.series("step", "mfu_6n"), run.color, "dashed",
                                  run=run.name))
-    return LineChart("mfu", "Model FLOPs utilisation vs step", "step", "MFU", series, percent=True,
-                     hlines=_prediction_lines(runs, "mfu"),
-                     note="MFU counts the model's FLOPs (6·N_matmul + attention) against the device's dense peak; "
-                          "dashed: with 6 × parameters.")
+    return _with_resumes(LineChart("mfu", "Model FLOPs utilisation vs step", "step", "MFU", series, percent=True,
+                                   hlines=_prediction_lines(runs, "mfu"),
+                                   note="MFU counts the model's FLOPs (6·N_matmul + attention) against the device's "
+                                        "dense peak; dashed: with 6 × parameters."), runs)
 
 
 def memory_chart(runs: list[Run]) -> LineChart:
@@ -289,22 +318,23 @@ def memory_chart(runs: list[Run]) -> LineChart:
             if run.has(key):
                 series.append(Series(f"{run.prefix}{label}", *run.series("step", key), run.color, dash,
                                      run=run.name))
-    return LineChart("memory", "Memory vs step", "step", "GiB", series,
-                     hlines=_prediction_lines(runs, "memory_gb"),
-                     note="CUDA: allocated, peak allocated and reserved by the caching allocator; CPU: the process's "
-                          "resident set. Horizontal lines: predicted peaks.")
+    return _with_resumes(LineChart("memory", "Memory vs step", "step", "GiB", series,
+                                   hlines=_prediction_lines(runs, "memory_gb"),
+                                   note="CUDA: allocated, peak allocated and reserved by the caching allocator; CPU: "
+                                        "the process's resident set. Horizontal lines: predicted peaks."), runs)
 
 
 def lr_chart(runs: list[Run]) -> LineChart:
     series = [Series(run.name, *run.series("step", "lr"), run.color, run=run.name) for run in runs]
-    return LineChart("lr", "Learning rate vs step", "step", "learning rate", series)
+    return _with_resumes(LineChart("lr", "Learning rate vs step", "step", "learning rate", series), runs)
 
 
 def grad_norm_chart(runs: list[Run]) -> LineChart:
     series = [Series(run.name, *run.series("step", "grad_norm"), run.color, run=run.name) for run in runs]
     ys = [v for s in series for v in s.y]
-    return LineChart("grad_norm", "Gradient norm vs step", "step", "global gradient norm (before clipping)",
-                     series, log_y=_log_if_wide(ys, 20.0))
+    return _with_resumes(LineChart("grad_norm", "Gradient norm vs step", "step",
+                                   "global gradient norm (before clipping)", series, log_y=_log_if_wide(ys, 20.0)),
+                         runs)
 
 
 def diloco_chart(runs: list[Run]) -> LineChart:
@@ -599,14 +629,19 @@ def run_card(run: Run) -> str:
     ]
     if diloco_text(run):
         result.append(("DiLoCo", diloco_text(run)))
+    starts = run.starts()
     head = [
         ("directory", str(run.path)),
         ("device", f"{rec.get('device', 'unknown')} · precision {rec.get('precision', '?')}"
                    + _parallel_text(rec.get("parallel"))),
         ("versions", versions),
-        ("started", str(rec.get("started", ""))),
+        ("started", str(starts[0][1].get("started") or rec.get("started", "")) if len(starts) > 1
+         else str(rec.get("started", ""))),
         ("command", " ".join(map(str, rec.get("argv", []))) if isinstance(rec.get("argv"), list) else ""),
     ]
+    if len(starts) > 1:  # run.json's top is the last start's: its versions, device and command line
+        head.append(("starts", f"{len(starts)} · {resumed_text(run)} (the figures below are over all of them; "
+                               "the device, versions and command above are the last start's)"))
     return (f'<section class="card" data-run="{esc(run.name)}" style="border-top-color:{esc(run.color)}">'
             f"<h3>{_swatch(run)}{esc(run.name)}</h3>{_dl(head)}<h3>configuration</h3>{_dl(config_summary(run))}"
             f"<h3>result</h3>{_dl(result)}{samples_html(run)}</section>")
@@ -671,11 +706,17 @@ def _parallel_text(par: Any) -> str:
 
 def wall_time_text(run: Run) -> str:
     """The measured wall time (to the last logged step, over every start of the process), and
-    run.json's own figure when it differs (it also counts the final save and sample)."""
-    logged, whole = measured_wall_time(run), number(run.result.get("wall_time_s"))
+    run.json's own figure when it differs (it also counts the final save and sample): of every
+    start where run.json holds each one's, else of the last start, said so."""
+    starts = run.starts()
+    logged, whole, of = measured_wall_time(run), number(run.result.get("wall_time_s")), "with final save"
+    if len(starts) > 1:
+        each = [number(entry.get("wall_time_s")) for _, entry in starts]
+        whole, of = ((sum(v for v in each if v is not None), f"all {len(starts)} starts, with final saves")
+                     if None not in each else (whole, "last start, with final save"))
     text = fmt_duration(logged)
     if logged is not None and whole is not None and abs(whole - logged) > 0.05 * max(logged, 1e-9):
-        text += f" to the last logged step · {fmt_duration(whole)} in run.json (last start, with final save)"
+        text += f" to the last logged step · {fmt_duration(whole)} in run.json ({of})"
     return text
 
 
@@ -706,6 +747,9 @@ def comparison_table(runs: list[Run]) -> str:
             if i == 0:
                 files = [f for f, d in (("plan.json", run.plan), ("preflight.json", run.preflight)) if d is None]
                 missing = f'<br><span class="note">no {" or ".join(files)}</span>' if files else ""
+                if resumed_text(run):  # its measured figures are over every start: say which there were
+                    missing += (f'<br><span class="note">{len(run.starts())} starts · '
+                                f"{esc(resumed_text(run))}</span>")
                 cells.append(f'<td rowspan="{len(rows)}">{_swatch(run)}{esc(run.name)}{missing}</td>')
             cells.append(f"<td>{esc(c.label)}</td>")
             values = [("plan", c.plan, c.plan_basis), ("preflight", c.preflight, c.preflight_basis)]

@@ -108,6 +108,31 @@ class Run:
         per_step = ys[-1] / xs[-1] if xs[-1] else None
         return step * per_step if per_step is not None else None
 
+    def starts(self) -> list[tuple[float, dict[str, Any]]]:
+        """(the step it began at, its run.json entry) of each process start of the run, in order:
+        one for a run never resumed. run.json's ``starts`` says (train appends one at each start,
+        and closes it with the start's own averages at its end); a run.json from before it did
+        (none, or one whose first start is a resume) is completed from metrics.jsonl, where each
+        start restarts the ``elapsed_s`` clock -- at the last step logged before, the entry empty."""
+        given = (self.record or {}).get("starts")
+        recorded = [(number(s.get("at_step")), s) for s in given if isinstance(s, dict)] \
+            if isinstance(given, list) else []
+        out = [(step, s) for step, s in recorded if step is not None]
+        if out and out[0][0] == 0:
+            return out
+        restarts, last = [0.0], None
+        timed = [(number(r.get("step")), number(r.get("elapsed_s"))) for r in self.rows]
+        for step, elapsed in sorted((s, e) for s, e in timed if s is not None and e is not None):
+            if last is not None and elapsed < last[1]:  # the clock restarted: a new process
+                restarts.append(last[0])
+            last = (step, elapsed)
+        if not out:
+            return [(step, {}) for step in restarts]
+        earlier = [step for step in restarts if step <= out[0][0]]
+        # the last restart up to the first recorded start is that start's own (logged a step or more before it)
+        unrecorded: list[tuple[float, dict[str, Any]]] = [(step, {}) for step in earlier[:-1] or earlier]
+        return unrecorded + out
+
     # ---------------------------------------------------------------- side files
     @property
     def result(self) -> dict[str, Any]:

@@ -56,6 +56,18 @@ class HLine:
 
 
 @dataclass
+class VLine:
+    """A thin dashed vertical line across the plot at ``x``, with a short ``label`` at its top
+    (e.g. where a run was resumed) and a longer ``title`` as its tooltip."""
+
+    x: float
+    label: str
+    color: str = "#555555"
+    title: str = ""
+    kind: str = "vline"  # its SVG class: what it marks ("resume")
+
+
+@dataclass
 class Marker:
     x: float
     y: float | None  # None: at the top edge (e.g. a non-finite loss)
@@ -75,6 +87,7 @@ class LineChart:
     hlines: list[HLine] = field(default_factory=list)
     markers: list[Marker] = field(default_factory=list)
     note: str = ""  # a sentence under the chart in the page
+    vlines: list[VLine] = field(default_factory=list)  # e.g. the steps (or tokens) a run was resumed at
 
     def has_data(self) -> bool:
         return any(x is not None and y is not None for s in self.series for x, y in zip(s.x, s.y))
@@ -360,6 +373,7 @@ def _line_extent(c: LineChart, segs_by_series: list[list[list[tuple[float, float
     ys_all += [h.y for h in c.hlines if ok(h.y)]
     # markers above the data sit on the top edge rather than squash it
     xs_all += [m.x for m in c.markers if _finite(m.x)]
+    xs_all += [v.x for v in c.vlines if _finite(v.x)]
     return xs_all, ys_all
 
 
@@ -425,6 +439,7 @@ def _line_data(c: LineChart, plot: _Plot, segs_by_series: list[list[list[tuple[f
                 out.append(f'<path class="errorbar" d="M{px:.1f},{y0:.1f} L{px:.1f},{y1:.1f} M{px - 3:.1f},{y0:.1f} '
                            f'L{px + 3:.1f},{y0:.1f} M{px - 3:.1f},{y1:.1f} L{px + 3:.1f},{y1:.1f}" '
                            f'stroke="{esc(s.color)}" stroke-width="1" fill="none"/>')
+    out += _vlines(c.vlines, plot)
     for m in c.markers:
         if not _finite(m.x):
             continue
@@ -433,6 +448,26 @@ def _line_data(c: LineChart, plot: _Plot, segs_by_series: list[list[list[tuple[f
         out.append(f'<path class="marker" d="M{px - 5:.1f},{py - 7:.1f} L{px + 5:.1f},{py - 7:.1f} '
                    f'L{px:.1f},{py + 1:.1f} Z" fill="{esc(m.color)}" stroke="#fff" stroke-width="0.8">'
                    f'<title>{esc(m.label)}</title></path>')
+    return out
+
+
+def _vlines(vlines: list[VLine], plot: _Plot) -> list[str]:
+    """Each vertical line, dashed, its label at the top beside it (on its left near the right
+    edge); a label that would overlap the one before is left to the tooltip."""
+    out, labelled = [], -math.inf
+    for v in sorted((v for v in vlines if _finite(v.x)), key=lambda v: v.x):
+        px, size = plot.sx(v.x), 10
+        width = _text_width(v.label, size)
+        right = px + 3 + width <= plot.left + plot.width
+        text = ""
+        if px - labelled >= width + 8:
+            tx = px + 3 if right else px - 3
+            text = (f'<text x="{tx:.1f}" y="{plot.top + size:.1f}" font-size="{size}" fill="{esc(v.color)}" '
+                    f'text-anchor="{"start" if right else "end"}">{esc(v.label)}</text>')
+            labelled = px
+        out.append(f'<g class="{esc(v.kind)}" data-x="{v.x!r}"><title>{esc(v.title or v.label)}</title>'
+                   f'<line x1="{px:.1f}" y1="{plot.top:.1f}" x2="{px:.1f}" y2="{plot.top + plot.height:.1f}" '
+                   f'stroke="{esc(v.color)}" stroke-width="1" stroke-dasharray="{DASHES["dashed"]}"/>{text}</g>')
     return out
 
 

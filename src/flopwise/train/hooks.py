@@ -24,7 +24,7 @@ from flopwise.measure.timing import format_breakdown
 from flopwise.parallel.strategy import is_fsdp_module
 from flopwise.train.checkpoint import apply_retention, set_rng_state
 from flopwise.train.dist_checkpoint import load_distributed, save_distributed
-from flopwise.train.record import TrainResult
+from flopwise.train.record import TrainResult, ended_start
 from flopwise.train.schedule import extension_note
 from flopwise.train.setup import Progress, Run
 from flopwise.train.stopping import TIME_USED, Deadline, by_signal
@@ -376,6 +376,8 @@ def finish(run: Run, stopped: str, train_time: float, sample: str = "") -> Train
                for k, v in asdict(result).items()}
     if run.env.is_main:
         record = {**run.record, "result": summary, "train_time_s": train_time}
+        if "starts" in record:  # this start's own figures beside the earlier ones' (the result is its alone)
+            record["starts"] = ended_start(record["starts"], p.step, avg, wall)
         seal_run_files(run.run_dir, {"run.json": json_text(record)})
     avg_tps = "n/a" if avg["tok_per_s"] is None else f"{human(avg['tok_per_s'])} tok/s"
     ended = not stopped or (run.cfg.time_only and stopped == TIME_USED)  # a time-only run's end is its budget's

@@ -59,6 +59,18 @@ def run_record(cfg, device: torch.device, precision: str) -> dict[str, Any]:
     }
 
 
+def ended_start(starts: Any, step: int, averages: dict[str, float | None], wall_s: float) -> Any:
+    """run.json's ``starts`` with this process's own (the last) entry closed: the step it ended at,
+    its tokens/s and MFU after its warm-up and the seconds they were measured over (so a report
+    can pool every start's figures into the whole run's), and its wall time. The run's
+    ``result`` is rewritten by each start, and holds the last one's alone."""
+    if not isinstance(starts, list) or not starts or not isinstance(starts[-1], dict):
+        return starts
+    return starts[:-1] + [{**starts[-1], "ended_step": step, "tok_per_s": averages.get("tok_per_s"),
+                           "mfu": averages.get("mfu"), "steady_time_s": averages.get("steady_time_s"),
+                           "wall_time_s": wall_s}]
+
+
 def code_version() -> dict[str, Any]:
     """The git commit of flopwise's own source and whether it had uncommitted changes
     (None outside a git checkout, e.g. an installed wheel)."""
