@@ -85,6 +85,9 @@ CompileMode = Literal["default", "reduce-overhead", "max-autotune"]
 ActivationCheckpointing = Literal["none", "full", "selective", "selective_op"]
 Loss = Literal["auto", "plain", "chunked", "fused"]
 Fp8Recipe = Literal["tensorwise", "rowwise"]  # torchao's float8 training recipes (train.fp8)
+# Why a run whose schedule is fitted to train.max_hours ends (RunConfig.fits_to_time): run.json's
+# result.stopped; for a run whose only limit is its time, that is its finish.
+TIME_USED = "the time budget is used with the decay finished"
 WandbMode = Literal["online", "offline"]
 Strategy = Literal["single", "ddp", "zero1", "fsdp2", "diloco"]
 StrategyChoice = Literal["auto", Strategy]

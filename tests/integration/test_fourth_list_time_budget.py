@@ -12,9 +12,8 @@ import math
 import re
 from pathlib import Path
 
-from flopwise.config import build_config
+from flopwise.config import TIME_USED, build_config
 from flopwise.evaluate.runner import run_finished
-from flopwise.train.stopping import TIME_USED
 from flopwise.train.trainer import train
 
 BUDGET_S = 8.0  # about a dozen steps of the tick clock, the final save kept aside

@@ -45,6 +45,7 @@ from flopwise.config import (
     CHECKPOINTS,
     MAX_VAL_TOKENS,
     RUN_FILES,
+    TIME_USED,
     ConfigError,
     DataConfig,
     RunConfig,
@@ -60,7 +61,6 @@ from flopwise.evaluate.tasks import evaluate_tasks
 from flopwise.fsio import AppendFile, WriteError, is_write_fault, loads_json, write_error
 from flopwise.manifest import read_run_json
 from flopwise.model.io import EXPORT_RECORD, ModelSource, ModelSourceError, load_model, read_export_record, resolve
-from flopwise.train.stopping import TIME_USED
 
 Log = Callable[[str], None]
 EVALS_FILE = "evals.jsonl"

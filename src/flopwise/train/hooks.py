@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from flopwise.config import TIME_USED
 from flopwise.data.datadir import DataDir
 from flopwise.evaluate.generate import Sampling, generate
 from flopwise.evaluate.loss import Shard, bits_per_byte, evaluate_loss, perplexity
@@ -27,7 +28,7 @@ from flopwise.train.dist_checkpoint import load_distributed, save_distributed
 from flopwise.train.record import TrainResult, ended_start
 from flopwise.train.schedule import extension_note
 from flopwise.train.setup import Progress, Run
-from flopwise.train.stopping import TIME_USED, Deadline, by_signal
+from flopwise.train.stopping import Deadline, by_signal
 from flopwise.train.train_step import StepOutcome
 
 

@@ -328,9 +328,6 @@ class NonFiniteGuard:
         self.seen = int(state.get("seen", 0))
 
 
-TIME_USED = "the time budget is used with the decay finished"  # why a run fitted to train.max_hours ends
-
-
 class TimeFit:
     """WSD fitted to ``train.max_hours``: progress is the share of the run's time budget used
     (:meth:`Deadline.spent`, across its processes; the final save's time kept aside), so the decay

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from flopwise.checkpoints import intact_note
-from flopwise.config import RunConfig
+from flopwise.config import TIME_USED, RunConfig
 from flopwise.deps import missing_for_run, require
 from flopwise.fsio import WriteError
 from flopwise.measure.timing import profiler
@@ -32,7 +32,7 @@ from flopwise.train.describe import describe
 from flopwise.train.record import TrainResult
 from flopwise.train.schedule import lr_for_step
 from flopwise.train.setup import Run, setup
-from flopwise.train.stopping import TIME_USED, SignalStop, ignore_sigterm, stop_reason, stop_votes
+from flopwise.train.stopping import SignalStop, ignore_sigterm, stop_reason, stop_votes
 from flopwise.train.train_step import PendingStep, StepFixed, StepOutcome, settle, train_step
 
 Log = Callable[[str], None]
