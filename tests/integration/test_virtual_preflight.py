@@ -7,6 +7,7 @@ end-to-end run traces a tiny model's candidates through the fake-CUDA shim.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import sys
@@ -18,7 +19,7 @@ from flopwise.config import build_config
 from flopwise.tune import virtual
 from flopwise.tune.predict import predicted
 from flopwise.tune.shim import compiler, ensure_shim
-from flopwise.tune.virtual import AC, COMPILE, LOSS, MB, STRATEGY
+from flopwise.tune.virtual import AC, COMPILE, FP8, LOSS, MB, STRATEGY
 
 CFG = build_config("tiny", overrides=["train.seq_len=128", "train.micro_batch_size=4", "train.global_batch_size=16"])
 
@@ -140,11 +141,15 @@ def test_rank_command_end_to_end(shim, capsys, tmp_path):
     v = json.loads((tmp_path / "virtual.json").read_text())["virtual"]
     assert v["gpu"] == "H100 SXM" and v["largest_fit"] and v["traces"] == len(v["candidates"])
     for c in v["candidates"]:
-        assert set(c["settings"]) == {MB, AC, COMPILE, LOSS, STRATEGY} and "fits" in c and "peak_gib" in c
+        assert set(c["settings"]) == {MB, AC, COMPILE, LOSS, STRATEGY, FP8} and "fits" in c and "peak_gib" in c
         assert c["prediction"]["predicted"], c
     assert {c["settings"][AC] for c in v["candidates"]} == {"none", "selective", "full"}
     assert {c["settings"][LOSS] for c in v["candidates"]} == {"plain", "chunked"}
-    fastest = max(v["candidates"], key=lambda c: c["prediction"]["tokens_per_s_per_gpu"] if c["fits"] else 0)
+    fp8 = [c for c in v["candidates"] if c["settings"][FP8]]  # torchao here (./install.sh test): an fp8 row
+    assert len(fp8) == (1 if importlib.util.find_spec("torchao") else 0), fp8
+    assert all(c["numerics"].startswith("changes numerics: fp8") for c in fp8) and not v["choice"]["settings"][FP8]
+    same = [c for c in v["candidates"] if c["fits"] and not c["numerics"]]
+    fastest = max(same, key=lambda c: c["prediction"]["tokens_per_s_per_gpu"])
     choice = v["choice"]
     assert choice["prediction"]["tokens_per_s_per_gpu"] >= (1 - virtual.TIE) * fastest["prediction"][
         "tokens_per_s_per_gpu"]
@@ -154,7 +159,7 @@ def test_rank_command_end_to_end(shim, capsys, tmp_path):
     # the text: every line with a figure of speed, time or cost says predicted
     lines = today.splitlines()
     figures = [ln for ln in lines if re.search(r"tok/s|tokens/s|\d ms|MFU|GPU-hours|\$", ln) and re.search(r"\d", ln)
-               and not ln.startswith("  tracing")]
+               and not ln.startswith(("  tracing", "  micro "))]  # the table's header names a column fp8
     assert figures and all("predicted" in ln for ln in figures), [ln for ln in figures if "predicted" not in ln]
     run = next(ln for ln in lines if "run it with" in ln)
     assert run.count("train.micro_batch_size=") == 1 and f"train.micro_batch_size={choice['settings'][MB]}" in run

@@ -14,7 +14,8 @@ The candidates, a bounded number of traces:
 3. each other setting, one change at a time, at the sweep's best micro-batch: activation
    checkpointing none / selective / full (also at the smallest size that did not fit: what
    checkpointing is for), the loss path plain / chunked, compile model / blocks (off too when the
-   config is off), and at N ranks the strategy ddp / zero1 / fsdp2;
+   config is off), at N ranks the strategy ddp / zero1 / fsdp2, and fp8 where the GPU has it
+   (marked as changing numerics: shown, never chosen unless the config asks for fp8);
 4. a setting that does not fit at that size, once more at the next smaller size.
 
 A candidate fits when its traced peak (the step as the run takes it, compiled when compile is
@@ -24,6 +25,7 @@ on) is within headroom x the GPU's memory; one that does not is listed, never ra
 from __future__ import annotations
 
 import copy
+import importlib.util
 import shlex
 import time
 from typing import Any, Callable
@@ -40,7 +42,8 @@ from flopwise.tune.dryrun import WRAPPERS, dry_run, dry_run_batch, gpu_spec, net
 Log = Callable[[str], None]
 MB, AC, COMPILE, LOSS, STRATEGY = ("train.micro_batch_size", "train.activation_checkpointing", "train.compile",
                                    "train.loss", "parallel.strategy")
-SETTINGS = (MB, AC, COMPILE, LOSS, STRATEGY)
+FP8 = "train.fp8"
+SETTINGS = (MB, AC, COMPILE, LOSS, STRATEGY, FP8)
 CHECKPOINTING = ("none", "selective", "full")
 LOSSES = ("plain", "chunked")  # fused (Liger's Triton kernel) cannot be traced on fake tensors
 COMPILES = ("model", "blocks")
@@ -55,7 +58,7 @@ SECONDS_PER_TRACE = (10.0, 50.0)  # rough, on 2 shared cores: s + s per billion 
 def settings_of(result: dict[str, Any], cfg: RunConfig) -> dict[str, Any]:
     """The settings a traced step ran with (``auto`` resolved by the trace), as override keys."""
     return {MB: result["micro_batch"], AC: cfg.train.activation_checkpointing, COMPILE: result["compile"],
-            LOSS: result["loss"], STRATEGY: result["strategy"]}
+            LOSS: result["loss"], STRATEGY: result["strategy"], FP8: bool(result.get("fp8"))}
 
 
 def with_settings(cfg: RunConfig, settings: dict[str, Any]) -> RunConfig:
@@ -69,7 +72,14 @@ def with_settings(cfg: RunConfig, settings: dict[str, Any]) -> RunConfig:
 
 def label(s: dict[str, Any]) -> str:
     return (f"micro-batch {s[MB]} · ckpt {s[AC]} · compile {s[COMPILE]} · loss {s[LOSS]}"
-            + (f" · {s[STRATEGY]}" if s[STRATEGY] != "single" else ""))
+            + (f" · {s[STRATEGY]}" if s[STRATEGY] != "single" else "") + (" · fp8" if s.get(FP8) else ""))
+
+
+def fp8_available(spec: hardware.DeviceSpec) -> bool:
+    """Whether an fp8 row is worth tracing on ``spec``: fp8 tensor cores (sm89+, an fp8 peak) and
+    torchao here to trace torchao's float8 linears with."""
+    return (hardware.CAPABILITY.get(spec.name, (0, 0)) >= (8, 9) and spec.fp8 is not None
+            and importlib.util.find_spec("torchao") is not None)
 
 
 def splits(cfg: RunConfig, world: int, b: int) -> bool:
@@ -96,10 +106,13 @@ def sizes_of(cfg: RunConfig, world: int, largest: int | None = None) -> list[int
     return sorted(b for b in sizes if splits(cfg, world, b))
 
 
-def variations(base: dict[str, Any], world: int, configured_compile: str) -> list[dict[str, Any]]:
+def variations(base: dict[str, Any], world: int, configured_compile: str, fp8: bool = False) -> list[dict[str, Any]]:
     """The other settings, one change each from ``base``: checkpointing, loss, compile (off only
-    when configured off) and, at N ranks under a data-parallel strategy, the strategy."""
-    out = [{AC: a} for a in CHECKPOINTING if a != base[AC]]
+    when configured off), at N ranks under a data-parallel strategy the strategy, and fp8 on or
+    off where the GPU has it (``fp8``)."""
+    out: list[dict[str, Any]] = [{AC: a} for a in CHECKPOINTING if a != base[AC]]
+    if fp8 or base.get(FP8):
+        out.append({FP8: not base.get(FP8)})
     out += [{LOSS: x} for x in LOSSES if x != base[LOSS]]
     compiles = COMPILES + (("off",) if configured_compile == "off" else ())
     out += [{COMPILE: c} for c in compiles if c != base[COMPILE]]
@@ -129,13 +142,19 @@ def ranked(candidates: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(ok, key=_rate, reverse=True)
 
 
-def mark_numerics(candidates: list[dict[str, Any]], configured: str, precision: str) -> None:
-    """Each candidate's ``numerics``: why its strategy trains other numbers than the
-    ``configured`` strategy at ``precision`` ("" when it does not; ``plan.memory.numerics_change``).
-    Such a row is ranked and shown, never chosen by itself: ``parallel.strategy`` set to it
-    makes it the configured numerics."""
+def mark_numerics(candidates: list[dict[str, Any]], configured: str, precision: str, fp8: bool = False) -> None:
+    """Each candidate's ``numerics``: why it trains other numbers than the configured run --
+    a strategy whose residual stream differs from the ``configured`` one's at ``precision``
+    (``plan.memory.numerics_change``), fp8 matmuls where the run's are bf16 or the other way
+    (``fp8``: the configured train.fp8) -- or "" when it does not. Such a row is ranked and shown,
+    never chosen by itself: the configuration set to it makes it the configured numerics."""
     for c in candidates:
-        c["numerics"] = numerics_change(c["settings"][STRATEGY], configured, precision)
+        s = c["settings"]
+        why = [numerics_change(s[STRATEGY], configured, precision)]
+        if bool(s.get(FP8)) != fp8:
+            why.append("changes numerics: fp8 matmuls where the configured run's are bf16" if s.get(FP8)
+                       else "changes numerics: bf16 matmuls where the configured run's are fp8")
+        c["numerics"] = "; ".join(w for w in why if w)
 
 
 def choose(candidates: list[dict[str, Any]], tie: float = TIE,
@@ -258,7 +277,7 @@ def virtual_preflight(cfg: RunConfig, tracer_args: dict[str, Any], tokens: int =
     started = time.monotonic()
     params = param_counts(cfg.model)["total"]
     per = SECONDS_PER_TRACE[0] + SECONDS_PER_TRACE[1] * params / 1e9
-    upper = len(sizes_of(cfg, tr.world)) + 2 * (len(CHECKPOINTING) + len(LOSSES) + len(COMPILES) + len(STRATEGIES))
+    upper = len(sizes_of(cfg, tr.world)) + 2 * (len(CHECKPOINTING) + len(LOSSES) + len(COMPILES) + len(STRATEGIES) + 1)
     over = f" ({network_text(tr.network)})" if tr.network else ""
     log(f"virtual preflight on {tr.world} × {tr.spec.name}{over}: up to ~{upper} traces on fake tensors (about "
         f"{per:.0f} s each for {human(params)} parameters on this machine, roughly): first the configured settings "
@@ -271,14 +290,14 @@ def virtual_preflight(cfg: RunConfig, tracer_args: dict[str, Any], tokens: int =
     log(f"  trace 1 done (with the fit search, {len(fit['tried_gib'])} sizes, {time.monotonic() - started:.0f} s): "
         f"{label(base)}: {_brief(rows[0])}; largest micro-batch that fits by trace: {fit['micro_batch']}")
     sizes = [b for b in sweep_sizes(cfg, tr.world, fit["micro_batch"]) if b != base[MB]]
-    others = variations(base, tr.world, cfg.train.compile)
+    others = variations(base, tr.world, cfg.train.compile, fp8_available(tr.spec))
     above = fit["micro_batch"] is not None and any(b > fit["micro_batch"] for b in sizes_of(cfg, tr.world))
     total = 1 + len(sizes) + len(others) + (sum(1 for v in others if AC in v) if above else 0)
     log(f"  then ~{total - 1} more traces (the micro-batch sweep {sizes or 'none'}, then {len(others)} other "
         f"settings at the best of it), about {per * (total - 1) / 60:.1f} min")
     rows += tr.batch([base | {MB: b} for b in sizes], total)
     rows += _settings_rounds(tr, cfg, base, others, rows, fit["micro_batch"], total)
-    mark_numerics(rows, base[STRATEGY], first["precision"])
+    mark_numerics(rows, base[STRATEGY], first["precision"], base[FP8])
     choice = choose(rows, configured={k: v for k, v in base.items() if k != MB})
     return {"gpu": tr.spec.name, "world": tr.world, "nproc_per_node": tr.args["nproc_per_node"],
             "nnodes": tr.args["nnodes"], "cap_gib": tr.cap_gib, "traces": tr.done,
@@ -316,7 +335,7 @@ def render(v: dict[str, Any], run_with: list[str]) -> list[str]:
              *([f"  every prediction below is over the {network_text(v['network'])}"] if v.get("network") else []),
              "  candidates, fastest predicted first (step time, tokens/s per GPU, MFU: predicted from the traced "
              "kernels; peak: traced)",
-             f"  {'micro':>5} {'ckpt':>9} {'compile':>7} {'loss':>7} {'strategy':>8} {'traced peak':>12} "
+             f"  {'micro':>5} {'ckpt':>9} {'compile':>7} {'loss':>7} {'strategy':>8} {'fp8':>4} {'traced peak':>12} "
              f"{'step ms':>8} {'tok/s/GPU':>10} {'MFU':>6} {'share':>6}"]
     order = ranked(v["candidates"])
     top = _rate(order[0]) if order else None
@@ -324,7 +343,8 @@ def render(v: dict[str, Any], run_with: list[str]) -> list[str]:
     for c in order + [c for c in v["candidates"] if c not in order]:
         s, p = c["settings"], c.get("prediction") or {}
         peak = f"{c['peak_gib']:.2f} GiB" if c["peak_gib"] is not None else "-"
-        cols = f"  {s[MB]:>5} {s[AC]:>9} {s[COMPILE]:>7} {s[LOSS]:>7} {s[STRATEGY]:>8} {peak:>12}"
+        fp8 = "yes" if s.get(FP8) else "-"
+        cols = f"  {s[MB]:>5} {s[AC]:>9} {s[COMPILE]:>7} {s[LOSS]:>7} {s[STRATEGY]:>8} {fp8:>4} {peak:>12}"
         if c in order and top:
             mfu = f"{100 * p['mfu']:.1f}%" if p.get("mfu") is not None else "n/a"
             numerics = f"  {c['numerics']}: not chosen by itself" if c.get("numerics") else ""
@@ -360,7 +380,8 @@ def _choice_lines(v: dict[str, Any], run_with: list[str]) -> list[str]:
         lines.append(f"             tied (predicted): {'; '.join(label(s) for s in c['tied'])}")
     lines += accept
     lines += _budget_lines(b, v)
-    overrides = [f"{k}={val}" for k, val in c["settings"].items() if k != STRATEGY or val != "single"]
+    overrides = [f"{k}={str(val).lower() if isinstance(val, bool) else val}" for k, val in c["settings"].items()
+                 if (k != STRATEGY or val != "single") and (k != FP8 or val or (v.get("configured") or {}).get(FP8))]
     given = [a for a in run_with if a.split("=", 1)[0] not in SETTINGS]  # the choice's settings replace the user's
     launch = launch_command(v.get("nproc_per_node") or v.get("world", 1), v.get("nnodes") or 1)
     words = [a if a.startswith("--") else shlex.quote(a) for a in given + overrides]  # "--preset X": as given
