@@ -276,3 +276,16 @@ def grads_of(model, loss_fn=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]
     model.zero_grad(set_to_none=True)
     loss = forward_backward(model, [(x, y)], x.numel(), loss_fn=loss_fn)
     return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def matmul_result(gpu: str, dtype: str = "bfloat16", size: int = 4096, n: int = 4) -> dict:
+    """A dry-run worker result by hand (what tune/worker.py writes): ``n`` matrix multiplies of
+    ``size``³ in ``dtype`` (an fp8 dtype: torchao's ``_scaled_mm``) on ``gpu``, for the predictor."""
+    mm = {"kind": "mm", "op": "_scaled_mm" if dtype.startswith("float8") else "mm", "reads": [[1, 0]],
+          "writes": [[2, 0]], "phase": "forward", "micro": 1, "host": 1, "m": size, "n": size, "k": size,
+          "batch": 1, "dtype": dtype}
+    kernels = {"records": [mm] * n, "tail_host": 0, "traced_accum": 1, "run_accum": 1, "micro_batch": 8,
+               "seq_len": 1024, "world": 1}
+    return {"request": {"gpu": {"spec": gpu}, "nproc_per_node": 1}, "precision": "bf16", "compile": "off",
+            "loss": "plain", "strategy": "single", "micro_batch": 8,
+            "trace": {"kernels": kernels, "memory": {"peak_gib": 1.0}, "flops": {}}}

@@ -7,26 +7,17 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import matmul_result
 
 from flopwise.config import build_config
 from flopwise.plan import steptime
 from flopwise.tune.predict import predicted, render
 
 
-def _result(gpu: str, dtype: str, n: int = 4) -> dict:
-    mm = {"kind": "mm", "op": "_scaled_mm" if dtype.startswith("float8") else "mm", "reads": [[1, 0]],
-          "writes": [[2, 0]], "phase": "forward", "micro": 1, "host": 1, "m": 8192, "n": 8192, "k": 8192,
-          "batch": 1, "dtype": dtype}
-    kernels = {"records": [mm] * n, "tail_host": 0, "traced_accum": 1, "run_accum": 1, "micro_batch": 8,
-               "seq_len": 1024, "world": 1}
-    return {"request": {"gpu": {"spec": gpu}, "nproc_per_node": 1}, "precision": "bf16", "compile": "off",
-            "loss": "plain", "strategy": "single", "micro_batch": 8,
-            "trace": {"kernels": kernels, "memory": {"peak_gib": 1.0}, "flops": {}}}
-
-
 def test_a_scaled_matmul_is_priced_at_the_fp8_rate():
     cfg = build_config("tiny")
-    bf16, fp8 = predicted(_result("H100 SXM", "bfloat16"), cfg), predicted(_result("H100 SXM", "float8_e4m3fn"), cfg)
+    bf16 = predicted(matmul_result("H100 SXM", "bfloat16", 8192), cfg)
+    fp8 = predicted(matmul_result("H100 SXM", "float8_e4m3fn", 8192), cfg)
     g = steptime.gpu("H100 SXM")
     expected = (g.peak["float8_e4m3fn"] * g.fp8_fraction) / (g.peak["bfloat16"] * g.gemm_fraction)
     ratio = bf16["breakdown"]["matmul"] / fp8["breakdown"]["matmul"]
@@ -37,10 +28,10 @@ def test_a_scaled_matmul_is_priced_at_the_fp8_rate():
 
 def test_fp8_on_a_part_measured_only_in_bf16_says_derived_and_one_without_an_fp8_rate_is_not_predicted():
     cfg = build_config("tiny")
-    ada = predicted(_result("RTX 4090", "float8_e4m3fn"), cfg)
+    ada = predicted(matmul_result("RTX 4090", "float8_e4m3fn"), cfg)
     assert ada["predicted"] and any("fp8 matmul rate: its bf16 share" in d for d in ada["derived"]), ada
-    assert not any("fp8" in d for d in predicted(_result("RTX 4090", "bfloat16"), cfg).get("derived", []))
-    a100 = predicted(_result("A100 SXM 80GB", "float8_e4m3fn"), cfg)
+    assert not any("fp8" in d for d in predicted(matmul_result("RTX 4090", "bfloat16"), cfg).get("derived", []))
+    a100 = predicted(matmul_result("A100 SXM 80GB", "float8_e4m3fn"), cfg)
     assert a100 == {"predicted": False, "why": "A100 SXM 80GB has no fp8 matmul rate: its fp8 matmuls are not "
                                                "predicted"}, a100
 

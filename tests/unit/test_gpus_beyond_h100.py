@@ -4,6 +4,7 @@ line naming the constant that is missing; every constant taken from another part
 from __future__ import annotations
 
 import pytest
+from helpers import matmul_result
 
 from flopwise.config import build_config
 from flopwise.plan import hardware, steptime
@@ -38,23 +39,13 @@ def test_geforce_bf16_is_the_fp32_accumulate_rate_and_pro_parts_are_not_halved()
     assert hardware.find("l40s").bf16 == 362.05 and hardware.find("rtx pro 6000").bf16 == 503.8
 
 
-def _result(gpu: str) -> dict:
-    mm = {"kind": "mm", "op": "mm", "reads": [[1, 0]], "writes": [[2, 0]], "phase": "forward", "micro": 1,
-          "host": 1, "m": 4096, "n": 4096, "k": 4096, "batch": 1, "dtype": "bfloat16"}
-    kernels = {"records": [mm] * 4, "tail_host": 0, "traced_accum": 1, "run_accum": 1, "micro_batch": 8,
-               "seq_len": 128, "world": 1}
-    return {"request": {"gpu": {"spec": gpu}, "nproc_per_node": 1}, "precision": "bf16", "compile": "off",
-            "loss": "plain", "strategy": "single", "micro_batch": 8,
-            "trace": {"kernels": kernels, "memory": {"peak_gib": 1.0}, "flops": {}}}
-
-
 def test_a_prediction_that_uses_a_derived_constant_says_derived():
     cfg = build_config("tiny")
-    p = predicted(_result("RTX 4070"), cfg)
+    p = predicted(matmul_result("RTX 4070"), cfg)
     assert p["predicted"] and p["derived"], p
     text = "\n".join(render(p))
     assert "derived constants (RTX 4070): dense bf16 peak 58.3" in text and "the RTX 4090's share" in text, text
-    measured = predicted(_result("H100 SXM"), cfg)  # every constant measured on the part itself
+    measured = predicted(matmul_result("H100 SXM"), cfg)  # every constant measured on the part itself
     assert measured["predicted"] and "derived" not in measured and "derived" not in "\n".join(render(measured))
 
 
