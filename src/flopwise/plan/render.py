@@ -732,18 +732,19 @@ def _fit_banner(plan: dict[str, Any]) -> list[str]:
 
 
 def format_gpu_table() -> str:
-    lines = [f"{'GPU':<24} {'bf16':>8} {'fp16':>8} {'fp8':>8} {'tf32':>8} {'fp32':>7} {'memory':>8} {'TB/s':>6}",
+    w = max(24, *(len(d.name) for d in hardware.DEVICES))  # "RTX PRO 6000 Blackwell Workstation"
+    lines = [f"{'GPU':<{w}} {'bf16':>8} {'fp16':>8} {'fp8':>8} {'tf32':>8} {'fp32':>7} {'memory':>8} {'TB/s':>6}",
              "  (dense TFLOP/s: sparse datasheet figures halved)"]
     for d in hardware.DEVICES:
         def f(v):
             return "-" if v is None else f"{v:g}"
-        lines.append(f"{d.name:<24} {f(d.bf16):>8} {f(d.fp16):>8} {f(d.fp8):>8} {f(d.tf32):>8} {f(d.fp32):>7}"
+        lines.append(f"{d.name:<{w}} {f(d.bf16):>8} {f(d.fp16):>8} {f(d.fp8):>8} {f(d.tf32):>8} {f(d.fp32):>7}"
                      f" {d.memory_gb:>5g} GB {d.bandwidth_tbs:>6g}")
     lines.append("")
     lines.append("Names --gpu accepts (exact; case, spaces, dashes and 'GB' do not matter; a bare family name is "
                  "the SXM part):")
     for d in hardware.DEVICES:
-        lines.append(f"  {d.name:<24} {', '.join(hardware.accepted_names(d)[1:]) or '-'}")
+        lines.append(f"  {d.name:<{w}} {', '.join(hardware.accepted_names(d)[1:]) or '-'}")
     lines.append("")
     lines.append("Links (--interconnect within a node, --network between nodes), GB/s per GPU one way:")
     for link in hardware.LINKS.values():
