@@ -130,3 +130,12 @@ def apply_fp8(model: torch.nn.Module, device: torch.device, recipe: str = "tenso
     n = sum(1 for m in model.modules() if type(m).__name__ == "Float8Linear")
     return (f"fp8: {n} linear layers in float8 (torchao, {recipe} dynamic scaling"
             + ("; weights all-gathered in fp8 under FSDP2)" if gather else ")"))
+
+
+def fp8_scales_for_fsdp(model: torch.nn.Module) -> None:
+    """After an update under FSDP2 with fp8 all-gather (tensorwise): every float8 weight's amax
+    in one all-reduce, the scales the next all-gather casts with (torchao's
+    ``precompute_float8_dynamic_scale_for_fsdp``; without it each weight reduces its own)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # lazy: fp8 only
+
+    precompute_float8_dynamic_scale_for_fsdp(model)

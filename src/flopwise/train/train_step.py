@@ -33,7 +33,7 @@ from flopwise.model.loss import make_loss_fn
 from flopwise.parallel.distributed import DistEnv
 from flopwise.parallel.strategy import Strategy, clip_grad_norm, grad_sync, grads_set_to_none
 from flopwise.train.optim import CombinedOptimizer, set_lr, set_lr_factor, skipped_if, skips_on_device
-from flopwise.train.precision import MasterWeights, Precision, autocast_factory
+from flopwise.train.precision import MasterWeights, Precision, autocast_factory, fp8_scales_for_fsdp
 from flopwise.train.setup import Run, StepParts, grad_clip
 from flopwise.train.stopping import NonFiniteError
 
@@ -48,11 +48,14 @@ class StepFixed:
     on_device: bool
     fp16: bool
     set_to_none: bool  # zero_grad drops the gradients (``parallel.strategy.grads_set_to_none``)
+    fp8_gather: bool = False  # FSDP2 all-gathers fp8 weights: their scales are computed after each update
 
     @classmethod
-    def of(cls, optimizer: Any, scaler: Any, strategy: str) -> "StepFixed":
+    def of(cls, optimizer: Any, scaler: Any, strategy: str, cfg: Any = None) -> "StepFixed":
+        t = cfg.train if cfg is not None else None
         return cls(on_device=skips_on_device(optimizer), fp16=scaler is not None and scaler.is_enabled(),
-                   set_to_none=grads_set_to_none(strategy))
+                   set_to_none=grads_set_to_none(strategy),
+                   fp8_gather=bool(t and t.fp8 and t.fp8_recipe == "tensorwise" and strategy == "fsdp2"))
 
 
 @dataclass
@@ -88,7 +91,7 @@ class StepOnly:
                    loss_fn=parts.loss_fn, master=parts.master,
                    opt_params=[q for g in parts.optimizer.param_groups for q in g["params"]],
                    clip=grad_clip(cfg), state_model=parts.master.master if parts.master else parts.model,
-                   fixed=StepFixed.of(parts.optimizer, prec.scaler, strategy))
+                   fixed=StepFixed.of(parts.optimizer, prec.scaler, strategy, cfg))
 
 
 @dataclass
@@ -196,7 +199,7 @@ def train_step(run: Run | StepOnly, step: int, accum: int, step_tokens: int, lr:
     once by the caller rather than decided again every step."""
     if fixed is None:
         fixed = run.fixed if isinstance(run, StepOnly) else StepFixed.of(run.optimizer, run.prec.scaler,
-                                                                          run.strategy.step)
+                                                                          run.strategy.step, run.cfg)
     t, timer, scaler, optimizer = run.cfg.train, run.timer, run.prec.scaler, run.optimizer
     set_rate(optimizer, lr, run.cfg.optim.lr)
     with timer.part("fwd_bwd"), nvtx(t.nvtx, "forward_backward"):
@@ -228,6 +231,8 @@ def train_step(run: Run | StepOnly, step: int, accum: int, step_tokens: int, lr:
             apply_update(optimizer, scaler, run.master)
         elif scaler is not None:
             scaler.update()  # closes this step's unscale_ so the next step can unscale again
+        if fixed.fp8_gather:  # every weight's amax in one all-reduce, for the next all-gather's fp8 casts
+            fp8_scales_for_fsdp(run.train_model)
     if before is not None and stats is not None:
         stats["update_ratios"] = update_ratios(run.state_model, before)
     optimizer.zero_grad(set_to_none=fixed.set_to_none)

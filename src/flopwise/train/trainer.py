@@ -122,7 +122,7 @@ def _loop(run: Run) -> tuple[str, str]:
     late: tuple[PendingStep, hooks.Due] | None = None  # a step to read once the next one is issued, and its due
     last: StepOutcome | None = None  # the latest good step read: the stop's training row
     agreed: list[float] | None = None  # the ranks' stop votes, as last read
-    fixed = StepFixed.of(run.optimizer, run.prec.scaler, run.strategy.step)  # the same for every step
+    fixed = StepFixed.of(run.optimizer, run.prec.scaler, run.strategy.step, run.cfg)  # the same for every step
 
     def reload(path: Any) -> dict:
         return hooks.reload(run, path)
