@@ -12,6 +12,8 @@ import math
 import re
 from pathlib import Path
 
+import pytest
+
 from flopwise.config import TIME_USED, build_config
 from flopwise.evaluate.runner import run_finished
 from flopwise.train.trainer import train
@@ -121,3 +123,20 @@ def test_with_several_limits_the_header_says_which_is_expected_to_end_the_run(ti
     few = header(["train.max_steps=3", "train.max_hours=0.1", "train.peak_tflops=0.01", "eval.every=0",
                   "train.run_dir=" + str(tiny_overrides[-1].split("=", 1)[1]) + "-few"])
     assert "so train.max_steps ends the run first" in few, few
+
+
+def test_the_virtual_preflight_prices_a_time_budget_alone_as_its_hours():
+    """``--rank`` of a config whose only limit is its time: the tokens that time buys at the
+    choice's predicted rate, not a budget of 0 tokens."""
+    from test_virtual_preflight import CAP, result, settings
+
+    from flopwise.tune import virtual
+
+    cfg = build_config("tiny", overrides=["train.max_steps=0", "train.max_tokens=0", "train.max_hours=2"])
+    choice = virtual.choose([virtual.candidate(settings(8), result(8, 30.0, work=4), CAP)])
+    b = virtual.budget(choice, cfg, 1)
+    assert b["source"] == "train.max_hours" and b["hours"] == 2 and b["hours_given"], b
+    rate = choice["prediction"]["tokens_per_s_per_gpu"]
+    assert b["tokens"] == pytest.approx(2 * 3600 * rate, rel=1e-6), (b["tokens"], rate)
+    v = {"world": 1, "gpu": "H100 SXM"}
+    assert "(train.max_hours) on 1 × H100 SXM" in virtual._budget_lines(b, v)[0]

@@ -202,12 +202,15 @@ def budget(choice: dict[str, Any], cfg: RunConfig, world: int, tokens: int = 0, 
     (:func:`~flopwise.plan.budget.predicted_range`, as ``plan --trace``'s)."""
     p = choice["prediction"]
     fpt = flops_per_token(cfg.model, cfg.train.seq_len)
+    config_hours = cfg.train.max_hours if cfg.time_only and not (tokens or hours) else 0.0  # time its only limit
+    hours = hours or config_hours
     inp = PlanInputs(gpus=world, tokens=tokens or (0 if hours else cfg.total_steps() * cfg.tokens_per_step),
                      hours=hours, price_per_gpu_hour=price_per_gpu_hour)
     out = tokens_time_cost(inp, fpt, param_counts(cfg.model)["active"], p["tokens_per_s"] * fpt)
     keep = ("tokens", "hours", "hours_given", "gpu_hours", "price_per_gpu_hour", "cost")
     band = {"band": predicted_range(p["band"], out)} if p.get("band") else {}
-    return {k: out[k] for k in keep} | {"source": "--tokens" if tokens else "--hours" if hours else "the config"} | band
+    source = "--tokens" if tokens else "train.max_hours" if config_hours else "--hours" if hours else "the config"
+    return {k: out[k] for k in keep} | {"source": source} | band
 
 
 # --------------------------------------------------------------------------- the traces
@@ -404,7 +407,8 @@ def _budget_lines(b: dict[str, Any], v: dict[str, Any]) -> list[str]:
 
     gpus = f"{v['world']} × {v['gpu']}"
     if b.get("hours_given"):
-        head = (f"  predicted tokens in {hours_text(b['hours'])} (--hours) on {gpus}: {human(b['tokens'])}"
+        head = (f"  predicted tokens in {hours_text(b['hours'])} ({b.get('source', '--hours')}) on {gpus}: "
+                f"{human(b['tokens'])}"
                 f"{likely('tokens', lambda lo, hi: f'{human(lo)}-{human(hi)}')} · "
                 f"{gpu_hours_text(b['gpu_hours'])} GPU-hours")
         # the GPU-hours and cost are the user's hours': only the tokens are predicted
