@@ -72,3 +72,16 @@ def test_a_matmul_is_recorded_with_its_shape_and_torchs_flop_count():
             call()
     mm = [(r["op"], r["m"], r["n"], r["k"], r["batch"], r["flops"]) for r in log.records if r["kind"] == "mm"]
     assert mm == [("addmm", 64, 160, 96, 1, 2 * 64 * 160 * 96), ("bmm", 64, 160, 96, 3, 3 * 2 * 64 * 160 * 96)]
+
+
+def test_cudnn_attention_is_read_with_its_shapes_and_causality():
+    """The kernel SDPA runs first on sm90/sm100 from torch 2.11's wheels: forward and backward
+    recorded as cuDNN's, (batch, heads, tokens, head_dim), GQA's key heads kept apart."""
+    def call():  # the backward op called as autograd calls it (the engine itself needs a real CUDA device)
+        q, kv = _bf16(B, H, T, D), _bf16(B, KV, T, D)
+        out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, kv, kv, None, True, 0.0, True, False)
+        torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            out[0], q, kv, kv, out[0], out[1], out[6], out[7], None, None, None, T, T, 0.0, True)
+    records = _attention_records(call)
+    assert [(r["kernel"], r["way"]) for r in records] == [("cudnn", "fwd"), ("cudnn", "bwd")]
+    assert {_shape(r) for r in records} == {(B, H, KV, T, T, D, True)}

@@ -425,6 +425,8 @@ def render(result: dict[str, Any]) -> list[str]:
     lines = [f"flopwise preflight --dry-run · {world} × {r['gpu']['spec']} ({r['nproc_per_node']} per node × "
              f"{r['nnodes']} node(s)) · traced on fake tensors with torch {result['torch']}: nothing ran on a GPU"]
     kernels = ", ".join(f"{k} ×{v}" for k, v in sorted(t.get("sdpa_kernels", {}).items())) or "no SDPA"
+    if t.get("sdpa_kernels") and t.get("sdpa_order"):
+        kernels += f" ({t['sdpa_order']})"
     fp8 = f" + fp8 {result['fp8']}" if result.get("fp8") else ""
     lines.append(f"  step       runs · {result['strategy']} · {result['precision']}{fp8} · compile {result['compile']} "
                  f"· loss "

@@ -30,6 +30,7 @@ import copy
 import functools
 import inspect
 import os
+import re
 import traceback
 import types
 import weakref
@@ -155,19 +156,53 @@ def _patch_streams() -> None:
 
 # --------------------------------------------------------------------------- attention
 
-SDPA_KERNELS = {0: "math", 1: "flash", 2: "efficient"}
+SDPA_KERNELS = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}
 SDPA_CHOICES: Counter = Counter()  # kernel name -> calls, outside compiled graphs
+SDPA_ORDER: list[str] = []  # why SDPA tries the kernels in the order it does on the traced GPU (sdpa_order)
 _sdpa = torch.nn.functional.scaled_dot_product_attention
+
+# The cuDNN runtime PyPI's default CUDA wheel of each torch release bundles (its nvidia-cudnn
+# requirement, read from the index): 2.9 and 2.10 are CUDA 12.8 builds with cuDNN 9.10; from 2.11
+# the default wheel is a CUDA 13 build (cuDNN 9.19 in 2.11, 9.20 in 2.12, 9.24 in 2.14.1).
+BUNDLED_CUDNN = ((2, 9), (9, 10)), ((2, 11), (9, 19))
+CUDNN_FIRST_FROM = (9, 16)  # sdp_utils.cpp: cuDNN goes first only with a runtime cuDNN above 9.15.0
+CUDNN_FIRST_ARCHS = {9, 10}  # sm90, sm100 and sm103 (majors 9 and 10; any minor on a CUDA 13 build)
+
+
+def sdpa_order(capability: tuple[int, int], torch_version: str, environ: dict[str, str]) -> tuple[bool, str]:
+    """Whether SDPA tries cuDNN's attention first on a GPU of ``capability`` with the CUDA wheel
+    of ``torch_version``, and why, in words. From PyTorch 2.9 ``sdp_utils.cpp`` puts cuDNN first
+    on sm90 and sm100 when the runtime cuDNN is above 9.15 and ``TORCH_CUDNN_SDPA_DEPRIORITIZED``
+    is not set; elsewhere flash comes first. The tracing torch is a CPU build, so the cuDNN is
+    the one its release's default CUDA wheel bundles (:data:`BUNDLED_CUDNN`)."""
+    arch = f"sm{capability[0]}{capability[1]}"
+    if capability[0] not in CUDNN_FIRST_ARCHS:
+        return False, f"flash first: PyTorch prefers cuDNN's attention only on sm90/sm100, not {arch}"
+    release = tuple(int(x) for x in re.findall(r"\d+", torch_version)[:2])
+    if release < (2, 9):
+        return False, f"flash first: torch {torch_version} predates cuDNN-first SDPA (PyTorch 2.9)"
+    if environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED", "0") not in ("", "0"):
+        return False, "flash first: TORCH_CUDNN_SDPA_DEPRIORITIZED is set"
+    since, cudnn = max((since, c) for since, c in BUNDLED_CUDNN if release >= since)
+    wheel = (f"torch {'.'.join(map(str, release))}'s CUDA wheel bundles cuDNN "
+             f"{'≥ ' if release > since else ''}{cudnn[0]}.{cudnn[1]}")
+    if cudnn < CUDNN_FIRST_FROM:
+        return False, f"flash first: {wheel}; PyTorch puts cuDNN first on {arch} only above cuDNN 9.15"
+    return True, f"cuDNN first on {arch}: {wheel}, above 9.15; TORCH_CUDNN_SDPA_DEPRIORITIZED=1 asks for flash"
 
 
 def cuda_sdpa_choice(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None,
-                     capability: tuple[int, int]) -> int:
-    """The kernel a CUDA build of torch picks for SDPA (``sdp_utils.cpp``, its main rules):
+                     capability: tuple[int, int], cudnn_first: bool = False) -> int:
+    """The kernel a CUDA build of torch picks for SDPA (``sdp_utils.cpp``, its main rules): with
+    ``cudnn_first`` (:func:`sdpa_order`) cuDNN's for fp16/bf16 at head_dim <= 128 and a multiple
+    of 8 (GQA and masks included; 256 needs a cuDNN newer than the wheels', not assumed); then
     flash for fp16/bf16 without a mask, head_dim <= 256 and a multiple of 8, on sm80+ (GQA
     included); memory-efficient with a mask when query and key heads match (it takes no GQA);
-    else math. cuDNN attention is not modelled (not preferred by default)."""
+    else math."""
     half = q.dtype in (torch.float16, torch.bfloat16)
     hd = q.shape[-1]
+    if cudnn_first and half and hd <= 128 and hd % 8 == 0:
+        return 3
     if half and attn_mask is None and hd <= 256 and hd % 8 == 0 and capability >= (8, 0):
         return 1
     if q.shape[1] == k.shape[1] and hd % 8 == 0:
@@ -176,12 +211,23 @@ def cuda_sdpa_choice(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor |
 
 
 def _patch_sdpa(capability: tuple[int, int]) -> None:
+    cudnn_first, why = sdpa_order(capability, torch.__version__, dict(os.environ))
+    SDPA_ORDER[:] = [why]
+
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if q.device.type != "cuda":
             return _sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-        choice = cuda_sdpa_choice(q, k, attn_mask, capability)
+        choice = cuda_sdpa_choice(q, k, attn_mask, capability, cudnn_first)
         if not torch.compiler.is_compiling():  # a global changed while tracing would guard and recompile
             SDPA_CHOICES[SDPA_KERNELS[choice]] += 1
+        if choice == 3:
+            bias = attn_mask
+            if bias is not None and bias.dtype == torch.bool:  # a boolean mask becomes a -inf bias, as for the others
+                bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device).masked_fill_(~bias, float("-inf"))
+            if bias is not None:
+                bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+            return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, dropout_p, is_causal,
+                                                                      False, scale=scale)[0]
         if choice == 1:
             return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False,
                                                                       scale=scale)[0]

@@ -373,7 +373,7 @@ def trace(cfg: RunConfig, env: DistEnv, device: torch.device, strategy: str, mic
             out["syncs"] = [{"op": op, "source": where} for op, where in watch.syncs]
             out["collectives"] = {op: {"calls": n, "bytes": watch.collective_bytes[op]}
                                   for op, n in sorted(watch.collectives.items())}
-            out["sdpa_kernels"] = dict(fake.SDPA_CHOICES)
+            out["sdpa_kernels"], out["sdpa_order"] = dict(fake.SDPA_CHOICES), "".join(fake.SDPA_ORDER)
             out["notes"] = parts.notes
             out["kernels"] = {"records": kernel_log[0].records, "tail_host": kernel_log[0].tail(),
                               "traced_accum": accum, "run_accum": run_accum, "micro_batch": micro_batch,
