@@ -135,9 +135,16 @@ def _choice_problems(obj: Any, section: str) -> list[str]:
     return out
 
 
+# Values people ask for that are deliberately not offered, and why (said with the choices).
+NOT_OFFERED = {("train.fp8_recipe", "mxfp8"): (
+    "MXFP8 (sm100) is not offered: torchao's MXFP8 training casts are Triton and CUDA-extension kernels that "
+    "flopwise's CPU-only dry run cannot trace, and no GPU here has run it")}
+
+
 def _choice_message(where: str, value: Any, allowed: tuple) -> str:
+    why = next((w for (field, v), w in NOT_OFFERED.items() if where.endswith(field) and str(value).lower() == v), "")
     return (f"{where} {shown(value)}{_did_you_mean(str(value).lower(), [str(a) for a in allowed])}: "
-            f"choose {', '.join(str(a) for a in allowed)}")
+            f"{why + '; ' if why else ''}choose {', '.join(str(a) for a in allowed)}")
 
 
 def type_problem(value: Any, tp: Any) -> str | None:

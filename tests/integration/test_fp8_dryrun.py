@@ -36,6 +36,14 @@ def test_fp8_on_a_part_measured_only_in_bf16_says_derived_and_one_without_an_fp8
                                                "predicted"}, a100
 
 
+def test_mxfp8_is_refused_with_why_before_any_work():
+    from flopwise.config import ConfigError
+    with pytest.raises(ConfigError) as e:
+        build_config("tiny", overrides=["train.fp8=true", "train.fp8_recipe=mxfp8"])
+    [problem] = e.value.problems
+    assert "train.fp8_recipe 'mxfp8': MXFP8 (sm100) is not offered" in problem and "choose tensorwise, rowwise" in problem
+
+
 @pytest.mark.slow
 def test_the_fp8_step_is_traced_with_torchao_and_predicted(cli):
     pytest.importorskip("torchao")
