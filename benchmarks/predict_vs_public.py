@@ -24,6 +24,7 @@ Writes benchmarks/results/predict-vs-public-traced-<date>.json (or PATH) and pri
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -57,7 +58,7 @@ class Case:
     overrides: tuple[str, ...]
     gpu: str  # a name flopwise.plan.hardware.find knows: the variant the source ran, where it says
     gpus: int  # all GPUs of the run
-    measured: float  # tokens/s per GPU, as the source gives it or derived from its figures
+    measured: float | None  # tokens/s per GPU, as the source gives it or derived from its figures (None: not given)
     measured_how: str  # the source's own figure and, when derived, the arithmetic
     compile_why: str  # why train.compile is what it is for this source
     differs: tuple[str, ...] = ()  # what flopwise cannot express of the source's stack, and how it is treated
@@ -69,6 +70,16 @@ class Case:
     # the SDPA flash kernel flopwise's trace chose (None: the same kernel, or none measured)
     attention_as: str | None = None
     gpu_why: str = ""  # where the GPU variant (memory, form factor, power limit) comes from
+    # an fp8 case's bf16 twin (the same source, model and settings in bf16): the pair's speed-up is
+    # predicted and measured; None for a bf16 case
+    twin: str | None = None
+    # why the case's absolute tokens/s are not held to the bound (its speed-up still is); "" when they are
+    ratio_only: str = ""
+    unsupported: str = ""  # why flopwise cannot express the case at all (reported, not traced)
+    # "te": the source ran TransformerEngine's fp8 linears, whose amax / scale / cast(-transpose) are
+    # fused kernels: the trace's eager cast chains are priced as fused regions (:func:`as_fused_casts`)
+    casts_as: str | None = None
+    speedup: float | None = None  # the measured speed-up over the twin, where the source gives only that
 
     @property
     def nnodes(self) -> int:
@@ -190,7 +201,7 @@ def llmc(cid: str, shape: tuple[int, int, int], gpu: str, micro: int, accum: int
                  *_step(1024, micro, accum, 8, "bf16-pure", "model", "none", "zero1")]
     return Case(cid, LLMC, "gpt2-124m", tuple(overrides), gpu, 8, tokens / step_s / 8,
                 f"{tokens:,} tokens/step at {step_how} (derived: tokens / step_s / 8 GPUs)", LLMC_COMPILE,
-                LLMC_DIFFERS, network_why="one node: NVLink only",
+                LLMC_DIFFERS, network_why="one node: NVLink only", attention_as="flash",
                 gpu_why="the scripts' comments: 8 x A100 80GB SXM / 8 x H100 80GB SXM")
 
 
@@ -324,6 +335,10 @@ PER_OP_SAC = ("activation checkpointing: the source ran torchtitan's per-op sele
               "in half the blocks (about 3% of the predicted step): on this count the prediction errs slow")
 
 
+SDPA_FLASH_THEN = ("attention: SDPA's flash kernel, which the source's torch (before 2.9's cuDNN-first order) ran "
+                   "first on sm90/sm100; flopwise's torch runs cuDNN's there (ratio_flopwise_attention)")
+
+
 def titan_h100(cid: str, source: str, gpus: int, micro: int, compiled: bool, measured: float, how: str,
                gpu_why: str) -> Case:
     layers, d, heads, kv, ffn, vocab = LLAMA3_8B
@@ -336,8 +351,9 @@ def titan_h100(cid: str, source: str, gpus: int, micro: int, compiled: bool, mea
     return Case(cid, source, "llama3.2-1b", tuple(overrides), "h100 sxm 96gb", gpus, measured, how, compile_why,
                 (PER_OP_SAC,
                  "FSDP2 with bf16 param / fp32 reduce mixed precision = flopwise fsdp2 under bf16 autocast",
-                 "attention: SDPA (the same kernels flopwise's SDPA chooses)",
+                 SDPA_FLASH_THEN,
                  FULL_LOGITS_WHY.format("torchtitan" if source == TITAN_H100 else "torchao's torchtitan run")),
+                attention_as="flash",
                 network="400gbit" if gpus > 8 else None,
                 network_why="the page: 'backend RDMA network with 400 Gb/s per GPU'" if gpus > 8 else
                 "one node: NVLink only", gpu_why=gpu_why)
@@ -360,6 +376,178 @@ def titan_h100_rows() -> list[Case]:
     ]
 
 
+# --------------------------------------------------------------------------- beyond A100/H100, and fp8
+# The reference's section "Beyond A100/H100, and fp8" (issue 52): B200, RTX 4090 and fp8 runs. An fp8
+# case names its bf16 twin (``twin``): the pair's predicted speed-up is held to the measured one.
+# torchao's float8 (torchtitan's and torchao's runs) is what flopwise traces. TransformerEngine's fp8
+# (llm-foundry's amp_fp8, Megatron-Bridge) is not torchao: its linears are traced as torchao's
+# tensorwise float8 linears (one scale a tensor: TE's delayed and current scaling are per tensor
+# too); eager, torchao's amax, scale and cast are separate kernels where TE fuses each into one
+# cast(-transpose), so each cast chain is priced as one fused region (``casts_as="te"``).
+TITAN_MX = "pytorch/torchtitan torchtitan/components/quantization/mxfp8.md @5b5f578"
+MEGATRON = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md @4ab94df (25.11)"
+SPEEDRUN = "tyler-romero/nanogpt-speedrun logs/4c627c0d-029c-4f8a-bd18-40f99b43b22e.txt"
+NANOGPT = "karpathy/nanoGPT PR #225"
+FLOAT8_AG = "discuss.pytorch.org: Enabling Float8 All-Gather in FSDP2"
+POWER_LIMITED = ("the source ran 'power limited B200 GPUs' (its bf16 row is 21% of the dense bf16 peak); the limit "
+                 "is not given, so its absolute figures are not held to the bound, its fp8 speed-up is")
+TENSORWISE_AG = ("train.fp8=true", "train.fp8_recipe=tensorwise")
+ROWWISE = ("train.fp8=true", "train.fp8_recipe=rowwise")
+TORCHAO_FP8 = ("fp8: torchao's float8 linears, as flopwise's train.fp8 runs them (the LM head and any linear with "
+               "a dimension not a multiple of 16 left in bf16, torchtitan's filter does the same for the head)")
+
+
+def llama8b(cid: str, source: str, gpu: str, step: tuple[int, int, str, str], fp8: tuple[str, ...],
+            measured: float | None, how: str) -> Case:
+    """Llama 3 8B at sequence 8192 on one node of 8, compiled per block (torchtitan's apply_compile);
+    ``step``: micro-batch, accumulation, strategy, activation checkpointing."""
+    layers, d, heads, kv, ffn, vocab = LLAMA3_8B
+    micro, accum, strategy, ac = step
+    overrides = ["model.arch=llama", *_shape(layers, d, heads, kv, ffn, vocab, 8192), "model.rope_theta=500000",
+                 "model.tie_embeddings=false", *_step(8192, micro, accum, 8, "bf16", "blocks", ac, strategy),
+                 *(["train.activation_checkpointing_every=2"] if ac == "selective" else []), FULL_LOGITS, *fp8]
+    return Case(cid, source, "llama3.2-1b", tuple(overrides), gpu, 8, measured, how,
+                "blocks: torchtitan compiles each transformer block (apply_compile), as train.compile=blocks does",
+                network_why="one node: NVLink only")
+
+
+def b200_titan(cid: str, fp8: tuple[str, ...], measured: float, row: str, twin: str | None) -> Case:
+    c = llama8b(cid, TITAN_MX, "b200", (1, 1, "fsdp2", "selective"), fp8, measured, f"the table's row {row}")
+    return _with(c, twin=twin, ratio_only=POWER_LIMITED, attention_as="flash",
+                 gpu_why="'8x power limited B200 GPUs' (HGX B200, 180 GB)",
+                 differs=(PER_OP_SAC, "FSDP2 with bf16 param / fp32 reduce = flopwise fsdp2 under bf16 autocast",
+                          "attention: torch 2.9.0.dev20250815 (before the cuDNN-first order of 2025-09-03) ran "
+                          "SDPA's flash kernel; predicted at flash (attention_as=flash)",
+                          FULL_LOGITS_WHY.format("torchtitan"), *([TORCHAO_FP8] if fp8 else [])))
+
+
+def _with(case: Case, **changes: Any) -> Case:
+    return dataclasses.replace(case, **changes)
+
+
+def h100_torchao(cid: str, fp8: tuple[str, ...], measured: float, row: str) -> Case:
+    """torchao's Llama 3 8B float8 rows (the reference's F-1, F-2), twins of the held-out F-1-bf16."""
+    [base] = [c for c in titan_h100_rows() if c.id == "F-1-bf16"]
+    gather = ("under FSDP2 the weights are all-gathered in fp8 (tensorwise), in bf16 (rowwise), as in the source's "
+              "rows 'tensorwise with float8 all-gather' and 'rowwise with bfloat16 all-gather'")
+    return _with(base, id=cid, overrides=base.overrides + fp8, measured=measured, measured_how=row, twin="F-1-bf16",
+                 differs=base.differs + (TORCHAO_FP8, gather))
+
+
+TE_FP8 = ("fp8: TransformerEngine's fp8 linears (amp_fp8, TE's delayed per-tensor scaling) are traced as torchao's "
+          "tensorwise float8 linears; eager, torchao's amax / scale / upcast / clamp / cast are separate kernels "
+          "where TE fuses each cast (and its transpose) into one: each cast chain is priced as one fused region "
+          "(casts_as=te), the rest of the step eager as the source runs")
+
+
+def mpt_fp8(cid: str, size: str, micro: int, accum: int, bf16: int, fp8: int) -> list[Case]:
+    """llm-foundry's H100 amp_bf16 / amp_fp8 rows at sequence 512: the bf16 twin and the fp8 case."""
+    twin = _with(mpt(f"{cid}-bf16", size, "h100", micro, accum, bf16, seq=512),
+                 measured_how="the table's T/s/GPU column, amp_bf16 row")
+    return [twin, _with(twin, id=cid, overrides=twin.overrides + TENSORWISE_AG, measured=fp8,
+                        measured_how="the table's T/s/GPU column, amp_fp8 row", twin=twin.id,
+                        differs=twin.differs + (TE_FP8,), casts_as="te")]
+
+
+def rtx4090() -> list[Case]:
+    gpt2 = ["model.arch=gpt2", *_shape(12, 768, 12, 12, 3072, 50304, 1024), FULL_LOGITS]
+    c1 = Case("C-1", SPEEDRUN, "gpt2-124m",
+              tuple(gpt2 + _step(1024, 32, 4, 2, "bf16", "model", "none", "ddp")), "rtx 4090", 2,
+              262_144 / 1.19136 / 2, "step_avg:1191.36ms for 262,144 tokens (derived: / 1.19136 s / 2 GPUs)",
+              "model: the source's torch.compile(model) under DDP (train.compile=model)",
+              ("attention: SDPA (flash on sm89, as flopwise's torch picks)", "optimizer: torch AdamW (foreach, not "
+               "fused); flopwise's fused AdamW is predicted", FULL_LOGITS_WHY.format("nanoGPT")),
+              network_why="one node of 2 GeForce cards: PCIe, no NVLink and no peer-to-peer",
+              gpu_why="nvidia-smi in the log: 'NVIDIA GeForce RTX 4090', 450 W")
+    no_bias = ["model.attn_bias=false", "model.mlp_bias=false", "model.norm_bias=false"]
+    c3 = Case("C-3", NANOGPT, "gpt2-124m",
+              tuple(gpt2 + no_bias + _step(1024, 12, 40, 1, "bf16", "model", "none", "single")), "rtx 4090", 1,
+              491_520 / 4.620, "~4,620 ms an iteration of 491,520 tokens (derived: / 4.62 s)",
+              "model: nanoGPT's compile = True (torch.compile(model))",
+              ("attention: SDPA (flash on sm89)", "optimizer: torch AdamW fused=True = flopwise's",
+               FULL_LOGITS_WHY.format("nanoGPT")),
+              network_why="one GPU", gpu_why="the PR: 'gpt2, 1 GPU (4090)'")
+    return [c1, c3]
+
+
+def b200_megatron() -> Case:
+    c = llama8b("B-6", MEGATRON, "b200", (2, 8, "zero1", "none"), TENSORWISE_AG, 30_624,
+                "| LLAMA3_8B | 8 | FP8-CS (FP8-MX) | 128 | 2 | 8192 | ... | 8 | 30624 (29521) |: FP8-CS")
+    return _with(c, attention_as="cudnn", gpu_why="DGX-B200", compile_why=(
+        "blocks: Megatron's TransformerEngine layers are fused CUDA kernels (LayerNorm-linear, bias-GELU, "
+        "cast-transpose); inductor's fused regions of compiled blocks stand for them"), differs=(
+        "Megatron-Core with TransformerEngine, not PyTorch eager: its fused kernels are predicted as compiled blocks",
+        "data parallel 8 with the distributed optimizer = flopwise zero1 (DDP underneath, optimizer state sharded)",
+        "fp8: TE's current scaling (FP8-CS: one scale a tensor, computed from this step's amax) = torchao's "
+        "tensorwise dynamic scaling; traced as torchao's float8 linears",
+        "attention: TE's fused attention, cuDNN's kernel on Blackwell (attention_as=cudnn)",
+        "activation recompute: none assumed (the table gives none for 8B)", FULL_LOGITS_WHY.format("Megatron")))
+
+
+def llama70b_128(cid: str, fp8: tuple[str, ...], twin: str | None) -> Case:
+    layers, d, heads, kv, ffn, vocab = LLAMA_70B
+    overrides = ["model.arch=llama", *_shape(layers, d, heads, kv, ffn, vocab, 8192), "model.rope_theta=500000",
+                 "model.tie_embeddings=false", *_step(8192, 1, 1, 128, "bf16", "blocks", "full", "fsdp2"),
+                 FULL_LOGITS, *fp8]
+    return Case(cid, FLOAT8_AG, "llama3.2-1b", tuple(overrides), "h100 sxm 80gb", 128, None,
+                "only a speed-up is given: '1.50x speedup with float8 compared with bfloat16'",
+                "blocks: torchtitan's apply_compile (assumed: the post says 'TorchTitan')",
+                ("assumed, the post gives no settings: sequence 8192, local batch 1, full activation checkpointing, "
+                 "FSDP2 over all 128 GPUs (torchtitan's Llama 3 70B defaults of the time but its tensor parallelism, "
+                 "which flopwise has not)", TORCHAO_FP8 if fp8 else "bf16 twin of the fp8 run",
+                 "attention: SDPA flash (torch of mid-2024)"),
+                network="400gbit", network_why="assumed: 400 Gb/s per GPU, as the H100 clusters of torchtitan's "
+                "pages", attention_as="flash", twin=twin, gpu_why="'128 H100s': 80 GB SXM assumed")
+
+
+def beyond() -> list[Case]:
+    """The calibration cases of 'Beyond A100/H100, and fp8', in the reference's order, with the
+    bf16 twins their fp8 speed-ups need."""
+    return [
+        b200_titan("B-1", (), 8307.5, "| None (bfloat16) | 33.71 | 8307.5 | - |", None),
+        b200_titan("B-2", TENSORWISE_AG, 10417.0, "| float8 tensorwise | 33.38 | 10417.0 | +25.4% |", "B-1"),
+        _with(b200_titan("B-3", (), 9969.0, "| mxfp8_cublas | 33.88 | 9969.0 | +20.0% |", "B-1"),
+              unsupported="MXFP8 is not traced: torchao's MXFP8 casts are Triton and CUDA-extension kernels, "
+                          "which a CPU-only torch cannot trace (train.fp8_recipe takes tensorwise or rowwise)"),
+        b200_megatron(),
+        *rtx4090(),
+        h100_torchao("F-1", TENSORWISE_AG, 7689.5, "| Llama3-8b | tensorwise with float8 all-gather | 47.77 | 7689.5 |"),
+        h100_torchao("F-2", ROWWISE, 6768, "| Llama3-8b | rowwise with bfloat16 all-gather | 47.79 | 6768 |"),
+        *mpt_fp8("F-6", "3b", 40, 6, 27_965, 36_527),
+        *mpt_fp8("F-9", "1b", 56, 4, 52_275, 70_315),
+        llama70b_128("F-12-bf16", (), None),
+        _with(llama70b_128("F-12", TENSORWISE_AG, "F-12-bf16"), speedup=1.50),
+    ]
+
+
+# torchtitan's float8 rows of the same H100 page (never used to set a constant, taken by one rule:
+# every float8 row of it flopwise can express -- Table 1's and Table 3's "FSDP + torch.compile +
+# Float8", twins of TTH-8c and TTH-128c, and Table 2's "FSDP 8, CP 1", which is FSDP alone at
+# sequence 32768; its other rows need context parallelism). torchtitan's float8 of the time is
+# tensorwise dynamic scaling with the fp8 all-gather and the precomputed scales (assumed: the page
+# names only "Float8").
+TITAN_F8 = ("fp8: torchtitan's Float8 = torchao's tensorwise float8 linears with fp8 all-gather under FSDP2 "
+            "(assumed: the page names only 'Float8'), as flopwise's train.fp8 runs them")
+
+
+def titan_h100_fp8() -> list[Case]:
+    rows = {c.id: c for c in titan_h100_rows()}
+    out = [_with(rows[twin], id=cid, overrides=rows[twin].overrides + TENSORWISE_AG, measured=measured,
+                 measured_how=how, twin=twin, differs=rows[twin].differs + (TITAN_F8,))
+           for cid, twin, measured, how in (
+               ("TTH-8f", "TTH-8c", 8532, "Table 1 (8 GPUs): | FSDP + torch.compile + Float8 | 8,532 | 76.8 |"),
+               ("TTH-128f", "TTH-128c", 8380, "Table 3 (128 GPUs): | FSDP + torch.compile + Float8 | 8,380 | 61.8 |"))]
+    base = rows["TTH-8c"]
+    long = [o.replace("=8192", "=32768") if o.startswith(("model.max_seq_len", "train.seq_len")) else o
+            for o in base.overrides if not o.startswith("train.activation_checkpointing_every")]
+    long = [o.replace("=selective", "=full").replace("micro_batch_size=2", "micro_batch_size=1")
+            .replace("global_batch_size=16", "global_batch_size=8") for o in long]
+    out.append(_with(base, id="TTH-32k-f8", overrides=tuple(long) + TENSORWISE_AG, measured=3890,
+                     measured_how="Table 2 (8 GPUs, full AC, local batch 1): | FSDP 8, CP 1 | 32768 | 3,890 | 83.9 |",
+                     differs=(base.differs[1], base.differs[2], base.differs[3], TITAN_F8)))
+    return out
+
+
 def holdouts() -> list[Case]:
     """Held-out measurements (never used to set a constant): reported apart from the calibration set."""
     return [
@@ -369,6 +557,7 @@ def holdouts() -> list[Case]:
         titan("TT-70a", LLAMA_70B, 8192, 1, "full", 331, "| 70B | 1 | full | 331 | 51.7% | (Llama 3)"),
         titan("TT-70b", (*LLAMA_70B[:5], 32000), 4096, 2, "full", 353, "| 70B | 2 | full | 353 | 50.5% | (Llama 2)"),
         *titan_h100_rows(),
+        *titan_h100_fp8(),
     ]
 
 
@@ -388,8 +577,10 @@ def describe(case: Case) -> dict[str, Any]:
             "seq_len": t.seq_len, "micro_batch": t.micro_batch_size, "global_batch": t.global_batch_size,
             "accum": cfg.grad_accum_steps(case.gpus), "precision": t.precision, "compile": t.compile,
             "compile_why": case.compile_why, "activation_checkpointing": t.activation_checkpointing,
-            "strategy": cfg.parallel.strategy, "measured_tokens_per_s_per_gpu": round(case.measured, 1),
-            "measured_how": case.measured_how, "source_params": case.params, "differs": list(case.differs)}
+            "strategy": cfg.parallel.strategy, "measured_tokens_per_s_per_gpu": None if case.measured is None else round(case.measured, 1),
+            "measured_how": case.measured_how, "source_params": case.params, "differs": list(case.differs),
+            "fp8": t.fp8_recipe if t.fp8 else None, "twin": case.twin, "ratio_only": case.ratio_only or None,
+            "unsupported": case.unsupported or None}
 
 
 def predict(case: Case, traces: Path | None = None) -> dict[str, Any]:
@@ -398,6 +589,8 @@ def predict(case: Case, traces: Path | None = None) -> dict[str, Any]:
     (``ID.json``) and read back instead of tracing again: the trace does not depend on the time
     model's constants, so a change to them is re-checked in seconds."""
     t0 = time.perf_counter()
+    if case.unsupported:
+        return {"trace_s": 0.0, "predicted": None, "why": f"not traced: {case.unsupported}"}
     kept = traces / f"{case.id}.json" if traces else None
     if kept is not None and kept.is_file():
         result = json.loads(kept.read_text())
@@ -410,38 +603,78 @@ def predict(case: Case, traces: Path | None = None) -> dict[str, Any]:
         if kept is not None:
             kept.parent.mkdir(parents=True, exist_ok=True)
             kept.write_text(json.dumps(result, default=str))
-    own = predicted(result, case.config(), network=case.network)
-    pred = predicted(as_source(result, case.attention_as), case.config(), network=case.network) \
-        if case.attention_as else own
+    base = as_fused_casts(result) if case.casts_as == "te" else result  # the source's casts, either kernel
+    own = predicted(base, case.config(), network=case.network)
+    pred = predicted(as_source(base, case.attention_as), case.config(), network=case.network) \
+        if case.attention_as and case.attention_as != own_kernel(result) else own
     row: dict[str, Any] = {"trace_s": round(time.perf_counter() - t0, 1), "compile_traced": result.get("compile"),
                            "loss_traced": result.get("loss"), "network_passed": bool(case.network),
                            "attention_as": case.attention_as}
-    if own.get("predicted"):
+    if own.get("predicted") and case.measured:
         row["ratio_flopwise_attention"] = float(own["tokens_per_s_per_gpu"]) / case.measured
     if not pred.get("predicted"):
         return {**row, "predicted": None, "why": pred.get("why", "no prediction (no reason given)")}
     tps = float(pred["tokens_per_s_per_gpu"])
-    return {**row, "predicted": tps, "ratio": tps / case.measured, "step_s": pred.get("step_s"),
+    return {**row, "predicted": tps, "ratio": tps / case.measured if case.measured else None,
+            "step_s": pred.get("step_s"), "fp8_matmuls": pred.get("fp8"),
             "mfu": pred.get("mfu"), "hfu": pred.get("hfu"), "breakdown": pred.get("breakdown"),
             # the links the prediction counted (GB/s per GPU): a dry run without network= takes its default
             "link_gb_s": pred.get("link"), "network_gb_s": pred.get("network")}
 
 
+SDPA_FUSED = ("flash", "cudnn")  # the fused kernels SDPA chooses first on a GPU (flash, or cuDNN on sm90/sm100)
+
+
+def own_kernel(result: dict[str, Any]) -> str | None:
+    """The fused SDPA kernel the trace chose (flopwise's torch, on the case's GPU), or None."""
+    kernels = (result.get("trace") or {}).get("sdpa_kernels") or {}
+    return next((k for k in SDPA_FUSED if kernels.get(k)), None)
+
+
 def as_source(result: dict[str, Any], kernel: str) -> dict[str, Any]:
-    """A copy of the dry run's ``result`` whose traced SDPA flash kernels are ``kernel`` (the
-    source's, see :attr:`Case.attention_as`); every other record as traced."""
+    """A copy of the dry run's ``result`` whose traced fused SDPA kernels (flash, cuDNN) are
+    ``kernel`` (the source's, see :attr:`Case.attention_as`); every other record as traced."""
     kernels = (result.get("trace") or {}).get("kernels")
     if not kernels:
         return result
-    records = [{**r, "kernel": kernel} if r["kind"] == "attn" and r["kernel"] == "flash" else r
+    records = [{**r, "kernel": kernel} if r["kind"] == "attn" and r["kernel"] in SDPA_FUSED else r
                for r in kernels["records"]]
     return {**result, "trace": {**result["trace"], "kernels": {**kernels, "records": records}}}
+
+
+# The ops of torchao's eager float8 cast (amax, scale, clamp, cast, and the layout copies around it)
+CAST_OPS = frozenset({"abs", "max", "amax", "_to_copy", "clamp", "reciprocal", "mul", "div", "contiguous", "clone",
+                      "copy_", "t", "transpose", "permute", "view", "reshape", "expand"})
+
+
+def as_fused_casts(result: dict[str, Any]) -> dict[str, Any]:
+    """A copy of the dry run's ``result`` where each scaled matmul's eager cast chain -- the
+    records that make its inputs, back to a tensor some other op made -- is marked as one
+    compiled region's (``graph``), so the time model fuses it: TransformerEngine casts (and
+    transposes) a tensor to fp8 in one kernel from its amax, where torchao's eager path runs
+    abs, max, the scale, an upcast, a multiply, a clamp and the cast one by one."""
+    kernels = (result.get("trace") or {}).get("kernels")
+    if not kernels:
+        return result
+    records = kernels["records"]
+    maker = {v: i for i, r in enumerate(records) for v, _ in r["writes"]}
+    todo = [v for r in records if r["kind"] == "mm" and r["op"] == "_scaled_mm" for v, _ in r["reads"]]
+    chain: set[int] = set()
+    while todo:
+        i = maker.get(todo.pop(), -1)
+        r = records[i] if i >= 0 else None
+        if r is None or i in chain or r["kind"] != "mem" or r["op"] not in CAST_OPS:
+            continue
+        chain.add(i)
+        todo += [v for v, _ in r["reads"]]
+    marked = [{**r, "graph": True} if i in chain else r for i, r in enumerate(records)]
+    return {**result, "trace": {**result["trace"], "kernels": {**kernels, "records": marked}}}
 
 
 def summary(rows: list[dict[str, Any]], key: str = "ratio") -> dict[str, Any]:
     """Median and largest |predicted / measured - 1| (``key``: the ratio to take) over the cases
     that have a prediction."""
-    errors = [(abs(r[key] - 1), r["id"]) for r in rows if r.get(key) is not None]
+    errors = [(abs(r[key] - 1), r["id"]) for r in rows if r.get(key) is not None and not r.get("ratio_only")]
     if not errors:
         return {"predicted_cases": 0, "cases": len(rows)}
     worst = max(errors)
@@ -451,15 +684,59 @@ def summary(rows: list[dict[str, Any]], key: str = "ratio") -> dict[str, Any]:
 
 
 def _line(r: dict[str, Any]) -> str:
-    head = f"| {r['id']} | {r['gpus']} x {r['gpu']} | {r['measured_tokens_per_s_per_gpu']:,.0f} |"
+    measured = r["measured_tokens_per_s_per_gpu"]
+    head = f"| {r['id']} | {r['gpus']} x {r['gpu']}{' fp8 ' + r['fp8'] if r.get('fp8') else ''} | " \
+           f"{'-' if measured is None else f'{measured:,.0f}'} |"
     if r.get("predicted") is None:
         return f"{head} - | - | {r['why']} |"
     breakdown = r.get("breakdown") or {}
     kinds = ", ".join(f"{k} {v:.3g}" for k, v in breakdown.items() if isinstance(v, (int, float)))
     own = r.get("ratio_flopwise_attention")
-    other = f" ({r['attention_as']}; SDPA flash: {own:.3f})" if r.get("attention_as") and own is not None else ""
-    return (f"{head} {r['predicted']:,.0f} (predicted) | {r['ratio']:.3f}{other} | "
+    other = f" ({r['attention_as']}; flopwise's SDPA kernel: {own:.3f})" if r.get("attention_as") and own is not None \
+        else ""
+    ratio = "-" if r.get("ratio") is None else f"{r['ratio']:.3f}{' (ratio only)' if r.get('ratio_only') else ''}"
+    return (f"{head} {r['predicted']:,.0f} (predicted) | {ratio}{other} | "
             f"predicted step {r['step_s']:.3f} s: {kinds} |")
+
+
+PAIR_WITHIN = 0.10  # the issue's bound on an fp8 pair: |predicted speed-up - measured speed-up| <= 0.10
+
+
+def with_twins(chosen: list[Case], known: dict[str, Case]) -> list[Case]:
+    """``chosen`` with the bf16 twin of each fp8 case in it, just before the case (once)."""
+    out: list[Case] = []
+    for c in chosen:
+        if c.twin and c.twin.lower() in known and known[c.twin.lower()] not in out + chosen:
+            out.append(known[c.twin.lower()])
+        out.append(c)
+    return out
+
+
+def pairs(rows: list[dict[str, Any]], chosen: list[Case]) -> list[dict[str, Any]]:
+    """Each fp8 case beside its bf16 twin: the measured and the predicted speed-up of fp8."""
+    by_id = {r["id"]: r for r in rows}
+    out = []
+    for c in chosen:
+        if not c.twin or c.twin not in by_id:
+            continue
+        fp8, bf16 = by_id[c.id], by_id[c.twin]
+        measured = c.speedup if c.speedup is not None else (
+            fp8["measured_tokens_per_s_per_gpu"] / bf16["measured_tokens_per_s_per_gpu"])
+        row: dict[str, Any] = {"id": c.id, "twin": c.twin, "measured_speedup": measured, "predicted_speedup": None}
+        if fp8.get("predicted") and bf16.get("predicted"):
+            row["predicted_speedup"] = fp8["predicted"] / bf16["predicted"]
+            row["difference"] = row["predicted_speedup"] - measured
+        else:
+            row["why"] = fp8.get("why") or bf16.get("why")
+        out.append(row)
+    return out
+
+
+def _pair_line(p: dict[str, Any]) -> str:
+    if p["predicted_speedup"] is None:
+        return f"| {p['id']} / {p['twin']} | {p['measured_speedup']:.3f} | - | - | {p['why']} |"
+    return (f"| {p['id']} / {p['twin']} | {p['measured_speedup']:.3f} | {p['predicted_speedup']:.3f} (predicted) | "
+            f"{p['difference']:+.3f} | |")
 
 
 def list_cases(chosen: list[Case]) -> None:
@@ -469,12 +746,25 @@ def list_cases(chosen: list[Case]) -> None:
               f"network {d['network'] or '-'}: {d['network_why']})\n  {d['shape']}\n  seq {d['seq_len']}, "
               f"micro-batch {d['micro_batch']} x accum {d['accum']} x {d['gpus']} GPUs = {d['global_batch']}; "
               f"{d['precision']}, {d['strategy']}, AC {d['activation_checkpointing']}, compile "
-              f"{d['compile_why']}\n  measured {d['measured_tokens_per_s_per_gpu']:,.0f} tokens/s/GPU "
+              f"{d['compile_why']}\n  measured {d['measured_tokens_per_s_per_gpu'] or 0:,.0f} tokens/s/GPU "
               f"({d['measured_how']})\n  --preset {d['preset']} {' '.join(d['overrides'])}")
         if d["gpu_why"]:
             print(f"  GPU: {d['gpu_why']}")
         for line in d["differs"]:
             print(f"  differs: {line}")
+
+
+def versions() -> dict[str, str | None]:
+    """The tracing torch and torchao (which picked the SDPA kernels and traced the fp8 linears)."""
+    import importlib.metadata as metadata
+
+    import torch
+
+    try:
+        torchao: str | None = metadata.version("torchao")
+    except metadata.PackageNotFoundError:
+        torchao = None
+    return {"torch": torch.__version__, "torchao": torchao}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -484,14 +774,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json-out", type=Path, help="write the record here instead of benchmarks/results/")
     p.add_argument("--traces", type=Path, help="keep each case's trace here (ID.json) and reuse it when present")
     p.add_argument("--holdout", action="store_true", help="also the held-out measurements (reported apart)")
+    p.add_argument("--set", choices=("all", "first", "beyond"), default="all",
+                   help="the first calibration set (A100/H100, bf16), the one beyond it (B200, RTX 4090, fp8), or both")
     a = p.parse_args(argv)
-    held = {c.id for c in holdouts()}
-    every = cases() + (holdouts() if a.holdout or a.case else [])
-    known = {c.id.lower(): c for c in every}
+    held, second = {c.id for c in holdouts()}, {c.id for c in beyond()}
+    sets = {"all": cases() + beyond(), "first": cases(), "beyond": beyond()}[a.set]
+    every = sets + (holdouts() if a.holdout or a.case else [])
+    known = {c.id.lower(): c for c in cases() + beyond() + holdouts()}
     unknown = [x for x in a.case or [] if x.lower() not in known]
     if unknown:
-        p.error(f"--case {' '.join(unknown)}: unknown; choose from {', '.join(c.id for c in every)}")
-    chosen = [known[x.lower()] for x in a.case] if a.case else every
+        p.error(f"--case {' '.join(unknown)}: unknown; choose from {', '.join(c.id for c in known.values())}")
+    chosen = with_twins([known[x.lower()] for x in a.case] if a.case else every, known)
     if a.list:
         list_cases(chosen)
         return 0
@@ -504,15 +797,19 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(_line(row), flush=True)
     for r in rows:
-        r["set"] = "held out" if r["id"] in held else "calibration"
-    calibration, held_out = ([r for r in rows if r["set"] == s] for s in ("calibration", "held out"))
+        r["set"] = "held out" if r["id"] in held else "beyond" if r["id"] in second else "calibration"
+    calibration, beyond_rows, held_out = ([r for r in rows if r["set"] == s] for s in ("calibration", "beyond",
+                                                                                         "held out"))
     own = "ratio_flopwise_attention"
+    speedups = pairs(rows, chosen)
     record: dict[str, Any] = {
         "cases": rows, "bound": WITHIN, "summary": summary(calibration), "summary_held_out": summary(held_out),
+        "summary_beyond": summary(beyond_rows), "fp8_pairs": speedups, "fp8_pair_bound": PAIR_WITHIN,
         "summary_flopwise_attention": summary(calibration, own),
         "summary_held_out_flopwise_attention": summary(held_out, own)}
-    own_kernel = "every case with flopwise's SDPA flash kernel"
-    for name, key in (("calibration set", "summary"), ("held out", "summary_held_out"),
+    own_kernel = "every case with the SDPA kernel flopwise's torch picks"
+    for name, key in (("calibration set", "summary"), ("beyond A100/H100 and fp8 (ratio-only cases apart)",
+                                                       "summary_beyond"), ("held out", "summary_held_out"),
                       (f"calibration set, {own_kernel}", "summary_flopwise_attention"),
                       (f"held out, {own_kernel}", "summary_held_out_flopwise_attention")):
         s = record[key]
@@ -520,7 +817,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{name}: predicted against measured: median |ratio - 1| {s['median_abs_error']:.1%}, largest "
                   f"{s['largest_abs_error']:.1%} ({s['largest_case']}), {s['within_25pct']} of "
                   f"{s['predicted_cases']} within 25%")
+    if speedups:
+        print("\n| fp8 case / bf16 twin | measured speed-up | predicted speed-up | predicted - measured | |")
+        print("| --- | --- | --- | --- | --- |")
+        for pair in speedups:
+            print(_pair_line(pair))
+        held_pairs = [x for x in speedups if x["predicted_speedup"] is not None]
+        inside = sum(abs(x["difference"]) <= PAIR_WITHIN for x in held_pairs)
+        print(f"\nfp8 speed-ups: {inside} of {len(held_pairs)} predicted within ±{PAIR_WITHIN} of the measured one"
+              f" ({len(speedups) - len(held_pairs)} not predicted)")
     device = "traced on fake tensors (no GPU ran); tokens/s predicted for the cases' GPUs"
+    record["versions"] = versions()
     if a.json_out is None:
         save_result("predict-vs-public", "traced", device, record)
     else:

@@ -171,7 +171,10 @@ def test_the_sources_that_ran_flashattention_v1_are_predicted_at_its_speed(cases
     FlashAttention v1; the rest run the kernel flopwise's trace chose or one no figure measured."""
     v1 = {cid for cid, c in cases.items() if c.attention_as == "flash1"}
     assert v1 == {cid for cid in BATCHES if cid.startswith(("MF-", "FA-"))}
-    assert all(c.attention_as is None for cid, c in cases.items() if cid not in v1)
+    # llm.c's cuDNN attention was never measured apart: its cases keep SDPA's flash kernel, whichever
+    # kernel flopwise's torch picks on the GPU (cuDNN on H100 from torch 2.11's wheels)
+    assert all(c.attention_as == ("flash" if cid.startswith("LC-") else None)
+               for cid, c in cases.items() if cid not in v1)
     for c in cases.values():
         if c.attention_as:
             assert any(c.attention_as in line for line in c.differs), c.id  # said, not silently applied
@@ -261,6 +264,114 @@ def test_the_held_out_8b_h100_rows_follow_their_rule(bench, cases):
         assert cfg.train.compile == ("blocks" if compiled else "off") and cfg.train.precision == "bf16", cid
         assert cfg.parallel.strategy == "fsdp2" and cfg.train.activation_checkpointing == "selective", cid
         assert any("per-op" in line for line in c.differs), cid  # the source's AC, said until flopwise has it
-        assert (c.network == "400gbit") == (gpus > 8) and c.attention_as is None, cid
+        assert (c.network == "400gbit") == (gpus > 8) and c.attention_as == "flash", cid  # torch 2.6/2.7: flash
         assert abs(param_counts(cfg.model)["total"] / 8.03e9 - 1) <= 0.02, cid
     assert hardware.find_link("400gbit").gb_per_s == 50.0  # "400 Gb/s per GPU"
+
+
+# The cases beyond A100/H100 and fp8 (issue 52): GPUs, GPU, seq, micro-batch, accumulation, fp8 recipe,
+# the bf16 twin, and tokens/s per GPU as the reference gives or derives them (None: only a speed-up)
+BEYOND = {
+    "B-1": (8, "B200", 8192, 1, 1, None, None, 8307.5), "B-2": (8, "B200", 8192, 1, 1, "tensorwise", "B-1", 10417.0),
+    "B-3": (8, "B200", 8192, 1, 1, None, "B-1", 9969.0),
+    "B-6": (8, "B200", 8192, 2, 8, "tensorwise", None, 30624),
+    "C-1": (2, "RTX 4090", 1024, 32, 4, None, None, 262_144 / 1.19136 / 2),
+    "C-3": (1, "RTX 4090", 1024, 12, 40, None, None, 491_520 / 4.620),
+    "F-1": (8, "H100 SXM 96GB", 8192, 1, 1, "tensorwise", "F-1-bf16", 7689.5),
+    "F-2": (8, "H100 SXM 96GB", 8192, 1, 1, "rowwise", "F-1-bf16", 6768),
+    "F-6-bf16": (8, "H100 SXM", 512, 40, 6, None, None, 27965), "F-6": (8, "H100 SXM", 512, 40, 6, "tensorwise",
+                                                                         "F-6-bf16", 36527),
+    "F-9-bf16": (8, "H100 SXM", 512, 56, 4, None, None, 52275), "F-9": (8, "H100 SXM", 512, 56, 4, "tensorwise",
+                                                                         "F-9-bf16", 70315),
+    "F-12-bf16": (128, "H100 SXM", 8192, 1, 1, None, None, None),
+    "F-12": (128, "H100 SXM", 8192, 1, 1, "tensorwise", "F-12-bf16", None),
+}
+
+
+def test_the_cases_beyond_a100_h100_are_the_references(bench):
+    beyond = {c.id: c for c in bench.beyond()}
+    assert sorted(beyond) == sorted(BEYOND)
+    for cid, (gpus, gpu, seq, micro, accum, fp8, twin, measured) in BEYOND.items():
+        c, cfg = beyond[cid], beyond[cid].config()
+        assert hardware.find(c.gpu).name == gpu and c.gpus == gpus == c.nproc_per_node * c.nnodes, cid
+        assert (cfg.train.seq_len, cfg.train.micro_batch_size, cfg.grad_accum_steps(gpus)) == (seq, micro, accum), cid
+        assert (cfg.train.fp8_recipe if cfg.train.fp8 else None) == fp8 and c.twin == twin, cid
+        assert c.measured == (pytest.approx(measured) if measured else None), cid
+        assert c.gpu_why and c.compile_why and c.differs, cid
+        if twin:  # an fp8 case and its twin differ in fp8 alone
+            same = [o for o in c.overrides if not o.startswith("train.fp8")]
+            base = next(x for x in [*bench.beyond(), *bench.holdouts()] if x.id == twin)
+            assert same == list(base.overrides) and base.gpu == c.gpu, cid
+    # power-limited B200s: only their speed-up is held; MXFP8 is reported, not traced
+    assert {cid for cid, c in beyond.items() if c.ratio_only} == {"B-1", "B-2", "B-3"}
+    assert "MXFP8" in beyond["B-3"].unsupported and beyond["F-12"].speedup == 1.50
+    rows = _beyond_reference_rows()
+    assert sorted(rows) == sorted({cid.split("-bf16")[0] for cid in BEYOND})
+    for cid in ("B-1", "B-2", "B-3", "B-6"):
+        assert float(rows[cid][11].split()[0]) == BEYOND[cid][-1], cid
+    for cid in ("F-1", "F-2", "F-6", "F-9"):  # "bf16 -> fp8"
+        bf16, fp8 = (float(x.split()[0].replace(",", "")) for x in rows[cid][11].split("→"))
+        assert fp8 == BEYOND[cid][-1] and bf16 == (6150 if cid in ("F-1", "F-2") else BEYOND[f"{cid}-bf16"][-1])
+    assert "1191.36 ms/step (262,144 tokens)" in rows["C-1"][11] and "~4620 ms/iter (491,520 tokens)" in rows["C-3"][11]
+
+
+def _beyond_reference_rows() -> dict[str, list[str]]:
+    rows = {}
+    for line in REFERENCE.read_text().splitlines():
+        cells = [x.strip() for x in line.strip().strip("|").split("|")]
+        if cells and re.fullmatch(r"[BCF]-\d+", cells[0]):
+            rows[cells[0]] = cells
+    return rows
+
+
+def test_an_fp8_case_brings_its_twin_and_the_pair_gives_both_speed_ups(bench):
+    known = {c.id.lower(): c for c in [*bench.cases(), *bench.beyond(), *bench.holdouts()]}
+    chosen = bench.with_twins([known["f-1"], known["f-2"]], known)
+    assert [c.id for c in chosen] == ["F-1-bf16", "F-1", "F-2"]  # the twin once, before its first fp8 case
+    rows = [{"id": "F-1-bf16", "measured_tokens_per_s_per_gpu": 6150, "predicted": 7000.0},
+            {"id": "F-1", "measured_tokens_per_s_per_gpu": 7689.5, "predicted": 9100.0},
+            {"id": "F-2", "measured_tokens_per_s_per_gpu": 6768, "predicted": None, "why": "not traced: x"}]
+    one, two = bench.pairs(rows, chosen)
+    assert one["measured_speedup"] == pytest.approx(7689.5 / 6150) and one["predicted_speedup"] == pytest.approx(1.3)
+    assert one["difference"] == pytest.approx(1.3 - 7689.5 / 6150)
+    assert two["predicted_speedup"] is None and two["why"] == "not traced: x"
+    assert "+0.050" in bench._pair_line(one) and "(predicted)" in bench._pair_line(one)
+    # a source that gives only the speed-up: the pair takes it as measured
+    f12 = bench.pairs([{"id": "F-12-bf16", "measured_tokens_per_s_per_gpu": None, "predicted": 300.0},
+                       {"id": "F-12", "measured_tokens_per_s_per_gpu": None, "predicted": 420.0}],
+                      [known["f-12-bf16"], known["f-12"]])
+    assert f12[0]["measured_speedup"] == 1.5 and f12[0]["predicted_speedup"] == pytest.approx(1.4)
+
+
+def test_an_unsupported_case_is_reported_not_traced_and_ratio_only_cases_stay_out_of_the_median(bench, monkeypatch):
+    [b3] = [c for c in bench.beyond() if c.id == "B-3"]
+    monkeypatch.setattr(bench, "dry_run", lambda *a, **k: pytest.fail("traced"))
+    row = bench.predict(b3)
+    assert row["predicted"] is None and row["why"].startswith("not traced: MXFP8")
+    s = bench.summary([{"id": "B-1", "ratio": 2.5, "ratio_only": "power limited"}, {"id": "C-3", "ratio": 1.05}])
+    assert s["predicted_cases"] == 1 and s["largest_case"] == "C-3"
+
+
+def test_as_source_swaps_cudnn_kernels_too(bench):
+    kept = _kept_trace("cudnn")
+    swapped = bench.as_source(kept, "flash")
+    kinds = {r["kernel"] for r in swapped["trace"]["kernels"]["records"] if r["kind"] == "attn"}
+    assert kinds == {"flash"} and bench.own_kernel({"trace": {"sdpa_kernels": {"cudnn": 8}}}) == "cudnn"
+
+
+def test_transformer_engines_casts_are_priced_fused_and_nothing_else_is(bench):
+    """F-6/F-9 ran TransformerEngine's fp8: each scaled matmul's eager cast chain, back to the
+    tensor another op made, is marked as one compiled region; the op that made the input is not."""
+    def mem(op, reads, writes):
+        return {"kind": "mem", "op": op, "reads": [[v, 8] for v in reads], "writes": [[v, 8] for v in writes],
+                "phase": "forward", "micro": 1, "host": 1, "graph": False}
+    records = [mem("native_layer_norm", [1], [2]), mem("abs", [2], [3]), mem("max", [3], [4]),
+               mem("reciprocal", [4], [5]), mem("_to_copy", [2], [6]), mem("mul", [5, 6], [7]),
+               mem("clamp", [7], [8]), mem("_to_copy", [8], [9]),
+               {"kind": "mm", "op": "_scaled_mm", "reads": [[9, 8], [5, 8]], "writes": [[10, 8]], "phase": "forward",
+                "micro": 1, "host": 1, "graph": False, "m": 8, "n": 8, "k": 8, "batch": 1, "dtype": "float8_e4m3fn"},
+               mem("gelu", [10], [11])]
+    result = {"trace": {"kernels": {"records": records}}}
+    marked = bench.as_fused_casts(result)["trace"]["kernels"]["records"]
+    assert [r["graph"] for r in marked] == [False] + [True] * 7 + [False, False]
+    assert [r["graph"] for r in records] == [False] * 10  # the trace it was given is left as it was
