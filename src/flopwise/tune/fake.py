@@ -210,6 +210,17 @@ def cuda_sdpa_choice(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor |
     return 0
 
 
+def _bias(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """An SDPA mask as the fused kernels take it: a boolean mask turned into a -inf bias, as CUDA
+    SDPA does, expanded to (batch, heads, queries, keys)."""
+    if attn_mask is None:
+        return None
+    bias = attn_mask
+    if bias.dtype == torch.bool:
+        bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device).masked_fill_(~bias, float("-inf"))
+    return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
 def _patch_sdpa(capability: tuple[int, int]) -> None:
     cudnn_first, why = sdpa_order(capability, torch.__version__, dict(os.environ))
     SDPA_ORDER[:] = [why]
@@ -221,24 +232,14 @@ def _patch_sdpa(capability: tuple[int, int]) -> None:
         if not torch.compiler.is_compiling():  # a global changed while tracing would guard and recompile
             SDPA_CHOICES[SDPA_KERNELS[choice]] += 1
         if choice == 3:
-            bias = attn_mask
-            if bias is not None and bias.dtype == torch.bool:  # a boolean mask becomes a -inf bias, as for the others
-                bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device).masked_fill_(~bias, float("-inf"))
-            if bias is not None:
-                bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-            return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, bias, True, dropout_p, is_causal,
-                                                                      False, scale=scale)[0]
+            return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, _bias(attn_mask, q, k), True, dropout_p,
+                                                                      is_causal, False, scale=scale)[0]
         if choice == 1:
             return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False,
                                                                       scale=scale)[0]
         if choice == 2:
-            bias = attn_mask
-            if bias is not None and bias.dtype == torch.bool:  # CUDA SDPA turns a boolean mask into a -inf bias
-                bias = torch.zeros(bias.shape, dtype=q.dtype, device=q.device).masked_fill_(~bias, float("-inf"))
-            if bias is not None:
-                bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-            return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, dropout_p, is_causal,
-                                                                          scale=scale)[0]
+            return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, _bias(attn_mask, q, k), True,
+                                                                          dropout_p, is_causal, scale=scale)[0]
         return _sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
     torch.nn.functional.scaled_dot_product_attention = sdpa
