@@ -36,12 +36,78 @@ def test_fp8_on_a_part_measured_only_in_bf16_says_derived_and_one_without_an_fp8
                                                "predicted"}, a100
 
 
-def test_mxfp8_is_refused_with_why_before_any_work():
-    from flopwise.config import ConfigError
-    with pytest.raises(ConfigError) as e:
-        build_config("tiny", overrides=["train.fp8=true", "train.fp8_recipe=mxfp8"])
-    [problem] = e.value.problems
-    assert "train.fp8_recipe 'mxfp8': MXFP8 (sm100) is not offered" in problem and "choose tensorwise, rowwise" in problem
+def test_mxfp8_converts_the_blocks_linears_and_computes_what_bf16_does(monkeypatch):
+    """MXFP8 (``train.fp8_recipe=mxfp8``): every block linear's weight is wrapped so its matmuls
+    cast to float8 with a scale per 32 values; the LM head is not. The wrapper's numbers are
+    checked on this CPU by torchao's emulated GEMM (a bf16 matmul of the dequantized values) after
+    the casts the dry run traces (``fake.mxfp8_linear_torch_casts``): the logits stay within
+    MXFP8's rounding of bf16's."""
+    pytest.importorskip("torchao")
+    import torch
+    import torchao.prototype.moe_training.tensor as wrapper
+
+    from flopwise.tune.fake import mxfp8_linear_torch_casts
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+
+    from flopwise.model.transformer import build_model
+    from flopwise.train.precision import _apply_mxfp8
+
+    cfg = build_config("tiny", overrides=["model.d_model=64", "model.n_heads=2", "model.n_kv_heads=2",
+                                          "model.ffn_hidden=128"])
+    # bf16 weights on both sides: the emulated GEMM dequantizes each side to its own dtype, where
+    # cuBLAS's block-scaled GEMM takes fp8 either way (autocast's fp32 weights included)
+    reference, model = (build_model(cfg.model, seed=3).to(torch.bfloat16) for _ in range(2))
+    note = _apply_mxfp8(model)
+    wrapped = [n for n, p in model.named_parameters() if type(p).__name__ == "MXFP8TrainingWeightWrapperTensor"]
+    linears = [n + ".weight" for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert wrapped == [n for n in linears if n.startswith("layers.")] and wrapped, (wrapped, linears)
+    assert f"fp8: {len(wrapped)} linear layers in MXFP8" in note, note
+    monkeypatch.setattr(wrapper, "_to_mxfp8_then_scaled_mm", mxfp8_linear_torch_casts)  # no Triton here
+    emulated = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_EMULATED_RCEIL)
+    for name, p in model.named_parameters():
+        if name in wrapped:
+            p.config = emulated  # torchao's reference kernels: this CPU has no block-scaled GEMM
+    x = torch.randint(0, cfg.model.vocab_size, (2, 32))
+    want, got = reference(x).float(), model(x).float()
+    got.sum().backward()
+    err = ((got - want).norm() / want.norm()).item()
+    assert 0 < err < 0.1, err  # changed (the casts ran) but by rounding only
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.slow
+def test_mxfp8_is_refused_before_any_work_on_a_gpu_without_sm100(cli):
+    pytest.importorskip("torchao")
+    for gpu, cap in (("h100", "9.0"), ("rtx-5090", "12.0")):
+        proc = cli("preflight", "--dry-run", "--preset", "tiny", "--gpu", gpu, "train.fp8=true",
+                   "train.fp8_recipe=mxfp8")
+        assert proc.returncode != 0, gpu
+        assert (f"train.fp8_recipe=mxfp8 needs a Blackwell data-centre GPU (compute capability 10.x: B200, GB200, "
+                f"B300), this GPU has {cap}: choose tensorwise or rowwise") in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_mxfp8_step_is_traced_on_a_b200_and_predicted(cli):
+    """MXFP8 on a B200: the block-scaled matmuls priced at the fp8 rate, the casts (torchao's
+    to_mx, traced for its Triton and CUDA cast kernels) fused by compile, one graph, no syncs the
+    bf16 step does not have."""
+    pytest.importorskip("torchao")
+    base = ["preflight", "--dry-run", "--preset", "smollm-135m", "--gpu", "b200", "model.n_layers=2",
+            "train.micro_batch_size=2", "train.compile=model", "--json"]
+    runs = {}
+    for name, extra in (("bf16", []), ("mxfp8", ["train.fp8=true", "train.fp8_recipe=mxfp8"])):
+        proc = cli(*base, *extra)
+        assert proc.returncode == 0, (name, proc.stderr[-2000:])
+        runs[name] = json.loads(proc.stdout)
+    p, bf16 = runs["mxfp8"]["prediction"], runs["bf16"]["prediction"]
+    assert runs["mxfp8"]["fp8"] == "mxfp8" and p["predicted"], p
+    assert p["fp8"]["matmuls"] >= 2 * 4 * 3, p["fp8"]  # 2 blocks x (qkv, o, gate-up or gate and up, down) x 3
+    assert p["breakdown"]["matmul"] < bf16["breakdown"]["matmul"], (p["breakdown"], bf16["breakdown"])
+    assert p["breakdown"]["memory"] > bf16["breakdown"]["memory"], "the casts are memory-bound work"
+    steps = runs["mxfp8"]["trace"]["compiled"]["per_step"]
+    assert all(s == {"graphs": 1, "graph_breaks": 0} for s in steps), steps
+    assert runs["mxfp8"]["trace"]["syncs"] == runs["bf16"]["trace"]["syncs"]
+    assert any("in MXFP8" in n for n in runs["mxfp8"]["trace"]["notes"]["speed"]), runs["mxfp8"]["trace"]["notes"]
 
 
 @pytest.mark.slow

@@ -87,6 +87,10 @@ def incompatibilities(cfg: RunConfig, strategy: str, precision: str) -> list[str
     if strategy in ("zero1", "fsdp2") and cfg.optim.name == "muon":
         out.append(f"parallel.strategy={strategy} with optim.name=muon: Muon orthogonalises whole matrices and "
                    "this strategy splits the optimizer state; use ddp (Muon's state is replicated) or optim.name=adamw")
+    if strategy == "zero1" and cfg.train.fp8 and cfg.train.fp8_recipe == "mxfp8":
+        out.append("parallel.strategy=zero1 with train.fp8_recipe=mxfp8: ZeRO-1 broadcasts each rank's updated "
+                   "weights into flat buckets that torchao's MXFP8 weight wrappers do not read, so the ranks would "
+                   "drift apart silently (seen at 2 ranks); use ddp or fsdp2")
     if strategy == "fsdp2" and precision == "bf16-pure":
         out.append("parallel.strategy=fsdp2 with train.precision=bf16-pure: FSDP2 keeps sharded fp32 weights and "
                    "computes in bf16 through its MixedPrecisionPolicy already; use train.precision=bf16")

@@ -21,6 +21,7 @@ import contextlib
 import copy
 import importlib.util
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,9 +92,10 @@ class MasterWeights:
             p.copy_(m)
 
 
-def fp8_problem(device: torch.device) -> str | None:
-    """Why float8 training cannot run on ``device`` here, or None when it can: a CUDA GPU of
-    compute capability 8.9+ (Ada, Hopper) and torchao installed."""
+def fp8_problem(device: torch.device, recipe: str = "tensorwise") -> str | None:
+    """Why float8 training (torchao's ``recipe``) cannot run on ``device`` here, or None when it
+    can: a CUDA GPU of compute capability 8.9+ (Ada, Hopper, Blackwell) -- 10.x (B200, GB200,
+    B300) for MXFP8, whose block-scaled matmuls are cuBLAS's on sm100 -- and torchao installed."""
     if device.type != "cuda":
         return "train.fp8=true needs a CUDA GPU (Hopper or newer), not " + device.type
     if not torch.cuda.is_available():
@@ -101,35 +103,82 @@ def fp8_problem(device: torch.device) -> str | None:
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
         return f"train.fp8=true needs compute capability 8.9+ (Ada/Hopper), this GPU has {major}.{minor}"
+    if recipe == "mxfp8" and major != 10:
+        return (f"train.fp8_recipe=mxfp8 needs a Blackwell data-centre GPU (compute capability 10.x: B200, "
+                f"GB200, B300), this GPU has {major}.{minor}: choose tensorwise or rowwise")
     if importlib.util.find_spec("torchao") is None:
         return "train.fp8=true needs torchao (pip install torchao)"
     return None
 
 
+def _in_blocks(module: torch.nn.Module, fqn: str) -> bool:
+    """The linears fp8 converts: the blocks' (the LM head stays higher precision), with both
+    dimensions divisible by 16 as float8 GEMMs need (32, MXFP8's block, divides every one here
+    that 16 does in practice; torchao's MXFP8 checks it again)."""
+    return (fqn.startswith("layers.") and isinstance(module, torch.nn.Linear)
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
 def apply_fp8(model: torch.nn.Module, device: torch.device, recipe: str = "tensorwise", fsdp: bool = False) -> str:
     """Swap the blocks' linear layers for float8 training ones (torchao's ``recipe``: tensorwise
-    or rowwise scaling); the LM head stays in bf16. Under FSDP2 (``fsdp``) a tensorwise model
-    all-gathers its weights in fp8, half the bytes of bf16's. Raises ConfigError with the reason
-    when that cannot be done here."""
-    problem = fp8_problem(device)
+    or rowwise scaling, or MXFP8's block scaling); the LM head stays in bf16. Under FSDP2
+    (``fsdp``) a tensorwise model all-gathers its weights in fp8, half the bytes of bf16's.
+    Raises ConfigError with the reason when that cannot be done here."""
+    problem = fp8_problem(device, recipe)
     if problem:
         raise ConfigError([problem])
+    if recipe == "mxfp8":
+        return _apply_mxfp8(model)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # lazy: torchao is optional
 
     config = Float8LinearConfig.from_recipe_name(recipe)
     gather = fsdp and recipe == "tensorwise"
     if gather:
         config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)  # tensorwise, as from_recipe_name's
-
-    def only_blocks(module: torch.nn.Module, fqn: str) -> bool:
-        # float8 GEMMs need both dimensions divisible by 16; the head stays higher precision
-        return (fqn.startswith("layers.") and isinstance(module, torch.nn.Linear)
-                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
-
-    convert_to_float8_training(model, config=config, module_filter_fn=only_blocks)
+    convert_to_float8_training(model, config=config, module_filter_fn=_in_blocks)
     n = sum(1 for m in model.modules() if type(m).__name__ == "Float8Linear")
     return (f"fp8: {n} linear layers in float8 (torchao, {recipe} dynamic scaling"
             + ("; weights all-gathered in fp8 under FSDP2)" if gather else ")"))
+
+
+def _apply_mxfp8(model: torch.nn.Module) -> str:
+    """MXFP8 (torchao's ``mxfp8_rceil`` training recipe): each block linear's weight becomes a
+    wrapper whose matmuls cast input, weight and gradient to float8 with a power-of-two scale per
+    32 values and run cuBLAS's block-scaled GEMM; the weights stay bf16 tensors, all-gathered in
+    bf16 under FSDP2."""
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe  # lazy: optional
+    from torchao.quantization import quantize_
+
+    taken: list[torch.nn.Module] = []
+
+    def only_blocks(module: torch.nn.Module, fqn: str) -> bool:
+        take = (_in_blocks(module, fqn) and isinstance(module, torch.nn.Linear)
+                and module.in_features % 32 == 0 and module.out_features % 32 == 0)
+        if take:
+            taken.append(module)
+        return take
+
+    quantize_(model, MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe.MXFP8_RCEIL), filter_fn=only_blocks)
+    for module in taken:
+        module.register_state_dict_post_hook(_plain_weight)
+    return (f"fp8: {len(taken)} linear layers in MXFP8 (torchao, a power-of-two scale per 32 values; "
+            "all-gathers in bf16)")
+
+
+def _plain_weight(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """An MXFP8 linear's weight saved as the plain tensor it wraps: a checkpoint, an export and
+    a resume see the model's own values, and nothing a loader would have to unpickle as torchao's
+    class (a ``weights_only`` load refuses it). Loading copies back into the wrapper as usual.
+    Under FSDP2 the wrapper is a DTensor's local shard, unwrapped the same way."""
+    from torch.distributed.tensor import DTensor
+
+    key = prefix + "weight"
+    value = state_dict.get(key)
+    if isinstance(value, DTensor) and hasattr(value._local_tensor, "_data"):
+        state_dict[key] = DTensor.from_local(value._local_tensor._data, value.device_mesh, value.placements,
+                                             shape=value.shape, stride=value.stride())
+    elif value is not None and hasattr(value, "_data") and type(value) is not torch.Tensor:
+        state_dict[key] = value._data
 
 
 def fp8_scales_for_fsdp(model: torch.nn.Module) -> None:

@@ -90,6 +90,7 @@ def install(gpu: FakeGpu) -> None:
     _patch_device_mesh()
     _patch_ddp()
     _patch_flopwise(gpu)
+    _patch_mxfp8()
 
 
 def fake_mode() -> FakeTensorMode:
@@ -453,6 +454,34 @@ def _patch_flopwise(gpu: FakeGpu) -> None:
     for index in range(gpu.count):
         moe._GROUPED_MM_OK[("cuda", index, torch.bfloat16)] = gpu.capability >= (8, 0)
     precision.copy = types.SimpleNamespace(deepcopy=_deepcopy_in_mode)  # type: ignore[assignment]  # its deepcopy
+
+
+def mxfp8_linear_torch_casts(input_hp: torch.Tensor, weight_hp: torch.Tensor, kernel_preference: Any,
+                             scale_calculation_mode: Any, wgrad_with_hp: bool = False) -> torch.Tensor:
+    """torchao's MXFP8 linear (``_to_mxfp8_then_scaled_mm``) with its casts as torch ops.
+
+    torchao runs each cast as a Triton kernel (along rows) or a CUDA-extension one (along
+    columns), neither of which a CPU build can load. torchao's own ``TORCH`` cast choice makes the
+    same fp8 data and e8m0 scales from amax, scale and cast ops, which compile fuses into one pass
+    over the input as those kernels make one (torchao measures ``to_mx`` under compile at 6.5 TB/s
+    on a B200, faster than its Triton kernel's 5.8). The GEMM is the one that runs: ``_scaled_mm``
+    with e8m0 scales."""
+    from torchao.prototype.moe_training import mxfp8_linear
+    from torchao.prototype.mx_formats.config import MXFP8Dim0CastKernelChoice, MXFP8Dim1CastKernelChoice
+
+    e4m3 = torch.float8_e4m3fn
+    return mxfp8_linear.mx_mm.apply(input_hp, weight_hp, e4m3, e4m3, e4m3, 32, kernel_preference,
+                                    MXFP8Dim0CastKernelChoice.TORCH, MXFP8Dim1CastKernelChoice.TORCH,
+                                    scale_calculation_mode, wgrad_with_hp)
+
+
+def _patch_mxfp8() -> None:
+    """MXFP8's linears traced with their casts as torch ops (:func:`mxfp8_linear_torch_casts`)."""
+    try:
+        import torchao.prototype.moe_training.tensor as wrapped
+    except ImportError:  # no torchao, or one without MXFP8 training: train.fp8 says what to install
+        return
+    wrapped._to_mxfp8_then_scaled_mm = mxfp8_linear_torch_casts
 
 
 # --------------------------------------------------------------------------- recorders
