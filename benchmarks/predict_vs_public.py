@@ -393,6 +393,7 @@ POWER_LIMITED = ("the source ran 'power limited B200 GPUs' (its bf16 row is 21% 
                  "is not given, so its absolute figures are not held to the bound, its fp8 speed-up is")
 TENSORWISE_AG = ("train.fp8=true", "train.fp8_recipe=tensorwise")
 ROWWISE = ("train.fp8=true", "train.fp8_recipe=rowwise")
+MXFP8 = ("train.fp8=true", "train.fp8_recipe=mxfp8")
 TORCHAO_FP8 = ("fp8: torchao's float8 linears, as flopwise's train.fp8 runs them (the LM head and any linear with "
                "a dimension not a multiple of 16 left in bf16, torchtitan's filter does the same for the head)")
 
@@ -411,6 +412,12 @@ def llama8b(cid: str, source: str, gpu: str, step: tuple[int, int, str, str], fp
                 network_why="one node: NVLink only")
 
 
+MX_CASTS = ("MXFP8: torchao 0.13's mxfp8_cublas recipe cast along rows with to_mx under compile and along columns "
+            "with its CUDA kernel; flopwise's trace casts both ways with to_mx under compile (torchao's "
+            "Triton and CUDA cast kernels cannot load in a CPU build), each cast one fused pass, and prices the "
+            "block-scaled GEMMs (_scaled_mm with e8m0 scales, cuBLAS) at the fp8 rate")
+
+
 def b200_titan(cid: str, fp8: tuple[str, ...], measured: float, row: str, twin: str | None) -> Case:
     c = llama8b(cid, TITAN_MX, "b200", (1, 1, "fsdp2", "selective"), fp8, measured, f"the table's row {row}")
     return _with(c, twin=twin, ratio_only=POWER_LIMITED, attention_as="flash",
@@ -418,7 +425,8 @@ def b200_titan(cid: str, fp8: tuple[str, ...], measured: float, row: str, twin: 
                  differs=(PER_OP_SAC, "FSDP2 with bf16 param / fp32 reduce = flopwise fsdp2 under bf16 autocast",
                           "attention: torch 2.9.0.dev20250815 (before the cuDNN-first order of 2025-09-03) ran "
                           "SDPA's flash kernel; predicted at flash (attention_as=flash)",
-                          FULL_LOGITS_WHY.format("torchtitan"), *([TORCHAO_FP8] if fp8 else [])))
+                          FULL_LOGITS_WHY.format("torchtitan"), *([TORCHAO_FP8] if fp8 else []),
+                          *([MX_CASTS] if fp8 == MXFP8 else [])))
 
 
 def _with(case: Case, **changes: Any) -> Case:
@@ -506,9 +514,7 @@ def beyond() -> list[Case]:
     return [
         b200_titan("B-1", (), 8307.5, "| None (bfloat16) | 33.71 | 8307.5 | - |", None),
         b200_titan("B-2", TENSORWISE_AG, 10417.0, "| float8 tensorwise | 33.38 | 10417.0 | +25.4% |", "B-1"),
-        _with(b200_titan("B-3", (), 9969.0, "| mxfp8_cublas | 33.88 | 9969.0 | +20.0% |", "B-1"),
-              unsupported="MXFP8 is not traced: torchao's MXFP8 casts are Triton and CUDA-extension kernels, "
-                          "which a CPU-only torch cannot trace (train.fp8_recipe takes tensorwise or rowwise)"),
+        b200_titan("B-3", MXFP8, 9969.0, "| mxfp8_cublas | 33.88 | 9969.0 | +20.0% |", "B-1"),
         b200_megatron(),
         *rtx4090(),
         h100_torchao("F-1", TENSORWISE_AG, 7689.5, "| Llama3-8b | tensorwise with float8 all-gather | 47.77 | 7689.5 |"),

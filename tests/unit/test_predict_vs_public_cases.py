@@ -273,7 +273,7 @@ def test_the_held_out_8b_h100_rows_follow_their_rule(bench, cases):
 # the bf16 twin, and tokens/s per GPU as the reference gives or derives them (None: only a speed-up)
 BEYOND = {
     "B-1": (8, "B200", 8192, 1, 1, None, None, 8307.5), "B-2": (8, "B200", 8192, 1, 1, "tensorwise", "B-1", 10417.0),
-    "B-3": (8, "B200", 8192, 1, 1, None, "B-1", 9969.0),
+    "B-3": (8, "B200", 8192, 1, 1, "mxfp8", "B-1", 9969.0),
     "B-6": (8, "B200", 8192, 2, 8, "tensorwise", None, 30624),
     "C-1": (2, "RTX 4090", 1024, 32, 4, None, None, 262_144 / 1.19136 / 2),
     "C-3": (1, "RTX 4090", 1024, 12, 40, None, None, 491_520 / 4.620),
@@ -302,9 +302,10 @@ def test_the_cases_beyond_a100_h100_are_the_references(bench):
             same = [o for o in c.overrides if not o.startswith("train.fp8")]
             base = next(x for x in [*bench.beyond(), *bench.holdouts()] if x.id == twin)
             assert same == list(base.overrides) and base.gpu == c.gpu, cid
-    # power-limited B200s: only their speed-up is held; MXFP8 is reported, not traced
+    # power-limited B200s: only their speed-up is held; MXFP8 is traced with its casts as to_mx
     assert {cid for cid, c in beyond.items() if c.ratio_only} == {"B-1", "B-2", "B-3"}
-    assert "MXFP8" in beyond["B-3"].unsupported and beyond["F-12"].speedup == 1.50
+    assert not beyond["B-3"].unsupported and "train.fp8_recipe=mxfp8" in beyond["B-3"].overrides
+    assert any(d.startswith("MXFP8: ") for d in beyond["B-3"].differs) and beyond["F-12"].speedup == 1.50
     rows = _beyond_reference_rows()
     assert sorted(rows) == sorted({cid.split("-bf16")[0] for cid in BEYOND})
     for cid in ("B-1", "B-2", "B-3", "B-6"):
@@ -346,8 +347,8 @@ def test_an_fp8_case_brings_its_twin_and_the_pair_gives_both_speed_ups(bench):
 def test_an_unsupported_case_is_reported_not_traced_and_ratio_only_cases_stay_out_of_the_median(bench, monkeypatch):
     [b3] = [c for c in bench.beyond() if c.id == "B-3"]
     monkeypatch.setattr(bench, "dry_run", lambda *a, **k: pytest.fail("traced"))
-    row = bench.predict(b3)
-    assert row["predicted"] is None and row["why"].startswith("not traced: MXFP8")
+    row = bench.predict(bench._with(b3, unsupported="a kernel flopwise does not run"))
+    assert row["predicted"] is None and row["why"] == "not traced: a kernel flopwise does not run"
     s = bench.summary([{"id": "B-1", "ratio": 2.5, "ratio_only": "power limited"}, {"id": "C-3", "ratio": 1.05}])
     assert s["predicted_cases"] == 1 and s["largest_case"] == "C-3"
 
