@@ -2,15 +2,17 @@
 weights are torchao's MXFP8 wrapper tensors, and everything that touches the weights -- the
 optimizer, gradient clipping, the checkpoint, exact resume, the export -- must take them.
 
-A CPU has no block-scaled GEMM, so two things are swapped for the test, and only these: the
-GPU check (``fp8_problem``) and the GEMM, torchao's emulated one (the same fp8 casts, then a
-matmul of the dequantized values) in place of cuBLAS's. The casts are the dry run's
-(``fake.mxfp8_linear_torch_casts``)."""
+A CPU has no block-scaled GEMM, so two things are swapped for the test, and only these
+(tests/distributed/fp8_emulated.py): the GPU check (``fp8_problem``) and the GEMM, torchao's
+emulated one (the same fp8 casts, then a matmul of the dequantized values) in place of
+cuBLAS's. The casts are the dry run's (``fake.mxfp8_linear_torch_casts``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,18 +28,12 @@ QUIET = ["eval.every=0", "eval.sample_tokens=0", "train.log_every=1"]
 
 @pytest.fixture
 def emulated_mxfp8(monkeypatch):
-    import torchao.prototype.moe_training.tensor as wrapper
-    from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
-
-    import flopwise.train.precision as precision
-    from flopwise.tune.fake import mxfp8_linear_torch_casts
-
-    def emulated(input_hp, weight_hp, kernel_preference, scale_calculation_mode, wgrad_with_hp=False):
-        return mxfp8_linear_torch_casts(input_hp, weight_hp, KernelPreference.EMULATED, scale_calculation_mode,
-                                        wgrad_with_hp)
-
-    monkeypatch.setattr(precision, "fp8_problem", lambda device, recipe="tensorwise": None)
-    monkeypatch.setattr(wrapper, "_to_mxfp8_then_scaled_mm", emulated)
+    spec = importlib.util.spec_from_file_location("fp8_emulated", Path(__file__).parents[1] / "distributed"
+                                                  / "fp8_emulated.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for target, name, value in module.patches():
+        monkeypatch.setattr(target, name, value)
 
 
 def losses(run_dir) -> dict[int, float]:
