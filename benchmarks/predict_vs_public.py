@@ -382,8 +382,7 @@ def titan_h100_rows() -> list[Case]:
 # torchao's float8 (torchtitan's and torchao's runs) is what flopwise traces. TransformerEngine's fp8
 # (llm-foundry's amp_fp8, Megatron-Bridge) is not torchao: its linears are traced as torchao's
 # tensorwise float8 linears (one scale a tensor: TE's delayed and current scaling are per tensor
-# too); eager, torchao's amax, scale and cast are separate kernels where TE fuses each into one
-# cast(-transpose), so each cast chain is priced as one fused region (``casts_as="te"``).
+# too); their casts are priced as TE's kernels run them (``casts_as="te"``, :func:`as_fused_casts`).
 TITAN_MX = "pytorch/torchtitan torchtitan/components/quantization/mxfp8.md @5b5f578"
 MEGATRON = "NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md @4ab94df (25.11)"
 SPEEDRUN = "tyler-romero/nanogpt-speedrun logs/4c627c0d-029c-4f8a-bd18-40f99b43b22e.txt"
@@ -443,9 +442,9 @@ def h100_torchao(cid: str, fp8: tuple[str, ...], measured: float, row: str) -> C
 
 
 TE_FP8 = ("fp8: TransformerEngine's fp8 linears (amp_fp8, TE's delayed per-tensor scaling) are traced as torchao's "
-          "tensorwise float8 linears; eager, torchao's amax / scale / upcast / clamp / cast are separate kernels "
-          "where TE fuses each cast (and its transpose) into one: each cast chain is priced as one fused region "
-          "(casts_as=te), the rest of the step eager as the source runs")
+          "tensorwise float8 linears, their casts priced as TE runs them (casts_as=te): one fused cast-transpose "
+          "kernel per input, weight and incoming gradient a micro-batch, the fp8 forms reused in backward where "
+          "torchao casts again; the rest of the step eager as the source runs")
 
 
 def mpt_fp8(cid: str, size: str, micro: int, accum: int, bf16: int, fp8: int) -> list[Case]:
@@ -481,13 +480,14 @@ def rtx4090() -> list[Case]:
 def b200_megatron() -> Case:
     c = llama8b("B-6", MEGATRON, "b200", (2, 8, "zero1", "none"), TENSORWISE_AG, 30_624,
                 "| LLAMA3_8B | 8 | FP8-CS (FP8-MX) | 128 | 2 | 8192 | ... | 8 | 30624 (29521) |: FP8-CS")
-    return _with(c, attention_as="cudnn", gpu_why="DGX-B200", compile_why=(
+    return _with(c, attention_as="cudnn", casts_as="te", gpu_why="DGX-B200", compile_why=(
         "blocks: Megatron's TransformerEngine layers are fused CUDA kernels (LayerNorm-linear, bias-GELU, "
         "cast-transpose); inductor's fused regions of compiled blocks stand for them"), differs=(
         "Megatron-Core with TransformerEngine, not PyTorch eager: its fused kernels are predicted as compiled blocks",
         "data parallel 8 with the distributed optimizer = flopwise zero1 (DDP underneath, optimizer state sharded)",
         "fp8: TE's current scaling (FP8-CS: one scale a tensor, computed from this step's amax) = torchao's "
-        "tensorwise dynamic scaling; traced as torchao's float8 linears",
+        "tensorwise dynamic scaling; traced as torchao's float8 linears, their casts priced as TE runs them "
+        "(casts_as=te: one cast-transpose per tensor a micro-batch, reused in backward)",
         "attention: TE's fused attention, cuDNN's kernel on Blackwell (attention_as=cudnn)",
         "activation recompute: none assumed (the table gives none for 8B)", FULL_LOGITS_WHY.format("Megatron")))
 
@@ -653,28 +653,86 @@ CAST_OPS = frozenset({"abs", "max", "amax", "_to_copy", "clamp", "reciprocal", "
                       "copy_", "t", "transpose", "permute", "view", "reshape", "expand"})
 
 
+def _cast_chains(records: list[dict[str, Any]]) -> list[tuple[int, set[int], frozenset[int]]]:
+    """Each scaled matmul input's eager cast chain: (the record that makes the value the matmul
+    reads, the chain's records -- back to a tensor some other op made --, the values it casts
+    from), in the order the step runs them."""
+    maker = {v: i for i, r in enumerate(records) for v, _ in r["writes"]}
+    out = []
+    for r in records:
+        if r["kind"] != "mm" or r["op"] != "_scaled_mm":
+            continue
+        for value, _ in r["reads"]:
+            chain: set[int] = set()
+            todo = [value]
+            while todo:
+                i = maker.get(todo.pop(), -1)
+                c = records[i] if i >= 0 else None
+                if c is None or i in chain or c["kind"] != "mem" or c["op"] not in CAST_OPS:
+                    continue
+                chain.add(i)
+                todo += [v for v, _ in c["reads"]]
+            if chain:
+                made = {v for i in chain for v, _ in records[i]["writes"]}
+                sources = frozenset(v for i in chain for v, _ in records[i]["reads"] if v not in made)
+                out.append((maker[value], chain, sources))
+    return sorted(out, key=lambda c: min(c[1]))
+
+
+def _bias_adds(records: list[dict[str, Any]]) -> set[int]:
+    """The records that add a bias (a vector, at most a row of it) to a scaled GEMM's output."""
+    scaled = {v: n for r in records if r["kind"] == "mm" and r["op"] == "_scaled_mm" for v, n in r["writes"]}
+    out = set()
+    for i, r in enumerate(records):
+        if r["kind"] == "mem" and r["op"] == "add" and len(r["reads"]) == 2:
+            (a, na), (b, nb) = r["reads"]
+            if (a in scaled and nb * 64 <= na) or (b in scaled and na * 64 <= nb):
+                out.add(i)
+    return out
+
+
 def as_fused_casts(result: dict[str, Any]) -> dict[str, Any]:
-    """A copy of the dry run's ``result`` where each scaled matmul's eager cast chain -- the
-    records that make its inputs, back to a tensor some other op made -- is marked as one
-    compiled region's (``graph``), so the time model fuses it: TransformerEngine casts (and
-    transposes) a tensor to fp8 in one kernel from its amax, where torchao's eager path runs
-    abs, max, the scale, an upcast, a multiply, a clamp and the cast one by one."""
+    """A copy of the dry run's ``result`` with TransformerEngine's casts in place of torchao's
+    eager ones (``casts_as="te"``). TE (``module/linear.py``) casts a linear's input and weight in
+    forward with ``fp8_cast_transpose_fused`` -- one kernel reading the tensor once and writing
+    its fp8 copy and the copy's transpose -- and saves both fp8 forms for backward; backward casts
+    the incoming gradient once the same way and feeds its two forms to the dgrad and wgrad GEMMs.
+    torchao's eager path runs abs, max, the scale, an upcast, a multiply, a clamp and the cast one
+    by one, and casts again in backward what forward had cast (the saved input for wgrad) and the
+    gradient once per GEMM, and adds a linear's bias to the GEMM's output in a kernel of its own
+    where TE's ``fp8_gemm`` adds it in the GEMM (``bias=``). So here: each cast chain is marked as
+    one compiled region's (``graph``: the time model fuses it) and writes one more fp8 copy (the
+    transpose); a chain that casts, within its micro-batch, what an earlier chain cast already is
+    dropped, and so is a bias add on a scaled GEMM's output."""
     kernels = (result.get("trace") or {}).get("kernels")
     if not kernels:
         return result
     records = kernels["records"]
-    maker = {v: i for i, r in enumerate(records) for v, _ in r["writes"]}
-    todo = [v for r in records if r["kind"] == "mm" and r["op"] == "_scaled_mm" for v, _ in r["reads"]]
-    chain: set[int] = set()
-    while todo:
-        i = maker.get(todo.pop(), -1)
-        r = records[i] if i >= 0 else None
-        if r is None or i in chain or r["kind"] != "mem" or r["op"] not in CAST_OPS:
+    seen: set[tuple[int, frozenset[int]]] = set()
+    kept: set[int] = set()
+    dropped: set[int] = set()
+    extra: dict[int, int] = {}  # record -> bytes of the transposed fp8 copy it also writes
+    next_id = 1 + max((v for r in records for v, _ in (*r["reads"], *r["writes"])), default=0)
+    for last, chain, sources in _cast_chains(records):
+        key = (records[last]["micro"], sources)
+        if key in seen:
+            dropped |= chain
             continue
-        chain.add(i)
-        todo += [v for v, _ in r["reads"]]
-    marked = [{**r, "graph": True} if i in chain else r for i, r in enumerate(records)]
-    return {**result, "trace": {**result["trace"], "kernels": {**kernels, "records": marked}}}
+        seen.add(key)
+        kept |= chain
+        extra[last] = sum(n for _, n in records[last]["writes"])
+    dropped |= _bias_adds(records)
+    out = []
+    for i, r in enumerate(records):
+        if i in dropped and i not in kept:
+            continue
+        if i in kept:
+            r = {**r, "graph": True}
+        if i in extra:
+            r = {**r, "writes": [*r["writes"], [next_id, extra[i]]]}
+            next_id += 1
+        out.append(r)
+    return {**result, "trace": {**result["trace"], "kernels": {**kernels, "records": out}}}
 
 
 def summary(rows: list[dict[str, Any]], key: str = "ratio") -> dict[str, Any]:

@@ -376,3 +376,30 @@ def test_transformer_engines_casts_are_priced_fused_and_nothing_else_is(bench):
     marked = bench.as_fused_casts(result)["trace"]["kernels"]["records"]
     assert [r["graph"] for r in marked] == [False] + [True] * 7 + [False, False]
     assert [r["graph"] for r in records] == [False] * 10  # the trace it was given is left as it was
+
+
+def test_transformer_engines_casts_are_cast_once_with_their_transpose_and_its_bias_rides_the_gemm(bench):
+    """TE casts a tensor once a micro-batch (its fp8 copy and the copy's transpose, one kernel) and
+    reuses both in backward, and adds a bias inside its fp8 GEMM: torchao's second cast of the same
+    tensor (here in backward) and its separate bias add are dropped, and the kept cast writes one
+    more fp8 copy. A cast of the same tensor in another micro-batch is kept."""
+    def mem(op, reads, writes, phase="forward", micro=1, size=64):
+        return {"kind": "mem", "op": op, "reads": [[v, size] for v in reads], "writes": [[v, size] for v in writes],
+                "phase": phase, "micro": micro, "host": 1, "graph": False}
+
+    def scaled(reads, out, phase="forward", micro=1):
+        return {"kind": "mm", "op": "_scaled_mm", "reads": [[v, 64] for v in reads], "writes": [[out, 64]],
+                "phase": phase, "micro": micro, "host": 1, "graph": False, "m": 8, "n": 8, "k": 8, "batch": 1,
+                "dtype": "float8_e4m3fn"}
+    records = [mem("native_layer_norm", [1], [2]), mem("abs", [2], [3]), mem("_to_copy", [3], [4]),  # cast x
+               scaled([4], 5), {**mem("add", [5], [7]), "reads": [[5, 64], [6, 1]]},  # x @ w, + bias
+               mem("abs", [2], [8], "backward"), mem("_to_copy", [8], [9], "backward"),  # x cast again
+               scaled([9], 10, "backward"),
+               mem("abs", [2], [11], micro=2), mem("_to_copy", [11], [12], micro=2), scaled([12], 13, micro=2)]
+    out = bench.as_fused_casts({"trace": {"kernels": {"records": records}}})["trace"]["kernels"]["records"]
+    ops = [(r["op"], r["phase"], r["micro"]) for r in out]
+    assert ops == [("native_layer_norm", "forward", 1), ("abs", "forward", 1), ("_to_copy", "forward", 1),
+                   ("_scaled_mm", "forward", 1), ("_scaled_mm", "backward", 1),
+                   ("abs", "forward", 2), ("_to_copy", "forward", 2), ("_scaled_mm", "forward", 2)], ops
+    assert len(out[2]["writes"]) == 2 and out[2]["writes"][1][1] == 64  # the transposed fp8 copy
+    assert [r["graph"] for r in out] == [False, True, True, False, False, True, True, False]
