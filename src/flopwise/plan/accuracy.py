@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SOURCE = "benchmarks/results/predict-vs-public-traced-2026-11-28.json"
+SOURCE = "benchmarks/results/predict-vs-public-all-traced-2026-11-29.json"
 MIN_CASES = 3
 SIZES = ((0.5e9, "under 0.5B"), (3e9, "0.5-3B"), (float("inf"), "over 3B"))  # parameters, upper bound
 ARCH_NAMES = {"sm80": "A100-class (sm80)", "sm90": "H100-class (sm90)"}
@@ -52,7 +52,7 @@ HELD_OUT: tuple[Evidence, ...] = (
     Evidence("MF-1b-a100-1k", "sm80", 1.31e9, 8, 1, 0.999),
     Evidence("MF-1b-a100-4k", "sm80", 1.32e9, 8, 1, 0.970),
     Evidence("MF-1b-a100-8k", "sm80", 1.33e9, 8, 1, 0.971),
-    Evidence("MF-760m-h100-1k", "sm90", 758.9e6, 8, 1, 1.044),
+    Evidence("MF-760m-h100-1k", "sm90", 758.9e6, 8, 1, 1.043),
     Evidence("MF-760m-h100-4k", "sm90", 763.6e6, 8, 1, 0.993),
     Evidence("MF-760m-h100-8k", "sm90", 769.9e6, 8, 1, 0.940),
     Evidence("MF-1b-h100-1k", "sm90", 1.31e9, 8, 1, 1.117),
@@ -64,9 +64,13 @@ HELD_OUT: tuple[Evidence, ...] = (
     Evidence("TT-70b", "sm80", 68.98e9, 64, 8, 0.962),
     Evidence("TTH-8", "sm90", 8.03e9, 8, 1, 1.134),
     Evidence("TTH-8c", "sm90", 8.03e9, 8, 1, 1.241),
-    Evidence("TTH-128", "sm90", 8.03e9, 128, 16, 1.126),
-    Evidence("TTH-128c", "sm90", 8.03e9, 128, 16, 1.216),
-    Evidence("F-1-bf16", "sm90", 8.03e9, 8, 1, 1.327),
+    Evidence("TTH-128", "sm90", 8.03e9, 128, 16, 1.123),
+    Evidence("TTH-128c", "sm90", 8.03e9, 128, 16, 1.215),
+    Evidence("F-1-bf16", "sm90", 8.03e9, 8, 1, 1.328),
+    # torchtitan's H100 float8 rows (torchao tensorwise, fp8 all-gather)
+    Evidence("TTH-8f", "sm90", 8.03e9, 8, 1, 1.176),
+    Evidence("TTH-128f", "sm90", 8.03e9, 128, 16, 1.139),
+    Evidence("TTH-32k-f8", "sm90", 8.03e9, 8, 1, 1.249),
 )
 
 
