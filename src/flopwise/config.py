@@ -89,7 +89,7 @@ Fp8Recipe = Literal["tensorwise", "rowwise", "mxfp8"]  # torchao's float8 traini
 # result.stopped; for a run whose only limit is its time, that is its finish.
 TIME_USED = "the time budget is used with the decay finished"
 WandbMode = Literal["online", "offline"]
-Strategy = Literal["single", "ddp", "zero1", "fsdp2", "diloco"]
+Strategy = Literal["single", "ddp", "zero1", "fsdp2", "hsdp", "diloco"]
 StrategyChoice = Literal["auto", Strategy]
 InnerStrategy = Literal["ddp", "fsdp2"]  # inside a DiLoCo worker group
 OuterDtype = Literal["fp32", "bf16"]  # what DiLoCo's pseudo-gradients are all-reduced in
@@ -541,16 +541,19 @@ class ParallelConfig:
     # Data parallelism across the processes `torchrun` starts (docs/distributed.md).
     # auto: single on one process; else DDP when weights, gradients and AdamW state fit each
     # GPU, ZeRO-1 when only the optimizer state does not, FSDP2 otherwise (the planner's
-    # memory model decides, and the choice is explained at startup).
-    strategy: StrategyChoice = "auto"  # auto | single | ddp | zero1 | fsdp2 | diloco
+    # memory model decides, and the choice is explained at startup). hsdp: FSDP2 within a group of
+    # group_size ranks (0: one node), replicas across groups (asked for by name, never by auto).
+    strategy: StrategyChoice = "auto"  # auto | single | ddp | zero1 | fsdp2 | hsdp | diloco
     backend: Backend = "auto"  # auto (nccl on CUDA, gloo on CPU) | nccl | gloo
     bucket_mb: float = 25.0  # DDP (and ZeRO-1) gradient all-reduce bucket size
     reshard_after_forward: bool = True  # FSDP2: free gathered block weights after forward (re-gather in backward)
     timeout_min: float = 30.0  # a collective that waits longer than this fails the run instead of hanging
-    # DiLoCo (strategy=diloco, docs/distributed.md#diloco): worker groups of group_size ranks
-    # (0: the ranks of one node) each train inner_steps steps with their own optimizer, then
-    # all-reduce the pseudo-gradient (anchor - parameters) across groups once and an outer
-    # Nesterov SGD steps the anchor. Inside a group ranks train with inner_strategy.
+    # group_size: the ranks of one group (0: the ranks of one node). HSDP (strategy=hsdp) shards
+    # within a group and all-reduces the shards' gradients across groups every step.
+    # DiLoCo (strategy=diloco, docs/distributed.md#diloco): worker groups each train inner_steps
+    # steps with their own optimizer, then all-reduce the pseudo-gradient (anchor - parameters)
+    # across groups once and an outer Nesterov SGD steps the anchor. Inside a group ranks train
+    # with inner_strategy.
     group_size: int = 0
     inner_strategy: InnerStrategy = "ddp"
     inner_steps: int = 50  # H: inner steps between outer syncs

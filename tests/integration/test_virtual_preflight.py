@@ -111,6 +111,10 @@ def test_candidates_are_what_a_preflight_tries():
     assert {COMPILE: "off"} not in found and {STRATEGY: "fsdp2"} in found and {STRATEGY: "ddp"} not in found
     assert {COMPILE: "off"} in virtual.variations(settings(8, compile="model"), 1, "off")
     assert not any(STRATEGY in v for v in virtual.variations(settings(8), 1, "auto"))
+    # across nodes HSDP is a candidate too (sharded within a node, replicated across); on one node not
+    assert {STRATEGY: "hsdp"} in virtual.variations(base, 16, "auto", nodes=2)
+    assert {STRATEGY: "hsdp"} not in found
+    assert {STRATEGY: "fsdp2"} in virtual.variations(settings(8, strategy="hsdp"), 16, "auto", nodes=2)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,10 @@
   gathers bf16 weights and reduces gradients in float32 (the sharded fp32 parameters are
   the master copy). ``parallel.reshard_after_forward=false`` keeps gathered blocks until
   backward (less communication, more memory).
+- ``hsdp``: FSDP2 over a 2-D device mesh (``fully_shard`` with it, torch's own hybrid
+  sharding): sharded within a group of ``parallel.group_size`` ranks (0: one node), each group a
+  replica of the others; a step's gradients are reduce-scattered within the group and the
+  shards all-reduced across groups -- the one collective that crosses the slower network.
 - ``diloco``: worker groups that train apart for ``parallel.inner_steps`` steps and
   all-reduce the change once (``parallel/diloco.py``); inside a group ``parallel.inner_strategy``
   (ddp or fsdp2) over the group's own process group (``DistEnv.group``).
@@ -50,6 +54,12 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 HEADROOM = 0.9  # share of the GPU the memory model's peak may take for auto to pick a strategy
+SHARDING = ("fsdp2", "hsdp")  # the strategies that fully_shard the model (FSDP2's wrapping, checkpoints, hooks)
+
+
+def shards_parameters(strategy: str) -> bool:
+    """Whether ``strategy`` shards parameters with FSDP2 (fsdp2 over every rank, hsdp within groups)."""
+    return strategy in SHARDING
 
 
 def is_fsdp_module(model: torch.nn.Module) -> bool:
@@ -61,7 +71,7 @@ def is_fsdp_module(model: torch.nn.Module) -> bool:
 
 @dataclass
 class Strategy:
-    name: str  # single | ddp | zero1 | fsdp2 | diloco
+    name: str  # single | ddp | zero1 | fsdp2 | hsdp | diloco
     why: str  # one line for the log
     inner: str = ""  # diloco: what wraps the model inside a worker group (ddp, fsdp2; single for one rank)
 
@@ -77,13 +87,31 @@ def predicted_peak(cfg: RunConfig, strategy: str, world: int, precision: str, lo
     return estimate(cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len, settings).total
 
 
-def incompatibilities(cfg: RunConfig, strategy: str, precision: str) -> list[str]:
-    """Why ``strategy`` cannot run this configuration (empty when it can)."""
+def hsdp_layout_problems(cfg: RunConfig, world: int | None) -> list[str]:
+    """Why ``world`` ranks cannot be cut into HSDP's shard groups (empty when they can, or when
+    the world is not known yet)."""
+    if world is None:
+        return []
+    size = group_size(cfg.parallel, world)
+    if world % size:
+        pc = cfg.parallel
+        how = f"parallel.group_size={pc.group_size}" if pc.group_size else f"the {size} ranks per node"
+        return [f"parallel.strategy=hsdp: {how} does not divide the {world} ranks into whole shard groups; "
+                f"set parallel.group_size to a divisor of {world}"]
+    return []
+
+
+def incompatibilities(cfg: RunConfig, strategy: str, precision: str, world: int | None = None) -> list[str]:
+    """Why ``strategy`` cannot run this configuration (empty when it can); ``world``: the ranks,
+    when known (HSDP's groups must divide them)."""
     out = []
     if strategy == "diloco":
         return [p.replace(f"parallel.strategy={cfg.parallel.inner_strategy}",
                           f"parallel.strategy=diloco with parallel.inner_strategy={cfg.parallel.inner_strategy}")
                 for p in incompatibilities(cfg, cfg.parallel.inner_strategy, precision)]
+    if strategy == "hsdp":
+        return [p.replace("parallel.strategy=fsdp2", "parallel.strategy=hsdp") for p in incompatibilities(
+            cfg, "fsdp2", precision)] + hsdp_layout_problems(cfg, world)
     if strategy in ("zero1", "fsdp2") and cfg.optim.name == "muon":
         out.append(f"parallel.strategy={strategy} with optim.name=muon: Muon orthogonalises whole matrices and "
                    "this strategy splits the optimizer state; use ddp (Muon's state is replicated) or optim.name=adamw")
@@ -107,13 +135,17 @@ def resolve_strategy(cfg: RunConfig, env: DistEnv, device: torch.device, precisi
     asked = cfg.parallel.strategy
     world = env.world_size
     if asked != "auto":
-        problems = incompatibilities(cfg, asked, precision)
+        problems = incompatibilities(cfg, asked, precision, world)
         if problems:
             raise ConfigError(problems)
         if asked == "single":
             return Strategy("single", "parallel.strategy=single")
         if asked == "diloco":
             return diloco_strategy(cfg, world)
+        if asked == "hsdp":
+            size = group_size(cfg.parallel, world)
+            return Strategy("hsdp", f"parallel.strategy=hsdp over {world} rank(s): sharded within {world // size} "
+                                    f"group(s) of {size}, replicated across them")
         return Strategy(asked, f"parallel.strategy={asked} over {world} rank(s)")
     if not env.distributed or world == 1:
         return Strategy("single", "auto: one process")
@@ -177,13 +209,15 @@ def apply_data_parallel(model: torch.nn.Module, strategy: str, env: DistEnv, dev
                       bucket_cap_mb=pc.bucket_mb, gradient_as_bucket_view=True, process_group=env.group, **no_sync)
         return wrapped, [f"DDP: gradients all-reduced in {pc.bucket_mb:g} MB buckets during backward, once per "
                          "step (no_sync on the earlier micro-batches)"]
-    if strategy == "fsdp2":
+    if shards_parameters(strategy):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # lazy: ~4 s to import; fsdp2 only
 
         mp = (MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
               if compute_dtype is not None and compute_dtype != torch.float32 else MixedPrecisionPolicy())
         mesh: dict[str, Any] = {}
-        if env.group is not None:  # a DiLoCo worker group: sharded over its ranks only
+        if strategy == "hsdp":  # a 2-D mesh: fully_shard replicates over dim 0 and shards over dim 1
+            mesh["mesh"] = hsdp_mesh(cfg, env, device)
+        elif env.group is not None:  # a DiLoCo worker group: sharded over its ranks only
             from torch.distributed.device_mesh import DeviceMesh  # lazy: with fully_shard
 
             mesh["mesh"] = DeviceMesh.from_group(env.group, device.type)
@@ -193,7 +227,12 @@ def apply_data_parallel(model: torch.nn.Module, strategy: str, env: DistEnv, dev
         # at once, and a loss that applies the head itself (chunked) reads it after forward.
         fully_shard(model, mp_policy=mp, reshard_after_forward=False, **mesh)
         gathered = f"gathered in {str(mp.param_dtype).replace('torch.', '')}" if mp.param_dtype else "gathered in fp32"
-        return model, [f"FSDP2: parameters, gradients and optimizer state sharded over {env.world_size} rank(s); "
+        where = f"over {env.world_size} rank(s)"
+        if strategy == "hsdp":
+            size = mesh["mesh"].size(1)
+            where = (f"within {env.world_size // size} group(s) of {size} rank(s), each group a replica (HSDP: "
+                     "gradient shards all-reduced across the groups)")
+        return model, [f"FSDP2: parameters, gradients and optimizer state sharded {where}; "
                        f"each block {gathered}, reduced in fp32"
                        + ("; blocks resharded after forward" if pc.reshard_after_forward else
                           "; blocks kept gathered until backward (parallel.reshard_after_forward=false)")]
@@ -219,6 +258,16 @@ def zero1_optimizer(plain: Any) -> torch.optim.Optimizer:
     return ZeroRedundancyOptimizer(groups, optimizer_class=type(plain), parameters_as_bucket_view=True, **defaults)
 
 
+def hsdp_mesh(cfg: RunConfig, env: DistEnv, device: torch.device) -> Any:
+    """HSDP's 2-D device mesh: (replicas, ranks of a group), groups of ``parallel.group_size``
+    consecutive ranks (0: one node's), so a group's all-gathers and reduce-scatters stay on the
+    node's links and only the shards' all-reduce crosses between nodes."""
+    from torch.distributed.device_mesh import init_device_mesh  # lazy: with fully_shard
+
+    size = group_size(cfg.parallel, env.world_size)
+    return init_device_mesh(device.type, (env.world_size // size, size), mesh_dim_names=("replicate", "shard"))
+
+
 def grad_sync(wrapped: torch.nn.Module, strategy: str,
               accum: int) -> Callable[[int], contextlib.AbstractContextManager]:
     """``sync(i)`` for ``forward_backward`` of a step of ``accum`` micro-batches: gradients are
@@ -228,7 +277,7 @@ def grad_sync(wrapped: torch.nn.Module, strategy: str,
         last = i == accum - 1
         if strategy in ("ddp", "zero1"):
             return contextlib.nullcontext() if last else cast(DDP, wrapped).no_sync()
-        if strategy == "fsdp2":
+        if shards_parameters(strategy):
             cast("FSDPModule", wrapped).set_requires_gradient_sync(last)  # fully_shard made it one
         return contextlib.nullcontext()
 
@@ -264,9 +313,13 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
         # FSDP2: this rank's shards' sums of squares, summed over ranks. (Not the DTensor
         # norm: torch's CPU float32 norm kernel is off by ~1e-4 relative on large tensors, and
         # differently for each way of cutting them; a sum of squares is accurate.)
+        # Under HSDP the mesh is 2-D and each group holds the same shards: summed over the dim
+        # the gradients are sharded on (the group's), not over the replicas.
         shards = cast("list[DTensor]", grads)  # FSDP2's gradients: DTensors (to_local)
         squared = torch.stack([g.to_local().float().pow(2).sum() for g in shards]).sum()
-        dist.all_reduce(squared, group=shards[0].device_mesh.get_group())
+        mesh, placements = shards[0].device_mesh, shards[0].placements
+        dim = next(i for i, p in enumerate(placements) if p.is_shard()) if mesh.ndim > 1 else 0
+        dist.all_reduce(squared, group=mesh.get_group(mesh_dim=dim))
         total = squared.sqrt()
     else:
         total = torch.nn.utils.get_total_norm(grads)

@@ -38,12 +38,12 @@ MEMORY_HEADROOM = 0.9  # the share of the GPU's memory the memory model's peak m
 # DDP's forward (ZeRO-1's too: DDP underneath) uncompiled and cuts the graph around it, and FSDP2's
 # gather/reshard hooks are compiler-disabled (docs/planning.md, the dry run). Compiled a block at a time -- what
 # torchtitan does under FSDP2 -- each block is one graph and the hooks run between them.
-WRAPPERS = ("ddp", "zero1", "fsdp2")
+WRAPPERS = ("ddp", "zero1", "fsdp2", "hsdp")
 
 
 def step_wrapper(cfg: RunConfig, world: int) -> str:
     """The data-parallel wrapper the step's model runs in at ``world`` ranks: ``ddp``, ``zero1``,
-    ``fsdp2`` (``auto`` over several ranks picks one of them: ``ddp, zero1 or fsdp2``), the
+    ``fsdp2``, ``hsdp`` (``auto`` over several ranks picks one of ddp, zero1, fsdp2: ``ddp, zero1 or fsdp2``), the
     inner strategy of a DiLoCo group of several ranks; ``""`` for none (one rank, ``single``)."""
     strategy = cfg.parallel.strategy
     if world <= 1 or strategy == "single":

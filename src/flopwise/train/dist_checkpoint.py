@@ -57,13 +57,14 @@ from flopwise.config import ConfigError
 from flopwise.manifest import file_entry, write_checksummed
 from flopwise.parallel.diloco import DiLoCo, leave_diloco
 from flopwise.parallel.distributed import DistEnv
+from flopwise.parallel.strategy import shards_parameters
 from flopwise.train.checkpoint import begin_save, discard_save, rng_state, save_checkpoint, save_failed
 
 DILOCO = "diloco"  # the directory of a DiLoCo checkpoint's own files
 
 
 def is_sharded_strategy(strategy: str) -> bool:
-    return strategy == "fsdp2"
+    return shards_parameters(strategy)
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,7 @@ def load_distributed(path: Path, parts: RankParts) -> dict[str, Any]:
     outer = parts.outer
     sharded = (path / SHARDED).is_dir()
     if sharded and strategy == "zero1":
-        raise ConfigError([f"{path} is a sharded (fsdp2) checkpoint: resume it with parallel.strategy=fsdp2, ddp "
+        raise ConfigError([f"{path} is a sharded (fsdp2) checkpoint: resume it with parallel.strategy=fsdp2, hsdp, ddp "
                            "or single; zero1's optimizer shards are laid out differently"])
     env.on_main(lambda: verify_checkpoint(path))  # once, not N times; an unmarked directory is refused
     # a DiLoCo checkpoint under another strategy: refused between syncs, before any weights load
@@ -235,7 +236,7 @@ def load_distributed(path: Path, parts: RankParts) -> dict[str, Any]:
         own = path / DILOCO / f"group-{outer.g.index}"
         saved = read_state(path)
         load_sharded(own if outer.g.index > 0 and own.is_dir() else path / SHARDED, model, optimizer, env.group)
-    elif not sharded and (strategy == "fsdp2" or (outer is not None and outer.sharded)):
+    elif not sharded and (shards_parameters(strategy) or (outer is not None and outer.sharded)):
         saved = _load_full_into_fsdp(path, model, optimizer)
     else:
         saved = load_checkpoint(path, model, optimizer, map_location=parts.device, verify=False)

@@ -40,7 +40,7 @@ from flopwise.model.io import load_hf_weights
 from flopwise.model.loss import make_loss_fn
 from flopwise.parallel.diloco import DiLoCo, make_groups
 from flopwise.parallel.distributed import DistEnv
-from flopwise.parallel.strategy import Strategy, replica_group, resolve_strategy, zero1_optimizer
+from flopwise.parallel.strategy import Strategy, replica_group, resolve_strategy, shards_parameters, zero1_optimizer
 from flopwise.plan.budget import plan_for_run
 from flopwise.plan.fit import check_memory_fit, local_rank_count
 from flopwise.plan.flops import (
@@ -355,7 +355,7 @@ def build_step(cfg: RunConfig, strategy: str, env: DistEnv, device: torch.device
     if m.hf_config and init_weights:
         notes["init"].append(load_hf_init(model, m.hf_config))
     if t.fp8:
-        notes["speed"].append(apply_fp8(model, device, t.fp8_recipe, fsdp=strategy == "fsdp2"))
+        notes["speed"].append(apply_fp8(model, device, t.fp8_recipe, fsdp=shards_parameters(strategy)))
         if t.compile == "off":  # eager float8: the casts and scalings are separate kernels around each GEMM
             notes["speed"].append("WARNING: fp8 without torch.compile is usually slower than bf16; "
                                   "train.compile=model (the CUDA default) fuses its casts")

@@ -31,7 +31,7 @@ from flopwise.fsio import write_json
 from flopwise.measure.timing import StepTimer, nvtx
 from flopwise.model.loss import make_loss_fn
 from flopwise.parallel.distributed import DistEnv
-from flopwise.parallel.strategy import Strategy, clip_grad_norm, grad_sync, grads_set_to_none
+from flopwise.parallel.strategy import Strategy, clip_grad_norm, grad_sync, grads_set_to_none, shards_parameters
 from flopwise.train.optim import CombinedOptimizer, set_lr, set_lr_factor, skipped_if, skips_on_device
 from flopwise.train.precision import MasterWeights, Precision, autocast_factory, fp8_scales_for_fsdp
 from flopwise.train.setup import Run, StepParts, grad_clip
@@ -55,7 +55,7 @@ class StepFixed:
         t = cfg.train if cfg is not None else None
         return cls(on_device=skips_on_device(optimizer), fp16=scaler is not None and scaler.is_enabled(),
                    set_to_none=grads_set_to_none(strategy),
-                   fp8_gather=bool(t and t.fp8 and t.fp8_recipe == "tensorwise" and strategy == "fsdp2"))
+                   fp8_gather=bool(t and t.fp8 and t.fp8_recipe == "tensorwise" and shards_parameters(strategy)))
 
 
 @dataclass

@@ -14,7 +14,7 @@ The candidates, a bounded number of traces:
 3. each other setting, one change at a time, at the sweep's best micro-batch: activation
    checkpointing none / selective / full (also at the smallest size that did not fit: what
    checkpointing is for), the loss path plain / chunked, compile model / blocks (off too when the
-   config is off), at N ranks the strategy ddp / zero1 / fsdp2, and fp8 where the GPU has it
+   config is off), at N ranks the strategy ddp / zero1 / fsdp2 (and hsdp across nodes), and fp8 where the GPU has it
    (marked as changing numerics: shown, never chosen unless the config asks for fp8);
 4. a setting that does not fit at that size, once more at the next smaller size.
 
@@ -106,18 +106,21 @@ def sizes_of(cfg: RunConfig, world: int, largest: int | None = None) -> list[int
     return sorted(b for b in sizes if splits(cfg, world, b))
 
 
-def variations(base: dict[str, Any], world: int, configured_compile: str, fp8: bool = False) -> list[dict[str, Any]]:
+def variations(base: dict[str, Any], world: int, configured_compile: str, fp8: bool = False,
+               nodes: int = 1) -> list[dict[str, Any]]:
     """The other settings, one change each from ``base``: checkpointing, loss, compile (off only
-    when configured off), at N ranks under a data-parallel strategy the strategy, and fp8 on or
-    off where the GPU has it (``fp8``)."""
+    when configured off), at N ranks under a data-parallel strategy the strategy (hsdp too across
+    ``nodes`` > 1: sharded within a node, replicated across), and fp8 on or off where the GPU has
+    it (``fp8``)."""
     out: list[dict[str, Any]] = [{AC: a} for a in CHECKPOINTING if a != base[AC]]
     if fp8 or base.get(FP8):
         out.append({FP8: not base.get(FP8)})
     out += [{LOSS: x} for x in LOSSES if x != base[LOSS]]
     compiles = COMPILES + (("off",) if configured_compile == "off" else ())
     out += [{COMPILE: c} for c in compiles if c != base[COMPILE]]
-    if world > 1 and base[STRATEGY] in STRATEGIES:  # DiLoCo is another algorithm, not a setting to rank
-        out += [{STRATEGY: s} for s in STRATEGIES if s != base[STRATEGY]]
+    strategies = STRATEGIES + (("hsdp",) if nodes > 1 else ())
+    if world > 1 and base[STRATEGY] in strategies:  # DiLoCo is another algorithm, not a setting to rank
+        out += [{STRATEGY: s} for s in strategies if s != base[STRATEGY]]
     return out
 
 
@@ -293,7 +296,7 @@ def virtual_preflight(cfg: RunConfig, tracer_args: dict[str, Any], tokens: int =
     log(f"  trace 1 done (with the fit search, {len(fit['tried_gib'])} sizes, {time.monotonic() - started:.0f} s): "
         f"{label(base)}: {_brief(rows[0])}; largest micro-batch that fits by trace: {fit['micro_batch']}")
     sizes = [b for b in sweep_sizes(cfg, tr.world, fit["micro_batch"]) if b != base[MB]]
-    others = variations(base, tr.world, cfg.train.compile, fp8_available(tr.spec))
+    others = variations(base, tr.world, cfg.train.compile, fp8_available(tr.spec), int(tr.args["nnodes"]))
     above = fit["micro_batch"] is not None and any(b > fit["micro_batch"] for b in sizes_of(cfg, tr.world))
     total = 1 + len(sizes) + len(others) + (sum(1 for v in others if AC in v) if above else 0)
     log(f"  then ~{total - 1} more traces (the micro-batch sweep {sizes or 'none'}, then {len(others)} other "
