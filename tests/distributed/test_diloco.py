@@ -69,6 +69,25 @@ def test_groups_agree_right_after_each_sync_and_drift_apart_between(common, tmp_
     assert rows[7]["outer_bytes_total"] == 3 * 4 * 4 * n_params // 2
     assert rows[7]["outer_bytes_per_token"] == pytest.approx(rows[7]["outer_bytes_total"] / rows[7]["tokens"])
     assert rows[3]["drift"] > 0 and rows[3]["pseudo_grad_norm"] > 0
+    # every outer step a row of its own (issue 53): the outer lr, the norm and the drift of its round
+    syncs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"outer_sync"' in x]
+    assert [(r["step"], r["outer_step"], r["outer_lr"]) for r in syncs] == [(3, 1, 0.7), (6, 2, 0.7), (7, 3, 0.7)]
+    assert syncs[0]["pseudo_grad_norm"] == rows[3]["pseudo_grad_norm"] and syncs[1]["drift"] == rows[6]["drift"]
+    assert all(r["drift"] > 0 and r["pseudo_grad_norm"] > 0 for r in syncs)
+    assert json.loads((run / "run.json").read_text())["outer_syncs"] == [
+        {k: v for k, v in r.items() if k != "event"} for r in syncs]
+    assert rows[7]["outer_lr"] == 0.7 and "| outer 3 · lr 0.7 · " in proc.stdout
+
+
+def test_every_outer_step_is_recorded_when_the_log_is_sparser_than_the_syncs(common, tmp_path):
+    """Outer syncs after steps 2, 4 and 6 with a log row only at steps 5 and 6: three outer_sync
+    rows, each with its own round's norms (the first two told apart)."""
+    run = tmp_path / "run"
+    ok(torchrun(2, common + ["parallel.group_size=1", "parallel.inner_steps=2", "train.max_steps=6",
+                             "train.log_every=5", f"train.run_dir={run}"]))
+    syncs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"outer_sync"' in x]
+    assert [(r["step"], r["outer_step"]) for r in syncs] == [(2, 1), (4, 2), (6, 3)]
+    assert len({r["pseudo_grad_norm"] for r in syncs}) == 3 and all(r["drift"] > 0 for r in syncs)
 
 
 def test_a_time_budget_alone_ends_with_the_groups_merged_as_a_last_step_does(common, tmp_path):

@@ -32,8 +32,9 @@ the same H and τ: :meth:`DiLoCo.load_state_dict` refuses others). Another strat
 DiLoCo checkpoint only from an outer sync (:func:`leave_diloco`).
 
 Measured (:meth:`DiLoCo.window`, into metrics.jsonl): outer steps, the bytes all-reduced
-across groups, the seconds the step waited on that communication, the pseudo-gradient's
-norm and how far the groups had drifted apart before the sync.
+across groups, the seconds the step waited on that communication, the outer learning rate,
+and for every outer step (an ``outer_sync`` row each) the pseudo-gradient's norm and how far
+the groups had drifted apart before the sync.
 """
 
 from __future__ import annotations
@@ -194,6 +195,8 @@ class DiLoCo:
         # [|d_group - d_mean|^2, |d_mean|^2] over what it holds
         self._round = torch.zeros(2, dtype=torch.float64, device=device)
         self._last_round = torch.zeros(2, dtype=torch.float64, device=device)
+        # since the last log row: (outer step, inner step, its round's sums) for each round
+        self._rounds: list[tuple[int, int, torch.Tensor]] = []
         self._window = _Window()
 
     # ------------------------------------------------------------------ the outer loop
@@ -281,6 +284,7 @@ class DiLoCo:
         if flight.fragment == len(self.frags) - 1:  # a round ends with its last fragment
             self.outer_steps += 1
             self._last_round.copy_(self._round)
+            self._rounds.append((self.outer_steps, step, self._round.clone()))
             self._round.zero_()
         if self.on_sync is not None:
             self.on_sync()
@@ -303,7 +307,7 @@ class DiLoCo:
         else:
             self._window.seconds += self.clock() - t0
 
-    def window(self, env: DistEnv, tokens: int) -> dict[str, float | int]:
+    def window(self, env: DistEnv, tokens: int) -> dict[str, Any]:
         """The outer loop's metrics for a log row (a collective: every rank calls it at the same
         step); the seconds are those since the last row; ``tokens``: trained so far, all ranks."""
         if self.device.type == "cuda":
@@ -312,16 +316,32 @@ class DiLoCo:
         else:
             seconds = self._window.seconds
         self._window = _Window()
-        drift_sq, norm_sq, total_bytes = env.sum([*self._last_round.tolist(), float(self.bytes_sent)], self.device)
-        drift_sq, norm_sq = drift_sq / self.slices, norm_sq / self.slices  # DDP inside: each rank counted it all
-        out: dict[str, float | int] = {"outer_steps": self.outer_steps, "outer_s": seconds,
-                                       "outer_bytes": self.round_bytes, "outer_bytes_total": int(total_bytes)}
+        rounds, self._rounds = self._rounds, []
+        each = [x for *_, r in rounds for x in r.tolist()]
+        sums = env.sum([*self._last_round.tolist(), float(self.bytes_sent), *each], self.device)
+        drift_sq, norm_sq, total_bytes = sums[:3]
+        out: dict[str, Any] = {"outer_steps": self.outer_steps, "outer_s": seconds, "outer_lr": self.outer_lr,
+                               "outer_bytes": self.round_bytes, "outer_bytes_total": int(total_bytes)}
         if tokens:
             out["outer_bytes_per_token"] = total_bytes / tokens
         if self.outer_steps:
-            out["pseudo_grad_norm"] = (norm_sq / self.g.count) ** 0.5
-            out["drift"] = (max(drift_sq, 0.0) / self.g.count) ** 0.5
+            out.update(self._norms(drift_sq, norm_sq))
+        # every outer step since the last row, each with the norms of its own round
+        out["outer_rounds"] = [{"outer_step": k, "step": step, "outer_lr": self.outer_lr,
+                                **self._norms(sums[3 + 2 * i], sums[4 + 2 * i])}
+                               for i, (k, step, _) in enumerate(rounds)]
         return out
+
+    @property
+    def outer_lr(self) -> float:
+        return float(self.outer.param_groups[0]["lr"])
+
+    def _norms(self, drift_sq: float, norm_sq: float) -> dict[str, float]:
+        """A round's pseudo-gradient norm and drift from its squared sums over the world (DDP
+        inside a group: each rank counted all of it, so divided by the group's ranks)."""
+        drift_sq, norm_sq = drift_sq / self.slices, norm_sq / self.slices
+        return {"pseudo_grad_norm": (norm_sq / self.g.count) ** 0.5,
+                "drift": (max(drift_sq, 0.0) / self.g.count) ** 0.5}
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

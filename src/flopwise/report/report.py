@@ -342,13 +342,23 @@ def diloco_chart(runs: list[Run]) -> LineChart:
     series = []
     for run in runs:
         if run.has("drift"):
-            series.append(Series(f"{run.prefix}pseudo-gradient", *run.series("step", "pseudo_grad_norm"), run.color,
+            series.append(Series(f"{run.prefix}pseudo-gradient", *_outer_series(run, "pseudo_grad_norm"), run.color,
                                  run=run.name))
-            series.append(Series(f"{run.prefix}drift", *run.series("step", "drift"), run.color, "dashed",
+            series.append(Series(f"{run.prefix}drift", *_outer_series(run, "drift"), run.color, "dashed",
                                  run=run.name))
     return LineChart("diloco", "DiLoCo: pseudo-gradient norm and drift vs step", "step", "L2 norm", series,
                      note="At each outer step: the norm of the groups' mean pseudo-gradient (anchor minus parameters) "
                           "and, dashed, how far the groups' parameters were apart (RMS distance to their mean).")
+
+
+def _outer_series(run: Run, key: str) -> tuple[list[float], list[float]]:
+    """``key`` at every outer step (its ``outer_sync`` rows), or at the log rows of a run that
+    recorded only those."""
+    syncs = sorted((number(e.get("step")), number(e.get(key))) for e in run.events if e.get("event") == "outer_sync")
+    pairs = [(x, y) for x, y in syncs if x is not None and y is not None]
+    if not pairs:
+        return run.series("step", key)
+    return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
 def diloco_text(run: Run) -> str:

@@ -5,6 +5,7 @@ the closing lines). Each hook reads and updates the :class:`~flopwise.train.setu
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -310,6 +311,8 @@ def log_step(run: Run, out: StepOutcome, lr: float, due_: Due) -> None:
         row.update(skipped_steps=run.guard.skipped, rollbacks=run.guard.rollbacks)
     outer = run.outer.window(run.env, p.tokens) if run.outer is not None else None
     if outer is not None:
+        for sync in outer.pop("outer_rounds"):  # a row for each outer step since the last log row
+            run.sink.write({"step": sync["step"], "event": OUTER_SYNC, **sync})
         row.update(outer)
     per_gpu = f" ({human(rates['tok_per_s'] / world)}/GPU)" if world > 1 else ""
     of = f"/{run.total_steps}" if run.total_steps else ""  # a run whose only limit is its time has no last step
@@ -331,11 +334,26 @@ def log_step(run: Run, out: StepOutcome, lr: float, due_: Due) -> None:
     run.timer.host["log"] += run.clock() - t_log
 
 
+OUTER_SYNC = "outer_sync"  # metrics.jsonl's event of a DiLoCo outer step
+
+
+def outer_syncs(metrics: Path) -> list[dict[str, Any]]:
+    """The run's DiLoCo outer steps as metrics.jsonl recorded them: outer step, inner step,
+    outer learning rate, pseudo-gradient norm and drift (a resume truncates the file at its
+    checkpoint, so each outer step is there once)."""
+    out = []
+    for line in metrics.read_text().splitlines() if metrics.is_file() else []:
+        row = json.loads(line)
+        if row.get("event") == OUTER_SYNC:
+            out.append({k: v for k, v in row.items() if k != "event"})
+    return out
+
+
 def outer_text(outer: dict[str, Any] | None) -> str:
     """DiLoCo's part of the log line: outer steps, their traffic and time, the groups' drift."""
     if outer is None:
         return ""
-    text = f" | outer {outer['outer_steps']} · {outer['outer_bytes'] / 2**20:.1f} MiB each"
+    text = f" | outer {outer['outer_steps']} · lr {outer['outer_lr']:g} · {outer['outer_bytes'] / 2**20:.1f} MiB each"
     if "drift" in outer:
         text += f" · pgnorm {outer['pseudo_grad_norm']:.3g} · drift {outer['drift']:.3g}"
     return text
@@ -377,6 +395,8 @@ def finish(run: Run, stopped: str, train_time: float, sample: str = "") -> Train
                for k, v in asdict(result).items()}
     if run.env.is_main:
         record = {**run.record, "result": summary, "train_time_s": train_time}
+        if run.outer is not None:  # DiLoCo: every outer step of the run, this start's and the earlier ones'
+            record["outer_syncs"] = outer_syncs(run.run_dir / "metrics.jsonl")
         if "starts" in record:  # this start's own figures beside the earlier ones' (the result is its alone)
             record["starts"] = ended_start(record["starts"], p.step, avg, wall)
         seal_run_files(run.run_dir, {"run.json": json_text(record)})
