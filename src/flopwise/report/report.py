@@ -354,7 +354,7 @@ def diloco_chart(runs: list[Run]) -> LineChart:
 def _outer_series(run: Run, key: str) -> tuple[list[float], list[float]]:
     """``key`` at every outer step (its ``outer_sync`` rows), or at the log rows of a run that
     recorded only those."""
-    syncs = sorted((number(e.get("step")), number(e.get(key))) for e in run.events if e.get("event") == "outer_sync")
+    syncs = sorted((number(e.get("step")), number(e.get(key))) for e in run.outer_syncs)
     pairs = [(x, y) for x, y in syncs if x is not None and y is not None]
     if not pairs:
         return run.series("step", key)

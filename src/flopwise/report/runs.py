@@ -41,7 +41,7 @@ class Run:
 
     path: Path
     rows: list[dict[str, Any]]  # every non-event row: training, validation, evaluation, per-layer
-    events: list[dict[str, Any]]  # rows with an ``event`` key (loss_spike, nonfinite, ...)
+    events: list[dict[str, Any]]  # rows with an ``event`` key (loss_spike, nonfinite, ...), outer syncs apart
     plan: dict[str, Any] | None = None
     preflight: dict[str, Any] | None = None
     virtual: dict[str, Any] | None = None  # virtual.json's "virtual" object: predicted, never measured
@@ -55,6 +55,7 @@ class Run:
     # nothing when the report is of one run (its name is the page's title already)
     prefix: str = ""
     color: str = ""
+    outer_syncs: list[dict[str, Any]] = field(default_factory=list)  # DiLoCo: a row per outer step
 
     # ---------------------------------------------------------------- series
     def series(self, x_key: str, y_key: str) -> tuple[list[float], list[float]]:
@@ -154,6 +155,9 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[name] = value
     return out
+
+
+OUTER_SYNC = "outer_sync"  # metrics.jsonl's event of a DiLoCo outer step (train/hooks.py writes it)
 
 
 def read_jsonl(path: Path, warnings: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -269,6 +273,8 @@ def load_run(path: str | Path) -> Run:
                           "(flopwise train writes metrics.jsonl, config.yaml, plan.json and run.json there)")
     warnings: list[str] = []
     rows, events = read_jsonl(metrics, warnings)
+    outer_syncs = [e for e in events if e.get("event") == OUTER_SYNC]  # a record, not an anomaly to mark
+    events = [e for e in events if e.get("event") != OUTER_SYNC]
     eval_rows, _ = read_jsonl(path / EVALS, warnings) if (path / EVALS).is_file() else ([], [])
     samples = path / "samples.txt"
     try:
@@ -279,7 +285,7 @@ def load_run(path: str | Path) -> Run:
     return Run(path=path, rows=rows, events=events, plan=_read_json(path / "plan.json"),
                preflight=_read_json(path / "preflight.json"), virtual=virtual,
                record=_read_json(path / "run.json"), config=_read_yaml(path / "config.yaml"), samples=sample_text,
-               eval_rows=eval_rows, warnings=warnings)
+               eval_rows=eval_rows, warnings=warnings, outer_syncs=outer_syncs)
 
 
 def unique_names(paths: list[Path]) -> list[str]:
