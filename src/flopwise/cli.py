@@ -366,9 +366,9 @@ def _plan_parser(sub: "argparse._SubParsersAction") -> None:
                    help="k of --checkpointing selective, as train.activation_checkpointing_every (default 2)")
     g.add_argument("--loss", default=None, help="as train.loss: plain (full logits, the default), chunked, or fused "
                    "(Liger's kernel: no full logits, planned as chunked)")
-    g.add_argument("--strategy", default="", help="as parallel.strategy: single, ddp, zero1, fsdp2, diloco (default: "
-                        "single, ddp with --gpus>1, or the first of zero1/fsdp2 that fits when ddp does not; diloco "
-                        "only when asked)")
+    g.add_argument("--strategy", default="", help="as parallel.strategy: single, ddp, zero1, fsdp2, hsdp, diloco "
+                        "(default: single, ddp with --gpus>1, or the first of zero1/fsdp2 that fits when ddp does not; "
+                        "hsdp and diloco only when asked)")
     g = p.add_argument_group("scaling")
     g.add_argument("--interconnect", default="", help="link within a node (default: the GPU's usual one)")
     g.add_argument("--network", default=None, help=f"link between nodes, per GPU (default "
@@ -381,8 +381,8 @@ def _plan_parser(sub: "argparse._SubParsersAction") -> None:
                    "parallel.outer_dtype (default fp32)")
     g.add_argument("--inner-strategy", default=None, help="ddp or fsdp2 inside a worker group, as "
                    "parallel.inner_strategy (default ddp)")
-    g.add_argument("--group-size", type=whole(0), default=None, help="GPUs per worker group, as parallel.group_size "
-                   "(default: --gpus-per-node)")
+    g.add_argument("--group-size", type=whole(0), default=None, help="GPUs per worker group (diloco) or shard group "
+                   "(--strategy hsdp), as parallel.group_size (default: --gpus-per-node)")
     g.add_argument("--comm-share", type=number(0, 1, low_open=True, high_open=True), default=None,
                    help="the share of step time communication should stay "
                    "under: the plan names the smallest H that does (default 0.05)")
@@ -813,12 +813,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     memory = replace(memory, **{k: v for k, v in flags.items() if v},
                      **({"master_weights": False} if args.no_master_weights else {}),
                      **({"grad_accum": args.grad_accum} if args.grad_accum > 0 else {}))
-    diloco = {"--inner-steps": args.inner_steps, "--outer-dtype": args.outer_dtype, "--comm-share": args.comm_share,
-              "--inner-strategy": args.inner_strategy, "--group-size": args.group_size}
-    given = [flag for flag, value in diloco.items() if value is not None]
-    if given and memory.strategy != "diloco":
-        raise PlanError(f"{', '.join(given)} {'is a DiLoCo setting' if len(given) == 1 else 'are DiLoCo settings'}: "
-                        "give --strategy diloco (or a --config with parallel.strategy=diloco)")
+    _refuse_diloco_flags(args, memory.strategy)
     memory = replace(memory, **{k: v for k, v in (("inner_strategy", args.inner_strategy),
                                                   ("outer_dtype", args.outer_dtype),
                                                   ("group_size", args.group_size)) if v is not None})
@@ -858,6 +853,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if trace:
         print("\n".join(["", "trace of the planned step (flopwise preflight --dry-run):", *render(trace)[1:]]))
     return 0
+
+
+def _refuse_diloco_flags(args: argparse.Namespace, strategy: str) -> None:
+    """A PlanError naming DiLoCo's flags given for another ``strategy`` (``--group-size`` is hsdp's too)."""
+    diloco = {"--inner-steps": args.inner_steps, "--outer-dtype": args.outer_dtype, "--comm-share": args.comm_share,
+              "--inner-strategy": args.inner_strategy, "--group-size": args.group_size}
+    given = [flag for flag, value in diloco.items() if value is not None
+             and not (flag == "--group-size" and strategy == "hsdp")]  # hsdp's shard group
+    if given and strategy != "diloco":
+        which = "diloco or hsdp" if given == ["--group-size"] else "diloco"
+        raise PlanError(f"{', '.join(given)} {'is a DiLoCo setting' if len(given) == 1 else 'are DiLoCo settings'}"
+                        f"{' (and an HSDP one)' if which != 'diloco' else ''}: give --strategy {which} (or a --config "
+                        f"with parallel.strategy={which.replace(' or ', ' or parallel.strategy=')})")
 
 
 def _priced_by_trace(inp: PlanInputs, plan: dict[str, Any], prediction: dict[str, Any],

@@ -47,6 +47,7 @@ from flopwise.config import ConfigError, RunConfig
 from flopwise.parallel.diloco import group_size, layout_problems
 from flopwise.parallel.distributed import DistEnv
 from flopwise.plan.budget import memory_settings_for_run
+from flopwise.plan.fit import local_rank_count
 from flopwise.plan.memory import estimate, numerics_change
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ class Strategy:
 
 def predicted_peak(cfg: RunConfig, strategy: str, world: int, precision: str, loss: str) -> int:
     """The memory model's per-GPU peak bytes for one training step under ``strategy``."""
-    settings = memory_settings_for_run(cfg, precision, loss, strategy, world)
+    settings = memory_settings_for_run(cfg, precision, loss, strategy, world, local_rank_count(world))
     return estimate(cfg.model, cfg.train.micro_batch_size, cfg.train.seq_len, settings).total
 
 

@@ -42,6 +42,12 @@ Formulas
   Per inner step: inner communication + (outer all-reduce + all-gather) / H. The smallest H
   at which that is at most ``--comm-share`` of the step (compute + communication) is
   :func:`smallest_inner_steps`; none exists when the in-group communication alone exceeds it.
+- HSDP (``--strategy hsdp``; :func:`hsdp_comm`): G = GPUs / S shard groups of S GPUs (default S:
+  a node). Every step, inside a group, fsdp2's all-gathers and fp32 reduce-scatter over S GPUs
+  (the intra-node link): (S-1)/S x P x (2 x gather bytes x micro-batches + 4) / intra-node GB/s;
+  then across the groups each GPU all-reduces its fp32 gradient shard (4 B x P / S) with the G
+  GPUs that hold the same shard: 2 (G-1)/G x 4 B x P / S / network GB/s -- about 1/S of ddp's
+  all-reduce over the same network. Both every step, added (not overlapped).
 """
 
 from __future__ import annotations
@@ -135,7 +141,7 @@ class PlanInputs:
     network: str = ""  # between nodes; "" = hardware.DEFAULT_NETWORK (named as the default where used)
     # The strategy was not chosen by the user (plan's default): when it does not fit in
     # memory and another one does, the plan switches to that one and says so at the top.
-    # (Never to diloco: that one is planned only when asked for.)
+    # (Never to diloco nor hsdp: those are planned only when asked for, as train's auto does.)
     auto_strategy: bool = False
     # --strategy diloco: inner steps between outer syncs (H), and the share of step time
     # DiLoCo's communication should stay under (the plan names the smallest H that does).
@@ -213,13 +219,7 @@ class PlanInputs:
                 p.append(f"--inner-steps must be >= 1, got {self.inner_steps}")
             if not 0 < self.comm_share < 1:
                 p.append(f"--comm-share must be in (0, 1), got {self.comm_share:g}")
-            group = self.diloco_group
-            if mem.group_size < 0:
-                p.append(f"--group-size must be >= 1, got {mem.group_size}")
-            elif group > self.gpus:
-                p.append(f"--group-size {group} exceeds --gpus {self.gpus}")
-            elif self.gpus % group:
-                p.append(f"--group-size {group} must divide --gpus {self.gpus} into equal worker groups")
+        p += self._group_problems()
         if mem.activation_checkpointing_every < 1:
             p.append(f"--checkpointing-every must be >= 1, got {mem.activation_checkpointing_every}")
         if p:
@@ -236,10 +236,31 @@ class PlanInputs:
             return None if value is None else value * 1e12
         return None
 
+    def _group_problems(self) -> list[str]:
+        """Why the GPUs cannot be cut into DiLoCo's worker groups or HSDP's shard groups (one
+        problem at most; none for the other strategies)."""
+        mem, group = self.memory, self.group_gpus
+        if mem.strategy not in ("diloco", "hsdp"):
+            return []
+        if mem.group_size < 0:
+            return [f"--group-size must be >= 1, got {mem.group_size}"]
+        if mem.strategy == "diloco":
+            if group > self.gpus:
+                return [f"--group-size {group} exceeds --gpus {self.gpus}"]
+            return [f"--group-size {group} must divide --gpus {self.gpus} into equal worker groups"] \
+                if self.gpus % group else []
+        if not self.gpus % group:
+            return []
+        if mem.group_size:
+            return [f"--strategy hsdp: shard groups of {group} GPUs (--group-size, parallel.group_size) do not divide "
+                    f"--gpus {self.gpus} into whole groups; give a divisor of {self.gpus}"]
+        return [f"--strategy hsdp shards within a node: --gpus-per-node {self.gpus_per_node} does not divide --gpus "
+                f"{self.gpus} into whole shard groups; give whole nodes, or a --group-size that divides {self.gpus}"]
+
     @property
-    def diloco_group(self) -> int:
-        """GPUs in one DiLoCo worker group: ``--group-size``, else the GPUs of one node (all of
-        them when fewer than a node are planned)."""
+    def group_gpus(self) -> int:
+        """GPUs in one DiLoCo worker group or HSDP shard group: ``--group-size``, else the GPUs of
+        one node (all of them when fewer than a node are planned)."""
         return self.memory.group_size or min(self.gpus_per_node, self.gpus)
 
     @property
@@ -353,6 +374,8 @@ def scaling(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: int, mi
     """Communication cost and scaling efficiency of one configuration at ``gpus`` GPUs."""
     if inp.memory.strategy == "diloco":
         return diloco_comm(inp, fpt, tokens_per_step, n_params, micro_batches_per_step, gpus)
+    if inp.memory.strategy == "hsdp":
+        return hsdp_comm(inp, fpt, tokens_per_step, n_params, micro_batches_per_step, gpus)
     peak = inp.peak_flops
     link = ring_link(inp, gpus)
     settings = inp.memory
@@ -378,6 +401,46 @@ def scaling(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: int, mi
         "grad_bytes": grad_bytes,
         "comm_bytes_per_gpu": comm_bytes,
         "comm_s": comm_s,
+    }
+    out.update(_step_parts(inp, tokens_per_step * fpt / gpus / peak if peak else None, comm_s))
+    return out
+
+
+REDUCE_BYTES = 4  # FSDP2 reduces gradients in fp32 (MixedPrecisionPolicy's reduce_dtype): fsdp2's and hsdp's
+
+
+def hsdp_comm(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: int, micro_batches_per_step: int,
+              gpus: int) -> dict[str, Any]:
+    """HSDP's communication per step at ``gpus`` GPUs (the module docstring's formula), as a row of
+    :func:`scaling` plus its two parts: G = ``gpus`` / S shard groups of S GPUs (``--group-size``,
+    else a node; at most ``gpus``). ``in_group``: fsdp2's all-gathers and reduce-scatter over the S
+    GPUs of a group (:func:`scaling`'s fsdp2 row at S GPUs, over the group's link); ``across_groups``:
+    the ring all-reduce of each GPU's fp32 gradient shard (4 B x P / S) among the G GPUs that hold
+    the same shard, over the link between them (the network when the GPUs span nodes), once per
+    step. Both every step, added. With one group it is fsdp2's at ``gpus``."""
+    mem = inp.memory
+    group = min(mem.group_size or inp.gpus_per_node, gpus)
+    groups = gpus // group
+    inner = scaling(replace(inp, memory=replace(mem, strategy="fsdp2", n_gpus=group)), fpt,
+                    tokens_per_step * group // gpus, n_params, micro_batches_per_step, group)
+    cross_link = ring_link(inp, gpus)
+    shard = REDUCE_BYTES * n_params / group  # a GPU's gradient shard, in the reduce dtype
+    cross_bytes = 2 * (groups - 1) / groups * shard if groups > 1 else 0.0
+    cross_s = allreduce_seconds(shard, groups, cross_link.gb_per_s)
+    comm_s = inner["comm_s"] + cross_s
+    link = cross_link if groups > 1 else ring_link(inp, group)
+    peak = inp.peak_flops
+    out: dict[str, Any] = {
+        "gpus": gpus, "link": link.name, "link_gb_per_s": link.gb_per_s, "grad_bytes": inner["grad_bytes"],
+        "comm_bytes_per_gpu": inner["comm_bytes_per_gpu"] + cross_bytes, "comm_s": comm_s,
+        "group_size": group, "groups": groups,
+        "in_group": {"strategy": "fsdp2", "gpus": group, "link": inner["link"], "link_gb_per_s": inner["link_gb_per_s"],
+                     "between_nodes": group > inp.gpus_per_node, "micro_batches": micro_batches_per_step,
+                     "gather_bytes_per_param": 4 if mem.precision == "float32" else 2,
+                     "bytes": inner["comm_bytes_per_gpu"], "s": inner["comm_s"]},
+        "across_groups": {"groups": groups, "link": cross_link.name, "link_gb_per_s": cross_link.gb_per_s,
+                          "between_nodes": groups > 1 and gpus > inp.gpus_per_node, "shard_bytes": shard,
+                          "reduce_bytes_per_param": REDUCE_BYTES, "bytes": cross_bytes, "s": cross_s},
     }
     out.update(_step_parts(inp, tokens_per_step * fpt / gpus / peak if peak else None, comm_s))
     return out
@@ -515,7 +578,9 @@ def diloco_summary(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: 
     return out
 
 
-STRATEGY_ORDER = ("ddp", "zero1", "fsdp2")  # least communication first, least memory last; never diloco
+# least communication first, least memory last: what a set-up that does not fit is switched to. Never
+# diloco nor hsdp (train's auto picks neither); hsdp is offered beside fsdp2 across nodes (_alternatives).
+STRATEGY_ORDER = ("ddp", "zero1", "fsdp2")
 
 
 def build_plan(inp: PlanInputs) -> dict[str, Any]:
@@ -527,11 +592,13 @@ def build_plan(inp: PlanInputs) -> dict[str, Any]:
     only the states are counted there and fsdp2 leaves the most room for the uncounted
     activations. With ``auto_strategy`` (the user did not choose one) the whole plan --
     memory, time, cost, scaling -- is then that strategy's, and ``fit["switched"]`` is
-    True; otherwise the plan stays as asked and ``plan["runnable"]`` is False.
+    True; otherwise the plan stays as asked and ``plan["runnable"]`` is False. Across
+    nodes hsdp is checked beside fsdp2 and, where it fits, offered (``fit["offered"]``), never
+    switched to; an hsdp set-up that does not fit is checked against fsdp2 alone.
     """
     inp.validate()
-    if inp.memory.strategy == "diloco":  # the group size as planned (default: a node) and the memory model's
-        inp = replace(inp, memory=replace(inp.memory, group_size=inp.diloco_group))
+    if inp.memory.strategy in ("diloco", "hsdp"):  # the group size as planned (default: a node), the memory model's
+        inp = replace(inp, memory=replace(inp.memory, group_size=inp.group_gpus))
     plan = _build_plan(inp)
     asked = inp.memory.strategy
     fit: dict[str, Any] = {
@@ -551,18 +618,17 @@ def build_plan(inp: PlanInputs) -> dict[str, Any]:
     elif plan["fits"] is False and inp.gpus > 1:
         fit["per_strategy"][asked] = {"memory_gb": plan["memory_gb"], "fits": False,
                                       "max_micro_batch": plan["max_micro_batch"]}
-        start = STRATEGY_ORDER.index(asked) + 1 if asked in STRATEGY_ORDER else 1  # single: like ddp
-        others = {}
-        for strategy in STRATEGY_ORDER[start:]:
-            others[strategy] = _build_plan(replace(inp, memory=replace(inp.memory, strategy=strategy)))
-            fit["per_strategy"][strategy] = {"memory_gb": others[strategy]["memory_gb"],
-                                             "fits": others[strategy]["fits"],
-                                             "max_micro_batch": others[strategy]["max_micro_batch"]}
-        fitting = [s for s, alt in others.items() if alt["fits"]]
+        others = _alternatives(inp, asked)
+        for strategy, alt in others.items():
+            fit["per_strategy"][strategy] = {"memory_gb": alt["memory_gb"], "fits": alt["fits"],
+                                             "max_micro_batch": alt["max_micro_batch"]}
+        fitting = [s for s, alt in others.items() if alt["fits"] and s in STRATEGY_ORDER]
         if inp.model is None:
             fit["proposed"] = "fsdp2" if "fsdp2" in fitting else None
         else:
             fit["proposed"] = fitting[0] if fitting else None
+        if fit["proposed"] and others.get("hsdp", {}).get("fits"):
+            fit["offered"] = _offered(others, fit["proposed"])
         if fit["proposed"] and inp.auto_strategy:
             plan = others[fit["proposed"]]
             fit.update(strategy=fit["proposed"], switched=True)
@@ -571,6 +637,34 @@ def build_plan(inp: PlanInputs) -> dict[str, Any]:
     plan["fit"] = fit
     plan["runnable"] = plan["fits"] is not False
     return plan
+
+
+def _alternatives(inp: PlanInputs, asked: str) -> dict[str, dict[str, Any]]:
+    """The plans a set-up of ``asked`` that does not fit is checked against: the strategies after
+    it in :data:`STRATEGY_ORDER` (single: like ddp); for hsdp, fsdp2 alone (it shards the same
+    states over every GPU, not a group's). Beside fsdp2, when the GPUs are whole nodes of more than
+    one, hsdp sharded within a node: fsdp2's memory at a node's GPUs, less traffic between nodes."""
+    if asked == "hsdp":
+        order: tuple[str, ...] = ("fsdp2",)
+    else:
+        order = STRATEGY_ORDER[STRATEGY_ORDER.index(asked) + 1 if asked in STRATEGY_ORDER else 1:]
+    out = {s: _build_plan(replace(inp, memory=replace(inp.memory, strategy=s))) for s in order}
+    node = inp.gpus_per_node
+    if asked != "hsdp" and "fsdp2" in out and inp.gpus > node and inp.gpus % node == 0:
+        out["hsdp"] = _build_plan(replace(inp, memory=replace(inp.memory, strategy="hsdp", group_size=node)))
+    return out
+
+
+def _offered(others: dict[str, dict[str, Any]], proposed: str) -> dict[str, Any]:
+    """``fit["offered"]``: hsdp, which fits, beside the strategy ``proposed``: its memory per GPU,
+    shard group and communication per step (and the part of it between the groups), and
+    ``proposed``'s communication per step at the same GPUs."""
+    hsdp, alt = others["hsdp"], others[proposed]
+    at = hsdp["scaling"]["at_gpus"]
+    return {"strategy": "hsdp", "memory_gb": hsdp["memory_gb"], "group_size": at["group_size"],
+            "comm_s": at["comm_s"], "across_groups_s": at["across_groups"]["s"],
+            "across_groups_link": at["across_groups"]["link"], "beside": proposed,
+            "beside_comm_s": alt["scaling"]["at_gpus"]["comm_s"]}
 
 
 MAX_SUGGESTED_GPUS = 1024
@@ -901,11 +995,11 @@ def _memory_variants(inp: PlanInputs, m: ModelConfig, micro_batch: int) -> dict[
 
 def _scaling_plan(inp: PlanInputs, fpt: float, batch: dict[str, Any], n_params: int) -> dict[str, Any]:
     """``plan["scaling"]``: the strategy's :func:`scaling` rows at 1, 2, 4, 8 (16 past 8) and
-    the GPUs asked, each with the same global batch (under diloco: one group below its size,
-    whole groups above)."""
+    the GPUs asked, each with the same global batch (under diloco and hsdp: one group below its
+    size, whole groups above)."""
     counts_to = sorted({1, 2, 4, 8, inp.gpus} | ({16} if inp.gpus > 8 else set()))
-    if inp.memory.strategy == "diloco":
-        counts_to = [n for n in counts_to if n <= inp.diloco_group or n % inp.diloco_group == 0]
+    if inp.memory.strategy in ("diloco", "hsdp"):
+        counts_to = [n for n in counts_to if n <= inp.group_gpus or n % inp.group_gpus == 0]
     rows = [scaling(inp, fpt, batch["tokens_per_step"], n_params, max(1, batch["grad_accum"] * inp.gpus // n), n)
             for n in counts_to]
     mine = next(r for r in rows if r["gpus"] == inp.gpus)
@@ -925,8 +1019,9 @@ def _scaling_plan(inp: PlanInputs, fpt: float, batch: dict[str, Any], n_params: 
 
 def _settings_dict(s: MemorySettings) -> dict[str, Any]:
     d = asdict(s)
-    if s.strategy != "diloco":  # DiLoCo's own settings only where they apply
-        for key in ("inner_strategy", "group_size", "outer_dtype"):
+    if s.strategy != "diloco":  # DiLoCo's own settings only where they apply (hsdp: its shard group)
+        for key in ("inner_strategy", "outer_dtype") if s.strategy == "hsdp" else \
+                ("inner_strategy", "group_size", "outer_dtype"):
             del d[key]
     return d
 
@@ -946,13 +1041,17 @@ def memory_settings_for_run(cfg: "RunConfig", precision: str, loss: str = "plain
     as eager: resolve it first) are
     the config's. Under ``diloco`` so are ``parallel.inner_strategy`` and ``outer_dtype``, and
     the group is ``parallel.group_size`` ranks, its 0 meaning the ranks of one node:
-    ``gpus_per_node`` when given, else all ``gpus``."""
+    ``gpus_per_node`` when given, else all ``gpus``. Under ``hsdp`` the shard group is
+    ``parallel.group_size`` ranks as given (the plan refuses one that does not divide ``gpus``),
+    its 0 the ranks of one node as under diloco."""
     t = cfg.train
     pc = cfg.parallel
-    diloco: dict[str, Any] = {}
+    groups: dict[str, Any] = {}  # diloco's and hsdp's own settings
     if strategy == "diloco":
-        diloco = dict(inner_strategy=pc.inner_strategy, outer_dtype=pc.outer_dtype,
+        groups = dict(inner_strategy=pc.inner_strategy, outer_dtype=pc.outer_dtype,
                       group_size=min(pc.group_size or gpus_per_node or gpus, gpus))
+    elif strategy == "hsdp":
+        groups = dict(group_size=pc.group_size or min(gpus_per_node or gpus, gpus))
     return MemorySettings(
         precision=precision, attention="eager" if cfg.model.attention == "eager" else "sdpa",
         activation_checkpointing=t.activation_checkpointing,
@@ -960,7 +1059,7 @@ def memory_settings_for_run(cfg: "RunConfig", precision: str, loss: str = "plain
         strategy=strategy, n_gpus=gpus,
         loss="plain" if loss == "plain" else "chunked", loss_chunk_tokens=t.loss_chunk_tokens,
         grad_accum=max(1, cfg.grad_accum_steps(gpus)), compiled=t.compile in ("model", "blocks"),
-        loss_in_graph=t.compile == "model", **diloco)
+        loss_in_graph=t.compile == "model", **groups)
 
 
 def peak_dtype(precision: str) -> str:

@@ -104,6 +104,11 @@ Strategies
   root before their reduce-scatter (in the compute dtype). With ``bf16`` (or ``fp16``) a
   ``MixedPrecisionPolicy(param_dtype=bf16)`` is assumed: the gathered weights are
   already bf16 (no autocast copies) and the residual stream is bf16 as with ``bf16-pure``.
+* ``hsdp`` (hybrid sharding: FSDP2 over a 2-D mesh): fsdp2 within a shard group of
+  ``group_size`` ranks (the callers resolve the config's "0 = the ranks of one node"), each
+  group a replica of the others -- everything above is fsdp2's at ``group_size`` GPUs, whatever
+  the number of groups: the states divided by the group's ranks, not by ``n_gpus``, the same
+  gather buffers, bf16 gathered weights and residual stream (:data:`SHARDED`).
 * ``diloco`` (DiLoCo, Douglas et al. 2023): ranks train in worker groups of ``group_size``
   with ``inner_strategy`` (ddp or fsdp2, sharded over the group, not the world), so
   everything above is the inner strategy's over ``group_size`` ranks, plus the outer state
@@ -168,6 +173,7 @@ GIB = 1024**3
 ATTENTIONS = choices(AttentionBackend)
 CHECKPOINTING = ACTIVATION_CHECKPOINTING
 STRATEGIES = choices(Strategy)
+SHARDED = ("fsdp2", "hsdp")  # fully_shard the model: sharded states, bf16-gathered weights, gather buffers
 INNER_STRATEGIES = ("ddp", "fsdp2")  # parallel.inner_strategy: inside a DiLoCo worker group
 OUTER_BYTES = {"fp32": 4, "bf16": 2}  # parallel.outer_dtype: DiLoCo's pseudo-gradient, bytes per parameter
 AUTOCAST = ("bf16", "fp16")  # fp32 weights, 2-byte matmuls
@@ -200,7 +206,7 @@ class MemorySettings:
     # | selective_op (each block's input, matmul and attention outputs; one block's rest recomputed)
     activation_checkpointing: str = "none"
     activation_checkpointing_every: int = 2  # selective: k
-    strategy: str = "single"  # single | ddp | zero1 | fsdp2 | diloco, as parallel.strategy
+    strategy: str = "single"  # single | ddp | zero1 | fsdp2 | hsdp | diloco, as parallel.strategy
     n_gpus: int = 1
     optimizer_dtype: str = "auto"  # AdamW m/v: auto (fp32, or the param dtype for bf16 w/o master) | fp32 | bf16
     ddp_bucket_view: bool = True  # DDP gradient_as_bucket_view=True; False: buckets copy the grads
@@ -222,7 +228,8 @@ class MemorySettings:
     loss_in_graph: bool = False
     # strategy "diloco" only (parallel.inner_strategy, group_size, outer_dtype): the strategy
     # inside a worker group, the group's ranks (0: all n_gpus; the callers resolve the config's
-    # "0 = the ranks of one node"), and the dtype of the pseudo-gradient buffer
+    # "0 = the ranks of one node"), and the dtype of the pseudo-gradient buffer. group_size is
+    # also hsdp's: the ranks of a shard group (0 as above), the states are divided by them
     inner_strategy: str = "ddp"
     group_size: int = 0
     outer_dtype: str = "fp32"
@@ -268,8 +275,22 @@ class MemorySettings:
 
     @property
     def group_ranks(self) -> int:
-        """Ranks of one DiLoCo worker group: ``group_size`` (0: all ``n_gpus``), at most ``n_gpus``."""
+        """Ranks of one DiLoCo worker group or HSDP shard group: ``group_size`` (0: all ``n_gpus``),
+        at most ``n_gpus``."""
         return min(self.group_size or self.n_gpus, self.n_gpus)
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 shards the model (fsdp2 over every GPU, hsdp within a group): bf16-gathered weights."""
+        return self.strategy in SHARDED
+
+    @property
+    def shard_ranks(self) -> int:
+        """The GPUs the states are sharded over: ``n_gpus`` under fsdp2, the shard group's ranks
+        (:attr:`group_ranks`) under hsdp, 1 otherwise."""
+        if self.strategy == "hsdp":
+            return self.group_ranks
+        return self.n_gpus if self.strategy == "fsdp2" else 1
 
     def inner(self) -> "MemorySettings":
         """The settings a rank trains with inside its DiLoCo group: the inner strategy over the
@@ -339,10 +360,11 @@ def residual_bytes(strategy: str, precision: str) -> int:
     """Bytes per element of the residual stream a step trains with -- the one rule the memory
     model and the strategy rankings share: 4 under float32 and under bf16 / fp16 autocast with
     fp32 weights (the embedding's output is fp32 and ``x + bf16`` promotes), 2 under bf16-pure,
-    and 2 under FSDP2 with autocast precision, whose ``MixedPrecisionPolicy(param_dtype=bf16)``
-    gathers bf16 weights: the embedding's output, and so the whole stream, is bf16."""
+    and 2 under FSDP2 (fsdp2, hsdp) with autocast precision, whose
+    ``MixedPrecisionPolicy(param_dtype=bf16)`` gathers bf16 weights: the embedding's output, and so
+    the whole stream, is bf16."""
     if precision in AUTOCAST:
-        return 2 if strategy == "fsdp2" else 4
+        return 2 if strategy in SHARDED else 4
     return 4 if precision == "float32" else 2
 
 
@@ -382,7 +404,8 @@ def state_bytes(n_params: int, settings: MemorySettings, n_tensors: int = 0) -> 
 
     Keys: ``params``, ``grads``, ``optimizer`` (exp_avg + exp_avg_sq, plus 4 bytes of
     ``step`` per tensor when ``n_tensors`` is given), ``master``. Sharding: ``zero1``
-    divides optimizer and master by ``n_gpus``; ``fsdp2`` divides all four (rounded up), but
+    divides optimizer and master by ``n_gpus``; ``fsdp2`` divides all four (rounded up), and
+    ``hsdp`` divides them by its shard group's ranks, not by ``n_gpus``; but
     with ``grad_accum`` > 1 the gradients are a whole fp32 copy (accumulated unsharded: the
     dry run's trace of llama3.2-1b at 8 ranks holds 4.6 GiB of them, against 0.58 sharded);
     ``ddp`` with ``ddp_bucket_view=False`` doubles the gradients (bucket copies).
@@ -400,7 +423,8 @@ def state_bytes(n_params: int, settings: MemorySettings, n_tensors: int = 0) -> 
     k = settings.n_gpus
     if settings.strategy == "zero1":
         optimizer, master = _shard(optimizer, k), _shard(master, k)
-    elif settings.strategy == "fsdp2":
+    elif settings.sharded:
+        k = settings.shard_ranks  # hsdp: a shard group's ranks (the groups are replicas)
         params, grads, optimizer, master = (_shard(x, k) for x in (params, grads, optimizer, master))
         if settings.grad_accum > 1 and k > 1:  # accumulated unsharded in fp32 until the step's last backward
             grads = 4 * n
@@ -607,7 +631,7 @@ def _chunked_loss_tmp(cfg: ModelConfig, N: int, settings: MemorySettings) -> int
     d = _dtypes(settings)
     c, D, V = d["compute"], cfg.d_model, cfg.vocab_size
     chunk = min(settings.loss_chunk_tokens, N) * V * (4 + (c if c != 4 else 0))
-    cast = V * D * c if settings.autocast and settings.strategy != "fsdp2" else 0  # FSDP2 gathers it in bf16
+    cast = V * D * c if settings.autocast and not settings.sharded else 0  # FSDP2 gathers it in bf16
     product = V * D * c if c != 4 else 0
     return chunk + cast + product + N * D * d["residual"]
 
@@ -633,7 +657,7 @@ def _block_backward(cfg: ModelConfig, N: int, settings: MemorySettings) -> tuple
     d = _dtypes(settings)
     c, r = d["compute"], d["residual"]
     F, D = cfg.ffn_hidden, cfg.d_model
-    traced = settings.compiled and cfg.mlp in ("swiglu", "gelu") and settings.strategy != "fsdp2"
+    traced = settings.compiled and cfg.mlp in ("swiglu", "gelu") and not settings.sharded
     if cfg.is_moe or not traced:
         width = 2 * cfg.moe_top_k * cfg.expert_ffn_hidden if cfg.is_moe else 2 * F
         return N * (c * width + r * D), 0
@@ -687,6 +711,15 @@ def _transient(cfg: ModelConfig, B: int, T: int, settings: MemorySettings, terms
     return (max(loss_tmp, block_tmp) if B else 0), loss_tmp, block_tmp
 
 
+def _sharding(settings: MemorySettings) -> str:
+    """How the states note says the states are spread over the GPUs ("" on one)."""
+    if settings.n_gpus < 2:
+        return ""
+    hsdp = (f" (a shard group of {settings.shard_ranks}, replicated across {settings.n_gpus // settings.shard_ranks} "
+            "groups)" if settings.strategy == "hsdp" else "")
+    return f", sharded {settings.strategy} over {settings.n_gpus}{hsdp}"
+
+
 def estimate(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: MemorySettings) -> MemoryEstimate:
     """Bytes per GPU at the peak of a training step with ``micro_batch`` sequences of ``seq_len``."""
     settings.validate()
@@ -714,8 +747,7 @@ def estimate(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: MemoryS
 
     st = state_bytes(counts["total"], settings, n_tensors=n_param_tensors(cfg))
     notes.append(f"states: {counts['total']:,} params; {settings.precision}: param {d['param']} B, grad "
-                 f"{d['grad']} B, AdamW m+v 2x{d['opt']} B, master {d['master']} B per param"
-                 f"{', sharded ' + settings.strategy + ' over ' + str(settings.n_gpus) if settings.n_gpus > 1 else ''}")
+                 f"{d['grad']} B, AdamW m+v 2x{d['opt']} B, master {d['master']} B per param{_sharding(settings)}")
 
     # Blocks recomputed in backward: they keep only their input in forward.
     R = settings.recomputed_blocks(L)
@@ -725,7 +757,7 @@ def estimate(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: MemoryS
     block_params = (counts["attention"] + counts["mlp"] + counts["norm"] - D) // L if L else 0
     block_matmul = (counts["attention"] + counts["mlp"]) // L if L else 0
     weight_copies = 0
-    if settings.autocast and settings.strategy != "fsdp2":
+    if settings.autocast and not settings.sharded:
         # the head's copy (tied: the cast embedding), those of the blocks that are not
         # recomputed, and one recomputed block's during its recompute: a checkpointed block
         # saves none, its cast cache dies with the autocast context of its forward
@@ -738,7 +770,7 @@ def estimate(cfg: ModelConfig, micro_batch: int, seq_len: int, settings: MemoryS
                      "for backward")
 
     fsdp_buffers = 0
-    if settings.strategy == "fsdp2" and settings.n_gpus > 1:
+    if settings.sharded and settings.shard_ranks > 1:
         gather = 4 if settings.precision == "float32" else 2
         root = counts["embedding"] + counts["lm_head"] + D
         fsdp_buffers = (2 * block_params + root) * gather + (block_params + root) * gather

@@ -458,6 +458,9 @@ def _settings_line(v: PlanView) -> str:
     strategy = s["strategy"]
     if strategy == "diloco":
         strategy += f" ({s['inner_strategy']} in groups of {s['group_size']})"
+    if strategy == "hsdp":
+        groups = s["n_gpus"] // s["group_size"]
+        strategy += f" (sharded in groups of {s['group_size']}, {groups} replica{'s' if groups > 1 else ''})"
     return (f"settings: precision {s['precision']}{weights} · compile {_compile_mode(v)} · attention {s['attention']}"
             f" · checkpointing {ckpt} · loss {s['loss']} · {strategy} on {s['n_gpus']} GPU(s)")
 
@@ -593,6 +596,10 @@ def _traffic(v: PlanView) -> str:
         return ("fsdp2: all-gather the parameters for forward and backward on every micro-batch, reduce-scatter "
                 "fp32 gradients once per step: (n-1)/n × params × (2 × gather bytes × micro-batches + 4) "
                 "÷ link GB/s")
+    if strategy == "hsdp":
+        return (f"hsdp: fsdp2 inside each shard group of up to {at['group_size']} GPUs, then the fp32 gradient "
+                "shards all-reduced across the groups, every step (the two parts below); link: the one between "
+                "the groups")
     return (f"all-reduce: 2(n-1)/n × {_n(at['grad_bytes'], 'B')} gradients ÷ link GB/s, once per optimizer step"
             + ("; zero1 adds (n-1)/n × the parameters, broadcast after each rank's update"
                if strategy == "zero1" else ""))
@@ -603,12 +610,45 @@ def _network_line(v: PlanView) -> str:
     return f"above {n['gpus_per_node']} GPUs (a node) the rows cross nodes: {network_text(n)}"
 
 
+def _hsdp(v: PlanView) -> bool:
+    return v.scaling["strategy"] == "hsdp"
+
+
+def _where(part: dict[str, Any]) -> str:
+    return "between nodes" if part["between_nodes"] else "within a node"
+
+
+def _in_group_how(v: PlanView) -> str:
+    """HSDP's in-group part at the GPUs planned: fsdp2's collectives over a group's link."""
+    at = v.scaling["at_gpus"]
+    p = at["in_group"]
+    micro = f"{p['micro_batches']} micro-batch{'es' if p['micro_batches'] > 1 else ''}"
+    return (f"fsdp2's all-gathers and fp32 reduce-scatter in a group of S = {p['gpus']}: (S-1)/S × params × (2 × "
+            f"{p['gather_bytes_per_param']} B × {micro} + 4 B) = {_n(p['bytes'], 'B')} ÷ {p['link_gb_per_s']:g} GB/s "
+            f"({p['link']}, {_where(p)})")
+
+
+def _across_how(v: PlanView) -> str:
+    """HSDP's part across the groups at the GPUs planned: each GPU's gradient shard all-reduced."""
+    at = v.scaling["at_gpus"]
+    p = at["across_groups"]
+    if p["groups"] < 2:
+        return "one group: nothing to all-reduce across groups"
+    return (f"all-reduce of each GPU's fp32 gradient shard, {p['reduce_bytes_per_param']} B × params ÷ S = "
+            f"{_n(p['shard_bytes'], 'B')}, over G = {p['groups']} groups: 2(G-1)/G × shard = {_n(p['bytes'], 'B')} "
+            f"÷ {p['link_gb_per_s']:g} GB/s ({p['link']}, {_where(p)})")
+
+
 SCALING = Section(_scaling_title, (
     Table((*_SCALING_HEAD, Column("compute/step", ">13"), Column("comm share", ">11"), Column("efficiency", ">11")),
           _scaling_rows, when=_compute_apart),
     Table((*_SCALING_HEAD, Column("step at MFU", ">13"), Column("comm share", ">11"), Column("fits MFU", ">11")),
           _scaling_rows, when=lambda v: not _compute_apart(v)),
     Line(_traffic),
+    Row(lambda v: f"in-group, {v.plan['gpus']} GPUs", lambda v: v.scaling["at_gpus"]["in_group"]["s"], _ms,
+        _in_group_how, when=_hsdp),
+    Row(lambda v: f"across groups, {v.plan['gpus']} GPUs", lambda v: v.scaling["at_gpus"]["across_groups"]["s"], _ms,
+        _across_how, when=_hsdp),
     Line(_network_line, when=lambda v: "network" in v.scaling),
 ))
 
@@ -721,7 +761,9 @@ def _fit_banner(plan: dict[str, Any]) -> list[str]:
         lines.append(f"  ! {proposed} fits ({_gb(fit['per_strategy'][proposed]['memory_gb'])} per GPU{states}): "
                      f"rerun with --strategy {proposed}. The time, cost and scaling below are NOT runnable as set up "
                      f"({asked}).")
-    else:
+    if fit.get("offered"):
+        lines.append(_offered_line(fit["offered"]))
+    if not proposed:
         lines.append("  ! no strategy fits as set up: the time, cost and scaling below are NOT runnable.")
         ways = fit.get("suggestions") or []
         for way in ways:
@@ -729,6 +771,14 @@ def _fit_banner(plan: dict[str, Any]) -> list[str]:
         if not ways:
             lines.append("  ! nothing up to 1,024 GPUs fits: a shorter --seq-len (or a smaller model) is needed")
     return lines
+
+
+def _offered_line(offered: dict[str, Any]) -> str:
+    """hsdp, which fits too across nodes: its memory and communication beside the strategy proposed."""
+    o = offered
+    return (f"  ! hsdp fits too ({_gb(o['memory_gb'])} per GPU, sharded within groups of {o['group_size']} GPUs): "
+            f"{_ms(o['comm_s'])} of communication a step ({_ms(o['across_groups_s'])} of it across groups over "
+            f"{o['across_groups_link']}) against {o['beside']}'s {_ms(o['beside_comm_s'])}; --strategy hsdp")
 
 
 def format_gpu_table() -> str:

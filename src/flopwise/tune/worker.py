@@ -46,6 +46,7 @@ from flopwise.parallel.diloco import DiLoCo, Groups, fragments, make_groups
 from flopwise.parallel.distributed import DistEnv
 from flopwise.parallel.strategy import diloco_strategy, resolve_strategy
 from flopwise.plan.budget import memory_settings_for_run
+from flopwise.plan.fit import local_rank_count
 from flopwise.plan.flops import attention_flops_per_token, param_counts, recompute_flops_per_token, recomputed_fraction
 from flopwise.plan.memory import estimate
 from flopwise.train import train_step as train_step_module
@@ -146,7 +147,8 @@ def run_request(request: dict[str, Any]) -> dict[str, Any]:
 
 def planned(cfg: RunConfig, precision: str, strategy: str, world: int, micro_batch: int) -> dict[str, Any]:
     """The planner's memory for this step (flopwise plan's figure), in GiB."""
-    settings = memory_settings_for_run(cfg, precision, cfg.train.loss, strategy, world)
+    # a group of 0 (hsdp's and diloco's default) is the ranks of a node: LOCAL_WORLD_SIZE, which the worker set
+    settings = memory_settings_for_run(cfg, precision, cfg.train.loss, strategy, world, local_rank_count(world))
     est = estimate(cfg.model, micro_batch, cfg.train.seq_len, settings)
     return {k: round(v, 3) for k, v in est.gb().items()}
 
