@@ -213,3 +213,18 @@ def test_bad_diloco_input_names_the_flag(kw, message):
     with pytest.raises(PlanError) as e:
         build_plan(small(**kw))
     assert message in str(e.value)
+
+
+def test_the_plan_names_the_loss_cost_the_literature_measured_at_its_number_of_groups():
+    """Issue 53, item 3: beside DiLoCo's bytes, the evaluation-loss cost against tuned data
+    parallelism from Charles et al. 2025 (Table 4, H = 30) at the plan's M groups; beyond the
+    table's M, "over" its largest."""
+    from flopwise.plan.render import format_plan
+
+    two = format_plan(build_plan(small()))  # 2 groups of 4
+    line = next(x for x in two.splitlines() if x.strip().startswith("loss cost (literature)"))
+    assert "+0.5% to +0.7%" in line and "M = 2 groups: +0.7% at 35M parameters, +0.5% at 90M" in line, line
+    assert "Charles et al. 2025" in line and "not measured by flopwise" in line
+    many = format_plan(build_plan(small(gpus=64, memory=MemorySettings(strategy="diloco", n_gpus=64))))
+    line = next(x for x in many.splitlines() if x.strip().startswith("loss cost (literature)"))
+    assert "over +1.5% to +3.9%" in line and "(M = 8)" in line and "more groups than the table's cost more" in line

@@ -707,6 +707,42 @@ def _min_h_how(v: PlanView) -> str:
     return how
 
 
+# The loss DiLoCo costs against tuned data parallelism, from the literature: Charles et al. 2025,
+# "Scaling Laws for DiLoCo", Table 4 -- H = 30, compute-optimal tokens, evaluation loss relative
+# to the data-parallel baseline, by replicas M, at 35M and 90M parameters. The gap grows with M
+# and shrinks with model size. flopwise has not measured it at these sizes.
+DILOCO_LOSS_COST = {35e6: {1: -0.001, 2: 0.007, 4: 0.020, 8: 0.039}, 90e6: {2: 0.005, 4: 0.015}}
+DILOCO_LOSS_SOURCE = "Charles et al. 2025, Scaling Laws for DiLoCo, Table 4 (H = 30, compute-optimal tokens)"
+
+
+def _loss_costs(m: int) -> list[tuple[float, float, int]]:
+    """(model size, loss cost, the M it was measured at) for ``m`` groups: the nearest M the
+    table has at or above ``m`` (its largest when ``m`` is beyond it)."""
+    out = []
+    for size, row in DILOCO_LOSS_COST.items():
+        at = min((k for k in row if k >= m), default=max(row))
+        out.append((size, row[at], at))
+    return out
+
+
+def _loss_cost(v: PlanView) -> str:
+    m = v.diloco["groups"]
+    found = _loss_costs(m)
+    costs = [c for _, c, _ in found]
+    lo, hi = min(costs), max(costs)
+    text = f"{100 * lo:+.1f}%" if lo == hi else f"{100 * lo:+.1f}% to {100 * hi:+.1f}%"
+    return ("over " if any(at < m for *_, at in found) else "") + text  # the table stops below m groups
+
+
+def _loss_cost_how(v: PlanView) -> str:
+    m = v.diloco["groups"]
+    cells = [f"{100 * c:+.1f}% at {size / 1e6:.0f}M parameters" + ("" if at == m else f" (M = {at})")
+             for size, c, at in _loss_costs(m)]
+    beyond = "; more groups than the table's cost more" if any(at < m for *_, at in _loss_costs(m)) else ""
+    return (f"validation loss against tuned ddp at M = {m} groups: {', '.join(cells)} ({DILOCO_LOSS_SOURCE})"
+            f"{beyond}; smaller for larger models; not measured by flopwise at these sizes")
+
+
 DILOCO = Section(_diloco_title, (
     Row("pseudo-gradient", _pseudo_gradient,
         how=lambda v: f"{_count(v.diloco['pseudo_gradient_bytes'] / v.diloco['outer_bytes_per_param'])} parameters "
@@ -726,6 +762,7 @@ DILOCO = Section(_diloco_title, (
     Row(_target, lambda v: f"H >= {v.diloco['min_inner_steps']}", how=_min_h_how,
         when=lambda v: v.diloco["min_inner_steps"] is not None),
     Row(_target, "no H", how=lambda v: v.diloco["none_reason"], when=lambda v: v.diloco["min_inner_steps"] is None),
+    Row("loss cost (literature)", _loss_cost, how=_loss_cost_how),
 ), when=lambda v: v.diloco)
 
 SECTIONS = (PARAMETERS, FLOPS, TIME_AND_COST, CHINCHILLA, DATA, MEMORY, BATCH, SCALING, DILOCO)
