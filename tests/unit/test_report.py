@@ -132,7 +132,8 @@ def test_report_of_two_synthetic_runs(two_runs, tmp_path):
         for run in ("run-a", escaped):
             assert f'data-run="{run}"' in figs[fid], (fid, run)
     # the series of each run, in its own colour, and a legend naming them
-    assert 'data-series="run-a · train"' in figs["loss"] and f'data-series="{escaped} · val"' in figs["loss"]
+    assert 'data-series="run-a · train"' in figs["loss"] and f'data-series="{escaped} · val ' in figs["loss"]
+    assert "vs run-a at 40.96K tokens" in figs["loss"]  # the second run's gap to the first, in the legend
     assert figs["loss"].count('class="marker"') == 4  # two events in each run
     assert "uniform ln V = 6.238" in figs["loss"]
     assert "random 25.0%" in figs["eval-0-arc_easy"]
@@ -375,3 +376,21 @@ def test_a_diloco_run_shows_its_outer_steps_bytes_and_drift(tmp_path):
     chart = figures(html)["diloco"]
     assert "diloco · drift" in chart and "plain" not in chart
     assert "diloco" not in figures(build_report([plain], out=tmp_path / "p.html", png=False).read_text())
+
+
+def test_two_runs_legend_names_the_later_ones_validation_gap_at_the_same_tokens(tmp_path):
+    """Issue 53, item 4: a DiLoCo run beside its ddp twin -- the loss chart is in tokens and the
+    second run's validation series says its last loss and the gap to the first's at those tokens."""
+    from flopwise.report.report import loss_chart
+    from flopwise.report.runs import load_run
+
+    write_run(tmp_path, "ddp", lr=1e-3, cuda=False)
+    write_run(tmp_path, "diloco", lr=1e-3, cuda=True)  # its losses are the first's + 0.1
+    runs = [load_run(tmp_path / "ddp"), load_run(tmp_path / "diloco")]
+    for run, name in zip(runs, ("ddp", "diloco")):
+        run.name, run.prefix = name, f"{name} · "
+    chart = loss_chart(runs)
+    assert chart.x_label == "tokens"
+    labels = [s.label for s in chart.series if "val" in s.label]
+    want = (4.1 + 0.1) / 4.1 - 1  # at step 40, 40,960 tokens: 4.2 against 4.1
+    assert labels[0] == "ddp · val" and labels[1] == f"diloco · val 4.2, {want:+.2%} vs ddp at 40.96K tokens", labels
