@@ -216,7 +216,7 @@ def test_a_choice_outside_its_literal_is_refused_where_it_is_read(tmp_path):
     assert problems == [
         "override 'train.compile=fast': train.compile 'fast': choose auto, off, model, blocks",
         "override 'parallel.strategy=fsdp': parallel.strategy 'fsdp' (did you mean 'fsdp2'?): "
-        "choose auto, single, ddp, zero1, fsdp2, diloco",
+        "choose auto, single, ddp, zero1, fsdp2, hsdp, diloco",
         "override 'train.precision=BF16': train.precision 'BF16' (did you mean 'bf16'?): "
         "choose auto, bf16, bf16-pure, fp16, float32",
     ]
