@@ -32,12 +32,22 @@ ddp's best rises with the batch, and a baseline left at the preset's rate flatte
     python benchmarks/diloco.py --steps 600 --contenders 50:0.7:0.9 100:0.7:0.9
     python benchmarks/diloco.py --nproc 4 --global-batch 32 128 --lr 3e-3 6e-3 --contenders 50:0.7:0.5
 
-Writes benchmarks/results/diloco-<device>-<date>.json.
+At a real token budget (issue 53): ``--tokens-per-param 20`` sets the steps from the model's
+parameters, ``--groups 2 4`` runs DiLoCo with M groups of N/M ranks each, and ``--work DIR``
+keeps every run's directory: a run already finished there is read back, not run again, and one
+cut short (a killed benchmark, the end of a session) resumes from its latest checkpoint
+(``--checkpoint-every``). So an hours-long comparison can be run piece by piece:
+
+    python benchmarks/diloco.py --work ~/diloco-20tpp --tokens-per-param 20 --nproc 4 --groups 2 4 \
+        --contenders 30:0.7:0.9 100:0.7:0.9 --checkpoint-every 200 --timeout-h 12 model.d_model=96 ...
+
+Writes benchmarks/results/diloco-<device>-<date>.json (``--json-out`` elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 from pathlib import Path
@@ -55,18 +65,32 @@ def last_row(run: Path) -> dict:
     return [r for r in rows if "loss" in r][-1]
 
 
+def finished(run_dir: Path, steps: int) -> dict | None:
+    """run.json of a run in ``run_dir`` that trained all ``steps`` (a --work directory's), or None."""
+    try:
+        record = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return record if (record.get("result") or {}).get("steps") == steps else None
+
+
 def compare(args, tmp: Path, n: int, batch: int, lr: float, n_params: int) -> list[dict]:
     """ddp and every contender at N processes, one global batch and one inner learning rate."""
     micro = batch // n
     tag = f"{n}-b{batch}-lr{lr:g}"
 
     def launch_run(name: str, *extra: str) -> tuple[dict, float]:
+        done = finished(tmp / name, args.steps)
+        if done is not None:  # --work: finished before, read back
+            print(f"{name}: finished in {tmp / name}, read back")
+            return done, float(done["result"]["tok_per_s"] or 0.0)
         tps = launch(n, ["--preset", args.preset, *args.overrides, f"train.max_steps={args.steps}",
                          f"train.micro_batch_size={micro}", f"train.global_batch_size={batch}",
                          f"optim.lr={lr}",
-                         "eval.every=0", "eval.sample_tokens=0", f"eval.windows={VAL_WINDOWS}",
-                         "tracking.tensorboard=false", "train.log_every=10", "train.checkpoint_every=0",
-                         f"train.run_dir={tmp / name}", *extra], args.threads)
+                         "eval.every=0", "eval.sample_tokens=0", f"eval.windows={args.val_windows}",
+                         "tracking.tensorboard=false", "train.log_every=10",
+                         f"train.checkpoint_every={args.checkpoint_every}", "train.keep_checkpoints=2",
+                         f"train.run_dir={tmp / name}", *extra], args.threads, args.timeout_h * 3600)
         return json.loads((tmp / name / "run.json").read_text()), tps
 
     run, tps = launch_run(f"ddp-{tag}", "parallel.strategy=ddp")
@@ -78,23 +102,25 @@ def compare(args, tmp: Path, n: int, batch: int, lr: float, n_params: int) -> li
              "bytes_counted": "N x 4 x P per step (DDP's gradient all-reduce)"}]
     print(f"ddp    N={n} batch {batch} lr {lr:g}: val {base['val_loss_end']:.4f} · "
           f"{ddp_bytes / 2**20:,.1f} MiB across · {tps:,.0f} tok/s")
-    for contender in args.contenders:
+    for groups, contender in [(m, c) for m in args.groups if n % m == 0 and m > 1 for c in args.contenders]:
         h, olr, mu = int(contender.split(":")[0]), *map(float, contender.split(":")[1:])
-        name = f"diloco-{tag}-h{h}-lr{olr:g}-m{mu:g}"
-        run, tps = launch_run(name, "parallel.strategy=diloco", f"parallel.group_size={n // 2}",
+        size = n // groups
+        name = f"diloco-{tag}-m{groups}-h{h}-lr{olr:g}-mu{mu:g}"
+        run, tps = launch_run(name, "parallel.strategy=diloco", f"parallel.group_size={size}",
                               f"parallel.inner_steps={h}", f"parallel.outer_lr={olr}", f"parallel.outer_momentum={mu}")
         res, last = run["result"], last_row(tmp / name)
         sent = last["outer_bytes_total"]
-        in_group = n * 4 * n_params * args.steps if n > 2 else 0  # DDP inside each group of N/2
+        in_group = n * 4 * n_params * args.steps if size > 1 else 0  # DDP inside each group
         assert res["tokens"] == base["tokens"], (res["tokens"], base["tokens"])
-        rows.append({"strategy": "diloco", **same, "groups": 2, "group_size": n // 2, "inner_steps": h,
+        rows.append({"strategy": "diloco", **same, "groups": groups, "group_size": size, "inner_steps": h,
                      "outer_lr": olr, "outer_momentum": mu, "val_loss": res["val_loss_end"],
                      "val_loss_vs_ddp": res["val_loss_end"] / base["val_loss_end"], "tok_per_s": tps,
                      "tokens": res["tokens"], "outer_steps": last["outer_steps"], "cross_group_bytes": sent,
                      "cross_group_bytes_per_token": sent / res["tokens"], "fewer_bytes_than_ddp": ddp_bytes / sent,
                      "in_group_bytes": in_group, "bytes_counted": "the run's outer_bytes_total (metrics.jsonl)"})
         off = 100 * (res["val_loss_end"] / base["val_loss_end"] - 1)
-        print(f"diloco N={n} batch {batch} lr {lr:g} H={h} outer {olr:g}/{mu:g}: val {res['val_loss_end']:.4f} "
+        print(f"diloco N={n} M={groups} batch {batch} lr {lr:g} H={h} outer {olr:g}/{mu:g}: "
+              f"val {res['val_loss_end']:.4f} "
               f"({off:+.2f}% vs ddp) · {sent / 2**20:,.2f} MiB across ({ddp_bytes / sent:.0f}x fewer) · "
               f"{tps:,.0f} tok/s")
     return rows
@@ -111,6 +137,14 @@ def main() -> None:
     ap.add_argument("--lr", type=float, nargs="+", default=None,
                     help="inner (AdamW) learning rates, each for ddp and DiLoCo alike (default: the preset's)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per process")
+    ap.add_argument("--groups", type=int, nargs="+", default=[2], help="DiLoCo's worker groups M (of N/M ranks)")
+    ap.add_argument("--tokens-per-param", type=float, default=0.0,
+                    help="train this many tokens per parameter (sets the steps; 0: --steps)")
+    ap.add_argument("--work", default="", help="keep the runs here: finished ones are read back, others resume")
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="steps between a run's checkpoints (resume points)")
+    ap.add_argument("--timeout-h", type=float, default=12.0, help="a run still going after this long is stopped")
+    ap.add_argument("--val-windows", type=int, default=VAL_WINDOWS, help="held-out windows (the same set for all)")
+    ap.add_argument("--json-out", default="", help="write the record here instead of benchmarks/results/")
     ap.add_argument("overrides", nargs="*", help="more section.key=value overrides (e.g. data.path=...)")
     args = ap.parse_args()
 
@@ -119,18 +153,28 @@ def main() -> None:
 
     cfg = build_config(preset=args.preset, overrides=args.overrides)
     n_params = param_counts(cfg.model)["total"]
+    if args.tokens_per_param:
+        per_step = max(args.global_batch) * cfg.train.seq_len  # the largest batch's steps; smaller ones train less
+        args.steps = max(1, round(args.tokens_per_param * n_params / per_step))
+        print(f"{args.tokens_per_param:g} tokens/parameter of {n_params:,}: {args.steps} steps")
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = Path(args.work) if args.work else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        tmp.mkdir(parents=True, exist_ok=True)
         for n in args.nproc:
             for batch in args.global_batch:
                 for lr in args.lr or [cfg.optim.lr]:
-                    rows += compare(args, Path(tmp), n, batch, lr, n_params)
+                    rows += compare(args, tmp, n, batch, lr, n_params)
     cuda = torch.cuda.is_available()
     device = torch.cuda.get_device_name(0) if cuda else f"{cpu_label()}, {args.threads} thread(s) per rank"
     tag = torch.cuda.get_device_name(0).split()[-1].lower() if cuda else f"cpu{n_cores()}"
-    save_result("diloco", tag, device, {
-        "preset": args.preset, "params": n_params, "steps": args.steps, "overrides": args.overrides,
-        "outer_dtype": "fp32", "rows": rows})
+    result = {"preset": args.preset, "params": n_params, "steps": args.steps, "overrides": args.overrides,
+              "tokens_per_param": args.tokens_per_param or None, "outer_dtype": "fp32", "rows": rows}
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"benchmark": "diloco", "device": device, **result}, indent=2) + "\n")
+        print(f"wrote {args.json_out}")
+    else:
+        save_result("diloco", tag, device, result)
 
 
 if __name__ == "__main__":

@@ -36,19 +36,20 @@ from _results import cpu_label, save_result
 from _run import run
 
 
-def launch(nproc: int | None, overrides: list[str], threads: int) -> float:
-    """Steady tokens/s of one run (None: one plain process)."""
+def launch(nproc: int | None, overrides: list[str], threads: int, timeout_s: float = 3600) -> float:
+    """Steady tokens/s of one run (None: one plain process), killed after ``timeout_s``."""
     env = {"RANK": None, "WORLD_SIZE": None, "LOCAL_RANK": None, "OMP_NUM_THREADS": str(threads)}
     if nproc is None:
         cmd = [sys.executable, "-m", "flopwise", "train", *overrides]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "flopwise", "train", *overrides]
-    ran = run(cmd, env=env, timeout_s=3600)
+    ran = run(cmd, env=env, timeout_s=timeout_s)
     if not ran.ok:
         raise SystemExit(f"{ran.report(lines=60)}\ncommand: {' '.join(cmd)}")
     run_dir = next(o.split("=", 1)[1] for o in overrides if o.startswith("train.run_dir="))
-    return float(json.loads((Path(run_dir) / "run.json").read_text())["result"]["tok_per_s"])
+    tps = json.loads((Path(run_dir) / "run.json").read_text())["result"]["tok_per_s"]
+    return float(tps or 0.0)  # 0: a run too short to measure after its warm-up
 
 
 def main() -> None:
