@@ -9,6 +9,9 @@ from typing import Any
 
 from flopwise.fsio import AppendFile
 
+# metrics.jsonl's event of a DiLoCo outer step (train/hooks.py writes it; run.json and the report read it)
+OUTER_SYNC = "outer_sync"
+
 
 class JsonlSink:
     """Appends one JSON object per line, each in one unbuffered write, so a crash loses at most

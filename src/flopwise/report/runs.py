@@ -17,6 +17,7 @@ from flopwise.config import ConfigError, identity_mismatch, load_run_config, rea
 from flopwise.errors import FlopwiseError
 from flopwise.fsio import FileFormatError, loads_json, read_json
 from flopwise.manifest import run_file_problem
+from flopwise.measure.sinks import OUTER_SYNC
 
 METRICS = "metrics.jsonl"
 EVALS = "evals.jsonl"  # written by ``flopwise eval`` beside the training metrics
@@ -155,9 +156,6 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[name] = value
     return out
-
-
-OUTER_SYNC = "outer_sync"  # metrics.jsonl's event of a DiLoCo outer step (train/hooks.py writes it)
 
 
 def read_jsonl(path: Path, warnings: list[str]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -63,10 +63,6 @@ from flopwise.train.checkpoint import begin_save, discard_save, rng_state, save_
 DILOCO = "diloco"  # the directory of a DiLoCo checkpoint's own files
 
 
-def is_sharded_strategy(strategy: str) -> bool:
-    return shards_parameters(strategy)
-
-
 @dataclass(frozen=True)
 class RankParts:
     """What this rank saves a checkpoint from and loads one into: the process group, the
@@ -113,7 +109,7 @@ def save_distributed(run_dir: Path, step: int, parts: RankParts, state: dict[str
         return _save_prewritten(run_dir, step, env,  # on_every_rank: a full disk on one rank raises on all
                                 lambda tmp: env.on_every_rank(lambda: _write_diloco(tmp, parts, outer)),
                                 lambda written: finish(written, weights))
-    if not is_sharded_strategy(parts.strategy):
+    if not shards_parameters(parts.strategy):
         if parts.strategy == "zero1":
             # every rank sends its shard of the AdamW state (zero1: a ZeroRedundancyOptimizer)
             optimizer.consolidate_state_dict(to=0)  # type: ignore[attr-defined]

@@ -21,7 +21,7 @@ from flopwise.evaluate.tasks import evaluate_tasks
 from flopwise.fsio import AppendFile, json_text
 from flopwise.manifest import seal_run_files
 from flopwise.measure.meter import format_memory, memory_stats
-from flopwise.measure.sinks import format_mfu, human
+from flopwise.measure.sinks import OUTER_SYNC, format_mfu, human
 from flopwise.measure.timing import format_breakdown
 from flopwise.parallel.strategy import is_fsdp_module
 from flopwise.train.checkpoint import apply_retention, set_rng_state
@@ -332,9 +332,6 @@ def log_step(run: Run, out: StepOutcome, lr: float, due_: Due) -> None:
     run.sink.write(row)
     p.loss_sum, p.steps_in_window = 0.0, 0
     run.timer.host["log"] += run.clock() - t_log
-
-
-OUTER_SYNC = "outer_sync"  # metrics.jsonl's event of a DiLoCo outer step
 
 
 def outer_syncs(metrics: Path) -> list[dict[str, Any]]:

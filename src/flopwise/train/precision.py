@@ -111,12 +111,11 @@ def fp8_problem(device: torch.device, recipe: str = "tensorwise") -> str | None:
     return None
 
 
-def _in_blocks(module: torch.nn.Module, fqn: str) -> bool:
+def _in_blocks(module: torch.nn.Module, fqn: str, multiple: int = 16) -> bool:
     """The linears fp8 converts: the blocks' (the LM head stays higher precision), with both
-    dimensions divisible by 16 as float8 GEMMs need (32, MXFP8's block, divides every one here
-    that 16 does in practice; torchao's MXFP8 checks it again)."""
+    dimensions divisible by ``multiple``: 16 as float8 GEMMs need, 32 for MXFP8's blocks."""
     return (fqn.startswith("layers.") and isinstance(module, torch.nn.Linear)
-            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+            and module.in_features % multiple == 0 and module.out_features % multiple == 0)
 
 
 def apply_fp8(model: torch.nn.Module, device: torch.device, recipe: str = "tensorwise", fsdp: bool = False) -> str:
@@ -152,8 +151,7 @@ def _apply_mxfp8(model: torch.nn.Module) -> str:
     taken: list[torch.nn.Module] = []
 
     def only_blocks(module: torch.nn.Module, fqn: str) -> bool:
-        take = (_in_blocks(module, fqn) and isinstance(module, torch.nn.Linear)
-                and module.in_features % 32 == 0 and module.out_features % 32 == 0)
+        take = _in_blocks(module, fqn, 32)
         if take:
             taken.append(module)
         return take
