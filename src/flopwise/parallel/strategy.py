@@ -48,19 +48,18 @@ from flopwise.parallel.diloco import group_size, layout_problems
 from flopwise.parallel.distributed import DistEnv
 from flopwise.plan.budget import memory_settings_for_run
 from flopwise.plan.fit import local_rank_count
-from flopwise.plan.memory import estimate, numerics_change
+from flopwise.plan.memory import SHARDED, estimate, numerics_change
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
 HEADROOM = 0.9  # share of the GPU the memory model's peak may take for auto to pick a strategy
-SHARDING = ("fsdp2", "hsdp")  # the strategies that fully_shard the model (FSDP2's wrapping, checkpoints, hooks)
 
 
 def shards_parameters(strategy: str) -> bool:
     """Whether ``strategy`` shards parameters with FSDP2 (fsdp2 over every rank, hsdp within groups)."""
-    return strategy in SHARDING
+    return strategy in SHARDED  # the planner's vocabulary: one list for planning and training
 
 
 def is_fsdp_module(model: torch.nn.Module) -> bool:

@@ -50,8 +50,8 @@ WRAPPERS = {
     "ddp": "torch runs DDP's forward uncompiled (the wrapped model compiles as a graph of its own)",
     "zero1": "torch runs DDP's forward uncompiled (the wrapped model compiles as a graph of its own)",
     "fsdp2": "FSDP2's hooks are compiler-disabled (a break on each side of the root's)",
-    "hsdp": "FSDP2's hooks are compiler-disabled (a break on each side of the root's)",
 }
+WRAPPERS["hsdp"] = WRAPPERS["fsdp2"]  # FSDP2 over a 2-D mesh: the same hooks
 
 
 class DryRunFailed(FlopwiseError, RuntimeError):
