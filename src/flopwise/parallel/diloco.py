@@ -1,6 +1,6 @@
 """DiLoCo: data parallelism for nodes (or sites) joined by a slow link.
 
-Douglas et al., 2023 ("DiLoCo: Distributed Low-Communication Training of Language Models").
+Douillard et al., 2023 ("DiLoCo: Distributed Low-Communication Training of Language Models").
 The ranks form **worker groups** of ``parallel.group_size`` ranks (0: the ranks of one node).
 Inside a group the ranks train as usual (``parallel.inner_strategy``: DDP, gradients
 averaged over the group every step, on the fast link). The groups do not talk for
@@ -16,7 +16,7 @@ all-reduces the i-th of S slices with its peers in the other groups (``cross`` g
 the group all-gathers the slices on its own link, so a node's network carries one model,
 not S.
 
-**Streaming** (Douglas et al., 2025): ``parallel.fragments`` F splits the parameters into F
+**Streaming** (Douillard et al., 2025): ``parallel.fragments`` F splits the parameters into F
 contiguous fragments of about equal size; fragment f syncs at inner steps
 ``(f + 1) H / F`` (mod H), so the bytes spread over the H steps. With
 ``parallel.overlap_steps`` τ > 0 a fragment's all-reduce is issued asynchronously and

@@ -109,7 +109,7 @@ Strategies
   group a replica of the others -- everything above is fsdp2's at ``group_size`` GPUs, whatever
   the number of groups: the states divided by the group's ranks, not by ``n_gpus``, the same
   gather buffers, bf16 gathered weights and residual stream (:data:`SHARDED`).
-* ``diloco`` (DiLoCo, Douglas et al. 2023): ranks train in worker groups of ``group_size``
+* ``diloco`` (DiLoCo, Douillard et al. 2023): ranks train in worker groups of ``group_size``
   with ``inner_strategy`` (ddp or fsdp2, sharded over the group, not the world), so
   everything above is the inner strategy's over ``group_size`` ranks, plus the outer state
   (``outer``): the anchor (an fp32 copy of the parameters, 4 B/param) and the outer Nesterov
