@@ -74,6 +74,11 @@ def finished(run_dir: Path, steps: int) -> dict | None:
     return record if (record.get("result") or {}).get("steps") == steps else None
 
 
+def wall_s(record: dict) -> float:
+    """Seconds the run took, over every start of it (a --work run resumed across calls has several)."""
+    return sum(float(s.get("wall_time_s") or 0.0) for s in record.get("starts") or [])
+
+
 def compare(args, tmp: Path, n: int, batch: int, lr: float, n_params: int) -> list[dict]:
     """ddp and every contender at N processes, one global batch and one inner learning rate."""
     micro = batch // n
@@ -97,12 +102,14 @@ def compare(args, tmp: Path, n: int, batch: int, lr: float, n_params: int) -> li
     base = run["result"]
     same = {"nproc": n, "global_batch": batch, "inner_lr": lr, "steps": args.steps}
     ddp_bytes = n * 4 * n_params * args.steps
-    rows = [{"strategy": "ddp", **same, "val_loss": base["val_loss_end"], "tok_per_s": tps, "tokens": base["tokens"],
+    rows = [{"strategy": "ddp", **same, "val_loss": base["val_loss_end"], "tok_per_s": tps, "wall_s": wall_s(run),
+             "tokens": base["tokens"],
              "cross_group_bytes": ddp_bytes, "cross_group_bytes_per_token": ddp_bytes / base["tokens"],
              "bytes_counted": "N x 4 x P per step (DDP's gradient all-reduce)"}]
     print(f"ddp    N={n} batch {batch} lr {lr:g}: val {base['val_loss_end']:.4f} · "
-          f"{ddp_bytes / 2**20:,.1f} MiB across · {tps:,.0f} tok/s")
-    for groups, contender in [(m, c) for m in args.groups if n % m == 0 and m > 1 for c in args.contenders]:
+          f"{ddp_bytes / 2**20:,.1f} MiB across · {tps:,.0f} tok/s · {wall_s(run):,.0f} s")
+    groups_here = [m for m in args.groups if n % m == 0 and m > 1 and args.group_size in (0, n // m)]
+    for groups, contender in [(m, c) for m in groups_here for c in args.contenders]:
         h, olr, mu = int(contender.split(":")[0]), *map(float, contender.split(":")[1:])
         size = n // groups
         name = f"diloco-{tag}-m{groups}-h{h}-lr{olr:g}-mu{mu:g}"
@@ -115,14 +122,15 @@ def compare(args, tmp: Path, n: int, batch: int, lr: float, n_params: int) -> li
         rows.append({"strategy": "diloco", **same, "groups": groups, "group_size": size, "inner_steps": h,
                      "outer_lr": olr, "outer_momentum": mu, "val_loss": res["val_loss_end"],
                      "val_loss_vs_ddp": res["val_loss_end"] / base["val_loss_end"], "tok_per_s": tps,
-                     "tokens": res["tokens"], "outer_steps": last["outer_steps"], "cross_group_bytes": sent,
+                     "wall_s": wall_s(run), "tokens": res["tokens"], "outer_steps": last["outer_steps"],
+                     "cross_group_bytes": sent,
                      "cross_group_bytes_per_token": sent / res["tokens"], "fewer_bytes_than_ddp": ddp_bytes / sent,
                      "in_group_bytes": in_group, "bytes_counted": "the run's outer_bytes_total (metrics.jsonl)"})
         off = 100 * (res["val_loss_end"] / base["val_loss_end"] - 1)
         print(f"diloco N={n} M={groups} batch {batch} lr {lr:g} H={h} outer {olr:g}/{mu:g}: "
               f"val {res['val_loss_end']:.4f} "
               f"({off:+.2f}% vs ddp) · {sent / 2**20:,.2f} MiB across ({ddp_bytes / sent:.0f}x fewer) · "
-              f"{tps:,.0f} tok/s")
+              f"{tps:,.0f} tok/s · {wall_s(run):,.0f} s")
     return rows
 
 
@@ -138,6 +146,8 @@ def main() -> None:
                     help="inner (AdamW) learning rates, each for ddp and DiLoCo alike (default: the preset's)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per process")
     ap.add_argument("--groups", type=int, nargs="+", default=[2], help="DiLoCo's worker groups M (of N/M ranks)")
+    ap.add_argument("--group-size", type=int, default=0,
+                    help="only the M of --groups with this many ranks per group at each N (0: every M dividing N)")
     ap.add_argument("--tokens-per-param", type=float, default=0.0,
                     help="train this many tokens per parameter (sets the steps; 0: --steps)")
     ap.add_argument("--work", default="", help="keep the runs here: finished ones are read back, others resume")

@@ -16,7 +16,15 @@ import sys
 from typing import Any
 
 from flopwise import __version__, deps
-from flopwise.config import DEFAULT_PRESET, Compile, ConfigError, TrainConfig, build_config, preset_names
+from flopwise.config import (
+    DEFAULT_PRESET,
+    Compile,
+    ConfigError,
+    ParallelConfig,
+    TrainConfig,
+    build_config,
+    preset_names,
+)
 from flopwise.errors import FlopwiseError, is_out_of_memory
 from flopwise.fsio import is_disk_full, write_json
 from flopwise.plan import hardware, steptime
@@ -376,7 +384,7 @@ def _plan_parser(sub: "argparse._SubParsersAction") -> None:
                    "also what --trace predicts the step over")
     g = p.add_argument_group("DiLoCo (--strategy diloco: worker groups sync every H inner steps)")
     g.add_argument("--inner-steps", type=whole(1), default=None, help="H, inner steps between outer syncs, as "
-                   "parallel.inner_steps (default 50)")
+                   f"parallel.inner_steps (default {ParallelConfig.inner_steps})")
     g.add_argument("--outer-dtype", default=None, help="fp32 or bf16: the pseudo-gradient's all-reduce dtype, as "
                    "parallel.outer_dtype (default fp32)")
     g.add_argument("--inner-strategy", default=None, help="ddp or fsdp2 inside a worker group, as "

@@ -37,6 +37,7 @@ def test_the_short_diloco_benchmark_runs_and_a_cut_run_resumes_to_the_same_resul
     assert [r["strategy"] for r in first] == ["ddp", "diloco"] and first[1]["groups"] == 2
     assert first[1]["outer_steps"] == 2 and first[1]["fewer_bytes_than_ddp"] > 1
     assert first[0]["tokens"] == first[1]["tokens"]
+    assert all(r["wall_s"] > 0 for r in first)  # every run's wall time, summed over its starts
     # cut the DiLoCo run short after its step-2 checkpoint, as a killed benchmark leaves it
     diloco = next(p for p in work.iterdir() if p.name.startswith("diloco-"))
     (diloco / "run.json").unlink()

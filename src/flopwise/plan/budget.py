@@ -56,7 +56,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable
 
-from flopwise.config import ModelConfig, batch_split_problems
+from flopwise.config import ModelConfig, ParallelConfig, batch_split_problems
 from flopwise.errors import FlopwiseError
 from flopwise.plan import hardware, memory
 from flopwise.plan.flops import flops_per_token, flops_per_token_6n, hardware_flops_per_token, param_counts
@@ -146,7 +146,7 @@ class PlanInputs:
     # --strategy diloco: inner steps between outer syncs (H), and the share of step time
     # DiLoCo's communication should stay under (the plan names the smallest H that does).
     # The inner strategy, group size and outer dtype are memory settings (they change memory).
-    inner_steps: int = 50
+    inner_steps: int = ParallelConfig.inner_steps  # train's default H, one number for both
     comm_share: float = 0.05
     # The data the run trains on (``data.path`` of a config), when it names one that is here:
     # its train split's tokens say how many epochs the token budget is.
