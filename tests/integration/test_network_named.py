@@ -75,7 +75,8 @@ def test_a_four_node_prediction_is_slower_over_a_slower_network(ran, traces):
     assert ps["predicted"] and pf["predicted"]
     assert ps["step_s"] > pf["step_s"] and ps["tokens_per_s_per_gpu"] < pf["tokens_per_s_per_gpu"]
     assert ps["breakdown"]["exposed_comm"] > pf["breakdown"]["exposed_comm"]
-    assert ps["between_nodes"] == {"name": "eth-25g", "gbit_per_s": 25.0, "gb_per_s": 3.125, "default": False}
+    assert ps["between_nodes"] == {"name": "eth-25g", "gbit_per_s": 25.0, "gb_per_s": 3.125, "default": False,
+                                  "nic": "shared by the node"}
     assert pf["between_nodes"]["name"] == "ib-ndr" and pf["between_nodes"]["default"] is False
     # --json's figures are rounded (10 significant digits), not float noise such as 86.3999999994412
     assert not noisy(slow), noisy(slow)

@@ -214,7 +214,8 @@ def test_plan_diloco_over_25_gbit(cli, tmp_path):
     out = proc.stdout
     for text in ("diloco (ddp in groups of 8) on 16 GPU(s)", "DiLoCo outer state", "2.70 GiB",
                  "DiLoCo: 2 groups of 8 GPUs (ddp inside a group)", "every H = 50 inner steps",
-                 "2(G-1)/G × 1.45 GB ÷ 3.125 GB/s (eth-25g)", "ddp, 16 GPUs", "fsdp2, 16 GPUs", "diloco, H = 50",
+                 "2(G-1)/G × 181 MB (a GPU's slice, the pseudo-gradient ÷ S) × 8 GPUs of a node on the NIC they share "
+                 "÷ 3.125 GB/s (eth-25g)", "ddp, 16 GPUs", "fsdp2, 16 GPUs", "diloco, H = 50",
                  "under 5% of step time      H >= 66"):
         assert text in out, text
     plan, _ = _plan_json(cli, *asked)

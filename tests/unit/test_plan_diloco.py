@@ -228,3 +228,16 @@ def test_the_plan_names_the_loss_cost_the_literature_measured_at_its_number_of_g
     many = format_plan(build_plan(small(gpus=64, memory=MemorySettings(strategy="diloco", n_gpus=64))))
     line = next(x for x in many.splitlines() if x.strip().startswith("loss cost (literature)"))
     assert "over +1.5% to +3.9%" in line and "(M = 8)" in line and "more groups than the table's cost more" in line
+
+
+def test_each_gpu_sends_its_slice_on_its_own_nic_or_in_turn_on_a_shared_one():
+    """The outer all-reduce is sharded: GPU i of each group reduces slice i (P / S) with its peers.
+    With a NIC per GPU the S slices cross side by side (S times faster than the whole
+    pseudo-gradient through one link); through the NIC a node shares they queue (small()'s 25gbit:
+    CROSS above, the whole pseudo-gradient's time)."""
+    per_gpu = build_plan(small(network="100gbit"))["diloco"]["outer_allreduce"]
+    shared = build_plan(small())["diloco"]["outer_allreduce"]
+    assert (per_gpu["sharing_the_nic"], shared["sharing_the_nic"]) == (1, 4)
+    assert per_gpu["slice_bytes"] == shared["slice_bytes"] == P * 4 / 4
+    assert per_gpu["s"] == pytest.approx(2 * 1 / 2 * (P * 4 / 4) / 12.5e9)
+    assert shared["s"] == pytest.approx(CROSS)

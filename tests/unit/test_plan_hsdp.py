@@ -181,3 +181,15 @@ def test_fit_search_offers_hsdp_beside_fsdp2_across_nodes_and_never_switches_to_
     asked = build_plan(PlanInputs(model=build_config(preset="llama3.2-1b").model, gpu=l4, gpus=16, micro_batch=8,
                                   tokens=10**9, memory=MemorySettings(strategy="hsdp", n_gpus=16)))["fit"]
     assert list(asked["per_strategy"]) == ["hsdp", "fsdp2"] and asked["asked"] == asked["strategy"] == "hsdp"
+
+
+def test_on_a_nic_the_node_shares_the_groups_shards_queue_for_it():
+    """Each GPU all-reduces its own shard across the groups, all 8 of a node at once: on a NIC per
+    GPU (ib-ndr) side by side, on 25 Gbit/s Ethernet shared by the node one after another -- 8
+    shards' time, what one whole gradient through the NIC takes."""
+    per_gpu = build_plan(small(network="100gbit"))["scaling"]["at_gpus"]["across_groups"]
+    shared = build_plan(small(network="25gbit"))["scaling"]["at_gpus"]["across_groups"]
+    assert (per_gpu["sharing_the_nic"], shared["sharing_the_nic"]) == (1, 8)
+    assert per_gpu["s"] == pytest.approx(2 * 3 / 4 * 4 * P / 8 / 12.5e9)
+    assert shared["s"] == pytest.approx(2 * 3 / 4 * 4 * P / 3.125e9)  # 8 shards = the whole gradient
+    assert shared["bytes"] == per_gpu["bytes"]  # what each GPU sends is the same; the NIC is not

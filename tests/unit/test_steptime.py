@@ -348,3 +348,23 @@ def test_eager_newton_schulz_is_bound_by_the_hosts_gemm_dispatch():
     assert 9.9e-6 <= per_gemm <= 12.6e-6, per_gemm
     graphed = [dict(r, phase="backward", graph=True) for r in records]
     assert step(graphed, compiled=True, g=H100)["step_s"] / len(records) < 6e-6
+
+
+def test_on_a_nic_the_node_shares_a_collective_of_one_rank_a_node_gets_an_eighth_of_it():
+    """HSDP's shard all-reduce (one rank on each node, all 8 of a node at once) through 25 Gbit/s
+    Ethernet shared by the node gets 1/8 of the NIC; one ring over all 16 GPUs of two nodes crosses
+    it once each way and gets all of it -- as on a NIC per GPU of the same rate, where both do."""
+    one_gb = 1 << 30
+    shared = steptime.gpu("h100", network="25gbit")
+    own = steptime.gpu("h100", network="25gbit")
+    own = steptime.Gpu(**{**own.__dict__, "network_shared": False})
+    assert shared.network_shared and not own.network_shared
+    column = [0, 8]  # one rank on each of two nodes
+    wire = steptime.LATENCY_S["network"]
+    assert steptime.collective_s(shared, "allreduce_", one_gb, 2, column) - wire == pytest.approx(
+        8 * (steptime.collective_s(own, "allreduce_", one_gb, 2, column) - wire))
+    everyone = list(range(16))
+    assert steptime.collective_s(shared, "allreduce_", one_gb, 16, everyone) == pytest.approx(
+        steptime.collective_s(own, "allreduce_", one_gb, 16, everyone))
+    assert steptime.collective_s(shared, "allreduce_", one_gb, 16) == pytest.approx(
+        steptime.collective_s(own, "allreduce_", one_gb, 16))  # no ranks: a ring over the nodes' GPUs

@@ -364,6 +364,13 @@ def ring_link(inp: PlanInputs, gpus: int) -> hardware.Link:
     return link
 
 
+def side_by_side(inp: PlanInputs, link: hardware.Link, group: int) -> int:
+    """How many of a node's GPUs put their across-group all-reduce through ``link`` at once when each
+    GPU of a group of ``group`` reduces its own shard (HSDP, DiLoCo's outer sync): the GPUs of
+    one group on a node, when ``link`` is a NIC they share (:attr:`hardware.Link.shared`), else 1."""
+    return hardware.side_by_side(link.shared, min(group, inp.gpus_per_node), 1)
+
+
 def _share(comm_s: float, compute_s: float | None) -> float | None:
     """Communication's share of a step that does not overlap it with compute."""
     return comm_s / (compute_s + comm_s) if compute_s else None
@@ -426,7 +433,8 @@ def hsdp_comm(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: int, 
     cross_link = ring_link(inp, gpus)
     shard = REDUCE_BYTES * n_params / group  # a GPU's gradient shard, in the reduce dtype
     cross_bytes = 2 * (groups - 1) / groups * shard if groups > 1 else 0.0
-    cross_s = allreduce_seconds(shard, groups, cross_link.gb_per_s)
+    sharing = side_by_side(inp, cross_link, group)
+    cross_s = allreduce_seconds(shard * sharing, groups, cross_link.gb_per_s)
     comm_s = inner["comm_s"] + cross_s
     link = cross_link if groups > 1 else ring_link(inp, group)
     peak = inp.peak_flops
@@ -440,6 +448,7 @@ def hsdp_comm(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: int, 
                      "bytes": inner["comm_bytes_per_gpu"], "s": inner["comm_s"]},
         "across_groups": {"groups": groups, "link": cross_link.name, "link_gb_per_s": cross_link.gb_per_s,
                           "between_nodes": groups > 1 and gpus > inp.gpus_per_node, "shard_bytes": shard,
+                          "sharing_the_nic": sharing,
                           "reduce_bytes_per_param": REDUCE_BYTES, "bytes": cross_bytes, "s": cross_s},
     }
     out.update(_step_parts(inp, tokens_per_step * fpt / gpus / peak if peak else None, comm_s))
@@ -508,7 +517,10 @@ def diloco_comm(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: int
     outer_bytes = memory.OUTER_BYTES[mem.outer_dtype]
     pseudo_grad = n_params * outer_bytes
     cross_bytes = 2 * (groups - 1) / groups * pseudo_grad  # a node's (a group's) network traffic, ring
-    cross_s = allreduce_seconds(pseudo_grad, groups, cross_link.gb_per_s)
+    # each GPU all-reduces its 1/S slice with its peers in the other groups, all S at once: on a NIC
+    # per GPU in parallel, on a NIC the node's GPUs share one after another
+    sharing = side_by_side(inp, cross_link, group)
+    cross_s = allreduce_seconds(pseudo_grad / group * sharing, groups, cross_link.gb_per_s)
     gather_bytes = (group - 1) / group * pseudo_grad if groups > 1 else 0.0
     gather_s = gather_bytes / (group_link.gb_per_s * 1e9)
     outer_s = cross_s + gather_s
@@ -537,7 +549,8 @@ def diloco_comm(inp: PlanInputs, fpt: float, tokens_per_step: int, n_params: int
         "pseudo_gradient_bytes": pseudo_grad,
         "inner": inner,
         "outer_allreduce": {"link": cross_link.name, "link_gb_per_s": cross_link.gb_per_s, "groups": groups,
-                            "bytes": cross_bytes, "s": cross_s},
+                            "bytes": cross_bytes, "slice_bytes": pseudo_grad / group, "sharing_the_nic": sharing,
+                            "s": cross_s},
         "outer_allgather": {"link": group_link.name, "link_gb_per_s": group_link.gb_per_s, "group_size": group,
                             "bytes": gather_bytes, "s": gather_s},
         "outer_s": outer_s,

@@ -273,6 +273,17 @@ class Link:
     gb_per_s: float
     description: str
     aliases: tuple[str, ...] = ()  # other names --interconnect / --network accept (``25gbit``)
+    # A network whose NIC the node's GPUs share (eth-25g), not one NIC per GPU. One ring over every
+    # GPU crosses it once each way and has all of it; collectives that run side by side from each
+    # GPU of a node (HSDP's and DiLoCo's per-shard all-reduces across groups) split it.
+    shared: bool = False
+
+
+def side_by_side(shared: bool, per_node: int, on_node: int) -> int:
+    """How many collectives share a network's rate at once when every GPU of a node runs one that
+    has ``on_node`` of its members on the node: per_node / on_node on a NIC the node's GPUs share
+    (8 for HSDP's shard all-reduces on 8-GPU nodes, 1 for a ring over all of them), else 1."""
+    return max(1, per_node // max(1, on_node)) if shared else 1
 
 
 # Nominal per-GPU, one-direction bandwidths. Real all-reduce bus bandwidth (nccl-tests
@@ -289,7 +300,7 @@ LINKS: dict[str, Link] = {link.name: link for link in (
     Link("ib-hdr", 25.0, "InfiniBand HDR 200 Gb/s, one NIC per GPU", ("200gbit",)),
     Link("ib-ndr", 50.0, "InfiniBand NDR 400 Gb/s, one NIC per GPU", ("400gbit",)),
     Link("eth-100g", 12.5, "100 Gb/s Ethernet / RoCE, one NIC per GPU", ("100gbit",)),
-    Link("eth-25g", 3.125, "25 Gb/s Ethernet shared by the node", ("25gbit",)),
+    Link("eth-25g", 3.125, "25 Gb/s Ethernet shared by the node", ("25gbit",), shared=True),
 )}
 
 _GBIT = re.compile(r"(\d+(?:\.\d+)?)\s*gbit(?:/s)?")
@@ -319,7 +330,7 @@ def find_link(name: str) -> Link | None:
     for link in LINKS.values():  # "25 gbit", "25.0gbit/s": still the alias's entry
         if gbit in (_gbit(a) for a in link.aliases):
             return link
-    return Link(f"{gbit:g}gbit", gbit / 8, f"{gbit:g} Gb/s network link ({gbit:g}/8 GB/s)")
+    return Link(f"{gbit:g}gbit", gbit / 8, f"{gbit:g} Gb/s network link, one NIC per GPU ({gbit:g}/8 GB/s)")
 
 
 def link_choices() -> str:
@@ -356,7 +367,8 @@ def network_facts(name: str | None) -> dict[str, Any] | None:
     link = find_network(name)
     if link is None:
         return None
-    return {"name": link.name, "gbit_per_s": link.gb_per_s * 8, "gb_per_s": link.gb_per_s, "default": not name}
+    return {"name": link.name, "gbit_per_s": link.gb_per_s * 8, "gb_per_s": link.gb_per_s, "default": not name,
+            "nic": "shared by the node" if link.shared else "one per GPU"}
 
 
 def default_link(spec: DeviceSpec | None) -> str:

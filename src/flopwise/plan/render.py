@@ -71,7 +71,8 @@ def network_text(facts: dict[str, Any]) -> str:
     """How a multi-node figure names the network it assumed (:func:`hardware.network_facts`):
     ``network ib-ndr, 400 Gb/s per GPU between nodes (default; --network to change)``."""
     how = "default; --network to change" if facts["default"] else "from --network"
-    return f"network {facts['name']}, {facts['gbit_per_s']:g} Gb/s per GPU between nodes ({how})"
+    nic = "shared by a node's GPUs" if facts.get("nic") == "shared by the node" else "per GPU"
+    return f"network {facts['name']}, {facts['gbit_per_s']:g} Gb/s {nic} between nodes ({how})"
 
 
 def _gb(x: float | None) -> str:
@@ -635,8 +636,8 @@ def _across_how(v: PlanView) -> str:
     if p["groups"] < 2:
         return "one group: nothing to all-reduce across groups"
     return (f"all-reduce of each GPU's fp32 gradient shard, {p['reduce_bytes_per_param']} B × params ÷ S = "
-            f"{_n(p['shard_bytes'], 'B')}, over G = {p['groups']} groups: 2(G-1)/G × shard = {_n(p['bytes'], 'B')} "
-            f"÷ {p['link_gb_per_s']:g} GB/s ({p['link']}, {_where(p)})")
+            f"{_n(p['shard_bytes'], 'B')}, over G = {p['groups']} groups: 2(G-1)/G × shard = {_n(p['bytes'], 'B')}"
+            f"{_nic(p['sharing_the_nic'])} ÷ {p['link_gb_per_s']:g} GB/s ({p['link']}, {_where(p)})")
 
 
 SCALING = Section(_scaling_title, (
@@ -667,6 +668,20 @@ def _pseudo_gradient(v: PlanView) -> str:
 
 def _groups(v: PlanView) -> bool:
     return v.diloco["groups"] > 1
+
+
+def _nic(sharing: int) -> str:
+    """How the GPUs of a node put their shards through the network (``sharing_the_nic``)."""
+    return f" × {sharing} GPUs of a node on the NIC they share" if sharing > 1 else ""
+
+
+def _outer_allreduce_how(v: PlanView) -> str:
+    """Each GPU all-reduces its 1/S slice of the pseudo-gradient with its peers in the other groups."""
+    d = v.diloco
+    c = d["outer_allreduce"]
+    return (f"2(G-1)/G × {_n(c['slice_bytes'], 'B')} (a GPU's slice, the pseudo-gradient ÷ S)"
+            f"{_nic(c['sharing_the_nic'])} ÷ {c['link_gb_per_s']:g} GB/s ({c['link']}), G = {d['groups']}; "
+            "once per H steps")
 
 
 def _outer_how(key: str, formula: str, n: str, n_key: str) -> Callable[[PlanView], str]:
@@ -748,7 +763,7 @@ DILOCO = Section(_diloco_title, (
         how=lambda v: f"{_count(v.diloco['pseudo_gradient_bytes'] / v.diloco['outer_bytes_per_param'])} parameters "
                       f"× {v.diloco['outer_bytes_per_param']} B ({v.diloco['outer_dtype']})"),
     Row("outer all-reduce", lambda v: v.diloco["outer_allreduce"]["s"], _ms,
-        _outer_how("outer_allreduce", "2(G-1)/G", "G", "groups"), when=_groups),
+        _outer_allreduce_how, when=_groups),
     Row("in-group all-gather", lambda v: v.diloco["outer_allgather"]["s"], _ms,
         _outer_how("outer_allgather", "(S-1)/S", "S", "group_size"), when=_groups),
     Row("outer all-reduce", 0.0, _ms, "one group: nothing to reduce across groups", when=lambda v: not _groups(v)),

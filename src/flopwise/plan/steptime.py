@@ -258,6 +258,7 @@ class Gpu:
     link_bytes_s: float  # in a node, one direction, per GPU (nominal)
     network_bytes_s: float  # between nodes, per GPU (nominal)
     per_node: int = 8
+    network_shared: bool = False  # one NIC for the node's GPUs (hardware.Link.shared), not one each
     derived: tuple[str, ...] = ()  # the constants taken from another part or architecture, and from which
     fp8_fraction: float | None = None  # of the fp8 peak a scaled matmul sustains; None: no fp8 rate
     fp8_derived: str = ""  # how fp8_fraction was derived ("" when measured on the part)
@@ -301,7 +302,7 @@ def gpu(spec_name: str, link: str | None = None, network: str | None = None, per
             fp8_derived = "fp8 matmul rate: its bf16 share x the H100's fp8 / bf16 ratio (no fp8 GEMM of it published)"
     return Gpu(spec.name, peak, hardware.SMS[spec.name], spec.bandwidth_tbs * 1e12,
                GEMM_FRACTION[spec.name], arch, intra.gb_per_s * 1e9,
-               inter.gb_per_s * 1e9, per_node, derived, fp8, fp8_derived)
+               inter.gb_per_s * 1e9, per_node, inter.shared, derived, fp8, fp8_derived)
 
 
 def _arch(name: str) -> str:
@@ -380,15 +381,18 @@ def memory_s(g: Gpu, nbytes: float) -> float:
 def collective_s(g: Gpu, op: str, nbytes: float, group: int, ranks: list[int] | None = None) -> float:
     """A ring collective of ``nbytes`` (the whole buffer) over ``group`` ranks; it crosses the
     network when its ``ranks`` (global) lie on more than one node of ``g.per_node`` GPUs -- without
-    them, when the group is larger than a node."""
+    them, when the group is larger than a node. On a NIC the node's GPUs share, a collective with
+    k of its ranks on a node runs beside the node's other per_node / k copies of it (HSDP's shard
+    all-reduce, one rank a node: all 8 at once) and gets that share of the NIC."""
     if group <= 1:
         return 0.0
     base = op.rstrip("_").replace("_into_tensor", "").replace("_coalesced", "").replace("_base", "").lstrip("_")
     factor = next((f for name, f in RING_FACTOR.items() if base.startswith(name)), 1.0)
-    across = len({r // g.per_node for r in ranks}) > 1 if ranks else group > g.per_node
-    bus = min(g.link_bytes_s * LINK_FRACTION, g.network_bytes_s * NETWORK_FRACTION) if across \
-        else g.link_bytes_s * LINK_FRACTION
-    return LATENCY_S["network" if across else "link"] + factor * (group - 1) / group * nbytes / bus
+    nodes = len({r // g.per_node for r in ranks}) if ranks else -(-group // g.per_node)
+    network = g.network_bytes_s * NETWORK_FRACTION / hardware.side_by_side(g.network_shared, g.per_node,
+                                                                           -(-group // nodes))
+    bus = min(g.link_bytes_s * LINK_FRACTION, network) if nodes > 1 else g.link_bytes_s * LINK_FRACTION
+    return LATENCY_S["network" if nodes > 1 else "link"] + factor * (group - 1) / group * nbytes / bus
 
 
 # --------------------------------------------------------------------------- the step
