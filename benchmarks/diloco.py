@@ -80,11 +80,11 @@ def wall_s(record: dict) -> float:
 
 
 def compare(args, tmp: Path, n: int, batch: int, lr: float, n_params: int) -> list[dict]:
-    """ddp and every contender at N processes, one global batch and one inner learning rate."""
+    """ddp at one inner learning rate and every contender at each of ``--diloco-lr`` (default:
+    the same), at N processes and one global batch."""
     micro = batch // n
-    tag = f"{n}-b{batch}-lr{lr:g}"
 
-    def launch_run(name: str, *extra: str) -> tuple[dict, float]:
+    def launch_run(name: str, lr: float, *extra: str) -> tuple[dict, float]:
         done = finished(tmp / name, args.steps)
         if done is not None:  # --work: finished before, read back
             print(f"{name}: finished in {tmp / name}, read back")
@@ -98,28 +98,30 @@ def compare(args, tmp: Path, n: int, batch: int, lr: float, n_params: int) -> li
                          f"train.run_dir={tmp / name}", *extra], args.threads, args.timeout_h * 3600)
         return json.loads((tmp / name / "run.json").read_text()), tps
 
-    run, tps = launch_run(f"ddp-{tag}", "parallel.strategy=ddp")
+    run, tps = launch_run(f"ddp-{n}-b{batch}-lr{lr:g}", lr, "parallel.strategy=ddp")
     base = run["result"]
-    same = {"nproc": n, "global_batch": batch, "inner_lr": lr, "steps": args.steps}
+    same = {"nproc": n, "global_batch": batch, "steps": args.steps}
     ddp_bytes = n * 4 * n_params * args.steps
-    rows = [{"strategy": "ddp", **same, "val_loss": base["val_loss_end"], "tok_per_s": tps, "wall_s": wall_s(run),
-             "tokens": base["tokens"],
+    rows = [{"strategy": "ddp", **same, "inner_lr": lr, "val_loss": base["val_loss_end"], "tok_per_s": tps,
+             "wall_s": wall_s(run), "tokens": base["tokens"],
              "cross_group_bytes": ddp_bytes, "cross_group_bytes_per_token": ddp_bytes / base["tokens"],
              "bytes_counted": "N x 4 x P per step (DDP's gradient all-reduce)"}]
     print(f"ddp    N={n} batch {batch} lr {lr:g}: val {base['val_loss_end']:.4f} · "
           f"{ddp_bytes / 2**20:,.1f} MiB across · {tps:,.0f} tok/s · {wall_s(run):,.0f} s")
     groups_here = [m for m in args.groups if n % m == 0 and m > 1 and args.group_size in (0, n // m)]
-    for groups, contender in [(m, c) for m in groups_here for c in args.contenders]:
+    runs = [(m, c, d) for m in groups_here for d in args.diloco_lr or [lr] for c in args.contenders]
+    for groups, contender, dlr in runs:
         h, olr, mu = int(contender.split(":")[0]), *map(float, contender.split(":")[1:])
         size = n // groups
-        name = f"diloco-{tag}-m{groups}-h{h}-lr{olr:g}-mu{mu:g}"
-        run, tps = launch_run(name, "parallel.strategy=diloco", f"parallel.group_size={size}",
+        name = f"diloco-{n}-b{batch}-lr{dlr:g}-m{groups}-h{h}-lr{olr:g}-mu{mu:g}"
+        run, tps = launch_run(name, dlr, "parallel.strategy=diloco", f"parallel.group_size={size}",
                               f"parallel.inner_steps={h}", f"parallel.outer_lr={olr}", f"parallel.outer_momentum={mu}")
         res, last = run["result"], last_row(tmp / name)
         sent = last["outer_bytes_total"]
         in_group = n * 4 * n_params * args.steps if size > 1 else 0  # DDP inside each group
         assert res["tokens"] == base["tokens"], (res["tokens"], base["tokens"])
-        rows.append({"strategy": "diloco", **same, "groups": groups, "group_size": size, "inner_steps": h,
+        rows.append({"strategy": "diloco", **same, "inner_lr": dlr, "ddp_lr": lr, "groups": groups, "group_size": size,
+                     "inner_steps": h,
                      "outer_lr": olr, "outer_momentum": mu, "val_loss": res["val_loss_end"],
                      "val_loss_vs_ddp": res["val_loss_end"] / base["val_loss_end"], "tok_per_s": tps,
                      "wall_s": wall_s(run), "tokens": res["tokens"], "outer_steps": last["outer_steps"],
@@ -127,7 +129,7 @@ def compare(args, tmp: Path, n: int, batch: int, lr: float, n_params: int) -> li
                      "cross_group_bytes_per_token": sent / res["tokens"], "fewer_bytes_than_ddp": ddp_bytes / sent,
                      "in_group_bytes": in_group, "bytes_counted": "the run's outer_bytes_total (metrics.jsonl)"})
         off = 100 * (res["val_loss_end"] / base["val_loss_end"] - 1)
-        print(f"diloco N={n} M={groups} batch {batch} lr {lr:g} H={h} outer {olr:g}/{mu:g}: "
+        print(f"diloco N={n} M={groups} batch {batch} lr {dlr:g} H={h} outer {olr:g}/{mu:g}: "
               f"val {res['val_loss_end']:.4f} "
               f"({off:+.2f}% vs ddp) · {sent / 2**20:,.2f} MiB across ({ddp_bytes / sent:.0f}x fewer) · "
               f"{tps:,.0f} tok/s · {wall_s(run):,.0f} s")
@@ -144,6 +146,8 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, nargs="+", default=[32], help="sequences per step over all ranks")
     ap.add_argument("--lr", type=float, nargs="+", default=None,
                     help="inner (AdamW) learning rates, each for ddp and DiLoCo alike (default: the preset's)")
+    ap.add_argument("--diloco-lr", type=float, nargs="+", default=None,
+                    help="DiLoCo's inner learning rates, each against ddp at every --lr (default: ddp's own)")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per process")
     ap.add_argument("--groups", type=int, nargs="+", default=[2], help="DiLoCo's worker groups M (of N/M ranks)")
     ap.add_argument("--group-size", type=int, default=0,
