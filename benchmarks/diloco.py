@@ -75,8 +75,20 @@ def finished(run_dir: Path, steps: int) -> dict | None:
 
 
 def wall_s(record: dict) -> float:
-    """Seconds the run took, over every start of it (a --work run resumed across calls has several)."""
-    return sum(float(s.get("wall_time_s") or 0.0) for s in record.get("starts") or [])
+    """Seconds the run took, over every start of it (a --work run resumed across calls has several):
+    a start that ended records its wall time; one that was killed, only its log rows' clock
+    (``elapsed_s`` restarts at each start), so its last row's stands for it."""
+    starts = record.get("starts") or []
+    clocks: list[float] = []  # the last elapsed_s of each start's rows
+    for line in (Path(record["result"]["run_dir"]) / "metrics.jsonl").read_text().splitlines():
+        t = json.loads(line).get("elapsed_s")
+        if t is None:
+            continue
+        if not clocks or t < clocks[-1]:
+            clocks.append(t)
+        clocks[-1] = t
+    return sum(float(s["wall_time_s"]) if s.get("wall_time_s") is not None else (clocks[i] if i < len(clocks) else 0.0)
+               for i, s in enumerate(starts))
 
 
 def compare(args, tmp: Path, n: int, batch: int, lr: float, n_params: int) -> list[dict]:
