@@ -840,7 +840,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         grad_accum=args.grad_accum or run.get("grad_accum", 0), target_batch_tokens=args.target_batch_tokens,
         headroom=args.headroom, memory=memory, interconnect=args.interconnect, network=args.network or "",
         auto_strategy=not strategy and run.get("auto_strategy", True),
-        inner_steps=args.inner_steps if args.inner_steps is not None else run.get("inner_steps", 50),
+        inner_steps=run.get("inner_steps", ParallelConfig.inner_steps) if args.inner_steps is None
+        else args.inner_steps,
         comm_share=args.comm_share if args.comm_share is not None else 0.05, defaults=respeed, **data,
     )
     if args.trace and (gpu is None or model is None):

@@ -213,14 +213,14 @@ def test_plan_diloco_over_25_gbit(cli, tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     for text in ("diloco (ddp in groups of 8) on 16 GPU(s)", "DiLoCo outer state", "2.70 GiB",
-                 "DiLoCo: 2 groups of 8 GPUs (ddp inside a group)", "every H = 50 inner steps",
+                 "DiLoCo: 2 groups of 8 GPUs (ddp inside a group)", "every H = 30 inner steps",
                  "2(G-1)/G × 181 MB (a GPU's slice, the pseudo-gradient ÷ S) × 8 GPUs of a node on the NIC they share "
-                 "÷ 3.125 GB/s (eth-25g)", "ddp, 16 GPUs", "fsdp2, 16 GPUs", "diloco, H = 50",
+                 "÷ 3.125 GB/s (eth-25g)", "ddp, 16 GPUs", "fsdp2, 16 GPUs", "diloco, H = 30",
                  "under 5% of step time      H >= 66"):
         assert text in out, text
     plan, _ = _plan_json(cli, *asked)
     d = plan["diloco"]
-    assert (d["group_size"], d["groups"], d["inner_steps"], d["outer_allreduce"]["link"]) == (8, 2, 50, "eth-25g")
+    assert (d["group_size"], d["groups"], d["inner_steps"], d["outer_allreduce"]["link"]) == (8, 2, 30, "eth-25g")
     assert d["pseudo_gradient_bytes"] == 361_821_120 * 4
     assert d["outer_allreduce"]["s"] == pytest.approx(361_821_120 * 4 / 3.125e9)  # 2 (2-1)/2 = 1
     assert set(d["compare"]) == {"ddp", "fsdp2"} and d["compare"]["ddp"]["comm_share"] > 0.5 > d["comm_share"]
