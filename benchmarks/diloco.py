@@ -38,8 +38,11 @@ keeps every run's directory: a run already finished there is read back, not run 
 cut short (a killed benchmark, the end of a session) resumes from its latest checkpoint
 (``--checkpoint-every``). So an hours-long comparison can be run piece by piece:
 
-    python benchmarks/diloco.py --work ~/diloco-20tpp --tokens-per-param 20 --nproc 4 --groups 2 4 \
-        --contenders 30:0.7:0.9 100:0.7:0.9 --checkpoint-every 200 --timeout-h 12 model.d_model=96 ...
+    python benchmarks/diloco.py --work ~/diloco-20tpp --tokens-per-param 20 --checkpoint-every 500 \
+        model.d_model=96 ... --nproc 2 --groups 2 --lr 4.2e-3 --diloco-lr 4.2e-3 6e-3 --contenders 30:0.7:0.5
+
+``--diloco-lr`` gives DiLoCo inner rates of its own, each against the one ddp at ``--lr``: at 20
+tokens per parameter DiLoCo's best rate was 1.4x ddp's (docs/distributed.md has the records).
 
 Writes benchmarks/results/diloco-<device>-<date>.json (``--json-out`` elsewhere).
 """
